@@ -1,0 +1,66 @@
+"""The `mixlen` command line: a thin dispatcher over one module per subcommand.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is imported
+only when its subcommand runs, so `mixlen profile` never pays for torch or the streaming library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from datapipe.errors import MixlenError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "preprocess": ("tools.cmd_preprocess", "tokenize corpora into length-indexed shards"),
+    "index": ("tools.cmd_index", "build index.parquet for an MDS dataset written elsewhere"),
+    "profile": ("tools.cmd_profile", "length statistics of a preprocessed dataset"),
+    "plan": ("tools.cmd_plan", "plan steps and print a balance report per policy"),
+    "simulate": ("tools.cmd_simulate", "predict step times at scale on synthetic lengths"),
+    "calibrate": ("tools.cmd_calibrate", "fit the cost model by timing the real model"),
+    "train": ("tools.cmd_train", "train a model from a TOML config"),
+}
+
+
+def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser; only the named subcommand's module is imported."""
+    parser = argparse.ArgumentParser(prog="mixlen", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == argv_command:
+            importlib.import_module(module).add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    if command is not None:
+        try:
+            importlib.import_module(COMMANDS[command][0])
+        except ModuleNotFoundError as exc:
+            if exc.name == COMMANDS[command][0]:
+                print(f"mixlen: '{command}' is not available in this version", file=sys.stderr)
+                return 2
+            raise
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except MixlenError as exc:
+        print(f"mixlen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mixlen {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
