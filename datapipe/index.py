@@ -1,0 +1,140 @@
+"""The length index of a dataset: `index.parquet` + `manifest.json` (see docs/FORMAT.md).
+
+Imports numpy and pyarrow only, so planning and profiling start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from datapipe.errors import InputError
+
+INDEX_FILE = "index.parquet"
+MANIFEST_FILE = "manifest.json"
+INDEX_COLUMNS = ("sample_id", "num_tokens", "shard", "first_row", "num_rows", "source")
+_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("shard", pa.int32()),
+        ("first_row", pa.int64()),
+        ("num_rows", pa.int32()),
+        ("source", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    """Per-sample columns of index.parquet (numpy) and the manifest."""
+
+    root: str
+    manifest: dict
+    sample_id: np.ndarray
+    num_tokens: np.ndarray
+    shard: np.ndarray
+    first_row: np.ndarray
+    num_rows: np.ndarray
+    source: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.num_tokens)
+
+    @property
+    def shard_row_offsets(self) -> np.ndarray:
+        """Global row of each shard's first row (int64, one more entry than shards)."""
+        rows = np.array([s["rows"] for s in self.manifest["shards"]], dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(rows)])
+
+    @property
+    def global_first_row(self) -> np.ndarray:
+        """Each sample's first row counted over the concatenation of all shards."""
+        return self.shard_row_offsets[self.shard] + self.first_row
+
+
+def write_index(
+    path: str,
+    num_tokens: np.ndarray,
+    shard: np.ndarray,
+    first_row: np.ndarray,
+    num_rows: np.ndarray,
+    source: list[str],
+) -> None:
+    """Write index.parquet (one row per sample, sample_id = row position)."""
+    n = len(num_tokens)
+    table = pa.Table.from_arrays(
+        [
+            pa.array(np.arange(n, dtype=np.int64)),
+            pa.array(np.asarray(num_tokens, dtype=np.int64)),
+            pa.array(np.asarray(shard, dtype=np.int32)),
+            pa.array(np.asarray(first_row, dtype=np.int64)),
+            pa.array(np.asarray(num_rows, dtype=np.int32)),
+            pa.array(source, pa.string()),
+        ],
+        schema=_SCHEMA,
+    )
+    pq.write_table(table, path, compression="zstd")
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """manifest.json of a dataset directory, with a clear error if missing or broken."""
+    mpath = os.path.join(os.fspath(path), MANIFEST_FILE)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise InputError(
+            f"{mpath}: not found; is {path} a dataset written by 'mixlen preprocess' "
+            "(or indexed with 'mixlen index')?"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{mpath}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    for key in ("format", "num_samples", "shards", "chunk_tokens"):
+        if key not in manifest:
+            raise InputError(f"{mpath}: missing key {key!r}")
+    return manifest
+
+
+def _read_table(path: str | os.PathLike, columns: list[str]) -> pa.Table:
+    ipath = os.path.join(os.fspath(path), INDEX_FILE)
+    try:
+        return pq.read_table(ipath, columns=columns)
+    except FileNotFoundError:
+        raise InputError(f"{ipath}: not found; build it with 'mixlen index {path}'") from None
+    except (pa.ArrowInvalid, KeyError) as exc:
+        raise InputError(f"{ipath}: not a valid index ({exc})") from None
+
+
+def read_lengths(path: str | os.PathLike) -> np.ndarray:
+    """Sample lengths (int64, in sample_id order), reading only that column."""
+    col = _read_table(path, ["num_tokens"]).column(0)
+    return col.to_numpy().astype(np.int64, copy=False)
+
+
+def read_index(path: str | os.PathLike, with_source: bool = False) -> DatasetIndex:
+    """manifest.json and the numeric columns of index.parquet (add `source` on request)."""
+    manifest = read_manifest(path)
+    cols = [c for c in INDEX_COLUMNS if c != "source" or with_source]
+    table = _read_table(path, cols)
+    arrays = {c: table.column(c).to_numpy() for c in cols if c != "source"}
+    if len(arrays["num_tokens"]) != manifest["num_samples"]:
+        raise InputError(
+            f"{os.path.join(os.fspath(path), INDEX_FILE)}: {len(arrays['num_tokens'])} rows but the "
+            f"manifest says {manifest['num_samples']} samples"
+        )
+    return DatasetIndex(
+        root=os.fspath(path),
+        manifest=manifest,
+        sample_id=arrays["sample_id"].astype(np.int64, copy=False),
+        num_tokens=arrays["num_tokens"].astype(np.int64, copy=False),
+        shard=arrays["shard"].astype(np.int32, copy=False),
+        first_row=arrays["first_row"].astype(np.int64, copy=False),
+        num_rows=arrays["num_rows"].astype(np.int32, copy=False),
+        source=table.column("source").to_pylist() if with_source else None,
+    )

@@ -1,0 +1,122 @@
+"""`mixlen index DIR`: build index.parquet + manifest.json for an MDS dataset written elsewhere.
+
+Each MDS row is taken as one whole sample (no storage chunks); its length is the size of the token
+column, read once with mosaicml-streaming's own shard reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from datapipe import __version__
+from datapipe.errors import InputError
+from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
+from datapipe.shards import sha256_file
+
+
+def _read_mds_index(root: str) -> dict:
+    path = os.path.join(root, "index.json")
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path}: not found; {root} is not an MDS dataset") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if obj.get("version") != 2 or not isinstance(obj.get("shards"), list):
+        raise InputError(f"{path}: expected an MDS index (version 2 with a 'shards' list)")
+    return obj
+
+
+def index_mds(root: str, tokens_field: str = "tokens", overwrite: bool = False) -> dict:
+    """Read every row's token column once, write index.parquet and manifest.json; return the manifest."""
+    from streaming.base.format import reader_from_json
+
+    obj = _read_mds_index(root)
+    if os.path.exists(os.path.join(root, MANIFEST_FILE)) and not overwrite:
+        raise InputError(
+            f"{root}: already has {MANIFEST_FILE}; pass --overwrite to rebuild the index"
+        )
+    lengths: list[int] = []
+    shard_of: list[int] = []
+    row_in_shard: list[int] = []
+    shards = []
+    dtype: np.dtype | None = None
+    max_token = -1
+    for si, sh in enumerate(obj["shards"]):
+        if sh.get("format") != "mds":
+            raise InputError(
+                f"{root}/index.json: shard {si} has format {sh.get('format')!r}, expected 'mds'"
+            )
+        if tokens_field not in sh.get("column_names", []):
+            raise InputError(
+                f"{root}/index.json: no column {tokens_field!r} (columns: {', '.join(sh.get('column_names', []))});"
+                " pass --tokens-field"
+            )
+        if sh.get("compression"):
+            raise InputError(
+                f"{root}: shard {si} is compressed ({sh['compression']}); decompress it first"
+            )
+        reader = reader_from_json(root, None, sh)
+        for r in range(sh["samples"]):
+            toks = np.asarray(reader.get_item(r)[tokens_field])
+            if toks.ndim != 1 or toks.dtype.kind not in "iu":
+                raise InputError(
+                    f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} is not a 1-D integer array"
+                )
+            dtype = toks.dtype if dtype is None else np.promote_types(dtype, toks.dtype)
+            if toks.size:
+                max_token = max(max_token, int(toks.max()))
+            lengths.append(int(toks.size))
+            shard_of.append(si)
+            row_in_shard.append(r)
+        name = sh["raw_data"]["basename"]
+        path = os.path.join(root, name)
+        shards.append(
+            {
+                "name": name,
+                "rows": sh["samples"],
+                "samples": sh["samples"],
+                "first_sample": len(lengths) - sh["samples"],
+                "bytes": os.path.getsize(path),
+                "sha256": sha256_file(path),
+            }
+        )
+    num_tokens = np.asarray(lengths, dtype=np.int64)
+    tmp_index = os.path.join(root, INDEX_FILE + ".tmp")
+    write_index(
+        tmp_index,
+        num_tokens,
+        np.asarray(shard_of, dtype=np.int32),
+        np.asarray(row_in_shard, dtype=np.int64),
+        np.ones(len(lengths), dtype=np.int32),
+        ["" for _ in lengths],
+    )
+    manifest = {
+        "mixlen_version": __version__,
+        "format": "mds",
+        "tokenizer": {"kind": "unknown"},
+        "vocab_size": max_token + 1 if max_token >= 0 else None,
+        "dtype": (dtype or np.dtype(np.uint16)).name,
+        "bos_id": None,
+        "eos_id": None,
+        "tokens_field": tokens_field,
+        "rows_are_samples": True,
+        "chunk_tokens": max(1, int(num_tokens.max()) if len(lengths) else 1),
+        "max_len": None,
+        "num_samples": len(lengths),
+        "num_tokens": int(num_tokens.sum()),
+        "num_rows": len(lengths),
+        "counts": {"documents": len(lengths)},
+        "shards": shards,
+        "args": {"command": "index", "tokens_field": tokens_field},
+    }
+    tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp_index, os.path.join(root, INDEX_FILE))
+    os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
+    return manifest

@@ -1,0 +1,333 @@
+"""`mixlen preprocess`: round trips through the libraries' own readers, long docs, bad input,
+determinism across worker counts, atomic output."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT
+from readback import read_rows, samples_from_rows
+
+from datapipe.errors import InputError
+from datapipe.index import read_index
+from datapipe.ingest import PreprocessConfig, preprocess
+from tools.cli import main as cli_main
+
+BOS, EOS = 256, 257
+
+
+def ref_tokens(text: str) -> np.ndarray:
+    """Independent reference of the bytes tokenizer."""
+    return np.array([BOS, *text.encode("utf-8"), EOS], dtype=np.int64)
+
+
+def check_dataset(root: str, expected_tokens: list[np.ndarray], chunk: int) -> None:
+    """Index, manifest and shards (read by the library readers) agree with the reference."""
+    idx = read_index(root, with_source=True)
+    m = idx.manifest
+    assert m["num_samples"] == len(expected_tokens) == len(idx)
+    assert m["num_tokens"] == sum(len(t) for t in expected_tokens)
+    np.testing.assert_array_equal(idx.sample_id, np.arange(len(idx)))
+    np.testing.assert_array_equal(idx.num_tokens, [len(t) for t in expected_tokens])
+    np.testing.assert_array_equal(idx.num_rows, [-(-len(t) // chunk) for t in expected_tokens])
+    rows = read_rows(root, m)
+    assert len(rows) == m["num_rows"] == int(idx.num_rows.sum())
+    assert all(len(r[2]) <= chunk for r in rows)
+    got = samples_from_rows(rows)
+    assert sorted(got) == list(range(len(expected_tokens)))
+    for sid, exp in enumerate(expected_tokens):
+        np.testing.assert_array_equal(got[sid].astype(np.int64), exp)
+    # index.parquet locates every sample's first row: global row = shard offset + first_row
+    g = idx.global_first_row
+    for sid in range(len(idx)):
+        assert rows[g[sid]][:2] == (sid, 0)
+    for i, s in enumerate(m["shards"]):
+        path = os.path.join(root, s["name"])
+        assert os.path.getsize(path) == s["bytes"]
+        assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == s["sha256"]
+        assert np.sum(idx.shard == i) == s["samples"]
+
+
+@pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
+def test_round_trip_all_formats(corpus: dict, fmt: str) -> None:
+    out = corpus["tmp"] / f"out-{fmt}"
+    chunk = 64
+    res = preprocess(
+        PreprocessConfig(
+            corpus["inputs"],
+            str(out),
+            format=fmt,
+            chunk_tokens=chunk,
+            shard_bytes=2048,
+            progress=False,
+        )
+    )
+    expected = [ref_tokens(t) for t in corpus["expected"] if t]
+    check_dataset(str(out), expected, chunk)
+    c = res.manifest["counts"]
+    assert c["documents"] == len(corpus["expected"])
+    assert c["empty"] == sum(1 for t in corpus["expected"] if not t)
+    assert c["bad"] == 0
+    assert len(res.manifest["shards"]) > 1, "small shard size must roll over"
+    assert not list(corpus["tmp"].glob(".out-*")), "no temporary directory left behind"
+
+
+def test_hf_tokenizer_round_trip(corpus: dict) -> None:
+    from tokenizers import Tokenizer
+
+    asset = ROOT / "tests" / "assets" / "bpe-stdlib.json"
+    tok = Tokenizer.from_file(str(asset))
+    vocab = tok.get_vocab()
+    bos, eos = vocab["<s>"], vocab["</s>"]
+    out = corpus["tmp"] / "out-hf"
+    res = preprocess(
+        PreprocessConfig(
+            corpus["inputs"],
+            str(out),
+            format="parquet",
+            tokenizer=str(asset),
+            chunk_tokens=16,
+            progress=False,
+        )
+    )
+    assert res.manifest["dtype"] == "uint16" and res.manifest["vocab_size"] == tok.get_vocab_size()
+    assert res.manifest["tokenizer"]["kind"] == "hf"
+    expected = [np.array([bos, *tok.encode(t).ids, eos]) for t in corpus["expected"] if t]
+    check_dataset(str(out), expected, 16)
+
+
+@pytest.mark.parametrize("policy", ["split", "truncate", "drop"])
+def test_long_docs(corpus: dict, policy: str) -> None:
+    max_len = 50
+    out = corpus["tmp"] / f"out-{policy}"
+    res = preprocess(
+        PreprocessConfig(
+            corpus["inputs"],
+            str(out),
+            format="parquet",
+            max_len=max_len,
+            long_docs=policy,
+            chunk_tokens=32,
+            progress=False,
+        )
+    )
+    full = [ref_tokens(t) for t in corpus["expected"] if t]
+    n_long = sum(len(t) > max_len for t in full)
+    assert n_long > 0
+    expected: list[np.ndarray] = []
+    for t in full:
+        if len(t) <= max_len:
+            expected.append(t)
+        elif policy == "split":
+            expected += [t[i : i + max_len] for i in range(0, len(t), max_len)]
+        elif policy == "truncate":
+            expected.append(t[:max_len])
+    check_dataset(str(out), expected, 32)
+    c = res.manifest["counts"]
+    assert c[{"split": "split", "truncate": "truncated", "drop": "dropped"}[policy]] == n_long
+    assert sum(c[k] for k in ("split", "truncated", "dropped")) == n_long
+    if policy == "split":  # no token is lost
+        assert res.manifest["num_tokens"] == sum(len(t) for t in full)
+
+
+def _bad_corpus(tmp: Path) -> tuple[list[str], list[str]]:
+    """Inputs with one of each bad case; returns inputs and the expected 'file:line' markers."""
+    d = tmp / "bad"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(
+        b'{"text": "good one"}\n'
+        b"{not json}\n"
+        b'{"title": "no text"}\n'
+        b'{"text": "bad \xff byte"}\n'
+        b'{"text": 7}\n'
+        b'["a list"]\n'
+        b'{"text": "good two"}\n'
+    )
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "gz"}\n')[:-12])  # truncated gzip
+    t = d / "texts"
+    t.mkdir()
+    (t / "ok.txt").write_text("fine")
+    (t / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "c.parquet").write_bytes(b"PAR1 this is not parquet")
+    inputs = [str(d / "a.jsonl"), str(d / "b.jsonl.gz"), str(t), str(d / "c.parquet")]
+    markers = [
+        f"{d / 'a.jsonl'}:2",
+        f"{d / 'a.jsonl'}:3",
+        f"{d / 'a.jsonl'}:4",
+        f"{d / 'a.jsonl'}:5",
+        f"{d / 'a.jsonl'}:6",
+        f"{d / 'b.jsonl.gz'}",
+        f"{t / 'latin1.txt'}",
+        f"{d / 'c.parquet'}",
+    ]
+    return inputs, markers
+
+
+def test_bad_input_skipped_and_reported(tmp_path: Path) -> None:
+    inputs, markers = _bad_corpus(tmp_path)
+    warnings: list[str] = []
+    res = preprocess(
+        PreprocessConfig(
+            inputs, str(tmp_path / "out"), format="parquet", progress=False, max_reported=100
+        ),
+        warn=warnings.append,
+    )
+    assert res.manifest["counts"]["bad"] == len(markers)
+    assert len(warnings) == len(markers)
+    for w, marker in zip(warnings, markers):
+        assert marker in w, (marker, w)
+    reasons = " | ".join(warnings)
+    for phrase in (
+        "invalid JSON",
+        "missing text field 'text'",
+        "not valid UTF-8",
+        "expected a string",
+        "cannot read",
+    ):
+        assert phrase in reasons
+    # the good documents survive
+    check_dataset(
+        str(tmp_path / "out"), [ref_tokens(t) for t in ("good one", "good two", "fine")], 65536
+    )
+
+
+def test_bad_input_strict_names_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    inputs, markers = _bad_corpus(tmp_path)
+    with pytest.raises(InputError, match=f"^{markers[0]}: invalid JSON"):
+        preprocess(
+            PreprocessConfig(
+                inputs, str(tmp_path / "out"), format="parquet", strict=True, progress=False
+            )
+        )
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+    # through the CLI: exit code 2, a one-line message, no traceback
+    rc = cli_main(
+        [
+            "preprocess",
+            *inputs,
+            "--out",
+            str(tmp_path / "out"),
+            "--format",
+            "parquet",
+            "--strict",
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{markers[0]}: invalid JSON" in err and "Traceback" not in err
+    rc = cli_main(["preprocess", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o2")])
+    assert rc == 2 and "input not found" in capsys.readouterr().err
+
+
+def test_workers_byte_identical(
+    tmp_path: Path, corpus: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datapipe.sources as sources
+
+    monkeypatch.setattr(sources, "BLOCK_FILES", 2)  # many blocks, so order across workers matters
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 256)
+    inputs = corpus["inputs"] * 3
+    digests = {}
+    for fmt in ("mds", "parquet"):
+        for workers in (1, 2):
+            out = tmp_path / f"{fmt}-w{workers}"
+            res = preprocess(
+                PreprocessConfig(
+                    inputs,
+                    str(out),
+                    format=fmt,
+                    workers=workers,
+                    chunk_tokens=64,
+                    shard_bytes=4096,
+                    progress=False,
+                )
+            )
+            files = sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
+            digests[(fmt, workers)] = {
+                n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in files
+            }
+            m = dict(res.manifest)
+            m["args"] = {k: v for k, v in m["args"].items() if k not in ("workers", "out")}
+            digests[(fmt, workers, "manifest")] = json.dumps(m, sort_keys=True)
+        assert len(digests[(fmt, 1)]) > 3
+        assert digests[(fmt, 1)] == digests[(fmt, 2)]
+        assert digests[(fmt, 1, "manifest")] == digests[(fmt, 2, "manifest")]
+
+
+def test_existing_output_refused_then_overwritten(tmp_path: Path, corpus: dict) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    cfg = PreprocessConfig(corpus["inputs"], str(out), format="parquet", progress=False)
+    with pytest.raises(InputError, match="already exists; pass --overwrite"):
+        preprocess(cfg)
+    assert (out / "keep.txt").read_text() == "user data"
+    cfg.overwrite = True
+    preprocess(cfg)
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_interrupted_run_leaves_no_output(tmp_path: Path, sig: signal.Signals) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"f{i:03d}.txt").write_text(f"document {i} " * 200)
+    out = tmp_path / "out"
+    marker = tmp_path / "paused"
+    env = dict(os.environ, MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD=str(marker), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "tools.cli", "preprocess", str(src), "--out", str(out), "--format", "parquet",
+           "--shard-size", "4KiB", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "preprocess never reached its first shard"
+            time.sleep(0.05)
+        partial = list(tmp_path.glob(".out.partial-*"))
+        assert len(partial) == 1 and any(partial[0].glob("shard-*.parquet")), (
+            "paused mid-way with a shard written"
+        )
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not out.exists()
+    leftovers = list(tmp_path.glob(".out.partial-*"))
+    if sig == signal.SIGTERM:
+        assert leftovers == [], "SIGTERM cleans its temporary directory"
+    for p in leftovers:  # SIGKILL cannot clean up: nothing there looks complete
+        assert not (p / "manifest.json").exists() and not (p / "index.parquet").exists()
+    # the next run succeeds and removes the dead run's temporary directory
+    preprocess(PreprocessConfig([str(src)], str(out), format="parquet", progress=False))
+    assert read_index(str(out)).manifest["num_samples"] == 40
+    assert list(tmp_path.glob(".out.partial-*")) == []
+
+
+def test_index_parquet_columns(tmp_path: Path, corpus: dict) -> None:
+    out = tmp_path / "o"
+    preprocess(PreprocessConfig(corpus["inputs"], str(out), format="wds", progress=False))
+    t = pq.read_table(out / "index.parquet")
+    assert t.column_names == ["sample_id", "num_tokens", "shard", "first_row", "num_rows", "source"]
+    src = t.column("source").to_pylist()
+    assert src[0].endswith("a.jsonl:1") and any("d.parquet#" in s for s in src)

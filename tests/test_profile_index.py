@@ -1,0 +1,155 @@
+"""`mixlen profile` (against a plain-Python reference) and `mixlen index` for foreign MDS datasets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapipe.errors import InputError
+from datapipe.index import read_index
+from datapipe.index_mds import index_mds
+from datapipe.ingest import PreprocessConfig, preprocess
+from datapipe.profile import length_profile
+from tools.cli import main as cli_main
+
+
+def ref_profile(lengths: list[int], capacity: int | None) -> dict:
+    """Plain-Python reference: sorted-list percentiles, bit_length buckets."""
+    s = sorted(lengths)
+    n, total = len(s), sum(s)
+    pct = {p: s[int(np.floor(p / 100 * (n - 1)))] for p in (50, 90, 99)}
+    buckets: dict[int, list[int]] = {}
+    for x in lengths:
+        b = max(x.bit_length() - 1, 0)
+        buckets.setdefault(b, [0, 0])
+        buckets[b][0] += 1
+        buckets[b][1] += x
+    out = {
+        "num_samples": n,
+        "num_tokens": total,
+        "min": s[0],
+        "max": s[-1],
+        "p50": pct[50],
+        "p90": pct[90],
+        "p99": pct[99],
+        "buckets": [
+            (0 if b == 0 else 1 << b, 1 << (b + 1), c, t) for b, (c, t) in sorted(buckets.items())
+        ],
+    }
+    if capacity is not None:
+        long = [x for x in lengths if x > capacity]
+        out["long_token_share"] = sum(long) / total if total else 0.0
+        out["long_samples"] = len(long)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 70000), st.sampled_from([1, 2, 1023, 1024, 1025, 65536])),
+        min_size=1,
+        max_size=200,
+    ),
+    st.one_of(st.none(), st.integers(1, 70000)),
+)
+def test_length_profile_matches_reference(lengths: list[int], capacity: int | None) -> None:
+    got = length_profile(np.array(lengths), capacity)
+    ref = ref_profile(lengths, capacity)
+    for k in ("num_samples", "num_tokens", "min", "max", "p50", "p90", "p99"):
+        assert got[k] == ref[k], k
+    assert [(b["lo"], b["hi"], b["samples"], b["tokens"]) for b in got["buckets"]] == ref["buckets"]
+    if capacity is not None:
+        assert got["long_samples"] == ref["long_samples"]
+        assert got["long_token_share"] == pytest.approx(ref["long_token_share"])
+
+
+def test_profile_cli_json_plot_and_light_imports(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    sizes = rng.lognormal(5, 1.5, 60).astype(int) + 1
+    for i, n in enumerate(sizes):
+        (src / f"{i}.txt").write_text("a" * int(n))
+    out = tmp_path / "ds"
+    preprocess(PreprocessConfig([str(src)], str(out), format="parquet", progress=False))
+    png = tmp_path / "p.png"
+    code = (
+        "import sys, json; from tools.cli import main; rc = main(sys.argv[1:]); "
+        "heavy = [m for m in ('torch', 'streaming', 'numba') if m in sys.modules]; "
+        "print('HEAVY', json.dumps(heavy)); sys.exit(rc)"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        "profile",
+        str(out),
+        "--capacity",
+        "300",
+        "--json",
+        "--plot",
+        str(png),
+    ]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    prof = json.loads(r.stdout.splitlines()[0])
+    assert r.stdout.splitlines()[1] == "HEAVY []", (
+        "profile must not import torch, streaming or numba"
+    )
+    expected = sorted(int(n) + 2 for n in sizes)  # bytes + BOS + EOS
+    for key in (
+        "num_samples",
+        "num_tokens",
+        "min",
+        "p50",
+        "p90",
+        "p99",
+        "max",
+        "buckets",
+        "long_token_share",
+    ):
+        assert key in prof
+    assert prof["num_samples"] == len(expected) and prof["max"] == expected[-1]
+    assert prof["long_token_share"] == pytest.approx(
+        sum(x for x in expected if x > 300) / sum(expected)
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["profile", str(tmp_path / "nope")]) == 2
+
+
+def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 3000, 50)
+    root = tmp_path / "foreign"
+    with MDSWriter(
+        out=str(root), columns={"ids": "ndarray:uint32", "meta": "str"}, size_limit=20000
+    ) as w:
+        for i, n in enumerate(lengths):
+            w.write({"ids": rng.integers(0, 70000, n).astype(np.uint32), "meta": f"doc{i}"})
+    with pytest.raises(InputError, match="no column 'tokens'"):
+        index_mds(str(root))
+    assert cli_main(["index", str(root), "--tokens-field", "ids"]) == 0
+    idx = read_index(str(root))
+    np.testing.assert_array_equal(idx.num_tokens, lengths)
+    mds = json.loads((root / "index.json").read_text())
+    assert len(mds["shards"]) > 1
+    rows_per_shard = [s["samples"] for s in mds["shards"]]
+    np.testing.assert_array_equal(np.bincount(idx.shard), rows_per_shard)
+    np.testing.assert_array_equal(idx.global_first_row, np.arange(len(lengths)))
+    m = idx.manifest
+    assert m["rows_are_samples"] and m["tokens_field"] == "ids" and m["dtype"] == "uint32"
+    assert m["chunk_tokens"] == int(lengths.max())
+    assert cli_main(["index", str(root), "--tokens-field", "ids"]) == 2  # exists: needs --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(["profile", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_tokens"] == int(lengths.sum())

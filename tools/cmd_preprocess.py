@@ -1,0 +1,120 @@
+"""`mixlen preprocess INPUT... --out DIR`: tokenize corpora into length-indexed shards."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from datapipe.errors import InputError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '64MiB', '500kb', '1048576'."""
+    m = _SIZE.match(text)
+    if not m:
+        raise InputError(f"--shard-size {text!r}: expected a size like 64MiB, 500MB or 1048576")
+    unit = (m.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    mult = base ** "bkmgt".index(unit[0]) if unit and unit[0] != "b" else 1
+    return int(float(m.group(1)) * mult)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="JSON Lines (.jsonl[.gz|.zst]), parquet, text files or directories",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
+    p.add_argument(
+        "--format",
+        default="mds",
+        choices=["mds", "wds", "parquet"],
+        help="shard format (default mds)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="Hugging Face tokenizer.json (default: UTF-8 bytes)",
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        help="text field of JSON Lines / parquet inputs (default text)",
+    )
+    p.add_argument(
+        "--glob",
+        action="append",
+        dest="globs",
+        metavar="PATTERN",
+        help="file pattern inside directories (repeatable; default **/*)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        dest="excludes",
+        metavar="PATTERN",
+        help="skip files matching this pattern inside directories (repeatable)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=65536,
+        help="storage chunk: max tokens per shard row (default 65536)",
+    )
+    p.add_argument(
+        "--max-len", type=int, default=None, help="longest sample in tokens (default: no limit)"
+    )
+    p.add_argument(
+        "--long-docs",
+        default="split",
+        choices=["split", "truncate", "drop"],
+        help="what to do with documents over --max-len (default split)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument(
+        "--strict", action="store_true", help="stop at the first bad input instead of skipping it"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--shard-size", default="64MiB", help="shard size limit (default 64MiB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from datapipe.ingest import PreprocessConfig, preprocess
+
+    cfg = PreprocessConfig(
+        inputs=args.inputs,
+        out=args.out,
+        format=args.format,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        globs=args.globs or ["**/*"],
+        excludes=args.excludes or [],
+        chunk_tokens=args.chunk_tokens,
+        max_len=args.max_len,
+        long_docs=args.long_docs,
+        workers=args.workers,
+        strict=args.strict,
+        overwrite=args.overwrite,
+        shard_bytes=parse_size(args.shard_size),
+        progress=False if args.no_progress else None,
+    )
+    res = preprocess(cfg)
+    m, c = res.manifest, res.manifest["counts"]
+    mb = res.input_bytes / 1e6
+    print(
+        f"wrote {m['num_samples']:,} samples, {m['num_tokens']:,} tokens in {len(m['shards'])} "
+        f"{m['format']} shards to {res.out} | documents {c['documents']:,}: empty {c['empty']:,}, "
+        f"bad {c['bad']:,}, split {c['split']:,}, truncated {c['truncated']:,}, dropped {c['dropped']:,} "
+        f"| {mb:.1f} MB in {res.seconds:.1f} s ({mb / max(res.seconds, 1e-9):.1f} MB/s)"
+    )
+    if c["bad"] > len(res.bad_examples):
+        print(f"({c['bad'] - len(res.bad_examples):,} more bad inputs not shown)", file=sys.stderr)
+    return 0
