@@ -7,10 +7,11 @@ the output never depends on the number of workers.
 
 from __future__ import annotations
 
-import fnmatch
 import gzip
 import io
 import json
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,24 +36,78 @@ def input_kind(path: Path) -> str:
     return "text"
 
 
+def glob_regex(pattern: str) -> re.Pattern:
+    """Compile a glob over relative POSIX paths: `*`, `?` and `[...]` stay inside one component,
+    `**` spans any number of directories (zero included)."""
+    out = []
+    parts = pattern.strip("/").split("/")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+            continue
+        out.append(_component(part))
+        if not last:
+            out.append("/")
+    return re.compile("".join(out) + r"\Z")
+
+
+def _component(part: str) -> str:
+    rx, i = [], 0
+    while i < len(part):
+        c = part[i]
+        if c == "*":
+            rx.append("[^/]*")
+        elif c == "?":
+            rx.append("[^/]")
+        elif c == "[":
+            j = part.find("]", i + 1)
+            if j < 0:
+                rx.append(re.escape(c))
+            else:
+                body = part[i + 1 : j]
+                neg = body.startswith("!")
+                body = (body[1:] if neg else body).replace("\\", "\\\\").replace("^", "\\^")
+                rx.append(("[^" if neg else "[") + body + "]")
+                i = j
+        else:
+            rx.append(re.escape(c))
+        i += 1
+    return "".join(rx)
+
+
+def _walk(top: Path, include: list[re.Pattern], exclude: list[re.Pattern]) -> list[Path]:
+    """Files under `top` matching an include pattern and no exclude pattern; excluded
+    directories are not entered."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel_dir = os.path.relpath(dirpath, top)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if not any(x.match(rel_dir + d) or x.match(rel_dir + d + "/") for x in exclude)
+        ]
+        for name in filenames:
+            rel = rel_dir + name
+            if any(x.match(rel) for x in include) and not any(x.match(rel) for x in exclude):
+                found.append(rel)
+    return [top / r for r in sorted(found)]
+
+
 def find_inputs(inputs: list[str], globs: list[str], excludes: tuple[str, ...] = ()) -> list[Path]:
-    """Expand files and directories (with the globs, minus the excludes, both relative to the
-    directory) into an ordered, de-duplicated file list."""
+    """Expand files and directories into an ordered, de-duplicated file list. Inside a directory,
+    files are kept when their relative path matches a glob and no exclude (`**` spans
+    directories; a directory matching an exclude, or `pattern/*`, is skipped whole)."""
+    include = [glob_regex(g) for g in globs]
+    exclude = [glob_regex(x) for x in excludes]
+    exclude += [glob_regex(x[: -len(s)]) for x in excludes for s in ("/*", "/**") if x.endswith(s)]
     out: list[Path] = []
     seen: set[Path] = set()
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            found: set[Path] = set()
-            for pattern in globs:
-                found.update(f for f in p.glob(pattern) if f.is_file())
-            if excludes:
-                found = {
-                    f
-                    for f in found
-                    if not any(fnmatch.fnmatch(f.relative_to(p).as_posix(), x) for x in excludes)
-                }
-            files = sorted(found)
+            files = _walk(p, include, exclude)
         elif p.exists():
             files = [p]
         else:

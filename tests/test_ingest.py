@@ -331,3 +331,26 @@ def test_index_parquet_columns(tmp_path: Path, corpus: dict) -> None:
     assert t.column_names == ["sample_id", "num_tokens", "shard", "first_row", "num_rows", "source"]
     src = t.column("source").to_pylist()
     assert src[0].endswith("a.jsonl:1") and any("d.parquet#" in s for s in src)
+
+
+def test_find_inputs_globs_match_pathlib(tmp_path: Path) -> None:
+    from datapipe.sources import find_inputs
+
+    names = [
+        "a.py",
+        "b.txt",
+        "x/c.py",
+        "x/y/d.py",
+        "x/y/e.pyc",
+        "site-packages/f.py",
+        "site-packages/z/g.py",
+        "doc1.txt",
+    ]
+    for n in names:
+        (tmp_path / n).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / n).write_text(n)
+    for pattern in ["**/*.py", "*.py", "**/*", "x/**/*.py", "doc[0-9].txt", "[!a]*.py"]:
+        ref = sorted(p for p in tmp_path.glob(pattern) if p.is_file())
+        assert find_inputs([str(tmp_path)], [pattern]) == ref, pattern
+    got = find_inputs([str(tmp_path)], ["**/*.py"], ("site-packages/*",))
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == ["a.py", "x/c.py", "x/y/d.py"]
