@@ -96,7 +96,9 @@ class MDSShardWriter(ShardWriter):
         from streaming import MDSWriter
 
         columns = {"sample_id": "int64", "chunk": "int32", "tokens": f"ndarray:{self.dtype.name}"}
-        self._w = MDSWriter(out=root, columns=columns, compression=None, size_limit=shard_bytes)
+        self._w = MDSWriter(
+            out=root, columns=columns, compression=None, size_limit=shard_bytes, hashes=["sha256"]
+        )
         self._row = 0
         self._global_first_row: list[int] = []
 
@@ -123,10 +125,16 @@ class MDSShardWriter(ShardWriter):
         counts = np.bincount(shard, minlength=len(rows)) if len(first) else np.zeros(len(rows), int)
         first_sample = np.concatenate([[0], np.cumsum(counts)])
         self.shards = [
-            ShardInfo(s["raw_data"]["basename"], int(rows[i]), int(counts[i]), int(first_sample[i]))
+            ShardInfo(
+                s["raw_data"]["basename"],
+                int(rows[i]),
+                int(counts[i]),
+                int(first_sample[i]),
+                int(s["raw_data"]["bytes"]),
+                s["raw_data"]["hashes"]["sha256"],  # computed by MDSWriter from the bytes it wrote
+            )
             for i, s in enumerate(mds["shards"])
         ]
-        self._seal()
         return self.shards
 
 

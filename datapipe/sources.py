@@ -103,7 +103,7 @@ def find_inputs(inputs: list[str], globs: list[str], excludes: tuple[str, ...] =
     exclude = [glob_regex(x) for x in excludes]
     exclude += [glob_regex(x[: -len(s)]) for x in excludes for s in ("/*", "/**") if x.endswith(s)]
     out: list[Path] = []
-    seen: set[Path] = set()
+    seen: set[str] = set()
     for item in inputs:
         p = Path(item)
         if p.is_dir():
@@ -113,7 +113,7 @@ def find_inputs(inputs: list[str], globs: list[str], excludes: tuple[str, ...] =
         else:
             raise InputError(f"{item}: input not found")
         for f in files:
-            key = f.resolve()
+            key = os.path.normpath(os.path.abspath(f))
             if key not in seen:
                 seen.add(key)
                 out.append(f)

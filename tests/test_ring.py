@@ -1,0 +1,204 @@
+"""Ring attention over dynamic groups equals single-process attention over the whole samples."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapipe.zigzag import member_ranges
+from trainer.attention import attend
+from trainer.comm import ThreadComm, run_threads
+from trainer.ring import RingAttention, ZigzagLayout, ring_attend
+
+F64 = torch.float64
+
+
+def whole_sample_reference(lengths, hq, hkv, d, seed, dtype=F64):
+    """Random q/k/v/dout for the concatenated samples, and single-process out, lse, grads."""
+    gen = torch.Generator().manual_seed(seed)
+    total = int(sum(lengths))
+    q = torch.randn(total, hq, d, dtype=dtype, generator=gen)
+    k = torch.randn(total, hkv, d, dtype=dtype, generator=gen)
+    v = torch.randn(total, hkv, d, dtype=dtype, generator=gen)
+    dout = torch.randn(total, hq, d, dtype=dtype, generator=gen)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    cu = [0, *np.cumsum(lengths).tolist()]
+    out, lse = attend(qr, kr, vr, cu, backend="math")
+    out.backward(dout)
+    ref = {"out": out.detach(), "lse": lse, "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    return (q, k, v, dout), ref
+
+
+def ring_member(comm, group, lengths, inputs):
+    """What one rank of the ring computes: its local slice, forward and backward."""
+    p = group.index(comm.rank)
+    q, k, v, dout = inputs
+    idx = torch.as_tensor(ZigzagLayout(tuple(lengths), len(group)).global_index(p))
+    ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
+    ring = RingAttention(comm, group, p, lengths)
+    out, lse = ring_attend(ql, kl, vl, ring)
+    out.backward(dout[idx])
+    return {
+        "idx": idx,
+        "out": out.detach(),
+        "lse": lse,
+        "dq": ql.grad,
+        "dk": kl.grad,
+        "dv": vl.grad,
+    }
+
+
+def assemble(parts, total):
+    """Scatter members' results into whole-sample tensors; each position exactly once."""
+    seen = torch.zeros(total, dtype=torch.long)
+    full = {}
+    for part in parts:
+        seen[part["idx"]] += 1
+        for name, val in part.items():
+            if name != "idx":
+                full.setdefault(name, val.new_zeros((total, *val.shape[1:])))[part["idx"]] = val
+    assert torch.equal(seen, torch.ones_like(seen)), "positions not computed exactly once"
+    return full
+
+
+def check_ring(world, group, lengths, hq=4, hkv=2, d=8, seed=0, dtype=F64, atol=1e-10):
+    inputs, ref = whole_sample_reference(lengths, hq, hkv, d, seed, dtype)
+
+    def fn(comm: ThreadComm):
+        if comm.rank not in group:
+            return None  # not in this ring: must not be needed by it
+        return ring_member(comm, group, lengths, inputs)
+
+    parts = [r for r in run_threads(world, fn, timeout=30) if r is not None]
+    full = assemble(parts, int(sum(lengths)))
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        torch.testing.assert_close(full[name], ref[name].to(full[name].dtype), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("world", "group", "lengths", "hq", "hkv"),
+    [
+        (1, [0], [9], 4, 2),
+        (3, [2], [5, 7, 1], 4, 4),
+        (2, [1, 0], [12, 5], 4, 2),
+        (4, [3, 0, 2], [13, 4, 2, 20], 6, 2),  # non-contiguous, lengths < 2k and not divisible
+        (4, [0, 1, 2, 3], [8, 31, 3], 4, 1),
+        (4, [2, 3, 1, 0], [1, 0, 17], 8, 2),  # an empty sample and a 1-token one
+        (5, [4, 1], [6, 6, 6, 6], 2, 2),
+    ],
+)
+def test_ring_matches_whole_attention(world, group, lengths, hq, hkv):
+    check_ring(world, group, lengths, hq, hkv, seed=len(lengths) + world)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    k=st.integers(1, 4),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    gqa=st.sampled_from([(4, 4), (4, 2), (6, 3), (4, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_ring_random_layouts(k, lengths, gqa, seed):
+    rng = np.random.default_rng(seed)
+    world = k + int(rng.integers(0, 2))
+    group = [int(r) for r in rng.permutation(world)[:k]]
+    check_ring(world, group, lengths, gqa[0], gqa[1], d=4, seed=seed)
+
+
+def test_two_rings_at_once_do_not_mix():
+    """Rings [3, 0] and [2, 1] run concurrently in one world (same tags), each exact."""
+    lengths_a, lengths_b = [11, 4], [7, 9, 2]
+    inputs_a, ref_a = whole_sample_reference(lengths_a, 4, 2, 8, seed=1)
+    inputs_b, ref_b = whole_sample_reference(lengths_b, 4, 2, 8, seed=2)
+
+    def fn(comm):
+        if comm.rank in (3, 0):
+            return "a", ring_member(comm, [3, 0], lengths_a, inputs_a)
+        return "b", ring_member(comm, [2, 1], lengths_b, inputs_b)
+
+    res = run_threads(4, fn, timeout=30)
+    for tag, lengths, ref in (("a", lengths_a, ref_a), ("b", lengths_b, ref_b)):
+        full = assemble([r for t, r in res if t == tag], sum(lengths))
+        for name in ("out", "dq", "dk", "dv"):
+            torch.testing.assert_close(full[name], ref[name], rtol=0, atol=1e-10)
+
+
+def test_ring_float32_and_bf16_merge_in_float32():
+    check_ring(3, [1, 2, 0], [40, 17], 4, 2, d=16, seed=3, dtype=torch.float32, atol=2e-5)
+    inputs, ref = whole_sample_reference([30, 21], 4, 2, 16, seed=4)
+    bf = tuple(x.bfloat16() for x in inputs)
+
+    def fn(comm):
+        return ring_member(comm, [0, 1], [30, 21], bf)
+
+    full = assemble(run_threads(2, fn, timeout=30), 51)
+    assert full["lse"].dtype == torch.float32
+    torch.testing.assert_close(full["out"].double(), ref["out"], rtol=0, atol=4e-2)
+    torch.testing.assert_close(full["lse"].double(), ref["lse"], rtol=0, atol=4e-2)
+
+
+@pytest.mark.parametrize(("lengths", "k"), [([10, 3, 0, 25], 3), ([7], 1), ([5, 6], 4)])
+def test_layout_matches_zigzag_member_ranges(lengths, k):
+    lay = ZigzagLayout(tuple(lengths), k)
+    offsets = np.cumsum(lengths) - np.asarray(lengths)
+    for p in range(k):
+        expect_pos, expect_glob = [], []
+        for n, off in zip(lengths, offsets, strict=True):
+            (a0, a1), (b0, b1) = member_ranges(n, k, p)
+            pos = [*range(a0, a1), *range(b0, b1)]
+            expect_pos += pos
+            expect_glob += [off + x for x in pos]
+        assert lay.position_ids(p).tolist() == expect_pos
+        assert lay.global_index(p).tolist() == expect_glob
+        assert lay.local_count(p) == len(expect_pos)
+        front, back = lay.front_rows(p), lay.back_rows(p)
+        assert sorted([*front.tolist(), *back.tolist()]) == list(range(len(expect_pos)))
+
+
+def test_ring_rejects_wrong_membership():
+    def fn(comm):
+        with pytest.raises(ValueError, match="not member"):
+            RingAttention(comm, [1, 0], comm.rank, [4])
+        with pytest.raises(ValueError, match="repeated"):
+            RingAttention(comm, [0, 0], 0, [4])
+
+    run_threads(2, fn, timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_ring_gloo_processes():
+    """One launch of 4 gloo processes running several rings, incl. a non-contiguous one and one
+    addressed through an island subgroup (island-local ranks mapped to global ranks)."""
+    import _ring_worker
+    import torch.multiprocessing as mp
+
+    world = 4
+    ctx = mp.start_processes(
+        _ring_worker.main,
+        args=(world, _free_port()),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 75
+    try:
+        while not ctx.join(timeout=5):  # raises ProcessRaisedException if a worker failed
+            if time.monotonic() > deadline:
+                raise TimeoutError("gloo ring workers did not finish in 75 s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()

@@ -1,0 +1,264 @@
+"""A Llama-style decoder over packed micro-batches: RMSNorm, RoPE from position_ids, SwiGLU,
+grouped-query attention, tied or untied embeddings.
+
+The forward takes one packed micro-batch: ``input_ids`` [T], ``position_ids`` [T] (position within
+its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
+(`trainer.attention.AttentionContext`, e.g. `trainer.ring.RingAttention`) that decides how the
+layers attend. Given ``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the
+number of labelled tokens; the caller divides by the step's labelled-token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.attention import AttentionContext, LocalAttention
+
+__all__ = ["MODEL_CONFIGS", "ModelConfig", "Transformer", "get_config"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder. `ffn_dim` is the SwiGLU hidden width."""
+
+    vocab_size: int = 258
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Number of parameters of the built model."""
+        hd = self.head_dim
+        attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.ffn_dim
+        layer = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * layer + emb + self.dim
+
+    def build(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Transformer:
+        """Build the model (initialised, unless on the meta device)."""
+        with torch.device(device if device is not None else "cpu"):
+            model = Transformer(self)
+        if dtype is not None:
+            model = model.to(dtype)
+        return model
+
+
+def _llama_ffn(dim: int, multiple_of: int, multiplier: float = 1.0) -> int:
+    hidden = int(multiplier * int(8 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "debug": ModelConfig(),
+    "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
+    "llama-7b": ModelConfig(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=_llama_ffn(4096, 256),
+        tie_embeddings=False,
+    ),
+    "llama-13b": ModelConfig(
+        vocab_size=32000,
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=40,
+        ffn_dim=_llama_ffn(5120, 256),
+        tie_embeddings=False,
+    ),
+    "llama-70b": ModelConfig(
+        vocab_size=32000,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=_llama_ffn(8192, 4096, 1.3),
+        tie_embeddings=False,
+    ),
+}
+
+
+def get_config(name: str, **overrides: object) -> ModelConfig:
+    """A named config, optionally with fields replaced."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(MODEL_CONFIGS)}")
+    return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim/2] of the rotary angles (computed in float64: positions reach millions)."""
+    inv_freq = theta ** -(
+        torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
+    )
+    ang_TF = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]
+    return ang_TF.cos().to(dtype), ang_TF.sin().to(dtype)
+
+
+def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + D/2]) of every head by the token's angles."""
+    x1, x2 = x_THD.chunk(2, dim=-1)
+    c, s = cos_TF[:, None, :], sin_TF[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        T = x_TC.shape[0]
+        q = self.wq(x_TC).view(T, self.n_heads, self.head_dim)
+        k = self.wk(x_TC).view(T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x_TC).view(T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out_THD = attn.attend(q, k, v.contiguous())
+        return self.wo(out_THD.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward` returns logits [T, V], or (loss_sum, n_labelled) given labels."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, std) weights, residual output projections scaled by 1/sqrt(2 * n_layers),
+        norms at 1. Also used after materialising a meta-device model (`to_empty`)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, out_std, generator=gen)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        labels: torch.Tensor | None = None,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+            )
+        if attn is None:
+            if cu_seqlens is None:
+                cu_seqlens = [0, input_ids.shape[0]]
+            attn = LocalAttention(cu_seqlens)
+        h = self.tok_embeddings(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        h = self.norm(h)
+        w_out = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits = F.linear(h, w_out)
+        if labels is None:
+            return logits
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
+        loss_sum = F.cross_entropy(
+            logits.float() if logits.dtype != torch.float64 else logits,
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return loss_sum, (labels != IGNORE_INDEX).sum()
