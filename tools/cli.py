@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except MixlenError as exc:
         print(f"mixlen {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+        print(f"mixlen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"mixlen {args.command}: interrupted", file=sys.stderr)
         return 130
