@@ -1,0 +1,617 @@
+"""Bin packing of sequence lengths: first-fit / best-fit decreasing and length bucketing.
+
+Public functions validate their input and call numba kernels; the kernels themselves
+(`ffd_kernel`, `bfd_kernel`, `sort_desc_kernel`, `pow2_bucket_kernel`, `boundary_bucket_kernel`,
+`group_by_bucket_kernel`) are exported so other `@njit` code (the planner) can call them directly
+with contiguous int64 arrays.
+
+Conventions shared by both packers and by the pure-Python references in `_packing_ref`:
+
+- Items are visited in decreasing length; equal lengths in increasing index (stable). The order
+  comes from a counting sort (lengths up to `max(65536, 8 n)`) or an LSD radix sort, not argsort.
+- Bins are numbered from 0 in the order they are opened; an item opens a new bin only when no
+  open bin has room for it.
+- First fit: the lowest-numbered open bin with room. Best fit: the open bin with the least free
+  space that still has room; among bins with equal free space, the lowest-numbered one.
+- Zero-length items are allowed (they go where the rule puts them; they open bin 0 if they are
+  all there is). An item longer than the capacity or a negative length is an error.
+
+Data structures (no O(items x bins) scan):
+
+- FFD: a max segment tree over bins' free space whose unopened leaves hold the full capacity, so
+  the leftmost leaf with room is either the first-fit bin or the next new bin: O(log bins).
+- BFD: free space values index a 64-ary bitset hierarchy (3 levels for C = 131072; successor
+  query by trailing-zero counts) and each free-space value keeps a skew heap of its bins keyed by bin number:
+  O(log_64 C + amortized log bins). For capacities above `DENSE_MAX_CAPACITY` a sorted list of
+  (free space, bin) keys in blocks of about sqrt(bins) is used instead: O(sqrt(bins)); that
+  only gets slow with very many bins of over 16M tokens each (~1e11 tokens in one call).
+
+Length buckets: power-of-two (bucket k holds 2^(k-1) < length <= 2^k, bucket 0 holds 0 and 1)
+or given boundaries (bucket i holds boundaries[i-1] < length <= boundaries[i], one overflow bucket
+past the last), plus a stable grouping of items by bucket id.
+
+Any-fit packings never leave two bins whose contents together fit in one, so neither packer
+opens more than `2 * (sum // capacity) + 2` bins; the kernels size their structures by that.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+
+import numpy as np
+from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+
+from datapipe.errors import MixlenError
+
+__all__ = [
+    "DENSE_MAX_CAPACITY",
+    "best_fit_decreasing",
+    "bfd_kernel",
+    "boundary_bucket_kernel",
+    "boundary_buckets",
+    "ffd_kernel",
+    "first_fit_decreasing",
+    "group_by_bucket",
+    "group_by_bucket_kernel",
+    "length_buckets",
+    "pow2_bucket_kernel",
+    "pow2_buckets",
+    "sort_desc",
+    "sort_desc_kernel",
+    "warmup",
+]
+
+# Largest capacity for which best fit indexes free space directly (arrays of capacity + 1).
+DENSE_MAX_CAPACITY = 1 << 24
+
+_RADIX_BITS = 11
+_RADIX_MASK = (1 << _RADIX_BITS) - 1
+
+
+# ----------------------------------------------------------------------------- sorting
+
+
+@njit(cache=True)
+def sort_desc_kernel(lengths: np.ndarray) -> np.ndarray:
+    """Indices of `lengths` (int64, >= 0) by decreasing length, ties by increasing index."""
+    n = lengths.size
+    order = np.empty(n, np.int64)
+    if n == 0:
+        return order
+    mx = 0
+    for i in range(n):
+        v = lengths[i]
+        if v < 0:
+            raise ValueError("sort_desc_kernel: negative length")
+        if v > mx:
+            mx = v
+    if mx < max(65536, 8 * n):
+        # Counting sort: start[v] = number of items longer than v.
+        start = np.zeros(mx + 1, np.int64)
+        for i in range(n):
+            start[lengths[i]] += 1
+        pos = 0
+        for v in range(mx, -1, -1):
+            c = start[v]
+            start[v] = pos
+            pos += c
+        for i in range(n):
+            v = lengths[i]
+            order[start[v]] = i
+            start[v] += 1
+        return order
+    # LSD radix sort of key = mx - length (ascending key = descending length), stable per pass.
+    keys = np.empty(n, np.int64)
+    for i in range(n):
+        keys[i] = mx - lengths[i]
+        order[i] = i
+    tmp = np.empty(n, np.int64)
+    counts = np.empty(_RADIX_MASK + 2, np.int64)
+    shift = 0
+    while shift < 63 and (mx >> shift) > 0:
+        counts[:] = 0
+        for k in range(n):
+            counts[((keys[order[k]] >> shift) & _RADIX_MASK) + 1] += 1
+        for d in range(1, _RADIX_MASK + 2):
+            counts[d] += counts[d - 1]
+        for k in range(n):
+            i = order[k]
+            d = (keys[i] >> shift) & _RADIX_MASK
+            tmp[counts[d]] = i
+            counts[d] += 1
+        order, tmp = tmp, order
+        shift += _RADIX_BITS
+    return order
+
+
+@njit(cache=True)
+def _max_bins(lengths: np.ndarray, capacity: int) -> int:
+    """Check 0 <= length <= capacity and bound the bins any any-fit packer opens."""
+    if capacity < 1:
+        raise ValueError("packing kernel: capacity must be >= 1")
+    q = 0
+    acc = 0
+    for i in range(lengths.size):
+        v = lengths[i]
+        if v < 0 or v > capacity:
+            raise ValueError("packing kernel: every length must be in [0, capacity]")
+        acc += v
+        if acc >= capacity:
+            acc -= capacity
+            q += 1
+    return max(1, min(lengths.size, 2 * q + 2))
+
+
+# ----------------------------------------------------------------------------- first fit
+
+
+@njit(cache=True)
+def ffd_kernel(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """First-fit decreasing: bin index (int64, numbered by opening) of every item."""
+    n = lengths.size
+    bins = np.empty(n, np.int64)
+    if n == 0:
+        return bins
+    m = _max_bins(lengths, capacity)
+    order = sort_desc_kernel(lengths)
+    size = 1
+    while size < m:
+        size *= 2
+    # Max tree over free space; unopened bins are leaves holding the full capacity, so the
+    # leftmost leaf with room is the first-fit bin or, if none, the next bin to open.
+    tree = np.full(2 * size, capacity, np.int64)
+    sorted_lengths = lengths[order]
+    sorted_bins = np.empty(n, np.int64)
+    nbins = 0
+    for k in range(n):
+        length = sorted_lengths[k]
+        node = 1
+        while node < size:
+            node = 2 * node + (tree[2 * node] < length)
+        b = node - size
+        if b == nbins:
+            nbins += 1
+        sorted_bins[k] = b
+        if length == 0:
+            continue
+        tree[node] -= length
+        node >>= 1
+        while node >= 1:
+            left = tree[2 * node]
+            right = tree[2 * node + 1]
+            best = left if left >= right else right
+            if tree[node] == best:
+                break
+            tree[node] = best
+            node >>= 1
+    assert nbins <= m
+    bins[order] = sorted_bins
+    return bins
+
+
+# ----------------------------------------------------------------------------- best fit
+
+
+@njit(cache=True)
+def _skew_merge(a: int, b: int, left: np.ndarray, right: np.ndarray) -> int:
+    """Merge two skew heaps of bin numbers (min at the root); -1 is the empty heap."""
+    if a < 0:
+        return b
+    if b < 0:
+        return a
+    if b < a:
+        a, b = b, a
+    root = a
+    cur = a
+    while True:
+        r = right[cur]
+        right[cur] = left[cur]
+        if r < 0:
+            left[cur] = b
+            return root
+        if b < r:
+            r, b = b, r
+        left[cur] = r
+        cur = r
+
+
+@njit(cache=True)
+def _bitset_set(bits: np.ndarray, offs: np.ndarray, nlev: int, x: int) -> None:
+    for lev in range(nlev):
+        w = offs[lev] + (x >> 6)
+        old = bits[w]
+        bits[w] = old | (np.int64(1) << (x & 63))
+        if old != 0:
+            return
+        x >>= 6
+
+
+@njit(cache=True)
+def _bitset_clear(bits: np.ndarray, offs: np.ndarray, nlev: int, x: int) -> None:
+    for lev in range(nlev):
+        w = offs[lev] + (x >> 6)
+        new = bits[w] & ~(np.int64(1) << (x & 63))
+        bits[w] = new
+        if new != 0:
+            return
+        x >>= 6
+
+
+@njit(cache=True)
+def _bitset_succ(bits: np.ndarray, offs: np.ndarray, nwords: np.ndarray, nlev: int, x: int) -> int:
+    """Smallest set index >= x, or -1."""
+    lev = 0
+    idx = x
+    while True:
+        w = idx >> 6
+        if w >= nwords[lev]:
+            return -1
+        word = bits[offs[lev] + w] & (np.int64(-1) << (idx & 63))
+        if word != 0:
+            idx = (w << 6) + trailing_zeros(word)
+            while lev > 0:
+                lev -= 1
+                idx = (idx << 6) + trailing_zeros(bits[offs[lev] + idx])
+            return idx
+        lev += 1
+        if lev == nlev:
+            return -1
+        idx = w + 1
+
+
+@njit(cache=True)
+def _bfd_dense(lengths: np.ndarray, order: np.ndarray, capacity: int, m: int) -> np.ndarray:
+    """Best fit with free space indexed directly: bitset of occupied values + skew heaps."""
+    n = lengths.size
+    bins = np.empty(n, np.int64)
+    # Bitset levels over free-space values 0..capacity.
+    offs = np.zeros(8, np.int64)
+    nwords = np.zeros(8, np.int64)
+    nlev = 0
+    total = 0
+    cnt = capacity + 1
+    while True:
+        words = (cnt + 63) >> 6
+        offs[nlev] = total
+        nwords[nlev] = words
+        total += words
+        nlev += 1
+        if words == 1:
+            break
+        cnt = words
+    bits = np.zeros(total, np.int64)
+    heap_root = np.empty(capacity + 1, np.int32)  # valid only where the bit is set
+    left = np.empty(m, np.int64)
+    right = np.empty(m, np.int64)
+    sorted_lengths = lengths[order]
+    sorted_bins = np.empty(n, np.int64)
+    nbins = 0
+    for k in range(n):
+        length = sorted_lengths[k]
+        r = _bitset_succ(bits, offs, nwords, nlev, length)
+        if r < 0:
+            b = nbins
+            nbins += 1
+            new_r = capacity - length
+        else:
+            b = np.int64(heap_root[r])
+            if length == 0:
+                sorted_bins[k] = b
+                continue
+            rest = _skew_merge(left[b], right[b], left, right)
+            if rest < 0:
+                _bitset_clear(bits, offs, nlev, r)
+            else:
+                heap_root[r] = rest
+            new_r = r - length
+        sorted_bins[k] = b
+        left[b] = -1
+        right[b] = -1
+        w = bits[offs[0] + (new_r >> 6)]
+        if (w >> (new_r & 63)) & 1:
+            heap_root[new_r] = _skew_merge(np.int64(heap_root[new_r]), b, left, right)
+        else:
+            heap_root[new_r] = b
+            _bitset_set(bits, offs, nlev, new_r)
+    assert nbins <= m
+    bins[order] = sorted_bins
+    return bins
+
+
+@njit(cache=True)
+def _blocks_rebuild(kr: np.ndarray, kb: np.ndarray, cnt: np.ndarray, nb: int, per: int) -> int:
+    """Redistribute the sorted keys evenly, `per` per block; returns the new block count."""
+    total = 0
+    for j in range(nb):
+        total += cnt[j]
+    fr = np.empty(total, np.int64)
+    fb = np.empty(total, np.int64)
+    t = 0
+    for j in range(nb):
+        for q in range(cnt[j]):
+            fr[t] = kr[j, q]
+            fb[t] = kb[j, q]
+            t += 1
+    new_nb = max(1, (total + per - 1) // per)
+    for j in range(new_nb):
+        lo = j * per
+        hi = min(total, lo + per)
+        cnt[j] = hi - lo
+        for q in range(lo, hi):
+            kr[j, q - lo] = fr[q]
+            kb[j, q - lo] = fb[q]
+    return new_nb
+
+
+@njit(cache=True)
+def _bfd_blocks(lengths: np.ndarray, order: np.ndarray, capacity: int, m: int) -> np.ndarray:
+    """Best fit for any capacity: sorted (free space, bin) keys in blocks of ~sqrt(bins)."""
+    n = lengths.size
+    bins = np.empty(n, np.int64)
+    half = 8
+    while half * half < m:
+        half += 1
+    bcap = 2 * half  # a block holding bcap keys triggers a rebuild to `half` per block
+    nb_max = m // half + 2
+    kr = np.empty((nb_max, bcap), np.int64)
+    kb = np.empty((nb_max, bcap), np.int64)
+    cnt = np.zeros(nb_max, np.int64)
+    nb = 1
+    nbins = 0
+    for k in range(n):
+        i = order[k]
+        length = lengths[i]
+        # Lower bound: first key with free space >= length.
+        j = 0
+        while j < nb and (cnt[j] == 0 or kr[j, cnt[j] - 1] < length):
+            j += 1
+        if j == nb:
+            b = nbins
+            nbins += 1
+            new_r = capacity - length
+        else:
+            lo = 0
+            hi = cnt[j] - 1
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if kr[j, mid] < length:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            r = kr[j, lo]
+            b = kb[j, lo]
+            if length == 0:
+                bins[i] = b
+                continue
+            for q in range(lo, cnt[j] - 1):
+                kr[j, q] = kr[j, q + 1]
+                kb[j, q] = kb[j, q + 1]
+            cnt[j] -= 1
+            new_r = r - length
+        bins[i] = b
+        # Insert (new_r, b): into the first non-empty block whose last key is >= it, else
+        # into the last non-empty block (or block 0 when all are empty).
+        target = -1
+        last_nonempty = 0
+        for jj in range(nb):
+            c = cnt[jj]
+            if c == 0:
+                continue
+            last_nonempty = jj
+            lr = kr[jj, c - 1]
+            if lr > new_r or (lr == new_r and kb[jj, c - 1] > b):
+                target = jj
+                break
+        if target < 0:
+            target = last_nonempty
+        c = cnt[target]
+        q = c
+        while q > 0 and (
+            kr[target, q - 1] > new_r or (kr[target, q - 1] == new_r and kb[target, q - 1] > b)
+        ):
+            kr[target, q] = kr[target, q - 1]
+            kb[target, q] = kb[target, q - 1]
+            q -= 1
+        kr[target, q] = new_r
+        kb[target, q] = b
+        cnt[target] = c + 1
+        if c + 1 == bcap:
+            nb = _blocks_rebuild(kr, kb, cnt, nb, half)
+    assert nbins <= m
+    return bins
+
+
+@njit(cache=True)
+def _bfd(lengths: np.ndarray, capacity: int, dense: bool) -> np.ndarray:
+    n = lengths.size
+    if n == 0:
+        return np.empty(0, np.int64)
+    m = _max_bins(lengths, capacity)
+    order = sort_desc_kernel(lengths)
+    if dense:
+        return _bfd_dense(lengths, order, capacity, m)
+    return _bfd_blocks(lengths, order, capacity, m)
+
+
+@njit(cache=True)
+def bfd_kernel(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Best-fit decreasing: bin index (int64, numbered by opening) of every item."""
+    return _bfd(lengths, capacity, capacity <= DENSE_MAX_CAPACITY)
+
+
+# ----------------------------------------------------------------------------- bucketing
+
+
+@njit(cache=True)
+def pow2_bucket_kernel(lengths: np.ndarray) -> np.ndarray:
+    """Power-of-two bucket ids: 0 for lengths <= 1, else k with 2^(k-1) < length <= 2^k."""
+    n = lengths.size
+    ids = np.empty(n, np.int64)
+    for i in range(n):
+        v = lengths[i]
+        ids[i] = 0 if v <= 1 else 64 - leading_zeros(v - 1)
+    return ids
+
+
+@njit(cache=True)
+def boundary_bucket_kernel(lengths: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
+    """Bucket i holds boundaries[i-1] < length <= boundaries[i]; past the last: len(boundaries)."""
+    n = lengths.size
+    nbnd = boundaries.size
+    ids = np.empty(n, np.int64)
+    for i in range(n):
+        v = lengths[i]
+        lo = 0
+        hi = nbnd
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if boundaries[mid] < v:
+                lo = mid + 1
+            else:
+                hi = mid
+        ids[i] = lo
+    return ids
+
+
+@njit(cache=True)
+def group_by_bucket_kernel(ids: np.ndarray, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stable grouping: items of bucket j are order[offsets[j]:offsets[j+1]], by index."""
+    offsets = np.zeros(n_buckets + 1, np.int64)
+    for i in range(ids.size):
+        d = ids[i]
+        if d < 0 or d >= n_buckets:
+            raise ValueError("group_by_bucket_kernel: bucket id out of range")
+        offsets[d + 1] += 1
+    for j in range(n_buckets):
+        offsets[j + 1] += offsets[j]
+    pos = offsets[:-1].copy()
+    order = np.empty(ids.size, np.int64)
+    for i in range(ids.size):
+        d = ids[i]
+        order[pos[d]] = i
+        pos[d] += 1
+    return order, offsets
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _as_lengths(lengths: np.ndarray, what: str = "lengths") -> np.ndarray:
+    """A contiguous int64 copy/view of a 1-D integer array of non-negative lengths."""
+    a = np.asarray(lengths)
+    if a.ndim != 1:
+        raise MixlenError(f"{what} must be a 1-D array, got shape {a.shape}")
+    if a.size == 0:
+        return np.empty(0, np.int64)
+    if a.dtype.kind not in "iu":
+        raise MixlenError(f"{what} must be an integer array, got dtype {a.dtype}")
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and int(a.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(a))
+        raise MixlenError(f"{what}[{i}] = {int(a[i])} does not fit in int64")
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    if a.min() < 0:
+        i = int(np.flatnonzero(a < 0)[0])
+        raise MixlenError(f"{what}[{i}] = {int(a[i])} is negative")
+    return a
+
+
+def _as_capacity(capacity: int) -> int:
+    if isinstance(capacity, (bool, np.bool_)):
+        raise MixlenError(f"capacity must be an integer, got {capacity!r}")
+    try:
+        c = operator.index(capacity)
+    except TypeError:
+        raise MixlenError(f"capacity must be an integer, got {capacity!r}") from None
+    if c < 1:
+        raise MixlenError(f"capacity must be >= 1, got {c}")
+    if c > np.iinfo(np.int64).max // 4:
+        raise MixlenError(f"capacity {c} is too large (limit 2**61)")
+    return c
+
+
+def _checked(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    a = _as_lengths(lengths)
+    c = _as_capacity(capacity)
+    if a.size and a.max() > c:
+        i = int(np.flatnonzero(a > c)[0])
+        raise MixlenError(f"item {i} has length {int(a[i])}, longer than the capacity {c}")
+    return a, c
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """First-fit decreasing packing; returns the int64 bin index of every item.
+
+    Items go longest first (ties by index) into the lowest-numbered bin with room; bins are
+    numbered in order of opening. Raises MixlenError (a ValueError) for an item longer than
+    `capacity`, a negative length, or a capacity below 1.
+    """
+    a, c = _checked(lengths, capacity)
+    return ffd_kernel(a, c)
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Best-fit decreasing packing; returns the int64 bin index of every item.
+
+    Items go longest first (ties by index) into the bin with the least room that still fits
+    them (ties by lowest bin number); bins are numbered in order of opening. Raises
+    MixlenError (a ValueError) for an item longer than `capacity`, a negative length, or a
+    capacity below 1.
+    """
+    a, c = _checked(lengths, capacity)
+    return bfd_kernel(a, c)
+
+
+def sort_desc(lengths: np.ndarray) -> np.ndarray:
+    """Indices by decreasing length, ties by increasing index (the packers' visiting order)."""
+    return sort_desc_kernel(_as_lengths(lengths))
+
+
+def pow2_buckets(lengths: np.ndarray) -> np.ndarray:
+    """Bucket id k for 2^(k-1) < length <= 2^k (id 0 for lengths 0 and 1)."""
+    return pow2_bucket_kernel(_as_lengths(lengths))
+
+
+def boundary_buckets(lengths: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
+    """Bucket id i for boundaries[i-1] < length <= boundaries[i]; len(boundaries) past the last.
+
+    `boundaries` must be strictly increasing integers.
+    """
+    a = _as_lengths(lengths)
+    bnd = _as_lengths(boundaries, "boundaries")
+    if bnd.size and np.any(np.diff(bnd) <= 0):
+        i = int(np.flatnonzero(np.diff(bnd) <= 0)[0]) + 1
+        raise MixlenError(f"boundaries must be strictly increasing (boundaries[{i}] = {bnd[i]})")
+    return boundary_bucket_kernel(a, bnd)
+
+
+def length_buckets(lengths: np.ndarray, boundaries: np.ndarray | None = None) -> np.ndarray:
+    """Bucket ids: power-of-two buckets when `boundaries` is None, else `boundary_buckets`."""
+    if boundaries is None:
+        return pow2_buckets(lengths)
+    return boundary_buckets(lengths, boundaries)
+
+
+def group_by_bucket(ids: np.ndarray, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets): bucket j's item indices, ascending, are order[offsets[j]:offsets[j+1]]."""
+    a = _as_lengths(ids, "bucket ids")
+    nb = operator.index(n_buckets)
+    if a.size and a.max() >= nb:
+        i = int(np.flatnonzero(a >= nb)[0])
+        raise MixlenError(f"bucket id {int(a[i])} of item {i} is not below n_buckets = {nb}")
+    return group_by_bucket_kernel(a, nb)
+
+
+def warmup() -> float:
+    """Compile (or load from the on-disk cache) every kernel on tiny inputs; returns seconds."""
+    t0 = time.perf_counter()
+    x = np.array([3, 1, 2, 0, 3], np.int64)
+    ffd_kernel(x, 4)
+    bfd_kernel(x, 4)
+    _bfd(x, 4, False)
+    sort_desc_kernel(np.array([1 << 20, 5], np.int64))
+    pow2_bucket_kernel(x)
+    boundary_bucket_kernel(x, np.array([1, 2], np.int64))
+    group_by_bucket_kernel(x, 4)
+    return time.perf_counter() - t0
