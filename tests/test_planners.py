@@ -1,0 +1,325 @@
+"""Planners: invariants on random batches (hypothesis), edge cases, determinism across processes,
+group sizes against datapipe.zigzag, static's CP degree, Eq. 3 offload, and hdp against a
+brute-force optimum on tiny cases."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapipe import cost as C
+from datapipe.errors import ConfigError, MixlenError
+from datapipe.plan import check_plan
+from datapipe.planners import PlannerConfig, lower_bound_ns, static_cp_degree
+from datapipe.zigzag import smallest_group
+
+DEBUG = C.preset("debug")
+# 8 layers so Eq. 3 has room; offload copies cheap enough to hide under short samples' compute.
+OFFLOAD = C.CostModel(2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8, name="offload-test")
+
+
+def plan(policy: str, lengths, n: int, cap: int, cost=DEBUG, **kw):
+    cfg = PlannerConfig(policy=policy, num_ranks=n, capacity=cap, **kw)
+    return cfg.build(cost).plan(np.asarray(lengths, dtype=np.int64))
+
+
+batches = st.integers(1, 12).flatmap(
+    lambda n: st.tuples(
+        st.just(n),
+        st.integers(1, 64),
+        st.lists(st.integers(0, 10**6), max_size=40),
+        st.floats(0.0, 1.0),
+    )
+)
+
+
+def _lengths(n: int, cap: int, raw: list[int], long_share: float) -> np.ndarray:
+    """Mostly short samples, some up to N*C (raw values folded into range)."""
+    out = []
+    for i, x in enumerate(raw):
+        if (i * 0.618) % 1.0 < long_share:
+            out.append(x % (n * cap + 1))
+        else:
+            out.append(x % (cap + 1))
+    return np.array(out, dtype=np.int64)
+
+
+@given(batches)
+@settings(deadline=None, max_examples=120)
+def test_invariants_all_policies(case) -> None:
+    n, cap, raw, long_share = case
+    lengths = _lengths(n, cap, raw, long_share)
+    for policy, cost, offload in (
+        ("hdp", DEBUG, False),
+        ("naive-hdp", DEBUG, False),
+        ("static", DEBUG, False),
+        ("hdp", OFFLOAD, True),
+        ("naive-hdp", OFFLOAD, True),
+    ):
+        p = plan(policy, lengths, n, cap, cost, offload=offload)
+        check_plan(p)
+        again = plan(policy, lengths, n, cap, cost, offload=offload)
+        assert again.digest() == p.digest()
+        caps = cost.offload_capacity(cap, np.arange(cost.num_layers + 1))
+        k = p.group_sizes
+        for m in range(p.num_microbatches):
+            j = round(p.mb_offload[m] * cost.num_layers)
+            assert p.mb_capacity[m] == caps[j]
+            if not offload:
+                assert j == 0
+        if policy == "static":
+            assert len(set(k.tolist())) <= 1
+            cp = p.meta["cp"]
+            assert all(cp * cap >= s for s in lengths)
+            continue
+        # One micro-batch per long sample, on exactly the group Eq. 3 / the zigzag rule allows.
+        for m in range(p.num_microbatches):
+            items = p.piece_item[p.mb_piece_offsets[m] : p.mb_piece_offsets[m + 1]]
+            if k[m] == 1 and p.mb_offload[m] == 0:
+                assert all(lengths[i] <= cap for i in items)
+                continue
+            (i,) = items
+            s = int(lengths[i])
+            if not offload:
+                assert k[m] == smallest_group(s, cap, n)
+            else:
+                kmin = _eq3_ranks(cost, s, cap)
+                assert kmin <= k[m] <= max(kmin, smallest_group(s, cap, n))
+                if policy == "naive-hdp":
+                    assert k[m] == kmin
+        if not offload:
+            assert p.lower_bound_ns <= p.makespan_ns
+
+
+def _eq3_ranks(cost: C.CostModel, s: int, cap: int) -> int:
+    """Reference: fewest ranks over offload ratios j/l whose copies hide under the forward."""
+    l_ = cost.num_layers
+    best = None
+    for j in range(l_ + 1):
+        r = Fraction(j, l_)
+        copy = (
+            r
+            * l_
+            * Fraction(cost.act_bytes_per_token_layer)
+            * s
+            / Fraction(cost.offload_bytes_per_s)
+        )
+        fwd = (Fraction(cost.a) * s * s + Fraction(cost.b) * s) / 3
+        if copy > fwd:  # per member both scale by 1/k
+            continue
+        d = 1
+        while (2 + (1 - r) * (l_ - 2)) * (-(-s // d)) > l_ * cap:
+            d += 1
+        best = d if best is None else min(best, d)
+    return best
+
+
+def test_offload_shrinks_groups_and_hdp_keeps_makespan() -> None:
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(1, 64, 300), [900, 700, 500]])
+    plain = plan("hdp", lengths, 16, 64, OFFLOAD)
+    off = plan("hdp", lengths, 16, 64, OFFLOAD, offload=True)
+    naive_off = plan("naive-hdp", lengths, 16, 64, OFFLOAD, offload=True)
+    for p in (plain, off, naive_off):
+        check_plan(p)
+    assert naive_off.group_sizes.max() < plain.group_sizes.max()  # Eq. 3 frees ranks
+    assert (off.mb_offload > 0).any()
+    # hdp only shrinks a group while its member share stays under the no-offload bound.
+    target = lower_bound_ns(OFFLOAD, lengths, 16, 64)
+    for m in np.flatnonzero(off.mb_offload > 0):
+        assert off.mb_time_ns[m] <= target
+
+
+def test_static_cp_degree_bruteforce() -> None:
+    for n in range(1, 25):
+        for cap in (1, 3, 8):
+            for ctx in range(1, n * cap + 1):
+                ref = min(d for d in range(1, n + 1) if n % d == 0 and d * cap >= ctx)
+                assert static_cp_degree(n, cap, ctx) == ref
+    with pytest.raises(MixlenError, match="does not fit"):
+        static_cp_degree(4, 8, 33)
+
+
+def test_static_mesh_is_fixed() -> None:
+    lengths = [5, 40, 3, 3, 17, 12, 1, 30]
+    p = plan("static", lengths, 6, 16, max_context=40)
+    check_plan(p)
+    cp = static_cp_degree(6, 16, 40)
+    assert p.meta["cp"] == cp == 3
+    groups = {
+        tuple(p.group_ranks[a:b]) for a, b in zip(p.mb_group_offsets[:-1], p.mb_group_offsets[1:])
+    }
+    assert groups <= {(0, 1, 2), (3, 4, 5)}
+    # micro-batch counts differ by at most one between DP replicas (token balance, not time)
+    counts = p.microbatch_counts()
+    assert counts.max() - counts.min() <= 1
+
+
+def test_static_rejects_longer_than_max_context() -> None:
+    with pytest.raises(MixlenError, match="sample 2 has 50 tokens, more than max_context"):
+        plan("static", [5, 6, 50], 4, 16, max_context=40)
+
+
+@pytest.mark.parametrize("policy", ["hdp", "naive-hdp", "static"])
+def test_edge_cases(policy: str) -> None:
+    empty = plan(policy, [], 4, 8)
+    check_plan(empty)
+    assert empty.num_microbatches == 0 and empty.makespan_ns == 0
+    zeros = plan(policy, [0, 0, 0], 4, 8)
+    check_plan(zeros)
+    assert zeros.num_microbatches == 0
+    full = plan(policy, [8] * 10, 4, 8)  # all samples exactly C
+    check_plan(full)
+    assert full.num_microbatches == 10 if policy != "static" else True
+    one_long = plan(policy, [32, 0, 3], 4, 8)  # exactly N*C
+    check_plan(one_long)
+    if policy != "static":
+        with pytest.raises(MixlenError, match=r"sample 1 has 33 tokens, more than N \* C = 32"):
+            plan(policy, [3, 33], 4, 8)
+
+
+def test_sample_ids_carried() -> None:
+    p = (
+        PlannerConfig(num_ranks=2, capacity=8)
+        .build(DEBUG)
+        .plan(np.array([3, 12]), np.array([70, 71]))
+    )
+    check_plan(p)
+    assert {pc[0] for r in range(2) for mb in p.microbatches(r) for pc in mb.pieces} == {70, 71}
+    with pytest.raises(MixlenError, match="too many|more than"):
+        PlannerConfig(num_ranks=2, capacity=8).build(DEBUG).plan(
+            np.array([3, 17]), np.array([5, 9])
+        )
+
+
+_SUB = """
+import json, sys, numpy as np
+from datapipe import cost as C
+from datapipe.planners import PlannerConfig
+rng = np.random.default_rng(11)
+L = np.minimum(rng.lognormal(5, 1.5, 500).astype(np.int64), 2000)
+out = {}
+for pol in ("hdp", "naive-hdp", "static"):
+    out[pol] = PlannerConfig(policy=pol, num_ranks=24, capacity=256).build(C.preset("llama-7b")).plan(L).digest().hex()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_identical_across_processes() -> None:
+    rng = np.random.default_rng(11)
+    lengths = np.minimum(rng.lognormal(5, 1.5, 500).astype(np.int64), 2000)
+    here = {
+        pol: plan(pol, lengths, 24, 256, C.preset("llama-7b")).digest().hex()
+        for pol in ("hdp", "naive-hdp", "static")
+    }
+    res = subprocess.run([sys.executable, "-c", _SUB], capture_output=True, text=True, check=True)
+    assert json.loads(res.stdout) == here
+
+
+# --- brute-force optimum --------------------------------------------------------------------------
+def optimum(n: int, jobs: list[tuple[int, int]], upper: int) -> int:
+    """Exact minimum makespan of the same micro-batches (k ranks, time t each) on n identical
+    ranks over every slot order and rank choice, under blocking-rendezvous replay (a micro-batch
+    starts when its last member is free). Branch and bound over (sorted loads, remaining jobs)."""
+    best = [upper]
+    seen: set = set()
+
+    def rec(loads: tuple[int, ...], rem: tuple[tuple[int, int], ...]) -> None:
+        if (loads, rem) in seen:
+            return
+        seen.add((loads, rem))
+        if not rem:
+            best[0] = min(best[0], loads[-1])
+            return
+        work = sum(k * t for k, t in rem)
+        if loads[-1] >= best[0] or -(-(sum(loads) + work) // n) >= best[0]:
+            return
+        for i, (k, t) in enumerate(rem):
+            if i and rem[i - 1] == (k, t):
+                continue
+            nrem = rem[:i] + rem[i + 1 :]
+            tried = set()
+            for sub in itertools.combinations(range(n), k):
+                vals = tuple(loads[x] for x in sub)
+                if vals in tried:
+                    continue
+                tried.add(vals)
+                nl = list(loads)
+                for x in sub:
+                    nl[x] = max(vals) + t
+                rec(tuple(sorted(nl)), nrem)
+
+    rec(tuple([0] * n), tuple(sorted(jobs)))
+    return best[0]
+
+
+def test_hdp_against_bruteforce_optimum() -> None:
+    """<= 8 samples, <= 4 ranks. All-local cases: list scheduling by decreasing time is within
+    4/3 - 1/(3N) of the optimum (Graham), and the improvement pass only lowers the makespan.
+    With group micro-batches no such bound is proven for our rules; we require <= 4/3 as well,
+    and at least 90% of all cases within 10% of the optimum (the measured share is printed)."""
+    rng = np.random.default_rng(2024)
+    within, total, worst = 0, 0, 1.0
+    for case in range(250):
+        n = int(rng.integers(1, 5))
+        cap = 64
+        ns = int(rng.integers(1, 9))
+        hi = n * cap if case % 2 else cap
+        lengths = rng.integers(1, hi + 1, ns)
+        p = plan("hdp", lengths, n, cap)
+        check_plan(p)
+        jobs = [(int(k), int(t)) for k, t in zip(p.group_sizes, p.mb_time_ns)]
+        opt = optimum(n, jobs, p.makespan_ns + 1)
+        ratio = p.makespan_ns / opt
+        if all(k == 1 for k, _ in jobs):
+            assert p.makespan_ns * 3 * n <= (4 * n - 1) * opt, (lengths, jobs, ratio)
+        assert ratio <= 4 / 3, (n, lengths.tolist(), jobs, ratio)
+        within += ratio <= 1.1
+        total += 1
+        worst = max(worst, ratio)
+    print(f"hdp within 10% of optimum: {within}/{total}; worst ratio {worst:.3f}")
+    assert within >= 0.9 * total
+
+
+def test_hdp_beats_naive_and_static_on_mixed_lengths() -> None:
+    """Not a theorem, but the point of the planner: on a skewed batch its makespan is lower."""
+    rng = np.random.default_rng(5)
+    lengths = np.minimum(rng.lognormal(np.log(512), 1.6, 4000).astype(np.int64) + 1, 1 << 18)
+    cost = C.preset("llama-7b")
+    h, nv, st_ = (plan(pol, lengths, 64, 8192, cost) for pol in ("hdp", "naive-hdp", "static"))
+    for p in (h, nv, st_):
+        check_plan(p)
+    assert h.makespan_ns < nv.makespan_ns < st_.makespan_ns
+    assert h.makespan_ns <= 1.05 * h.lower_bound_ns
+
+
+def test_plan_records_cost_file_hash(tmp_path) -> None:
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(C.preset("debug").to_dict()))  # not the canonical layout
+    loaded = C.load(path)
+    p = plan("hdp", [5, 9, 30], 4, 8, loaded)
+    assert p.cost_hash == hashlib.sha256(path.read_bytes()).hexdigest()
+    # Same numbers from another file: same decisions, different recorded hash and digest.
+    q = plan("hdp", [5, 9, 30], 4, 8, C.preset("debug"))
+    assert np.array_equal(p.group_ranks, q.group_ranks) and p.digest() != q.digest()
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError, match="policy: unknown 'fancy'"):
+        PlannerConfig(policy="fancy").build(DEBUG)
+    with pytest.raises(ConfigError, match="num_ranks"):
+        PlannerConfig(num_ranks=0).build(DEBUG)
+    with pytest.raises(ConfigError, match="capacity"):
+        PlannerConfig(capacity=0).build(DEBUG)
+    with pytest.raises(MixlenError, match=">= 0"):
+        plan("hdp", [3, -1], 2, 8)

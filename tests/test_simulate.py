@@ -1,0 +1,250 @@
+"""Synthetic length distributions against the paper's statistics; `mixlen plan` and `mixlen
+simulate` end to end (JSON shape, dump format checked against the planner and the checker)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datapipe import cost as C
+from datapipe import simulate as S
+from datapipe.index import write_index
+from datapipe.plan import check_plan
+from datapipe.planners import PlannerConfig
+from datapipe.stream import StreamConfig
+from tools.cli import main
+
+K, M = 1024, 1024 * 1024
+
+
+def test_byted_statistics() -> None:
+    """Tolerances: sample fractions +-0.5 points (exact-count strata), token shares +-1.5 points."""
+    s = S.length_stats(S.sample_lengths("byted", 400_000, seed=1))
+    assert abs(s["frac_samples_le_4k"] - 0.80) <= 0.005
+    assert abs(s["frac_samples_ge_128k"] - 0.01) <= 0.0005
+    assert abs(s["frac_tokens_ge_128k"] - 0.443) <= 0.015
+    assert abs(s["frac_samples_ge_2m"] - 0.0005) <= 0.0001
+    assert abs(s["frac_tokens_ge_2m"] - 0.121) <= 0.015
+
+
+def test_github_statistics() -> None:
+    s = S.length_stats(S.sample_lengths("github", 400_000, seed=2))
+    assert abs(s["frac_tokens_gt_128k"] - 0.162) <= 0.015
+    assert abs(s["frac_tokens_gt_256k"] - 0.098) <= 0.015
+
+
+def test_segment_means_match_sampling() -> None:
+    """The closed-form segment means the mixture is solved with agree with draws."""
+    rng = np.random.Generator(np.random.PCG64(0))
+    for seg in S.byted() + S.github():
+        x = seg.sample(rng, 200_000)
+        assert x.min() >= max(1, seg.lo) and x.max() <= seg.hi
+        assert x.mean() == pytest.approx(seg.mean(), rel=0.03)
+
+
+def test_draw_batches_fill_rule() -> None:
+    pool = S.sample_lengths("byted", 50_000, seed=3)
+    for b in S.draw_batches(np.minimum(pool, 2 * M), 4 * M, 5, seed=3):
+        assert b.sum() <= 4 * M or b.size == 1
+
+
+def write_dataset(root: Path, lengths: np.ndarray) -> None:
+    """manifest.json + index.parquet for `lengths` (FORMAT.md), one fake shard."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = -(-lengths // 1024)
+    write_index(
+        str(root / "index.parquet"),
+        lengths,
+        np.zeros(len(lengths), np.int32),
+        np.concatenate([[0], np.cumsum(rows)[:-1]]),
+        rows,
+        [f"fake:{i}" for i in range(len(lengths))],
+    )
+    manifest = {
+        "mixlen_version": "0.1.0",
+        "format": "mds",
+        "dtype": "uint16",
+        "chunk_tokens": 1024,
+        "num_samples": len(lengths),
+        "num_tokens": int(lengths.sum()),
+        "num_rows": int(rows.sum()),
+        "shards": [{"name": "shard.00000.mds", "rows": int(rows.sum()), "samples": len(lengths)}],
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    rng = np.random.default_rng(7)
+    lengths = np.minimum(rng.lognormal(np.log(300), 1.5, 3000).astype(np.int64) + 1, 20_000)
+    root = tmp_path_factory.mktemp("ds")
+    write_dataset(root, lengths)
+    return root, lengths
+
+
+def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
+    root, lengths = dataset
+    dump = tmp_path / "plan.json"
+    rc = main(
+        [
+            "plan",
+            str(root),
+            "--ranks",
+            "16",
+            "--capacity",
+            "2048",
+            "--global-batch-tokens",
+            "200000",
+            "--steps",
+            "2",
+            "--model",
+            "llama-7b",
+            "--json",
+            "--dump",
+            str(dump),
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    names = [p["policy"] for p in out["policies"]]
+    assert names == ["static", "naive-hdp", "hdp"]
+    for p in out["policies"]:
+        for key in (
+            "est_step_time_s",
+            "imbalance",
+            "max_over_lower_bound",
+            "token_fill",
+            "comm_bytes",
+            "plan_ms",
+        ):
+            assert isinstance(p[key], float) and p[key] >= 0
+    assert out["speedup_hdp_over_static"] > 1.0
+    # The dump replays: rebuild each step's batch from the stream, re-plan, compare per rank.
+    d = json.loads(dump.read_text())
+    assert len(d["steps"]) == 6
+    stream = StreamConfig(path=str(root), global_batch_tokens=200_000).build()
+    batches = [next(stream) for _ in range(2)]
+    cost = C.preset("llama-7b")
+    for step in d["steps"]:
+        b = batches[step["step"]]
+        assert step["samples"] == [[int(s), int(n)] for s, n in zip(b.sample_ids, b.lengths)]
+        plan = (
+            PlannerConfig(
+                policy=step["policy"], num_ranks=16, capacity=2048, max_context=int(lengths.max())
+            )
+            .build(cost)
+            .plan(b.lengths, b.sample_ids)
+        )
+        check_plan(plan)
+        assert step["digest"] == plan.digest().hex()
+        for r in (0, 7, 15):
+            got = step["ranks"][r]["microbatches"]
+            want = plan.microbatches(r)
+            assert [m["slot"] for m in got] == [m.slot for m in want]
+            assert [m["pieces"] for m in got] == [[list(p) for p in m.pieces] for m in want]
+            assert [m["group"] for m in got] == [list(m.group) for m in want]
+
+
+def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
+    root, _ = dataset
+    png, page = tmp_path / "r.png", tmp_path / "r.html"
+    rc = main(
+        [
+            "plan",
+            str(root),
+            "--ranks",
+            "8",
+            "--capacity",
+            "4096",
+            "--global-batch-tokens",
+            "100000",
+            "--policy",
+            "hdp",
+            "--offload",
+            "--offload-gbps",
+            "256",
+            "--plot",
+            str(png),
+            "--html",
+            str(page),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "hdp+offload" in text and "est. step time" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data:image/png;base64," in page.read_text()
+
+
+def test_plan_cli_errors(dataset, tmp_path, capsys) -> None:
+    root, lengths = dataset
+    args = [
+        "plan",
+        str(root),
+        "--ranks",
+        "2",
+        "--capacity",
+        "1024",
+        "--global-batch-tokens",
+        "50000",
+    ]
+    assert main(args + ["--policy", "hdp"]) == 2  # longest sample 20,000 > N*C
+    assert "more than N * C" in capsys.readouterr().err
+    assert main(args + ["--cost", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read cost file" in capsys.readouterr().err
+
+
+def test_simulate_cli_json(capsys) -> None:
+    rc = main(
+        [
+            "simulate",
+            "--model",
+            "llama-7b",
+            "--ranks",
+            "64",
+            "--capacity",
+            "8192",
+            "--context",
+            str(256 * K),
+            "--lengths",
+            "byted",
+            "--global-batch-tokens",
+            str(2 * M),
+            "--steps",
+            "1",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    by = {p["policy"]: p for p in out["policies"]}
+    assert set(by) == {"static", "naive-hdp", "naive-hdp+offload", "hdp", "hdp+offload"}
+    assert by["static"]["speedup_over_static"] == 1.0
+    assert by["hdp"]["est_step_time_s"] <= by["naive-hdp"]["est_step_time_s"]
+    assert out["paper"]["ablation_speedup"]["hdp+offload"] == 3.69
+
+
+def test_simulate_cli_dataset(dataset, capsys) -> None:
+    root, _ = dataset
+    rc = main(
+        [
+            "simulate",
+            "--ranks",
+            "8",
+            "--capacity",
+            "4096",
+            "--context",
+            "32768",
+            "--lengths",
+            str(root),
+            "--global-batch-tokens",
+            "100000",
+            "--steps",
+            "1",
+        ]
+    )
+    assert rc == 0
+    assert "assumptions:" in capsys.readouterr().out

@@ -1,0 +1,172 @@
+"""`mixlen plan DIR`: plan the first K steps of a dataset's stream and print a balance report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+POLICY_CHOICES = ("hdp", "static", "naive-hdp", "all")
+
+
+def add_planner_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by plan and simulate."""
+    p.add_argument(
+        "--model",
+        default="llama-7b",
+        help="cost preset: debug, llama-7b, llama-13b, llama-70b, optionally @h100/@cpu",
+    )
+    p.add_argument(
+        "--cost",
+        metavar="FILE",
+        default=None,
+        help="cost model JSON (schema in datapipe/cost.py); overrides --model",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="selective activation offload (ByteScale Eq. 3) for hdp and naive-hdp",
+    )
+    p.add_argument(
+        "--offload-gbps",
+        type=float,
+        default=None,
+        metavar="B",
+        help="host link bandwidth for offload, Gbit/s per direction (default: cost model)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="per-rank stacked bars")
+    p.add_argument("--html", metavar="FILE.html", default=None, help="report with plot as HTML")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="dataset directory (index.parquet + manifest.json)")
+    p.add_argument("--ranks", type=int, required=True, help="ranks N of one island")
+    p.add_argument(
+        "--capacity", type=int, required=True, help="positions C per rank per micro-batch"
+    )
+    p.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per step T")
+    p.add_argument("--policy", choices=POLICY_CHOICES, default="all")
+    p.add_argument("--steps", type=int, default=1, help="plan the first K steps")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="static mesh context (default: the dataset's longest sample)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="stream seed")
+    p.add_argument(
+        "--dump",
+        metavar="FILE.json",
+        default=None,
+        help="write the planned steps (format in docs/PLAN.md)",
+    )
+    add_planner_arguments(p)
+
+
+def resolve_cost(args: argparse.Namespace):
+    from datapipe.cost import resolve
+    from datapipe.errors import ConfigError
+
+    cost = resolve(args.model, args.cost)
+    if args.offload_gbps is not None:
+        if args.offload_gbps <= 0:
+            raise ConfigError(f"--offload-gbps must be > 0, got {args.offload_gbps}")
+        cost = cost.with_offload_bandwidth(args.offload_gbps * 1e9 / 8)
+    return cost
+
+
+def policy_variants(policy: str, offload: bool) -> list[tuple[str, bool]]:
+    names = ("static", "naive-hdp", "hdp") if policy == "all" else (policy,)
+    return [(n, offload and n != "static") for n in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from datapipe.errors import ConfigError
+    from datapipe.index import read_lengths, read_manifest
+    from datapipe.planners import PlannerConfig
+    from datapipe.stream import StreamConfig
+    from tools import report
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    cost = resolve_cost(args)
+    read_manifest(args.dir)
+    max_ctx = args.max_context or int(max(read_lengths(args.dir).max(initial=0), 1))
+    stream = StreamConfig(
+        path=args.dir, global_batch_tokens=args.global_batch_tokens, seed=args.seed
+    ).build()
+    batches = [next(stream) for _ in range(args.steps)]
+    variants = policy_variants(args.policy, args.offload)
+    planners = {
+        v: PlannerConfig(
+            policy=v[0],
+            num_ranks=args.ranks,
+            capacity=args.capacity,
+            offload=v[1],
+            max_context=max_ctx,
+            seed=args.seed,
+        ).build(cost)
+        for v in variants
+    }
+    all_metrics, first_plans, dumped = [], [], []
+    for planner in planners.values():
+        planner.plan(batches[0].lengths[:1], batches[0].sample_ids[:1])  # JIT warm-up
+        per_step = []
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            plan = planner.plan(b.lengths, b.sample_ids)
+            ms = (time.perf_counter() - t0) * 1e3
+            per_step.append(report.plan_metrics(plan, cost, ms))
+            if i == 0:
+                first_plans.append(plan)
+            if args.dump:
+                d = plan.dump_step()
+                d["step"] = int(b.step)
+                dumped.append(d)
+        all_metrics.append(report.average_metrics(per_step))
+    title = (
+        f"mixlen plan {args.dir}: N={args.ranks} C={args.capacity} T={args.global_batch_tokens} "
+        f"steps={args.steps} cost={cost.name} ({cost.hash[:12]})"
+    )
+    table = report.format_table(all_metrics, title)
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump(
+                {
+                    "schema": "mixlen-plan-dump/1",
+                    "cost": cost.to_dict(),
+                    "cost_hash": cost.hash,
+                    "steps": dumped,
+                },
+                f,
+            )
+    png = None
+    if args.plot or args.html:
+        png = report.plot_ranks(first_plans, cost, args.plot, title=f"{title} (step 0)")
+    if args.html:
+        report.write_html(args.html, title, table, png)
+    if args.json:
+        by = {m.policy: m for m in all_metrics}
+        out = {
+            "ranks": args.ranks,
+            "capacity": args.capacity,
+            "global_batch_tokens": args.global_batch_tokens,
+            "steps": args.steps,
+            "cost": cost.name,
+            "cost_hash": cost.hash,
+            "tokens_per_step": float(np.mean([int(b.lengths.sum()) for b in batches])),
+            "policies": [m.to_dict() for m in all_metrics],
+        }
+        hdp = next((m for m in all_metrics if m.policy.startswith("hdp")), None)
+        if "static" in by and hdp is not None and hdp.est_step_time_s > 0:
+            out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
+        print(json.dumps(out))
+    else:
+        print(table)
+        for path in (args.plot, args.html, args.dump):
+            if path:
+                print(f"wrote {path}")
+    return 0
