@@ -268,7 +268,14 @@ def _utf8_error(exc: UnicodeDecodeError) -> str:
     return f"not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
 
 
-def _add_doc(res: BlockResult, source: str, text: str, tok: Tokenizer, s: TokenizeSettings) -> None:
+def _add_doc(
+    res: BlockResult, source: str, text: object, tok: Tokenizer, s: TokenizeSettings
+) -> None:
+    if not isinstance(text, str):
+        res.bad.append(
+            (source, f"text field {s.text_field!r} is {type(text).__name__}, expected a string")
+        )
+        return
     res.documents += 1
     if not text:
         res.empty += 1
@@ -336,14 +343,6 @@ def process_block(block: Block) -> BlockResult:
                 res.bad.append((where, f"missing text field {s.text_field!r}"))
                 continue
             text = obj[s.text_field]
-            if not isinstance(text, str):
-                res.bad.append(
-                    (
-                        where,
-                        f"text field {s.text_field!r} is {type(text).__name__}, expected a string",
-                    )
-                )
-                continue
             _add_doc(res, where, text, tok, s)
     elif block.kind == "parquet":
         for i, text in enumerate(block.items):
@@ -357,14 +356,6 @@ def process_block(block: Block) -> BlockResult:
                 except UnicodeDecodeError as exc:
                     res.bad.append((where, _utf8_error(exc)))
                     continue
-            if not isinstance(text, str):
-                res.bad.append(
-                    (
-                        where,
-                        f"text field {s.text_field!r} is {type(text).__name__}, expected a string",
-                    )
-                )
-                continue
             _add_doc(res, where, text, tok, s)
     else:  # pragma: no cover - internal
         raise AssertionError(block.kind)
