@@ -1,0 +1,315 @@
+"""LengthAwareStream: fill rule, islands, oversize policy, determinism and resume across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapipe.errors import ConfigError
+from datapipe.index import write_index
+from datapipe.stream import (
+    GlobalBatch,
+    LengthAwareStream,
+    StreamConfig,
+    greedy_boundaries,
+    resolve_dataset,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_length_index(root: Path, lengths: np.ndarray, chunk_tokens: int = 1024) -> None:
+    """manifest.json + index.parquet (FORMAT.md) for `lengths`, one fake shard: enough for the stream."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = -(-lengths // chunk_tokens)
+    first = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    write_index(
+        str(root / "index.parquet"),
+        lengths,
+        np.zeros(len(lengths), np.int32),
+        first,
+        rows,
+        [f"fake:{i}" for i in range(len(lengths))],
+    )
+    manifest = {
+        "mixlen_version": "0.1.0",
+        "format": "mds",
+        "dtype": "uint16",
+        "chunk_tokens": chunk_tokens,
+        "num_samples": len(lengths),
+        "num_tokens": int(lengths.sum()),
+        "num_rows": int(rows.sum()),
+        "shards": [{"name": "shard.00000.mds", "rows": int(rows.sum()), "samples": len(lengths)}],
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def lognormal_lengths(n: int, seed: int = 0, median: float = 400.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, rng.lognormal(np.log(median), 1.0, n)).astype(np.int64)
+
+
+def reference_batches(lengths_in_order: list[int], budget: int) -> list[list[int]]:
+    """Per-sample greedy fill, written the obvious way: positions of each batch."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths_in_order):
+        if cur and total + n > budget:
+            batches.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@settings(deadline=None, max_examples=150)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=200),
+    st.integers(1, 600),
+)
+def test_greedy_boundaries_match_reference(lengths: list[int], budget: int) -> None:
+    bounds = greedy_boundaries(np.asarray(lengths, np.int64), budget)
+    got = [list(range(bounds[i], bounds[i + 1])) for i in range(len(bounds) - 1)]
+    assert got == reference_batches(lengths, budget)
+
+
+def _stream(lengths: np.ndarray, budget: int, **kw) -> LengthAwareStream:
+    return LengthAwareStream(StreamConfig(path="mem", global_batch_tokens=budget, **kw), lengths)
+
+
+def test_one_island_epoch_covers_every_sample_once_within_budget() -> None:
+    lengths = lognormal_lengths(3000, seed=1)
+    budget = 20_000
+    s = _stream(lengths, budget, seed=7)
+    for epoch in range(3):
+        steps = s.steps_in_epoch(epoch)
+        batches = [next(s) for _ in range(steps)]
+        assert all(b.epoch == epoch for b in batches)
+        ids = np.concatenate([b.sample_ids for b in batches])
+        assert np.array_equal(np.sort(ids), np.arange(len(lengths)))
+        for b in batches:
+            assert np.array_equal(b.lengths, lengths[b.sample_ids])
+            assert b.num_tokens <= budget
+        # greedy: the first sample of the next batch did not fit in the previous one
+        for a, b in zip(batches, batches[1:], strict=False):
+            assert a.num_tokens + int(b.lengths[0]) > budget
+        assert len(s.skipped_samples(epoch)) == 0
+    assert next(s).epoch == 3
+
+
+def test_epoch_orders_differ_by_seed_and_epoch() -> None:
+    lengths = lognormal_lengths(500)
+    a, b = _stream(lengths, 5000, seed=0), _stream(lengths, 5000, seed=1)
+    a0 = np.concatenate([a.batch(0, k).sample_ids for k in range(a.steps_in_epoch(0))])
+    a1 = np.concatenate([a.batch(1, k).sample_ids for k in range(a.steps_in_epoch(1))])
+    b0 = np.concatenate([b.batch(0, k).sample_ids for k in range(b.steps_in_epoch(0))])
+    assert not np.array_equal(a0, a1) and not np.array_equal(a0, b0)
+
+
+@pytest.mark.parametrize("num_islands", [2, 3, 5])
+def test_islands_are_disjoint_and_cover_the_epoch(num_islands: int) -> None:
+    lengths = lognormal_lengths(2000, seed=2)
+    budget = 15_000
+    whole = _stream(lengths, budget, seed=3)  # one island: the reference sequence of batches
+    for epoch in range(2):
+        ref = [whole.batch(epoch, k).sample_ids for k in range(whole.steps_in_epoch(epoch))]
+        per_island = []
+        for isl in range(num_islands):
+            s = _stream(lengths, budget, seed=3, island=isl, num_islands=num_islands)
+            s.load_state_dict({**s.state_dict(), "epoch": epoch})
+            steps = s.steps_in_epoch(epoch)
+            assert steps == len(ref) // num_islands
+            got = [next(s).sample_ids for _ in range(steps)]
+            # island isl gets the reference batches isl, isl+I, ...
+            for k, ids in enumerate(got):
+                assert np.array_equal(ids, ref[k * num_islands + isl])
+            per_island.append(np.concatenate(got))
+        used = np.concatenate(per_island)
+        skipped = s.skipped_samples(epoch)
+        assert len(np.unique(used)) == len(used)  # disjoint
+        assert np.array_equal(np.sort(np.concatenate([used, skipped])), np.arange(len(lengths)))
+        n_skipped_batches = len(ref) % num_islands
+        assert len(skipped) == sum(len(b) for b in ref[len(ref) - n_skipped_batches :])
+
+
+def test_oversize_policy() -> None:
+    lengths = np.array([100, 5000, 200, 300, 9000, 50], np.int64)
+    with pytest.raises(ConfigError, match="sample 4"):
+        _stream(lengths, 1000, oversize="error")
+    s = _stream(lengths, 1000, oversize="own_step")
+    batches = [next(s) for _ in range(s.steps_in_epoch(0))]
+    ids = np.concatenate([b.sample_ids for b in batches])
+    assert np.array_equal(np.sort(ids), np.arange(6))  # nothing dropped
+    for b in batches:
+        if b.num_tokens > 1000:
+            assert len(b.sample_ids) == 1 and int(b.lengths[0]) > 1000
+    with pytest.raises(ConfigError, match="oversize"):
+        _stream(lengths, 1000, oversize="drop")
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    lengths = np.array([10, 20], np.int64)
+    with pytest.raises(ConfigError, match="island"):
+        _stream(lengths, 100, island=2, num_islands=2)
+    with pytest.raises(ConfigError, match="global_batch_tokens"):
+        _stream(lengths, 0)
+    with pytest.raises(ConfigError, match="num_islands"):
+        next(_stream(lengths, 100, num_islands=3))  # fewer batches than islands
+    with pytest.raises(ConfigError, match="stream.path"):
+        StreamConfig(path=str(tmp_path / "missing"), global_batch_tokens=10).build()
+
+
+def test_resume_in_process_matches_uninterrupted_run(tmp_path: Path) -> None:
+    lengths = lognormal_lengths(800, seed=4)
+    write_length_index(tmp_path / "ds", lengths)
+    cfg = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=11)
+    ref = cfg.build()
+    assert np.array_equal(ref.lengths, lengths)
+    ref_batches = [next(ref) for _ in range(200)]  # several epochs
+    assert ref_batches[-1].epoch >= 2
+    for k in (0, 1, ref.steps_in_epoch(0) - 1, ref.steps_in_epoch(0), 77):
+        s = cfg.build()
+        for _ in range(k):
+            next(s)
+        state = json.loads(json.dumps(s.state_dict()))  # must survive a JSON round trip
+        t = cfg.build()
+        t.load_state_dict(state)
+        for want in ref_batches[k : k + 40]:
+            got = next(t)
+            assert got.step == want.step and got.digest() == want.digest()
+    other = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=12).build()
+    with pytest.raises(ConfigError, match="seed"):
+        other.load_state_dict(state)
+
+
+def test_remote_metadata_goes_through_streaming_downloader(tmp_path: Path, monkeypatch) -> None:
+    """A remote dataset (here a plain directory, which CloudDownloader serves with its local
+    downloader) is read from copies of manifest.json + index.parquet in the cache dir."""
+    from datapipe import stream as stream_mod
+
+    lengths = lognormal_lengths(50)
+    remote = tmp_path / "remote"
+    write_length_index(remote, lengths)
+    assert stream_mod.is_remote("s3://bucket/ds") and not stream_mod.is_remote(str(remote))
+    monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(remote))
+    cache = tmp_path / "cache"
+    s = StreamConfig(path=str(remote), global_batch_tokens=5000, cache_dir=str(cache)).build()
+    assert np.array_equal(s.lengths, lengths)
+    for name in ("manifest.json", "index.parquet"):
+        assert (cache / name).read_bytes() == (remote / name).read_bytes()
+    assert resolve_dataset(str(remote), str(cache)) == (str(cache), str(remote))
+
+
+def _digest_runs(path: str, budget: int, runs: list[list[int]]) -> list[str]:
+    import hashlib
+
+    out = []
+    for seed, num_islands, island, steps in runs:
+        s = StreamConfig(path, budget, seed=seed, island=island, num_islands=num_islands).build()
+        h = hashlib.blake2b(digest_size=16)
+        for _ in range(steps):
+            h.update(next(s).digest())
+        out.append(h.hexdigest())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_four_processes_agree_and_resume_in_fresh_process(tmp_path: Path) -> None:
+    """One launch of 4 processes: same batches byte for byte, and exact resume after restart."""
+    lengths = lognormal_lengths(3000, seed=5)
+    ds = tmp_path / "ds"
+    write_length_index(ds, lengths)
+    budget = 40_000
+    runs = [[seed, isl_n, isl, 60] for seed in (0, 1, 987654321) for isl_n, isl in ((1, 0), (3, 2))]
+    # uninterrupted reference in this process; state saved mid-epoch after K steps
+    cfg = StreamConfig(str(ds), budget, seed=1, island=1, num_islands=2)
+    ref = cfg.build()
+    k = ref.steps_in_epoch(0) + 3
+    ref_batches = [next(ref) for _ in range(k + 30)]
+    s = cfg.build()
+    for _ in range(k):
+        next(s)
+    spec = {
+        "path": str(ds),
+        "budget": budget,
+        "runs": runs,
+        "resume": {"seed": 1, "num_islands": 2, "island": 1, "state": s.state_dict(), "steps": 30},
+    }
+    spec["fetch"] = fetch_spec = _fetch_spec(tmp_path)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "_stream_worker.py"),
+                str(tmp_path / "spec.json"),
+                str(tmp_path / f"out{r}.json"),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(4)
+    ]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=80)
+            assert p.returncode == 0, err.decode()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    outs = [(tmp_path / f"out{r}.json").read_bytes() for r in range(4)]
+    assert outs[1] == outs[0] and outs[2] == outs[0] and outs[3] == outs[0]
+    out = json.loads(outs[0])
+    assert out["runs"] == _digest_runs(str(ds), budget, runs)  # and equal to this process
+    assert len(set(out["runs"])) == len(runs)
+    assert out["resume"] == [b.digest().hex() for b in ref_batches[k:]]
+    assert out["fetch"] == _fetch_digest(fetch_spec)
+    # index/stream (and a parquet fetch) never import torch or the streaming library
+    assert out["heavy_after_stream"] == [] and out["heavy_after_parquet_fetch"] == []
+
+
+def _fetch_spec(tmp_path: Path) -> dict:
+    """A small parquet dataset (no streaming import in the workers) and one step's pieces: the same launch checks the fetch too."""
+    from test_fetch import make_dataset, random_pieces  # tests/ is on sys.path under pytest
+
+    root, lengths = make_dataset(tmp_path / "fetch_pq", "parquet", n=60, seed=9)
+    pieces = random_pieces(lengths, np.random.default_rng(3), n_microbatches=3)
+    return {"path": str(root), "pieces": [p.tolist() for p in pieces]}
+
+
+def _fetch_digest(spec: dict) -> str:
+    import hashlib
+
+    from datapipe.fetch import FetchConfig
+
+    fetcher = FetchConfig(path=spec["path"]).build()
+    try:
+        h = hashlib.blake2b(digest_size=16)
+        for mb in fetcher.fetch_step([np.asarray(p, dtype=np.int64) for p in spec["pieces"]]):
+            for arr in (mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens):
+                h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
+    finally:
+        fetcher.close()
+
+
+def test_global_batch_digest_covers_contents() -> None:
+    a = GlobalBatch(0, 0, np.array([1, 2], np.int64), np.array([5, 6], np.int64))
+    b = GlobalBatch(0, 0, np.array([2, 1], np.int64), np.array([6, 5], np.int64))
+    assert (
+        a.digest() != b.digest()
+        and a.digest() == GlobalBatch(0, 0, a.sample_ids, a.lengths).digest()
+    )
