@@ -39,14 +39,26 @@ def run_preprocess(tmp: str, fmt: str, workers: int, tokenizer: str | None) -> d
     t0 = time.perf_counter()
     res = preprocess(
         PreprocessConfig(
-            [STDLIB], out, format=fmt, globs=GLOBS, excludes=EXCLUDES, max_len=MAX_LEN,
-            workers=workers, tokenizer=tokenizer, progress=False,
+            [STDLIB],
+            out,
+            format=fmt,
+            globs=GLOBS,
+            excludes=EXCLUDES,
+            max_len=MAX_LEN,
+            workers=workers,
+            tokenizer=tokenizer,
+            progress=False,
         ),  # fmt: skip
         warn=lambda _msg: None,
     )
     dt = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
-    return {"s": dt, "mb": res.input_bytes / 1e6, "tokens": res.manifest["num_tokens"], "samples": res.manifest["num_samples"]}
+    return {
+        "s": dt,
+        "mb": res.input_bytes / 1e6,
+        "tokens": res.manifest["num_tokens"],
+        "samples": res.manifest["num_samples"],
+    }
 
 
 def bare_mds(tmp: str, samples: list[np.ndarray], chunk: int) -> float:
@@ -61,6 +73,28 @@ def bare_mds(tmp: str, samples: list[np.ndarray], chunk: int) -> float:
         for sid, toks in enumerate(samples):
             for j, start in enumerate(range(0, len(toks), chunk)):
                 w.write({"sample_id": sid, "chunk": j, "tokens": toks[start : start + chunk]})
+    dt = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return dt
+
+
+def mixlen_writer(tmp: str, samples: list[np.ndarray], chunk: int) -> float:
+    """mixlen's own write path (MDS shard writer + index.parquet) on the same in-memory arrays."""
+    from datapipe.shards import build_writer
+
+    out = os.path.join(tmp, "mw")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    t0 = time.perf_counter()
+    w = build_writer("mds", out, np.dtype(np.uint16), chunk, 1 << 26)
+    for sid, toks in enumerate(samples):
+        w.write(sid, toks)
+    w.finish()
+    n = np.array([len(s) for s in samples], dtype=np.int64)
+    write_index(
+        os.path.join(out, "index.parquet"), n, np.asarray(w.sample_shard), np.asarray(w.sample_first_row),
+        np.maximum(1, -(-n // chunk)), ["x"] * len(n),
+    )  # fmt: skip
     dt = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return dt
@@ -87,7 +121,12 @@ def bench_profile(tmp: str, n: int = 1_000_000) -> dict:
     d = os.path.join(tmp, "prof")
     os.makedirs(d, exist_ok=True)
     write_index(
-        os.path.join(d, "index.parquet"), lengths, np.zeros(n, np.int32), np.arange(n), np.ones(n, np.int32), [""] * n
+        os.path.join(d, "index.parquet"),
+        lengths,
+        np.zeros(n, np.int32),
+        np.arange(n),
+        np.ones(n, np.int32),
+        [""] * n,
     )
     times = []
     for _ in range(5):
@@ -109,15 +148,27 @@ def main() -> None:
     samples = stdlib_token_arrays()
     tmp = tempfile.mkdtemp(prefix="mixlen-bench-ingest-")
     try:
-        configs = [("mds", 1, None), ("bare-mds", 1, None), ("mds", 2, None), ("wds", 1, None), ("parquet", 1, None)]
+        configs = [
+            ("mds", 1, None),
+            ("bare-mds", 1, None),
+            ("mixlen-writer", 1, None),
+            ("mds", 2, None),
+            ("wds", 1, None),
+            ("parquet", 1, None),
+        ]
         if not args.skip_bpe:
             configs += [("parquet-bpe", 1, BPE), ("parquet-bpe", 2, BPE)]
         for _ in range(args.repeats):  # interleaved so drift hits every config alike
             for fmt, workers, tok in configs:
                 key = f"{fmt} w{workers}"
-                if fmt == "bare-mds":
-                    dt = bare_mds(tmp, samples, 65536)
-                    r = {"s": dt, "mb": None, "tokens": int(sum(len(s) for s in samples)), "samples": len(samples)}
+                if fmt in ("bare-mds", "mixlen-writer"):
+                    dt = (bare_mds if fmt == "bare-mds" else mixlen_writer)(tmp, samples, 65536)
+                    r = {
+                        "s": dt,
+                        "mb": None,
+                        "tokens": int(sum(len(s) for s in samples)),
+                        "samples": len(samples),
+                    }
                 else:
                     r = run_preprocess(tmp, fmt.replace("-bpe", ""), workers, tok)
                 rows.setdefault(key, []).append(r)
@@ -131,18 +182,34 @@ def main() -> None:
     for key, rs in rows.items():
         best = min(r["s"] for r in rs)
         tok = rs[0]["tokens"]
-        result["configs"][key] = {"s_best": best, "s_all": [r["s"] for r in rs], "tokens": tok, "samples": rs[0]["samples"]}
-        print(f"{key:<18} {best:>8.3f} {mb / best:>8.1f} {tok / best / 1e6:>8.2f} {rs[0]['samples'] / best:>10,.0f}")
+        result["configs"][key] = {
+            "s_best": best,
+            "s_all": [r["s"] for r in rs],
+            "tokens": tok,
+            "samples": rs[0]["samples"],
+        }
+        print(
+            f"{key:<18} {best:>8.3f} {mb / best:>8.1f} {tok / best / 1e6:>8.2f} {rs[0]['samples'] / best:>10,.0f}"
+        )
     c = result["configs"]
     overhead = c["mds w1"]["s_best"] / c["bare-mds w1"]["s_best"] - 1
     result["mds_overhead_vs_bare"] = overhead
-    print(f"mixlen mds (1 worker, read+tokenize+write+index) vs bare MDSWriter on in-memory arrays: {100 * overhead:+.1f}%")
+    print(
+        f"mixlen mds (1 worker, read+tokenize+write+index) vs bare MDSWriter on in-memory arrays: {100 * overhead:+.1f}%"
+    )
+    wo = c["mixlen-writer w1"]["s_best"] / c["bare-mds w1"]["s_best"] - 1
+    result["writer_overhead_vs_bare"] = wo
+    print(
+        f"mixlen's write path (shard writer + index) vs bare MDSWriter, same in-memory arrays: {100 * wo:+.1f}%"
+    )
     print(f"mds 2 workers vs 1: {c['mds w1']['s_best'] / c['mds w2']['s_best']:.2f}x")
     if "parquet-bpe w1" in c:
         sp = c["parquet-bpe w1"]["s_best"] / c["parquet-bpe w2"]["s_best"]
         result["bpe_speedup_2w"] = sp
         print(f"BPE tokenizer, 2 workers vs 1: {sp:.2f}x")
-    print(f"profile of a 1,000,000-sample index (read + stats): {prof['s_median'] * 1000:.0f} ms median")
+    print(
+        f"profile of a 1,000,000-sample index (read + stats): {prof['s_median'] * 1000:.0f} ms median"
+    )
     os.makedirs(ROOT / "benchmarks" / "out", exist_ok=True)
     with open(ROOT / "benchmarks" / "out" / "bench_ingest.json", "w") as f:
         json.dump(result, f, indent=1)

@@ -14,7 +14,7 @@ import numpy as np
 from datapipe import __version__
 from datapipe.errors import InputError
 from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
-from datapipe.shards import sha256_file
+from datapipe.shards import checksum_file
 
 
 def _read_mds_index(root: str) -> dict:
@@ -82,7 +82,7 @@ def index_mds(root: str, tokens_field: str = "tokens", overwrite: bool = False) 
                 "samples": sh["samples"],
                 "first_sample": len(lengths) - sh["samples"],
                 "bytes": os.path.getsize(path),
-                "sha256": sha256_file(path),
+                "xxh3_64": checksum_file(path),
             }
         )
     num_tokens = np.asarray(lengths, dtype=np.int64)

@@ -6,20 +6,20 @@ for each sample, the shard and row where its first chunk went.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 FORMATS = ("mds", "wds", "parquet")
 
 
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
+def checksum_file(path: str) -> str:
+    """Hex XXH3-64 of a file's bytes (the manifest's per-shard checksum: fast, not cryptographic)."""
+    h = xxhash.xxh3_64()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
@@ -35,7 +35,7 @@ class ShardInfo:
     samples: int = 0
     first_sample: int = 0
     bytes: int = 0
-    sha256: str = ""
+    xxh3_64: str = ""
 
     def to_dict(self) -> dict:
         return {
@@ -44,7 +44,7 @@ class ShardInfo:
             "samples": self.samples,
             "first_sample": self.first_sample,
             "bytes": self.bytes,
-            "sha256": self.sha256,
+            "xxh3_64": self.xxh3_64,
         }
 
 
@@ -84,7 +84,7 @@ class ShardWriter:
         for s in self.shards:
             path = os.path.join(self.root, s.name)
             s.bytes = os.path.getsize(path)
-            s.sha256 = sha256_file(path)
+            s.xxh3_64 = checksum_file(path)
 
 
 class MDSShardWriter(ShardWriter):
@@ -97,7 +97,7 @@ class MDSShardWriter(ShardWriter):
 
         columns = {"sample_id": "int64", "chunk": "int32", "tokens": f"ndarray:{self.dtype.name}"}
         self._w = MDSWriter(
-            out=root, columns=columns, compression=None, size_limit=shard_bytes, hashes=["sha256"]
+            out=root, columns=columns, compression=None, size_limit=shard_bytes, hashes=["xxh3_64"]
         )
         self._row = 0
         self._global_first_row: list[int] = []
@@ -131,7 +131,7 @@ class MDSShardWriter(ShardWriter):
                 int(counts[i]),
                 int(first_sample[i]),
                 int(s["raw_data"]["bytes"]),
-                s["raw_data"]["hashes"]["sha256"],  # computed by MDSWriter from the bytes it wrote
+                s["raw_data"]["hashes"]["xxh3_64"],  # computed by MDSWriter from the bytes it wrote
             )
             for i, s in enumerate(mds["shards"])
         ]

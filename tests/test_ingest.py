@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 from conftest import ROOT
 from readback import read_rows, samples_from_rows
 
@@ -55,7 +56,7 @@ def check_dataset(root: str, expected_tokens: list[np.ndarray], chunk: int) -> N
     for i, s in enumerate(m["shards"]):
         path = os.path.join(root, s["name"])
         assert os.path.getsize(path) == s["bytes"]
-        assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == s["sha256"]
+        assert xxhash.xxh3_64(Path(path).read_bytes()).hexdigest() == s["xxh3_64"]
         assert np.sum(idx.shard == i) == s["samples"]
 
 
