@@ -1,0 +1,436 @@
+"""Training-step benchmark: hdp vs static vs naive-hdp on the same global batches of the
+standard-library corpus (`make demo` builds .demo/stdlib), plus hdp's overhead against plain
+torch DistributedDataParallel on batches of short sequences only.
+
+- Wall clock, 2 gloo ranks (one per core): every policy runs every batch (interleaved, so machine
+  noise hits all alike); step time is the slowest rank's, from a barrier to the optimizer step.
+- 4 ranks on 2 cores would hide imbalance in wall time (total work / 2), so for 4 ranks each
+  micro-batch's CPU time (thread time, one torch thread per rank) is measured and replayed through
+  the plan's slot order (a group waits for its slowest member; datapipe.plan.replay_kernel).
+- Prediction: the planner's makespan for the same batches from a cost model calibrated here
+  (tools.cmd_calibrate, one thread) unless --cost is given.
+- Communication: ring bytes sent per step (all ranks) and the coalesced all-reduce payload.
+
+    .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 4]
+
+Prints tables and writes benchmarks/out/bench_train.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+POLICIES = ("hdp", "static", "naive-hdp")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+
+
+def _executor(comm, lr: float = 1e-3):
+    import torch
+
+    from trainer.executor import HDPExecutor, build_model
+    from trainer.model import get_config
+
+    model, master = build_model(get_config("debug"), torch.float32, seed=0)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr)
+    return HDPExecutor(model, opt, comm, master=master, grad_clip=1.0)
+
+
+def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
+    """Every policy on every batch; rank 0 writes per-step records to job['out']."""
+    import torch
+    import torch.distributed as dist
+
+    from datapipe.cost import load
+    from datapipe.plan import replay_kernel
+    from datapipe.planners import PlannerConfig
+    from trainer.comm import TorchComm
+    from trainer.executor import MemoryFetcher
+
+    _init(rank, world, port)
+    try:
+        comm = TorchComm()
+        data = np.load(job["tokens"], allow_pickle=True)
+        fetcher = MemoryFetcher(list(data["tokens"]))
+        batches = [np.asarray(b) for b in data["batches"]]
+        cost = load(job["cost"])
+        planners = {
+            p: PlannerConfig(
+                policy=p,
+                num_ranks=world,
+                capacity=job["capacity"],
+                max_context=int(fetcher.lengths.max()),
+            ).build(cost)
+            for p in POLICIES
+        }
+        execs = {p: _executor(comm) for p in POLICIES}
+        records = []
+        for i, ids in enumerate([batches[0], *batches]):  # batch 0 once more as warm-up
+            for j in range(len(POLICIES)):  # rotate the order: drift hits every policy alike
+                policy = POLICIES[(i + j) % len(POLICIES)]
+                plan = planners[policy].plan(fetcher.lengths[ids], ids)
+                ex = execs[policy]
+                fetched = fetcher.fetch_step(
+                    [np.array(m.pieces, dtype=np.int64) for m in plan.microbatches(rank)]
+                )
+                best_wall, replayed = float("inf"), None
+                for _ in range(job["repeats"] if i else 1):  # min over repeats: less noise
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    res = ex.step(plan, fetched, i)
+                    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+                    best_wall = min(best_wall, float(wall.item()))
+                    log = torch.zeros(plan.num_microbatches, dtype=torch.float64)
+                    for slot, _, cpu in ex.mb_log:
+                        log[slot] = cpu
+                    dist.all_reduce(log, op=dist.ReduceOp.MAX)  # a group waits for its slowest
+                    rep = replay_kernel(
+                        plan.mb_group_offsets,
+                        plan.group_ranks.astype(np.int64),
+                        (log.numpy() * 1e9).astype(np.int64),
+                        world,
+                    )
+                    if replayed is None or rep.max() < replayed.max():
+                        replayed = rep
+                if i == 0:
+                    continue
+                records.append(
+                    {
+                        "batch": i - 1,
+                        "policy": policy,
+                        "tokens": res.tokens,
+                        "samples": int(len(ids)),
+                        "wall_s": best_wall,
+                        "replayed_cpu_s": float(replayed.max()) / 1e9,
+                        "cpu_s_per_rank": (replayed / 1e9).tolist(),
+                        "predicted_s": plan.makespan_ns / 1e9,
+                        "ring_bytes": int(sum(res.p2p_bytes)),
+                        "allreduce_bytes_per_rank": res.reduce_bytes,
+                        "group_sizes": sorted({int(k) for k in plan.group_sizes}),
+                        "microbatches": res.microbatches,
+                        "loss": res.loss,
+                    }
+                )
+        if rank == 0:
+            with open(job["out"], "w") as f:
+                json.dump(records, f)
+        if job.get("overhead"):
+            _overhead(rank, world, comm, job["overhead"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _overhead(rank: int, world: int, comm, job: dict) -> None:
+    """hdp executor vs torch DDP (no_sync accumulation) on the same packed micro-batches."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from datapipe.cost import load
+    from datapipe.planners import PlannerConfig
+    from trainer.attention import LocalAttention
+    from trainer.executor import MemoryFetcher, build_model, labelled_positions
+    from trainer.model import get_config
+
+    data = np.load(job["tokens"], allow_pickle=True)
+    fetcher = MemoryFetcher(list(data["tokens"]))
+    batches = [np.asarray(b) for b in data["batches"]]
+    planner = PlannerConfig(policy="hdp", num_ranks=world, capacity=job["capacity"]).build(
+        load(job["cost"])
+    )
+    plans = [planner.plan(fetcher.lengths[ids], ids) for ids in batches]
+    fetched = [
+        fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in p.microbatches(rank)])
+        for p in plans
+    ]
+    assert all(len(f) > 0 for f in fetched), "every rank needs a micro-batch for DDP"
+    ex = _executor(comm)
+    model, _ = build_model(get_config("debug"), torch.float32, seed=0)
+    ddp = DDP(model)  # the model has no buffers
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+
+    def ddp_step(plan, mbs) -> None:
+        n = labelled_positions(plan.lengths)
+        for j, mb in enumerate(mbs):
+            ctx = ddp.no_sync() if j + 1 < len(mbs) else _null()
+            with ctx:
+                loss, _ = ddp(
+                    torch.from_numpy(mb.input_ids),
+                    torch.from_numpy(mb.position_ids),
+                    labels=torch.from_numpy(mb.labels),
+                    attn=LocalAttention(mb.cu_seqlens.tolist()),
+                )
+                (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = {"hdp": 0.0, "ddp": 0.0}
+    tokens = 0
+    for rep in range(job["repeats"] + 1):
+        for i, (plan, mbs) in enumerate(zip(plans, fetched)):
+            for name in ("hdp", "ddp") if (rep + i) % 2 == 0 else ("ddp", "hdp"):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "hdp":
+                    ex.step(plan, mbs, i)
+                else:
+                    ddp_step(plan, mbs)
+                dist.barrier()
+                if rep:  # the first pass warms up
+                    times[name] += time.perf_counter() - t0
+            if rep:
+                tokens += int(plan.lengths.sum())
+    if rank == 0:
+        with open(job["out"], "w") as f:
+            json.dump({"tokens": tokens, "seconds": times}, f)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _spawn(fn, world: int, job: dict, timeout: float) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        fn, args=(world, _port(), job), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"benchmark workers did not finish in {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+
+def _batches(data: str, gbt: int, steps: int, max_len: int | None, seed: int):
+    """(sample ids of the first `steps` stream batches, token arrays of those samples)."""
+    from datapipe.fetch import FetchConfig
+    from datapipe.stream import LengthAwareStream, StreamConfig
+
+    fetcher = FetchConfig(data).build()
+    lengths = np.asarray(fetcher.lengths)
+    pool = np.flatnonzero(lengths <= max_len) if max_len else np.arange(len(lengths))
+    stream = LengthAwareStream(StreamConfig(data, gbt, seed=seed), lengths[pool])
+    batches = [pool[next(stream).sample_ids] for _ in range(steps)]
+    used = np.unique(np.concatenate(batches))
+    mbs = fetcher.fetch_step([np.array([[s, 0, lengths[s]]]) for s in used])
+    fetcher.close()
+    remap = {int(s): i for i, s in enumerate(used)}
+    tokens = np.empty(len(used), dtype=object)
+    for i, mb in enumerate(mbs):
+        tokens[i] = mb.input_ids
+    return [np.array([remap[int(s)] for s in b]) for b in batches], tokens
+
+
+def _save(path: str, batches, tokens) -> None:
+    b = np.empty(len(batches), dtype=object)
+    for i, x in enumerate(batches):
+        b[i] = x
+    np.savez(path, tokens=tokens, batches=b)
+
+
+def _summary(records: list[dict], key: str) -> dict:
+    out = {}
+    for p in POLICIES:
+        rs = [r for r in records if r["policy"] == p]
+        out[p] = {
+            "measured_s": sum(r[key] for r in rs),
+            "predicted_s": sum(r["predicted_s"] for r in rs),
+            "ring_bytes_per_step": float(np.mean([r["ring_bytes"] for r in rs])),
+            "allreduce_bytes_per_rank": rs[0]["allreduce_bytes_per_rank"],
+            "tokens": sum(r["tokens"] for r in rs),
+        }
+    h, s = out["hdp"], out["static"]
+    out["hdp_over_static"] = {
+        "measured": h["measured_s"] / s["measured_s"],
+        "predicted": h["predicted_s"] / s["predicted_s"],
+    }
+    out["hdp_over_static"]["deviation"] = (
+        out["hdp_over_static"]["measured"] / out["hdp_over_static"]["predicted"] - 1
+    )
+    return out
+
+
+def _print_table(title: str, summ: dict, unit: str) -> None:
+    print(f"\n{title}")
+    print(f"| policy | {unit} | predicted s | ring MB/step | all-reduce MB/rank | tokens |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for p in POLICIES:
+        r = summ[p]
+        print(
+            f"| {p} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | "
+            f"{r['ring_bytes_per_step'] / 1e6:.2f} | {r['allreduce_bytes_per_rank'] / 1e6:.2f} | "
+            f"{r['tokens']} |"
+        )
+    q = summ["hdp_over_static"]
+    print(
+        f"hdp/static: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} "
+        f"(deviation {q['deviation']:+.1%})"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per batch and policy")
+    ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens")
+    ap.add_argument("--cost", default=None, help="cost file (default: calibrate here)")
+    ap.add_argument("--skip", default="", help="comma list of: wall2,replay4,overhead")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "bench_train.json"))
+    args = ap.parse_args()
+    if not os.path.isfile(os.path.join(args.data, "index.parquet")):
+        print(f"{args.data}: no dataset; run `make demo` first", file=sys.stderr)
+        return 2
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    work = os.path.join(os.path.dirname(args.out), "bench_train")
+    os.makedirs(work, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict = {"args": vars(args)}
+
+    cost_path = args.cost
+    if cost_path is None:
+        import torch
+
+        from tools.cmd_calibrate import fit_cost, time_model
+
+        torch.set_num_threads(1)
+        lens = [256, 1024, 2048, 4096, 8192]
+        t = time_model("debug", lens, 1, "float32", "cpu")
+        a, b, c = fit_cost(np.array(lens), np.array(t))
+        from datapipe.cost import preset
+
+        base = preset("debug").to_dict()
+        base.update(a=a, b=b, c=c, name="debug@bench-calibrated")
+        cost_path = os.path.join(work, "cost.json")
+        with open(cost_path, "w") as f:
+            json.dump(base, f, indent=2)
+        result["calibration"] = {"lengths": lens, "seconds": t, "a": a, "b": b, "c": c}
+        print(
+            f"calibrated: a={a:.3g} b={b:.3g} c={c:.3g}  (lengths {lens}, s {[round(x, 3) for x in t]})"
+        )
+    result["cost"] = cost_path
+
+    batches, tokens = _batches(args.data, args.gbt, args.steps, None, seed=0)
+    tok_path = os.path.join(work, "batches.npz")
+    _save(tok_path, batches, tokens)
+    short_b, short_t = _batches(args.data, 16384, 6, 1024, seed=1)
+    short_path = os.path.join(work, "short.npz")
+    _save(short_path, short_b, short_t)
+    result["batches"] = [sorted((int(len(tokens[i])) for i in b), reverse=True) for b in batches]
+
+    if "wall2" not in skip:
+        job = {
+            "tokens": tok_path,
+            "cost": cost_path,
+            "capacity": 8192,
+            "repeats": args.repeats,
+            "out": os.path.join(work, "wall2.json"),
+        }
+        if "overhead" not in skip:
+            job["overhead"] = {
+                "tokens": short_path,
+                "cost": cost_path,
+                "capacity": 4096,
+                "repeats": 2,
+                "out": os.path.join(work, "overhead.json"),
+            }
+        t0 = time.perf_counter()
+        _spawn(_policies_main, 2, job, timeout=1800)
+        recs = json.load(open(job["out"]))
+        result["wall_2_ranks"] = {
+            "capacity": 8192,
+            "records": recs,
+            "summary": _summary(recs, "wall_s"),
+            "summary_replayed_cpu": _summary(recs, "replayed_cpu_s"),
+        }
+        _print_table(
+            "2 ranks (one per core), capacity 8192: wall clock, sum over batches",
+            result["wall_2_ranks"]["summary"],
+            "wall s",
+        )
+        print(f"(took {time.perf_counter() - t0:.0f} s)")
+        if "overhead" in job:
+            o = json.load(open(job["overhead"]["out"]))
+            tps = {k: o["tokens"] / v for k, v in o["seconds"].items()}
+            result["overhead"] = {**o, "tokens_per_s": tps, "hdp_over_ddp": tps["hdp"] / tps["ddp"]}
+            print(
+                f"\nshort sequences only (<= 1024 tokens), 2 ranks: hdp {tps['hdp']:.0f} tok/s, "
+                f"DDP {tps['ddp']:.0f} tok/s, ratio {tps['hdp'] / tps['ddp']:.3f}"
+            )
+    if "replay4" not in skip:
+        job = {
+            "tokens": tok_path,
+            "cost": cost_path,
+            "capacity": 4096,
+            "repeats": args.repeats,
+            "out": os.path.join(work, "replay4.json"),
+        }
+        t0 = time.perf_counter()
+        _spawn(_policies_main, 4, job, timeout=2400)
+        recs = json.load(open(job["out"]))
+        result["replay_4_ranks"] = {
+            "capacity": 4096,
+            "records": recs,
+            "summary": _summary(recs, "replayed_cpu_s"),
+        }
+        _print_table(
+            "4 ranks, capacity 4096: per-rank CPU time replayed in slot order, sum over batches",
+            result["replay_4_ranks"]["summary"],
+            "replayed CPU s",
+        )
+        print(f"(took {time.perf_counter() - t0:.0f} s)")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

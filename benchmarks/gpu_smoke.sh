@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU smoke test of the trainer's CUDA paths, which cannot run on the CPU-only dev box:
+# NCCL with eager device_id initialisation and batched P2P ring hops, flash-attn varlen (if
+# installed), bfloat16 compute with float32 master weights.
+#
+#   bash benchmarks/gpu_smoke.sh            # on a machine with >= 2 GPUs (uses all of them)
+#
+# Needs `make demo` (the .demo/stdlib dataset) or DATA=<preprocessed dataset dir>.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DATA=${DATA:-.demo/stdlib}
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -lt 1 ]; then echo "gpu_smoke: no CUDA device" >&2; exit 1; fi
+$PY -c "import flash_attn" 2>/dev/null && echo "flash-attn: installed" || echo "flash-attn: not installed (math backend)"
+OUT=$(mktemp -d)
+echo "== CUDA tests (threaded fake ranks on one GPU, float32 + bfloat16)"
+$PY -m pytest -q -p no:cacheprovider tests/test_executor.py -k cuda
+for dtype in float32 bfloat16; do
+  echo "== mixlen train: $NGPU ranks, nccl, $dtype, hdp"
+  .venv/bin/mixlen train configs/debug.toml --nproc "$NGPU" \
+    --set data.path="\"$DATA\"" --set train.device='"cuda"' --set train.dtype="\"$dtype\"" \
+    --set train.steps=6 --set train.eval_interval=3 --set parallel.capacity=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048)) \
+    --set metrics.dir="\"$OUT/$dtype\"" --set checkpoint.dir="\"$OUT/$dtype/ckpt\"" --set metrics.progress=false
+  $PY - "$OUT/$dtype/metrics.jsonl" <<'PYEOF'
+import json, math, sys
+recs = [json.loads(x) for x in open(sys.argv[1])]
+assert len(recs) == 6 and all(math.isfinite(r["loss"]) for r in recs), recs
+assert recs[-1]["loss"] < recs[0]["loss"], "loss did not fall"
+print("ok:", [round(r["loss"], 3) for r in recs])
+PYEOF
+done
+echo "== resume on GPU (3 more steps from the step-6 checkpoint)"
+.venv/bin/mixlen train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+  --set train.device='"cuda"' --set train.steps=9 --set checkpoint.resume=true \
+  --set parallel.capacity=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048)) \
+  --set metrics.dir="\"$OUT/float32\"" --set checkpoint.dir="\"$OUT/float32/ckpt\"" --set metrics.progress=false
+echo "gpu_smoke: all passed ($OUT)"

@@ -1,0 +1,192 @@
+"""The HDP step executor against the single-process reference (the project's first test)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import numpy as np
+import pytest
+import torch
+from _train_worker import (
+    WORLD,
+    compare,
+    exactness_main,
+    make_plan,
+    model_config,
+    run_policy,
+    solo,
+    spawn,
+)
+
+from datapipe.errors import MixlenError
+from datapipe.plan import check_plan
+from datapipe.zigzag import member_ranges
+from trainer.comm import run_threads
+from trainer.executor import (
+    HDPExecutor,
+    MemoryFetcher,
+    build_model,
+    labelled_positions,
+    single_plan,
+)
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_single_plan_is_a_valid_whole_sample_plan():
+    lengths = np.array([5, 0, 300, 17, 64, 1], dtype=np.int64)
+    for cap in (None, 64, 100):
+        plan = single_plan(lengths, np.arange(10, 16), cap)
+        check_plan(plan)  # the reference checker: exact coverage, capacities, order
+        pieces = [p for mb in plan.microbatches(0) for p in mb.pieces]
+        assert sorted(pieces) == [(10, 0, 5), (12, 0, 300), (13, 0, 17), (14, 0, 64), (15, 0, 1)]
+    assert single_plan(lengths).num_microbatches == 1
+    assert labelled_positions(lengths) == 4 + 299 + 16 + 63 + 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "policy,dtype", [("hdp", F64), ("static", F64), ("naive-hdp", F64), ("hdp", torch.float32)]
+)
+def test_exactness_threads(policy, dtype):
+    """4 fake ranks (threads): same loss curve and gradients as one process on whole samples."""
+    ref = run_policy(solo(), "single", dtype)
+    res = run_threads(WORLD, lambda comm: run_policy(comm, policy, dtype), timeout=90)
+    for r in res[1:]:
+        assert torch.equal(r["grad"], res[0]["grad"])
+        assert r["losses"] == res[0]["losses"]
+    if policy != "static":  # the batch really exercises rings of 3 and 2 next to local work
+        assert res[0]["group_sizes"][0] == [1, 2, 3]
+    else:
+        assert res[0]["group_sizes"][0] == [4]
+    compare(ref, res[0], dtype)
+
+
+def test_idle_ranks_and_tiny_samples():
+    """Ranks without micro-batches still join the reduction; samples of 1 token have no label."""
+    tokens = [np.arange(n) % 258 for n in (10, 7, 1)]
+    fetcher = MemoryFetcher(tokens)
+
+    def run(comm):
+        ids = np.arange(3)
+        plan = (
+            single_plan(fetcher.lengths)
+            if comm.size == 1
+            else make_plan("hdp", fetcher.lengths, ids, comm.size)
+        )
+        model, master = build_model(model_config(), F64, seed=3)
+        opt = torch.optim.SGD(master.parameters(), lr=0.0)
+        ex = HDPExecutor(model, opt, comm)
+        mine = plan.microbatches(comm.rank)
+        res = ex.accumulate(plan, fetcher.fetch_step([np.array(m.pieces) for m in mine]), 0)
+        return res, torch.cat([p.grad.reshape(-1) for p in master.parameters()])
+
+    ((ref, g_ref),) = run_threads(1, run)
+    out = run_threads(4, run)
+    assert out[0][0].microbatches.count(0) >= 2  # two local micro-batches at most on 4 ranks
+    assert out[0][0].n_labels == 9 + 6 + 0 == ref.n_labels
+    torch.testing.assert_close(out[0][1], g_ref, rtol=1e-12, atol=0)
+    assert abs(out[0][0].loss - ref.loss) <= 1e-12 * ref.loss
+
+
+def test_offload_plan_refused():
+    plan = make_plan("hdp", np.array([150, 20]), np.arange(2), 4)
+    plan = dataclasses.replace(plan, mb_offload=np.where(plan.group_sizes > 1, 0.5, 0.0))
+    model, master = build_model(model_config(), F64)
+    ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), solo())
+    ex.comm.size = 4  # the refusal comes before any communication
+    with pytest.raises(MixlenError, match="offload"):
+        ex.check_plan(plan, 7)
+
+
+def test_plan_disagreement_stops_every_rank():
+    def run(comm):
+        lengths = np.array([150, 100, 20] if comm.rank != 2 else [150, 100, 21])
+        plan = make_plan("hdp", lengths, np.arange(3), comm.size)
+        model, master = build_model(model_config(), F64)
+        ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), comm)
+        try:
+            ex.check_plan(plan, 5)
+        except MixlenError as exc:
+            return str(exc)
+        return None
+
+    msgs = run_threads(4, run, timeout=30)
+    assert all(m is not None and "step 5" in m and "disagrees" in m for m in msgs)
+    assert "[2]" in msgs[0] and "[0, 1, 3]" in msgs[2]
+
+
+def test_ring_bytes_counted():
+    """CountingComm's P2P bytes equal an independent count of the plan's ring hops."""
+    fetcher = MemoryFetcher([np.arange(n) % 258 for n in (150, 100, 20)])
+    cfg = model_config()
+
+    def run(comm):
+        plan = make_plan("hdp", fetcher.lengths, np.arange(3), comm.size)
+        model, master = build_model(cfg, F64)
+        ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), comm)
+        mine = plan.microbatches(comm.rank)
+        res = ex.accumulate(plan, fetcher.fetch_step([np.array(m.pieces) for m in mine]), 0)
+        return res.rank_p2p_bytes, [(m.group, m.group_index, m.group_pieces) for m in mine]
+
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim * 8  # float64 K+V bytes of one position, one layer
+    for sent, mbs in run_threads(4, run):
+        want = 0
+        for group, p, pieces in mbs:
+            k = len(group)
+            if k == 1:
+                continue
+            count = [
+                sum(b - a for sid, s, e in pieces for a, b in member_ranges(e - s, k, j))
+                for j in range(k)
+            ]
+            total = sum(count)
+            # forward and backward each pass on the K/V of every member but the next one
+            # (k-1 hops); backward also passes the dK/dV accumulators of all k members
+            want += cfg.n_layers * kv * (2 * (total - count[(p + 1) % k]) + total)
+        assert sent == want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_exactness_gloo_4_processes(tmp_path):
+    """4 gloo processes: hdp and static in float64 (elements 1e-10, 5-step loss curve 1e-9) and
+    float32 (1e-5 in norm), hdp in bfloat16 (BF16_GRAD_RTOL), each against `single`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn(exactness_main, WORLD, (WORLD, port, str(tmp_path)), timeout=140)
+    lines = (tmp_path / "exactness.txt").read_text().split("\n")
+    assert len([x for x in lines if x]) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exactness_threads_cuda(dtype, monkeypatch):
+    """On a GPU (benchmarks/gpu_smoke.sh): 4 fake ranks sharing the device vs `single`, local
+    micro-batches through flash-attn varlen when installed, bf16 within BF16_GRAD_RTOL."""
+    import _train_worker as w
+
+    real = w.build_model
+    monkeypatch.setattr(
+        w, "build_model", lambda cfg, dt, dev="cpu", seed=0: real(cfg, dt, "cuda", seed)
+    )
+    orig_init = HDPExecutor.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **{**k, "device": "cuda"})
+
+    monkeypatch.setattr(HDPExecutor, "__init__", init)
+    ref = run_policy(solo(), "single", dtype)
+    res = run_threads(WORLD, lambda comm: run_policy(comm, "hdp", dtype), timeout=90)
+    compare(ref, res[0], dtype)

@@ -1,0 +1,260 @@
+"""`mixlen train`: config, training loop, metrics, validation, checkpoint/resume, launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from _train_worker import make_dataset, spawn, train_config, train_main
+
+from datapipe.errors import ConfigError
+from trainer.config import apply_overrides, from_dict, load_config, to_toml
+from trainer.train import held_out_mask, run_training
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+def test_config_defaults_overrides_and_roundtrip(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\npath = "x"\n[train]\nlr = 1e-2\n[parallel]\npolicy = "static"\n')
+    cfg = load_config(path, ["train.steps=7", "train.dtype=float64", 'metrics.dir="m"'])
+    assert (cfg.train.lr, cfg.train.steps, cfg.train.dtype) == (1e-2, 7, "float64")
+    assert cfg.parallel.policy == "static" and cfg.metrics.dir == "m"
+    assert cfg.train.warmup == 10 and cfg.checkpoint.dir is None  # defaults
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(again) == cfg  # --print-config output is itself a valid config
+
+
+@pytest.mark.parametrize(
+    "sets,key",
+    [
+        (["train.bogus=1"], "train.bogus"),
+        (["nosuch.x=1"], "nosuch"),
+        (["train.steps=1.5"], "train.steps"),
+        (["train.steps=0"], "train.steps"),
+        (["train.lr=true"], "train.lr"),
+        (['train.dtype="float16"'], "train.dtype"),
+        (['parallel.policy="ring"'], "parallel.policy"),
+        (["parallel.islands=2"], "parallel.islands"),
+        (["co2.enabled=true"], "co2.enabled"),
+        (["co2.momentum=1.5"], "co2.momentum"),
+        (["offload.enabled=true"], "offload.enabled"),
+        (['model.name="huge"'], "model.name"),
+        (["model.dim=30"], "model"),
+        (['parallel.cost="nope.json"'], "parallel.cost"),
+        (["data.val_fraction=1.0"], "data.val_fraction"),
+        (["noequals"], "noequals"),
+    ],
+)
+def test_config_errors_name_the_key(sets, key):
+    with pytest.raises(ConfigError) as exc:
+        from_dict(apply_overrides({"data": {"path": "x"}}, sets))
+    assert key in str(exc.value)
+
+
+def test_config_needs_data_path():
+    with pytest.raises(ConfigError, match="data.path"):
+        from_dict({})
+
+
+def _splitmix_ref(x: int) -> int:
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def test_held_out_mask_matches_reference():
+    ids = np.arange(2000, dtype=np.int64)
+    mask = held_out_mask(ids, seed=7, fraction=0.1)
+    ref = [(_splitmix_ref(int(i) ^ 7) >> 11) / float(1 << 53) < 0.1 for i in ids]
+    assert mask.tolist() == ref
+    assert 150 < mask.sum() < 250
+
+
+# --- training in one process ---------------------------------------------------------------------
+
+
+def test_train_single_process_resume_metrics(dataset, tmp_path):
+    """`single` policy in-process: 6 steps straight == 3 (stop_after) + resume + 3, bit for bit;
+    metrics.jsonl has the required fields, val_loss at eval steps, and the checkpoint dir."""
+    torch.set_num_threads(1)
+    straight = run_training(
+        train_config(dataset, str(tmp_path / "a"), parallel={"policy": "single"})
+    )
+    part = str(tmp_path / "b")
+    first = run_training(
+        train_config(dataset, part, parallel={"policy": "single"}, train={"stop_after": 3})
+    )
+    second = run_training(
+        train_config(dataset, part, parallel={"policy": "single"}, checkpoint={"resume": True})
+    )
+    assert len(straight["losses"]) == 6 and second["start_step"] == 3
+    assert first["losses"] + second["losses"] == straight["losses"]
+    recs = [json.loads(x) for x in open(straight["metrics"])]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    for r in recs:
+        for key in (
+            "loss",
+            "tokens",
+            "step_time_s",
+            "tokens_per_s",
+            "data_wait_s",
+            "compute_time_s_per_rank",
+            "comm_time_s",
+            "imbalance_measured",
+            "imbalance_planned",
+        ):
+            assert key in r
+        assert len(r["compute_time_s_per_rank"]) == 1
+    assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
+    assert straight["losses"][-1] < straight["losses"][0]
+    assert os.path.isfile(straight["balance_report"])
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["step-00000003", "step-00000006"]
+
+
+# --- multi-process -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_train_two_gloo_ranks(dataset, tmp_path):
+    """2 gloo ranks: the hdp loss curve equals the single-process one (float32, same batches,
+    through stream, plan, fetch and executor); resume continues the curve exactly; static runs."""
+    torch.set_num_threads(1)
+    ref = run_training(
+        train_config(
+            dataset, str(tmp_path / "ref"), parallel={"policy": "single"}, checkpoint={"dir": None}
+        )
+    )
+    spawn(train_main, 2, (2, _free_port(), dataset, str(tmp_path)), timeout=140)
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert got["second_start"] == 3
+    assert got["first"] + got["second"] == got["straight"]
+    np.testing.assert_allclose(got["straight"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose(got["static"], ref["losses"][:3], rtol=1e-5)
+    np.testing.assert_allclose(
+        [v for _, v in got["val"]], [v for _, v in ref["val_losses"]], rtol=1e-5
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cli_nproc_launch(dataset, tmp_path):
+    """`mixlen train --nproc 2` goes through torchrun; rank 0 writes one record per step with
+    both ranks' compute times."""
+    run = tmp_path / "cli"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(to_toml(train_config(dataset, str(run), checkpoint={"dir": None})))
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "train",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.eval_interval=0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(len(r["compute_time_s_per_rank"]) == 2 for r in recs)
+    assert "metrics:" in proc.stdout
+
+
+# --- calibrate -----------------------------------------------------------------------------------
+
+
+def test_fit_cost_recovers_coefficients():
+    from tools.cmd_calibrate import fit_cost
+
+    s = np.array([128, 256, 512, 1024, 4096, 16384])
+    a, b, c = 3e-8, 8e-5, 2e-3
+    got = fit_cost(s, a * s * s + b * s + c)
+    np.testing.assert_allclose(got, (a, b, c), rtol=1e-8)
+    # a purely linear cost: the quadratic term is not allowed to go negative
+    ga, gb, gc = fit_cost(s, 1e-4 * s - 1e-9 * s * s * (s < 0))
+    assert ga >= 0 and gc >= 0 and abs(gb - 1e-4) < 1e-9
+
+
+def test_calibrate_writes_a_loadable_cost_file(tmp_path):
+    from datapipe.cost import load
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                "debug",
+                "--out",
+                str(out),
+                "--lengths",
+                "16,32,64",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
+    cost = load(out)
+    assert cost.num_layers == 2 and min(cost.a, cost.b, cost.c) >= 0
+    assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
+    assert json.loads(out.read_text())["calibration"]["lengths"] == [16, 32, 64]
+
+
+def test_print_config_and_tensorboard_message(tmp_path, capsys):
+    from tools.cli import main
+    from trainer.metrics import MetricsWriter
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[data]\npath = "somewhere"\n')
+    assert main(["train", str(cfg), "--print-config", "--set", "train.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert 'path = "somewhere"' in out and "steps = 3" in out and "[co2]" in out
+    assert main(["train", str(cfg), "--set", "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
+    w = MetricsWriter(str(tmp_path / "m"), 1, tensorboard=True, progress=False)
+    w.close()
+    out = capsys.readouterr().out
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert "tensorboard package is not installed" in out
+    else:
+        assert os.path.isdir(tmp_path / "m" / "tb")

@@ -1,0 +1,83 @@
+"""`mixlen train CONFIG.toml [--set section.key=value ...] [--nproc N]`.
+
+With `--nproc N > 1` this process becomes a torchrun launcher (`torch.distributed.run`, standalone
+rendezvous on this node) that starts N copies of `mixlen train` (gloo on CPU, NCCL on CUDA). Under
+torchrun (RANK/WORLD_SIZE set) it trains directly. Multi-node: run torchrun yourself on every
+node, e.g.
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m tools.cli train configs/demo.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from datapipe.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config (see configs/*.toml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (TOML syntax for the value; repeatable)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="ranks to launch on this node through torchrun"
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Re-run this command under torchrun's own machinery with N local ranks."""
+    import torch
+    from torch.distributed.run import get_args_parser, run
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; torchrun passes the env on
+    cmd = [
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--module",
+        "tools.cli",
+        "train",
+        args.config,
+    ]
+    for o in args.overrides:
+        cmd += ["--set", o]
+    try:
+        run(get_args_parser().parse_args(cmd))
+    except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
+        print(f"mixlen train: a rank failed ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import load_config, to_toml
+
+    if args.config is None and not args.print_config:
+        raise ConfigError("a config file is required (e.g. configs/debug.toml)")
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc > 1 and not under_torchrun:
+        return _launch(args)
+    from trainer.train import run_training
+
+    run_training(cfg)
+    return 0

@@ -1,0 +1,124 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, schedule, data-stream
+position, RNG and step, in `<dir>/step-NNNNNNNN/`.
+
+Every rank calls save/load (DCP deduplicates the replicated tensors); a checkpoint is written into
+a temporary directory and renamed into place once every rank has finished, so a directory named
+`step-*` is always complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from datapipe.errors import ConfigError
+
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "step_dir"]
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    if not os.path.isdir(root):
+        return None
+    steps = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "scheduler": scheduler.state_dict() if scheduler is not None else {},
+        "rng": {"torch": torch.get_rng_state()},
+        "extra": extra,
+    }
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any],
+    keep: int = 2,
+) -> str:
+    """Write the checkpoint of `step` (after `step` optimizer steps); returns its directory.
+    `extra` holds plain values (stream state, step, config digest). Keeps the newest `keep`."""
+    final = step_dir(root, step)
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    state = _state(model, optimizer, scheduler, {**extra, "step": step})
+    with warnings.catch_warnings():  # one process without a process group is intended
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(state, checkpoint_id=tmp)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        old = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
+        for name in old[: max(len(old) - keep, 0)]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra_template: dict[str, Any],
+) -> dict[str, Any]:
+    """Restore model, optimizer, schedule and RNG in place from `path`; returns `extra` (with
+    the keys of `extra_template` plus `step`)."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"checkpoint.resume: {path!r} is not a complete DCP checkpoint")
+    state = _state(model, optimizer, scheduler, {**extra_template, "step": 0})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["extra"]

@@ -1,0 +1,451 @@
+"""The HDP step executor: runs one rank's share of a StepPlan and updates the model.
+
+Each rank runs its micro-batches in slot order (forward, backward, gradients accumulate), with ring
+attention over the micro-batch's group for group micro-batches and document-masked local attention
+otherwise. After its last micro-batch it joins ONE coalesced SUM all-reduce over the island of a
+flat buffer holding every gradient, the loss sum and its own timings; then gradients are divided by
+the step's labelled positions (sum of L-1 over the step's samples), clipped, and AdamW steps. No
+per-bucket hooks (ranks run different numbers of micro-batches) and no process group per step:
+rings talk point-to-point inside the island's communicator.
+
+The same code runs `hdp`, `naive-hdp` and `static` plans, and `single` (:func:`single_plan`: one
+rank, whole samples, no splitting), the reference the others are tested against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from datapipe.errors import MixlenError
+from datapipe.fetch import MicroBatch as FetchedMicroBatch
+from datapipe.fetch import as_pieces, pack_microbatch
+from datapipe.plan import MicroBatch as PlannedMicroBatch
+from datapipe.plan import StepPlan
+from datapipe.stream import greedy_boundaries
+from trainer.attention import LocalAttention
+from trainer.comm import Communicator, Handle
+from trainer.ring import RingAttention
+
+__all__ = [
+    "CountingComm",
+    "HDPExecutor",
+    "MemoryFetcher",
+    "SoloComm",
+    "StepResult",
+    "build_model",
+    "labelled_positions",
+    "single_plan",
+]
+
+
+def labelled_positions(lengths: np.ndarray) -> int:
+    """Loss denominator of a step: sum of L-1 over its non-empty samples."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return int(np.maximum(lengths - 1, 0).sum())
+
+
+def single_plan(
+    lengths: np.ndarray, sample_ids: np.ndarray | None = None, capacity: int | None = None
+) -> StepPlan:
+    """The `single` policy: one rank, whole samples, no splitting. Samples are packed in batch
+    order into micro-batches of at most `capacity` positions (a longer sample gets its own);
+    `capacity=None` puts the whole batch in one micro-batch."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+    if sample_ids is None:
+        sample_ids = np.arange(lengths.shape[0], dtype=np.int64)
+    sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64).reshape(-1)
+    live = np.flatnonzero(lengths > 0)
+    cap = int(lengths.sum()) if capacity is None else int(capacity)
+    bounds = greedy_boundaries(lengths[live], max(cap, 1)) if live.size else np.zeros(1, np.int64)
+    n_mb = bounds.shape[0] - 1
+    return StepPlan(
+        policy="single",
+        num_ranks=1,
+        capacity=cap,
+        cost_hash="",
+        seed=0,
+        sample_ids=sample_ids,
+        lengths=lengths,
+        mb_group_offsets=np.arange(n_mb + 1, dtype=np.int64),
+        group_ranks=np.zeros(n_mb, dtype=np.int32),
+        mb_capacity=np.maximum(np.add.reduceat(lengths[live], bounds[:-1]), cap)
+        if n_mb
+        else np.zeros(0, np.int64),
+        mb_offload=np.zeros(n_mb, dtype=np.float64),
+        mb_piece_offsets=bounds.astype(np.int64),
+        piece_item=live.astype(np.int64),
+        piece_start=np.zeros(live.shape[0], dtype=np.int64),
+        piece_end=lengths[live].astype(np.int64),
+        mb_time_ns=np.zeros(n_mb, dtype=np.int64),
+        rank_time_ns=np.zeros(1, dtype=np.int64),
+        makespan_ns=0,
+        lower_bound_ns=0,
+    )
+
+
+class MemoryFetcher:
+    """Packs micro-batches from in-memory token arrays (tests, benchmarks); same output as
+    `datapipe.fetch.Fetcher.fetch_step`."""
+
+    def __init__(self, tokens: Sequence[np.ndarray]) -> None:
+        self.lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+        self.offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        self.flat = (
+            np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
+            if len(tokens)
+            else np.zeros(0, np.int64)
+        )
+
+    def fetch_step(self, microbatches: Sequence[object]) -> list[FetchedMicroBatch]:
+        out = []
+        for p in microbatches:
+            pieces = as_pieces(p)
+            span = self.offsets[pieces[:, 0]] + pieces[:, 1]
+            out.append(pack_microbatch(pieces, self.lengths, self.flat, span))
+        return out
+
+
+class SoloComm:
+    """The communicator of a one-rank island (no process group needed)."""
+
+    rank, size = 0, 1
+
+    def send_recv(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
+    ) -> Handle:
+        raise RuntimeError("a one-rank island has no ring peers")
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.clone()]
+
+
+# --- communication accounting --------------------------------------------------------------------
+
+
+class _TimedHandle:
+    def __init__(self, inner: Handle, owner: CountingComm) -> None:
+        self._inner, self._owner = inner, owner
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self._inner.wait()
+        self._owner.wait_s += time.perf_counter() - t0
+
+
+class CountingComm:
+    """A Communicator wrapper counting bytes sent and time spent blocked in communication."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.p2p_bytes = 0  # bytes this rank sent point-to-point (ring hops)
+        self.collective_bytes = 0  # payload bytes of all-reduces/all-gathers it joined
+        self.wait_s = 0.0  # time blocked in P2P waits
+        self.collective_s = 0.0  # time in collectives
+
+    def reset(self) -> None:
+        self.p2p_bytes = self.collective_bytes = 0
+        self.wait_s = self.collective_s = 0.0
+
+    def send_recv(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
+    ) -> Handle:
+        self.p2p_bytes += send.numel() * send.element_size()
+        return _TimedHandle(self.inner.send_recv(send, dst, recv, src, tag), self)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.inner.all_reduce(tensor)
+        self.collective_s += time.perf_counter() - t0
+        self.collective_bytes += tensor.numel() * tensor.element_size()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        out = self.inner.all_gather(tensor)
+        self.collective_s += time.perf_counter() - t0
+        self.collective_bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+# --- the executor --------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What one step did (identical on every rank of the island, except the `rank_*` fields)."""
+
+    loss: float  # sum of token losses / labelled positions of the step
+    n_labels: int
+    tokens: int
+    grad_norm: float  # before clipping
+    compute_s: list[float]  # per rank: first micro-batch start to last micro-batch end
+    microbatches: list[int]  # per rank
+    ring_wait_s: list[float] = field(default_factory=list)  # per rank: blocked in ring hops
+    p2p_bytes: list[int] = field(default_factory=list)  # per rank: ring bytes sent
+    rank_p2p_bytes: int = 0  # this rank's ring bytes sent
+    rank_comm_s: float = 0.0  # this rank's time in ring waits and the all-reduce
+    reduce_bytes: int = 0  # payload of the coalesced all-reduce
+    extra: dict = field(default_factory=dict)
+
+
+def build_model(
+    cfg: object, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[nn.Module, nn.Module]:
+    """(compute model, master weights) of a `trainer.model.ModelConfig`, initialised from `seed`:
+    one module for float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
+    master_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    master = cfg.build(device, master_dtype)
+    master.init_weights(seed)
+    if dtype == master_dtype:
+        return master, master
+    model = cfg.build(device, master_dtype)
+    model.load_state_dict(master.state_dict())
+    return model.to(dtype), master
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of reductions and accumulators: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class HDPExecutor:
+    """Runs steps of StepPlans on one rank of an island.
+
+    `model` computes (its dtype is the compute dtype); `master` holds the weights the optimizer
+    updates (the same module for float32/float64; a float32 copy for bfloat16, copied back into
+    `model` after each step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Communicator,
+        *,
+        master: nn.Module | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        grad_clip: float = 0.0,
+        device: torch.device | str = "cpu",
+        check_agreement: bool = True,
+    ) -> None:
+        self.model = model
+        self.master = master if master is not None else model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.comm = comm if isinstance(comm, CountingComm) else CountingComm(comm)
+        self.grad_clip = float(grad_clip)
+        self.device = torch.device(device)
+        self.check_agreement = check_agreement
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master_params = [p for p in self.master.parameters() if p.requires_grad]
+        if len(self.params) != len(self.master_params):
+            raise ValueError("model and master have different parameters")
+        self.compute_dtype = self.params[0].dtype
+        self.acc_dtype = _float_dtype(self.compute_dtype)
+        # low-precision compute: drain gradients into a float32 buffer after every micro-batch
+        self.drain = self.compute_dtype not in (torch.float32, torch.float64)
+        self.numel = sum(p.numel() for p in self.params)
+        # (slot, wall s, this thread's CPU s) of each micro-batch of the last step, for benchmarks
+        self.mb_log: list[tuple[int, float, float]] = []
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def check_plan(self, plan: StepPlan, step: int) -> None:
+        """Refuse plans this executor cannot run; all-gather the plan digest and stop on mismatch."""
+        if plan.num_ranks != self.comm.size:
+            raise MixlenError(
+                f"step {step}: plan for {plan.num_ranks} ranks, but the island has {self.comm.size}"
+            )
+        if plan.mb_offload.size and float(plan.mb_offload.max()) > 0.0:
+            raise MixlenError(
+                f"step {step}: the plan offloads activations (offload_ratio up to "
+                f"{float(plan.mb_offload.max()):.2f}); selective offload is not implemented yet "
+                "(it lands in a later issue): set [offload] enabled = false"
+            )
+        if not self.check_agreement or self.comm.size == 1:
+            return
+        d = np.frombuffer(plan.digest(), dtype="<i8").astype(np.int64)
+        mine = torch.tensor([step, int(d[0]), int(d[1])], dtype=torch.int64, device=self.device)
+        got = self.comm.all_gather(mine)
+        bad = [r for r, t in enumerate(got) if not torch.equal(t, mine)]
+        if bad:
+            raise MixlenError(
+                f"step {step}: rank {self.rank} disagrees with rank(s) {bad} about the plan "
+                "(different dataset, config, cost file or code version across ranks?)"
+            )
+
+    # -- micro-batches -----------------------------------------------------------------------------
+
+    def _run_microbatch(
+        self,
+        pm: PlannedMicroBatch,
+        mb: FetchedMicroBatch,
+        lengths_by_id: dict[int, int],
+        grad: bool,
+    ) -> torch.Tensor:
+        """Forward (and backward if grad) of one micro-batch; returns the detached loss sum."""
+        dev = self.device
+        ids = torch.from_numpy(mb.input_ids).to(dev)
+        pos = torch.from_numpy(mb.position_ids).to(dev)
+        labels = torch.from_numpy(mb.labels).to(dev)
+        k = len(pm.group)
+        if k == 1:
+            for sid, s, e in pm.pieces:
+                if s != 0 or e != lengths_by_id[sid]:
+                    raise MixlenError(
+                        f"slot {pm.slot}: local piece ({sid}, {s}, {e}) is not a whole sample"
+                    )
+            attn = LocalAttention(mb.cu_seqlens.tolist())
+        else:
+            lens = []
+            for sid, s, e in pm.group_pieces:
+                if s != 0 or e != lengths_by_id[sid]:
+                    raise MixlenError(
+                        f"slot {pm.slot}: group piece ({sid}, {s}, {e}) is not a whole sample; "
+                        "ring attention needs whole samples"
+                    )
+                lens.append(e - s)
+            attn = RingAttention(self.comm, pm.group, pm.group_index, lens, device=dev)
+            want = attn.layout.position_ids(pm.group_index)
+            assert np.array_equal(want, mb.position_ids), "fetched tokens are not the zigzag layout"
+        with torch.set_grad_enabled(grad):
+            loss_sum, _ = self.model(ids, pos, labels=labels, attn=attn)
+            if grad:
+                loss_sum.backward()
+        return loss_sum.detach().to(self.acc_dtype)
+
+    def _drain(self, buf: torch.Tensor) -> None:
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is not None:
+                buf[off : off + n] += p.grad.reshape(-1).to(buf.dtype)
+                p.grad = None
+            off += n
+
+    def _flat_grads(self, buf: torch.Tensor) -> None:
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is not None:
+                buf[off : off + n].copy_(p.grad.reshape(-1))
+            off += n
+
+    def _run_rank(
+        self, plan: StepPlan, fetched: Sequence[FetchedMicroBatch], grad: bool, buf: torch.Tensor
+    ) -> tuple[torch.Tensor, float, int]:
+        """This rank's micro-batches in slot order: (loss sum, busy seconds, count)."""
+        mine = plan.microbatches(self.rank)
+        if len(mine) != len(fetched):
+            raise ValueError(f"{len(fetched)} fetched micro-batches for {len(mine)} in the plan")
+        lengths_by_id = dict(zip(plan.sample_ids.tolist(), plan.lengths.tolist()))
+        loss = torch.zeros((), dtype=self.acc_dtype, device=self.device)
+        t0 = time.perf_counter()
+        self.mb_log = []
+        for pm, mb in zip(mine, fetched):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            loss += self._run_microbatch(pm, mb, lengths_by_id, grad)
+            if grad and self.drain:
+                self._drain(buf[: self.numel])
+            self.mb_log.append((pm.slot, time.perf_counter() - w0, time.thread_time() - c0))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # timings measure work, not kernel launches
+        busy = time.perf_counter() - t0 if mine else 0.0
+        return loss, busy, len(mine)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def accumulate(
+        self, plan: StepPlan, fetched: Sequence[FetchedMicroBatch], step: int
+    ) -> StepResult:
+        """Forward/backward of this rank's micro-batches, then the coalesced all-reduce: leaves the
+        step's gradient (divided by its labelled positions) in the master parameters' .grad."""
+        self.comm.reset()
+        self.check_plan(plan, step)
+        n, size = self.numel, self.comm.size
+        # [grads | loss sum | per rank: busy seconds, micro-batches, ring wait s, ring bytes sent]
+        buf = torch.zeros(n + 1 + 4 * size, dtype=self.acc_dtype, device=self.device)
+        for p in self.params:
+            p.grad = None
+        loss, busy, count = self._run_rank(plan, fetched, True, buf)
+        if not self.drain:
+            self._flat_grads(buf)
+        buf[n] = loss
+        buf[n + 1 + self.rank] = busy
+        buf[n + 1 + size + self.rank] = count
+        buf[n + 1 + 2 * size + self.rank] = self.comm.wait_s
+        buf[n + 1 + 3 * size + self.rank] = self.comm.p2p_bytes
+        t0 = time.perf_counter()
+        self.comm.all_reduce(buf)
+        reduce_s = time.perf_counter() - t0
+        n_labels = labelled_positions(plan.lengths)
+        scale = 1.0 / max(n_labels, 1)
+        off = 0
+        for p in self.master_params:
+            k = p.numel()
+            p.grad = (buf[off : off + k] * scale).view_as(p).to(p.dtype)
+            off += k
+        if self.master is not self.model:
+            for p in self.params:
+                p.grad = None
+        stats = buf[n:].tolist()
+        return StepResult(
+            loss=stats[0] * scale,
+            n_labels=n_labels,
+            tokens=int(plan.lengths.sum()),
+            grad_norm=float("nan"),
+            compute_s=stats[1 : 1 + size],
+            microbatches=[int(x) for x in stats[1 + size : 1 + 2 * size]],
+            ring_wait_s=stats[1 + 2 * size : 1 + 3 * size],
+            p2p_bytes=[int(x) for x in stats[1 + 3 * size :]],
+            rank_p2p_bytes=self.comm.p2p_bytes,
+            rank_comm_s=self.comm.wait_s + reduce_s,
+            reduce_bytes=buf.numel() * buf.element_size(),
+        )
+
+    def update(self, result: StepResult) -> None:
+        """Clip the accumulated gradient, step AdamW and the schedule (records the norm)."""
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.master_params, self.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in self.master_params])
+            )
+        result.grad_norm = float(norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.model:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master_params):
+                    p.copy_(m)
+
+    def step(self, plan: StepPlan, fetched: Sequence[FetchedMicroBatch], step: int) -> StepResult:
+        """One optimizer step of `plan`; `fetched` are this rank's micro-batches in slot order."""
+        result = self.accumulate(plan, fetched, step)
+        self.update(result)
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, plan: StepPlan, fetched: Sequence[FetchedMicroBatch]) -> tuple[float, int]:
+        """Forward only: (sum of token losses over the island, labelled positions)."""
+        self.check_plan(plan, -1)
+        loss, _, _ = self._run_rank(plan, fetched, False, torch.zeros(0))
+        t = loss.reshape(1).clone()
+        self.comm.all_reduce(t)
+        return float(t.item()), labelled_positions(plan.lengths)

@@ -1,0 +1,178 @@
+"""Training metrics: `metrics.jsonl` (one JSON object per step), optional TensorBoard events, a
+compact console line per step and a progress bar. Only the island's rank 0 writes.
+
+Imbalance is max / mean over the ranks of the step (1.0 = perfect): `imbalance_measured` from the
+ranks' measured compute spans (first micro-batch start to last micro-batch end, ring waits
+included), `imbalance_planned` from the plan's slot-order replay of estimated times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+
+__all__ = ["BalanceSummary", "MetricsWriter", "imbalance"]
+
+
+def imbalance(times: Any) -> float:
+    """max / mean of per-rank times (1.0 when all equal or all zero)."""
+    t = np.asarray(times, dtype=np.float64)
+    mean = float(t.mean()) if t.size else 0.0
+    return float(t.max() / mean) if mean > 0 else 1.0
+
+
+@dataclass
+class BalanceSummary:
+    """Per-rank totals over the run, for the balance report written at the end."""
+
+    measured_s: np.ndarray | None = None
+    planned_s: np.ndarray | None = None
+    microbatches: np.ndarray | None = None
+    steps: int = 0
+    step_time_s: float = 0.0
+    tokens: int = 0
+
+    def add(
+        self,
+        measured: list[float],
+        planned: list[float],
+        mbs: list[int],
+        step_s: float,
+        tokens: int,
+    ) -> None:
+        m, p, c = (np.asarray(x, dtype=np.float64) for x in (measured, planned, mbs))
+        if self.measured_s is None:
+            self.measured_s, self.planned_s, self.microbatches = m, p, c
+        else:
+            self.measured_s = self.measured_s + m
+            self.planned_s = self.planned_s + p
+            self.microbatches = self.microbatches + c
+        self.steps += 1
+        self.step_time_s += step_s
+        self.tokens += tokens
+
+    def render(self, policy: str) -> str:
+        if self.measured_s is None:
+            return "no steps\n"
+        lines = [
+            f"balance report: policy {policy}, {self.steps} steps, {self.tokens} tokens, "
+            f"{self.step_time_s:.2f} s of steps",
+            "",
+            "| rank | micro-batches | measured compute s | planned s | measured share | planned share |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        ms, ps = self.measured_s.sum(), self.planned_s.sum()
+        for r in range(self.measured_s.shape[0]):
+            lines.append(
+                f"| {r} | {int(self.microbatches[r])} | {self.measured_s[r]:.3f} | "
+                f"{self.planned_s[r]:.3f} | {self.measured_s[r] / ms if ms else 0:.3f} | "
+                f"{self.planned_s[r] / ps if ps else 0:.3f} |"
+            )
+        lines += [
+            "",
+            f"imbalance (max/mean of run totals): measured {imbalance(self.measured_s):.3f}, "
+            f"planned {imbalance(self.planned_s):.3f}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class MetricsWriter:
+    """Writes one record per step; inactive (no files, no output) on ranks other than 0."""
+
+    out_dir: str
+    total_steps: int
+    active: bool = True
+    tensorboard: bool = False
+    progress: bool = True
+    console_interval: int = 1
+    stream: TextIO = field(default_factory=lambda: sys.stdout)
+
+    def __post_init__(self) -> None:
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not self.active:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.path = os.path.join(self.out_dir, "metrics.jsonl")
+        self._jsonl = open(self.path, "a", buffering=1)
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.echo(
+                    "metrics.tensorboard = true, but the tensorboard package is not installed "
+                    "(pip install tensorboard); writing metrics.jsonl only"
+                )
+            else:
+                self._tb = SummaryWriter(log_dir=os.path.join(self.out_dir, "tb"))
+        if self.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.total_steps,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                leave=True,
+                disable=None,
+            )  # None: off unless a terminal
+
+    def echo(self, line: str) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def set_start(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append a step record (needs `step`); scalars also go to TensorBoard."""
+        if not self.active:
+            return
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+        if "loss" in record:
+            if self._bar is not None:
+                self._bar.update(1)
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+            if record["step"] % self.console_interval == 0 or record["step"] == self.total_steps:
+                self.echo(_console_line(record))
+        elif "val_loss" in record:
+            self.echo(
+                f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  "
+                f"({record['val_tokens']} tokens)"
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _console_line(r: dict[str, Any]) -> str:
+    return (
+        f"step {r['step']:>5}  loss {r['loss']:.4f}  lr {r.get('lr', 0):.2e}  "
+        f"tok {r['tokens']:>7}  {r['tokens_per_s']:>8.0f} tok/s  step {r['step_time_s']:.2f}s  "
+        f"wait {r['data_wait_s']:.2f}s  comm {r['comm_time_s']:.2f}s  "
+        f"imb {r['imbalance_measured']:.2f}/{r['imbalance_planned']:.2f}"
+        + (f"  val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
+    )
