@@ -103,7 +103,7 @@ class DeviceRates:
 
 MODELS: dict[str, ModelShape] = {
     # The trainer's tiny debug model.
-    "debug": ModelShape("debug", 2, 128, 4, 2, 512, 258, dtype_bytes=4),
+    "debug": ModelShape("debug", 2, 128, 4, 2, 384, 258, dtype_bytes=4),
     "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 32, 11008, 32000),
     "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 40, 13824, 32000),
     "llama-70b": ModelShape("llama-70b", 80, 8192, 64, 8, 28672, 32000),

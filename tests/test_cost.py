@@ -172,3 +172,13 @@ def test_max_offload_layers_hides_under_forward(s: int, k: int) -> None:
     assert copy_time(j) <= fwd * (1 + 1e-9)
     if j < m.num_layers:
         assert copy_time(j + 1) > fwd * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("name", ["debug", "llama-7b", "llama-13b", "llama-70b"])
+def test_preset_shapes_match_trainer_models(name: str) -> None:
+    """A cost preset describes the same network the trainer builds under that name."""
+    from trainer.model import MODEL_CONFIGS
+
+    m, s = MODEL_CONFIGS[name], C.MODELS[name]
+    got = (s.num_layers, s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab)
+    assert got == (m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
