@@ -4,9 +4,15 @@ Fill rule (per island, per epoch):
 
 1. The epoch's order is a permutation of all sample ids drawn from
    ``Generator(PCG64(SeedSequence([seed, epoch])))``: the same bits in every process.
-2. Global batches are formed greedily along that order over the *whole* dataset: a batch takes
-   samples while their token sum stays <= ``global_batch_tokens``; the first sample that does not
-   fit closes the batch and opens the next one. (cumsum + searchsorted: one search per batch.)
+2. Global batches are filled along that order over the *whole* dataset, first fit with a bounded
+   look-ahead (``lookahead`` = W, default 64): a batch first takes the samples deferred by earlier
+   batches (oldest first, each if it still fits), then consecutive samples while their token sum
+   stays <= ``global_batch_tokens``; when the next one does not fit, the following W - D samples
+   (D = samples already deferred) are scanned and each that fits the room left joins the batch,
+   the others are deferred to the next batches. The oldest deferred sample always opens the next
+   batch, so a sample waits at most W batches and the epoch still holds every sample once.
+   ``lookahead = 0`` is the plain greedy fill (the first sample that does not fit closes the
+   batch). Cost: one searchsorted per batch plus O(W) per batch, independent of batch size.
 3. A sample longer than ``global_batch_tokens`` is, with ``oversize="own_step"``, a batch on its own
    (a step with more tokens than the budget); with ``oversize="error"`` the stream refuses to start.
    Never a silent drop.
@@ -34,7 +40,8 @@ import numpy as np
 
 from datapipe.errors import ConfigError
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+DEFAULT_LOOKAHEAD = 64
 OVERSIZE_POLICIES = ("own_step", "error")
 METADATA_FILES = ("manifest.json", "index.parquet")
 
@@ -118,6 +125,63 @@ def greedy_boundaries(lengths: np.ndarray, budget: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
+def lookahead_fill(
+    lengths: np.ndarray, budget: int, lookahead: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """First-fit fill of `lengths` (in order) with a look-ahead window (module docstring, rule 2).
+
+    Returns (positions, bounds): batch b holds ``positions[bounds[b]:bounds[b + 1]]``, positions
+    into `lengths`; every position appears exactly once. ``lookahead = 0`` is the greedy fill.
+    """
+    n = int(lengths.shape[0])
+    if lookahead <= 0 or n == 0:
+        return np.arange(n, dtype=np.int64), greedy_boundaries(lengths, budget)
+    lens = lengths.tolist()
+    csum = np.cumsum(lengths, dtype=np.int64)
+    chunks: list[np.ndarray] = []
+    bounds = [0]
+    deferred: list[int] = []  # positions, oldest first
+    p = 0  # next position of the run not yet taken or deferred
+    while p < n or deferred:
+        room = budget
+        head: list[int] = []  # deferred samples taken
+        keep: list[int] = []
+        for q in deferred:
+            if lens[q] <= room or not head:  # the oldest always opens the batch
+                head.append(q)
+                room -= lens[q]
+            else:
+                keep.append(q)
+        deferred = keep
+        run_start = run_end = p
+        tail: list[int] = []  # samples taken from the look-ahead window
+        if room >= 0 and p < n:
+            base = int(csum[p - 1]) if p else 0
+            end = int(np.searchsorted(csum, base + room, side="right"))
+            if end == p and not head:  # an oversize sample: a batch on its own
+                end = p + 1
+            run_end = end
+            if end > p:
+                room -= int(csum[end - 1]) - base
+                p = end
+            stop = min(n, p + lookahead - len(deferred))
+            while room > 0 and p < stop:
+                if lens[p] <= room:
+                    tail.append(p)
+                    room -= lens[p]
+                else:
+                    deferred.append(p)
+                p += 1
+        batch = np.concatenate(
+            [np.asarray(head, np.int64), np.arange(run_start, run_end), np.asarray(tail, np.int64)]
+        )
+        chunks.append(batch)
+        bounds.append(bounds[-1] + batch.shape[0])
+    positions = np.concatenate(chunks).astype(np.int64, copy=False)
+    assert positions.shape[0] == n
+    return positions, np.asarray(bounds, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class GlobalBatch:
     """One optimizer step of one island: which samples, how long. ``step`` counts island steps."""
@@ -151,6 +215,7 @@ class StreamConfig:
     island: int = 0
     num_islands: int = 1
     oversize: str = "own_step"  # sample longer than global_batch_tokens: "own_step" | "error"
+    lookahead: int = DEFAULT_LOOKAHEAD  # first-fit window of the batch fill (0: plain greedy)
     cache_dir: str | None = None  # local copy of a remote dataset's metadata
 
     def validate(self) -> None:
@@ -167,6 +232,8 @@ class StreamConfig:
             raise ConfigError(
                 f"stream.island must be in [0, {self.num_islands}), got {self.island}"
             )
+        if int(self.lookahead) < 0:
+            raise ConfigError(f"stream.lookahead must be >= 0, got {self.lookahead}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ConfigError(
                 f"stream.oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}"
@@ -211,7 +278,10 @@ class LengthAwareStream:
         """(order, boundaries) of the epoch's global batches over all islands (cached)."""
         if self._plan is None or self._plan[0] != epoch:
             order = epoch_order(self.lengths.shape[0], int(self.config.seed), epoch)
-            bounds = greedy_boundaries(self.lengths[order], self.budget)
+            pos, bounds = lookahead_fill(
+                self.lengths[order], self.budget, int(self.config.lookahead)
+            )
+            order = order[pos]
             self._plan = (epoch, order, bounds)
         return self._plan[1], self._plan[2]
 
@@ -271,6 +341,7 @@ class LengthAwareStream:
             "step": self.step,
             "seed": int(self.config.seed),
             "global_batch_tokens": self.budget,
+            "lookahead": int(self.config.lookahead),
             "island": self.island,
             "num_islands": self.num_islands,
             "num_samples": int(self.lengths.shape[0]),
@@ -284,6 +355,7 @@ class LengthAwareStream:
             "version",
             "seed",
             "global_batch_tokens",
+            "lookahead",
             "island",
             "num_islands",
             "num_samples",

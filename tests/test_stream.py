@@ -19,7 +19,9 @@ from datapipe.stream import (
     GlobalBatch,
     LengthAwareStream,
     StreamConfig,
+    epoch_order,
     greedy_boundaries,
+    lookahead_fill,
     resolve_dataset,
 )
 
@@ -84,14 +86,75 @@ def test_greedy_boundaries_match_reference(lengths: list[int], budget: int) -> N
     assert got == reference_batches(lengths, budget)
 
 
+def reference_lookahead(lengths: list[int], budget: int, window: int) -> list[list[int]]:
+    """First fit with a look-ahead window, one sample at a time: positions of each batch."""
+    n, p = len(lengths), 0
+    deferred: list[int] = []
+    batches: list[list[int]] = []
+    while p < n or deferred:
+        cur: list[int] = []
+        room = budget
+        for q in list(deferred):
+            if not cur or lengths[q] <= room:
+                cur.append(q)
+                deferred.remove(q)
+                room -= lengths[q]
+        while room >= 0 and p < n and (lengths[p] <= room or not cur):
+            cur.append(p)
+            room -= lengths[p]
+            p += 1
+        stop = min(n, p + window - len(deferred))
+        while room > 0 and p < stop:
+            if lengths[p] <= room:
+                cur.append(p)
+                room -= lengths[p]
+            else:
+                deferred.append(p)
+            p += 1
+        batches.append(cur)
+    return batches
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.lists(st.integers(0, 300), min_size=0, max_size=200),
+    st.integers(1, 600),
+    st.integers(0, 8),
+)
+def test_lookahead_fill_matches_reference(lengths: list[int], budget: int, window: int) -> None:
+    pos, bounds = lookahead_fill(np.asarray(lengths, np.int64), budget, window)
+    got = [pos[bounds[i] : bounds[i + 1]].tolist() for i in range(len(bounds) - 1)]
+    ref = reference_lookahead(lengths, budget, window)
+    assert got == ref
+    assert sorted(pos.tolist()) == list(range(len(lengths)))
+    arr = np.asarray(lengths, np.int64)
+    for b in got:  # within budget, unless one oversize sample alone
+        assert arr[b].sum() <= budget or len(b) == 1
+    if window == 0:
+        assert got == reference_batches(lengths, budget) if lengths else got == []
+
+
+def test_lookahead_fills_batches_nearly_full() -> None:
+    """The demo's case: budget = the longest sample, so greedy leaves ragged batches."""
+    lengths = np.minimum(lognormal_lengths(3000, seed=4, median=2000), 16384)
+    fill = {}
+    for w in (0, 64):
+        pos, bounds = lookahead_fill(lengths, 16384, w)
+        sums = np.add.reduceat(lengths[pos], bounds[:-1])
+        fill[w] = sums.sum() / (16384 * sums.shape[0])
+        assert sums.max() <= 16384
+    assert fill[64] > 0.97 and fill[64] > fill[0] + 0.05, fill
+
+
 def _stream(lengths: np.ndarray, budget: int, **kw) -> LengthAwareStream:
     return LengthAwareStream(StreamConfig(path="mem", global_batch_tokens=budget, **kw), lengths)
 
 
-def test_one_island_epoch_covers_every_sample_once_within_budget() -> None:
+@pytest.mark.parametrize("lookahead", [0, 64])
+def test_one_island_epoch_covers_every_sample_once_within_budget(lookahead: int) -> None:
     lengths = lognormal_lengths(3000, seed=1)
     budget = 20_000
-    s = _stream(lengths, budget, seed=7)
+    s = _stream(lengths, budget, seed=7, lookahead=lookahead)
     for epoch in range(3):
         steps = s.steps_in_epoch(epoch)
         batches = [next(s) for _ in range(steps)]
@@ -101,9 +164,12 @@ def test_one_island_epoch_covers_every_sample_once_within_budget() -> None:
         for b in batches:
             assert np.array_equal(b.lengths, lengths[b.sample_ids])
             assert b.num_tokens <= budget
-        # greedy: the first sample of the next batch did not fit in the previous one
-        for a, b in zip(batches, batches[1:], strict=False):
-            assert a.num_tokens + int(b.lengths[0]) > budget
+        if lookahead == 0:  # greedy: the next batch's first sample did not fit in this one
+            for a, b in zip(batches, batches[1:], strict=False):
+                assert a.num_tokens + int(b.lengths[0]) > budget
+        else:  # fewer, fuller batches than the greedy fill of the same order
+            greedy = greedy_boundaries(lengths[epoch_order(len(lengths), 7, epoch)], budget)
+            assert len(batches) < len(greedy) - 1
         assert len(s.skipped_samples(epoch)) == 0
     assert next(s).epoch == 3
 
