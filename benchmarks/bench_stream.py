@@ -119,6 +119,67 @@ def bench_stream(root: Path, budget: int) -> dict:
     }
 
 
+def bench_fill(repeats: int = 3) -> list[dict]:
+    """Batch formation alone, greedy vs look-ahead fill, on in-memory lengths: epoch plan time and
+    token fill (mean tokens per batch / budget, smallest batch)."""
+    from datapipe.stream import LengthAwareStream, StreamConfig
+
+    rng = np.random.default_rng(1)
+    cases = [
+        ("100k lognormal (median 512, sigma 1), 1M-token batches", 100_000, 512, 1.0, 1 << 20, 0),
+        (
+            "100k lognormal capped 16K, 16K-token batches (the demo's shape)",
+            100_000,
+            2048,
+            1.5,
+            16384,
+            16384,
+        ),  # fmt: skip
+        (
+            "10M lognormal (median 2048, sigma 1.5), 32M-token batches",
+            10_000_000,
+            2048,
+            1.5,
+            32 << 20,
+            0,
+        ),
+    ]
+    rows = []
+    for name, n, med, sigma, budget, cap in cases:
+        lengths = np.maximum(1, rng.lognormal(np.log(med), sigma, n)).astype(np.int64)
+        if cap:
+            lengths = np.minimum(lengths, cap)
+        for w in (0, 64):
+            best = float("inf")
+            for _ in range(repeats):
+                s = LengthAwareStream(
+                    StreamConfig(path="mem", global_batch_tokens=budget, lookahead=w), lengths
+                )
+                t0 = time.perf_counter()
+                steps = s.steps_in_epoch(0)
+                best = min(best, time.perf_counter() - t0)
+            _, bounds = s._epoch_plan(0)
+            order = s._plan[1]
+            tok = np.add.reduceat(lengths[order], bounds[:-1])
+            rows.append(
+                {
+                    "case": name,
+                    "lookahead": w,
+                    "epoch_plan_s": best,
+                    "batches": steps,
+                    "fill": float(tok.mean() / budget),
+                    "min_batch_tokens": int(tok.min()),
+                }
+            )
+    print(f"{'case':<66}{'W':>4}{'plan s':>9}{'batches':>9}{'fill':>8}{'min tokens':>12}")
+    for r in rows:
+        print(
+            f"{r['case']:<66}{r['lookahead']:>4}{r['epoch_plan_s']:>9.3f}{r['batches']:>9,}"
+            f"{r['fill']:>8.4f}{r['min_batch_tokens']:>12,}"
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=100_000)
@@ -127,7 +188,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of, interleaved")
     ap.add_argument("--budget", type=int, default=1 << 20, help="global batch tokens")
     ap.add_argument("--iterate", type=int, default=20_000, help="samples for baseline (a)")
+    ap.add_argument("--fill-only", action="store_true", help="only batch formation (no dataset)")
     args = ap.parse_args()
+    if args.fill_only:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "bench_stream_fill.json").write_text(json.dumps(bench_fill(args.repeats), indent=1))
+        return
 
     t0 = time.perf_counter()
     root = make_dataset(args.samples)
@@ -139,6 +205,7 @@ def main() -> None:
     index = read_index(root)
     lengths = index.num_tokens
     res: dict = {"args": vars(args), "stream": bench_stream(root, args.budget)}
+    res["fill"] = bench_fill(args.repeats)
 
     # one rank's work for `steps` steps, from the real stream
     stream = StreamConfig(path=str(root), global_batch_tokens=args.budget, seed=0).build()

@@ -81,6 +81,23 @@ class BalanceSummary:
         return "\n".join(lines) + "\n"
 
 
+def _truncate_after(path: str, step: int) -> None:
+    """Drop records of steps after `step` from a metrics.jsonl (rewritten via a temp file)."""
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
 @dataclass
 class MetricsWriter:
     """Writes one record per step; inactive (no files, no output) on ranks other than 0."""
@@ -92,6 +109,9 @@ class MetricsWriter:
     progress: bool = True
     console_interval: int = 1
     stream: TextIO = field(default_factory=lambda: sys.stdout)
+    # None: a fresh run (metrics.jsonl starts empty); k: resumed after step k (records of later
+    # steps, left by the interrupted run, are dropped so the file reads as one run)
+    resume_step: int | None = None
 
     def __post_init__(self) -> None:
         self._jsonl = None
@@ -101,7 +121,9 @@ class MetricsWriter:
             return
         os.makedirs(self.out_dir, exist_ok=True)
         self.path = os.path.join(self.out_dir, "metrics.jsonl")
-        self._jsonl = open(self.path, "a", buffering=1)
+        if self.resume_step is not None and os.path.exists(self.path):
+            _truncate_after(self.path, self.resume_step)
+        self._jsonl = open(self.path, "w" if self.resume_step is None else "a", buffering=1)
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -111,7 +133,8 @@ class MetricsWriter:
                     "(pip install tensorboard); writing metrics.jsonl only"
                 )
             else:
-                self._tb = SummaryWriter(log_dir=os.path.join(self.out_dir, "tb"))
+                purge = None if self.resume_step is None else self.resume_step + 1
+                self._tb = SummaryWriter(log_dir=os.path.join(self.out_dir, "tb"), purge_step=purge)
         if self.progress:
             from tqdm import tqdm
 

@@ -135,6 +135,7 @@ class _Planner:
             num_ranks=world,
             capacity=p.capacity,
             offload=cfg.offload.enabled,
+            widen=p.widen,
             max_context=max_ctx,
             seed=cfg.data.seed,
         ).build(cost)
@@ -308,6 +309,7 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
         tensorboard=cfg.metrics.tensorboard,
         progress=cfg.metrics.progress,
         console_interval=cfg.metrics.console_interval,
+        resume_step=start if cfg.checkpoint.resume else None,
     )
     closers.append(writer.close)
     if rt.rank == 0:
