@@ -19,10 +19,8 @@ Prints tables and writes benchmarks/out/bench_train.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import sys
 import time
 
@@ -34,27 +32,13 @@ sys.path.insert(0, ROOT)
 POLICIES = ("hdp", "static", "naive-hdp")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- workers -------------------------------------------------------------------------------------
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    import torch
-    import torch.distributed as dist
+    from trainer.comm import init_local_gloo
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    init_local_gloo(rank, world, port, timeout_s=300)
 
 
 def _executor(comm, lr: float = 1e-3):
@@ -231,8 +215,10 @@ class _null:
 def _spawn(fn, world: int, job: dict, timeout: float) -> None:
     import torch.multiprocessing as mp
 
+    from trainer.comm import free_port
+
     ctx = mp.start_processes(
-        fn, args=(world, _port(), job), nprocs=world, join=False, start_method="spawn"
+        fn, args=(world, free_port(), job), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     try:

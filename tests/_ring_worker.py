@@ -6,14 +6,12 @@ runs its share of each scenario's ring with `TorchComm` and checks it (float64, 
 
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.attention import attend
-from trainer.comm import TorchComm
+from trainer.comm import TorchComm, init_local_gloo
 from trainer.ring import RingAttention, ZigzagLayout, ring_attend
 
 # (island ranks or None for the world, ring group in island-local ranks, sample lengths, hq, hkv)
@@ -46,14 +44,7 @@ def _check(comm: TorchComm, group: list[int], lengths: list[int], hq: int, hkv: 
 
 
 def main(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_local_gloo(rank, world, port, timeout_s=30)
     try:
         world_comm = TorchComm()
         islands = {}

@@ -7,7 +7,6 @@ several short ones (capacity 64, 4 ranks), trained for a few AdamW steps under a
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from datapipe.cost import preset
 from datapipe.planners import PlannerConfig
-from trainer.comm import Communicator, TorchComm
+from trainer.comm import Communicator, TorchComm, init_local_gloo
 from trainer.executor import HDPExecutor, MemoryFetcher, SoloComm, build_model, single_plan
 from trainer.model import get_config
 
@@ -99,14 +98,7 @@ def compare(ref: dict, got: dict, dtype: torch.dtype) -> None:
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_local_gloo(rank, world, port, timeout_s=60)
 
 
 def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from _train_worker import (
 from datapipe.errors import MixlenError
 from datapipe.plan import check_plan
 from datapipe.zigzag import member_ranges
-from trainer.comm import run_threads
+from trainer.comm import free_port, run_threads
 from trainer.executor import (
     HDPExecutor,
     MemoryFetcher,
@@ -161,9 +160,7 @@ def test_ring_bytes_counted():
 def test_exactness_gloo_4_processes(tmp_path):
     """4 gloo processes: hdp and static in float64 (elements 1e-10, 5-step loss curve 1e-9) and
     float32 (1e-5 in norm), hdp in bfloat16 (BF16_GRAD_RTOL), each against `single`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn(exactness_main, WORLD, (WORLD, port, str(tmp_path)), timeout=140)
     lines = (tmp_path / "exactness.txt").read_text().split("\n")
     assert len([x for x in lines if x]) == 5

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 
 from datapipe.zigzag import member_ranges
 from trainer.attention import attend
-from trainer.comm import ThreadComm, run_threads
+from trainer.comm import ThreadComm, free_port, run_threads
 from trainer.ring import RingAttention, ZigzagLayout, ring_attend
 
 F64 = torch.float64
@@ -171,12 +170,6 @@ def test_ring_rejects_wrong_membership():
     run_threads(2, fn, timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ring_gloo_processes():
@@ -188,7 +181,7 @@ def test_ring_gloo_processes():
     world = 4
     ctx = mp.start_processes(
         _ring_worker.main,
-        args=(world, _free_port()),
+        args=(world, free_port()),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from _train_worker import make_dataset, spawn, train_config, train_main
 
 from datapipe.errors import ConfigError
+from trainer.comm import free_port
 from trainer.config import apply_overrides, from_dict, load_config, to_toml
 from trainer.train import held_out_mask, run_training
 
@@ -25,12 +25,6 @@ def dataset(tmp_path_factory) -> str:
     return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- config --------------------------------------------------------------------------------------
 
 
@@ -40,6 +34,7 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
     cfg = load_config(path, ["train.steps=7", "train.dtype=float64", 'metrics.dir="m"'])
     assert (cfg.train.lr, cfg.train.steps, cfg.train.dtype) == (1e-2, 7, "float64")
     assert cfg.parallel.policy == "static" and cfg.metrics.dir == "m"
+    assert cfg.parallel.widen is False
     assert cfg.train.warmup == 10 and cfg.checkpoint.dir is None  # defaults
     again = tmp_path / "again.toml"
     again.write_text(to_toml(cfg))
@@ -57,6 +52,8 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (['train.dtype="float16"'], "train.dtype"),
         (['parallel.policy="ring"'], "parallel.policy"),
         (["parallel.islands=2"], "parallel.islands"),
+        (["parallel.widen=1"], "parallel.widen"),
+        (['parallel.policy="static"', "parallel.widen=true"], "parallel.widen"),
         (["co2.enabled=true"], "co2.enabled"),
         (["co2.momentum=1.5"], "co2.momentum"),
         (["offload.enabled=true"], "offload.enabled"),
@@ -149,7 +146,7 @@ def test_train_two_gloo_ranks(dataset, tmp_path):
             dataset, str(tmp_path / "ref"), parallel={"policy": "single"}, checkpoint={"dir": None}
         )
     )
-    spawn(train_main, 2, (2, _free_port(), dataset, str(tmp_path)), timeout=140)
+    spawn(train_main, 2, (2, free_port(), dataset, str(tmp_path)), timeout=140)
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got["second_start"] == 3
     assert got["first"] + got["second"] == got["straight"]

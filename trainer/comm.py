@@ -190,3 +190,27 @@ def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.
         if e is not None:
             raise e
     return results
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for single-node test and benchmark process groups)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_local_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    """One torch thread per rank and a gloo process group over localhost TCP, with a timeout so
+    a deadlock fails instead of hanging."""
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
