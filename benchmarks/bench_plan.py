@@ -4,8 +4,9 @@
 
 Cases: (a) 65,536 lognormal lengths (median 512, sigma 1.6, capped at 128K) onto 1,024 ranks,
 C = 8,192; (b) one 32M-token global batch drawn from the byted-like distribution (2M context)
-onto 1,024 and 12,288 ranks. Times are medians over repeats after a JIT warm-up call, policies
-interleaved round-robin so machine noise hits all alike. Quality is the estimated makespan over
+onto 1,024 and 12,288 ranks. Policies: hdp, naive-hdp, static, hdp+offload, hdp+widen. Times are
+medians over repeats after a JIT warm-up call, policies interleaved round-robin so machine noise
+hits all alike. Quality is the estimated makespan over
 the lower bound max(total work / N, largest member share) of the same cost model (llama-7b@h100).
 lightbinpack's grouped packer and binpacking's constant-bin-number packer see the per-sequence
 lengths / costs with sequences capped at C (they cannot split), so they are timing references only.
@@ -28,7 +29,17 @@ from datapipe import cost as costmod  # noqa: E402
 from datapipe import simulate as S  # noqa: E402
 from datapipe.planners import PlannerConfig  # noqa: E402
 
-VARIANTS = (("hdp", False), ("naive-hdp", False), ("static", False), ("hdp", True))
+VARIANTS = (  # (policy, offload, widen)
+    ("hdp", False, False),
+    ("naive-hdp", False, False),
+    ("static", False, False),
+    ("hdp", True, False),
+    ("hdp", False, True),
+)
+
+
+def label(v: tuple) -> str:
+    return v[0] + ("+offload" if v[1] else "") + ("+widen" if v[2] else "")
 
 
 def case_a() -> np.ndarray:
@@ -45,7 +56,12 @@ def case_b(seed: int = 0) -> np.ndarray:
 def bench_case(name: str, lengths: np.ndarray, ranks: int, cap: int, repeats: int, cost) -> list:
     planners = {
         v: PlannerConfig(
-            policy=v[0], num_ranks=ranks, capacity=cap, offload=v[1], max_context=int(lengths.max())
+            policy=v[0],
+            num_ranks=ranks,
+            capacity=cap,
+            offload=v[1],
+            widen=v[2],
+            max_context=int(lengths.max()),
         ).build(cost)
         for v in VARIANTS
     }
@@ -65,7 +81,7 @@ def bench_case(name: str, lengths: np.ndarray, ranks: int, cap: int, repeats: in
                 "capacity": cap,
                 "samples": int(lengths.size),
                 "tokens": int(lengths.sum()),
-                "policy": v[0] + ("+offload" if v[1] else ""),
+                "policy": label(v),
                 "plan_ms_median": float(np.median(times[v])),
                 "plan_ms_min": float(np.min(times[v])),
                 "makespan_s": plan.makespan_ns / 1e9,
@@ -82,7 +98,7 @@ def quality_over_batches(ranks: int, cap: int, cost, n: int = 10) -> list:
     pool = np.minimum(S.sample_lengths("byted", 400_000, 0), 2 * 1024 * 1024)
     batches = S.draw_batches(pool, 32 * 1024 * 1024, n, 0)
     rows = []
-    for pol, off in VARIANTS:
+    for pol, off, widen in VARIANTS:
         r = []
         for b in batches:
             p = (
@@ -91,6 +107,7 @@ def quality_over_batches(ranks: int, cap: int, cost, n: int = 10) -> list:
                     num_ranks=ranks,
                     capacity=cap,
                     offload=off,
+                    widen=widen,
                     max_context=2 * 1024 * 1024,
                 )
                 .build(cost)
@@ -99,7 +116,7 @@ def quality_over_batches(ranks: int, cap: int, cost, n: int = 10) -> list:
             r.append(p.makespan_ns / p.lower_bound_ns)
         rows.append(
             {
-                "policy": pol + ("+offload" if off else ""),
+                "policy": label((pol, off, widen)),
                 "ranks": ranks,
                 "mean_max_over_lb": float(np.mean(r)),
                 "worst_max_over_lb": float(np.max(r)),

@@ -232,6 +232,7 @@ class StepPlan:
             )
         return {
             "policy": self.policy,
+            "widen": bool(self.meta.get("widen", False)),
             "num_ranks": self.num_ranks,
             "capacity": self.capacity,
             "cost_hash": self.cost_hash,

@@ -11,6 +11,9 @@ Shared rules:
   not lengthen the critical path (naive-hdp uses the smallest D as is).
 - Short samples (k = 1) are packed best-fit into micro-batches of at most C positions
   (datapipe.packing); long samples get a group micro-batch of their own.
+- hdp with `widen` (opt-in) also tries groups from that smallest k up to min(N, S) and short
+  samples in a ring's spare room, keeping the candidate with the smallest estimated makespan
+  (_widen; docs/PLAN.md, "Widen").
 - Zero-length samples get no micro-batch (nothing to compute). A sample that no group of N ranks can
   hold (S > N * C, or N * C_eff with offload) is an error (MixlenError naming the sample).
 - Times are int64 nanoseconds from datapipe.cost; rank times come from the slot-order replay.
@@ -42,6 +45,7 @@ class PlannerConfig:
     max_context: int | None = None  # static: the run's longest context (default: batch maximum)
     seed: int = 0
     improve_rounds: int = 4  # hdp: improvement pass budget, in multiples of N moves
+    widen: bool = False  # hdp: also try groups wider than the smallest (docs/PLAN.md, "Widen")
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -52,6 +56,12 @@ class PlannerConfig:
             raise ConfigError(f"capacity: must be an int >= 1, got {self.capacity!r}")
         if self.max_context is not None and self.max_context < 1:
             raise ConfigError(f"max_context: must be >= 1, got {self.max_context!r}")
+        if not isinstance(self.widen, bool):
+            raise ConfigError(f"widen: must be a bool, got {self.widen!r}")
+        if self.widen and self.policy != "hdp":
+            raise ConfigError(
+                f"widen: only the hdp policy widens groups, not '{self.policy}' (unset widen)"
+            )
 
     def build(self, cost: CostModel) -> Planner:
         self.validate()
@@ -113,17 +123,26 @@ def lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacit
     offload (member shares in integer ns with their exposed ring traffic, as the planners charge
     them), plus c for the fewest rank-micro-batches any plan needs (ceil(tokens / C)). A larger
     group only adds exposed traffic in total, so this bounds every hdp/naive-hdp plan without
-    offload from below (static splits differently and may go under it)."""
+    offload or widening from below (static and widen split more, offload changes group sizes:
+    they may go under it)."""
+    return max(_lower_bound_terms(cost, lengths, num_ranks, capacity))
+
+
+def _lower_bound_terms(
+    cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int
+) -> tuple[int, int]:
+    """(ceil(total work / N), largest member share) of lower_bound_ns. The first term also bounds
+    widened plans (a wider group adds exposed traffic and overhead in total, never removes work)."""
     s = lengths[lengths > 0]
     if s.size == 0:
-        return 0
+        return 0, 0
     k = np.maximum(1, -(-s // capacity))
     shares = cost.work_ns(s, 1)
     long_ = np.flatnonzero(k > 1)
     shares[long_] = group_time_ns(cost, s[long_], k[long_], np.zeros_like(long_)) - cost.c_ns
     total = int((k * shares).sum()) + cost.c_ns * int(-(-int(s.sum()) // capacity))
     share = int(shares.max()) + cost.c_ns
-    return max(-(-total // num_ranks), share)
+    return -(-total // num_ranks), share
 
 
 def _too_long(lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str) -> None:
@@ -280,43 +299,28 @@ def _plan_dynamic(
     target = lb if balance else None
     k, j = _dynamic_groups(cost, lengths, sample_ids, n_ranks, cap, config.offload, target)
     caps = cost.offload_capacity(cap, np.arange(cost.num_layers + 1))
-    # Group micro-batches: one per sample that needs k >= 2 ranks or offload.
+    # Group micro-batches: one per sample that needs k >= 2 ranks or offload (widen may add short
+    # samples to them); local micro-batches: the short samples packed best-fit.
     grp = np.flatnonzero((k >= 2) | (j > 0))
     short = np.flatnonzero((k == 1) & (j == 0))
-    g_time = group_time_ns(cost, lengths[grp], k[grp], j[grp])
-    b_off, b_items = _pack_local(short, lengths, cap)
-    n_bins = b_off.shape[0] - 1
-    w1 = cost.work_ns(lengths, 1)
-    b_time = (
-        cost.c_ns + np.add.reduceat(w1[b_items], b_off[:-1]) if n_bins else np.zeros(0, np.int64)
-    )
-    b_tokens = np.add.reduceat(lengths[b_items], b_off[:-1]) if n_bins else np.zeros(0, np.int64)
     n_g = grp.shape[0]
-    mb_k = np.concatenate([k[grp], np.ones(n_bins, dtype=np.int64)])
-    mb_time = np.concatenate([g_time, b_time]).astype(np.int64)
+    kg, jg = k[grp], j[grp]
+    g_off = np.arange(n_g + 1, dtype=np.int64)
+    g_items = grp.astype(np.int64)
+    g_time = group_time_ns(cost, lengths[grp], kg, jg)
+    b_off, b_items = _pack_local(short, lengths, cap)
+    b_time = _local_times(cost, lengths, b_off, b_items)
     if balance:
-        # Rings first, by decreasing member time, each on the k ranks furthest below the maximum;
-        # then local micro-batches by decreasing time onto the least-loaded rank; then improve.
-        kg = k[grp]
-        orders = [np.lexsort((np.arange(n_g), -kg, -g_time))]
-        if n_g > 1:
-            orders.append(np.lexsort((np.arange(n_g), -g_time, -kg)))
-            orders.append(np.lexsort((np.arange(n_g), -kg, -g_time * kg)))
-        best = None
-        b_order = np.lexsort((np.arange(n_bins), -b_time)).astype(np.int64)
-        for g_order in orders:
-            for backfill in (False, True) if n_g > 1 else (False,):
-                cand = _balance(
-                    g_order.astype(np.int64), kg, g_time, b_time, b_order, n_ranks, backfill
-                )
-                if best is None or cand[0] < best[0]:
-                    best = cand
-        _, g_order, g_ranks_sorted, b_rank, b_key, fills, tail, tail_rank, load = best
         budget = int(config.improve_rounds) * n_ranks
-        moves = _improve_local(tail_rank, b_time[tail], load, budget)
-        b_rank[tail] = tail_rank
-        # Tail micro-batches run after every group, so their rank's order among them is free.
-        b_key[tail] = 2 * n_g + tail_rank
+        sched = _hdp_schedule(kg, g_time, b_time, n_ranks, budget)
+        meta: dict = {}
+        if config.widen:
+            work_bound = _lower_bound_terms(cost, lengths, n_ranks, cap)[0]
+            layout = (kg, jg, g_off, g_items, g_time, b_off, b_items, b_time, sched)
+            layout, meta = _widen(cost, lengths, caps, cap, n_ranks, budget, work_bound, layout)
+            kg, jg, g_off, g_items, g_time, b_off, b_items, b_time, sched = layout
+        _, g_order, g_ranks_sorted, b_rank, b_key, fills, moves, _, _ = sched
+        n_g = kg.shape[0]
         g_key = np.empty(n_g, dtype=np.int64)
         g_key[g_order] = 2 * np.arange(n_g) + 1
         g_src_off = np.zeros(n_g + 1, dtype=np.int64)
@@ -327,10 +331,16 @@ def _plan_dynamic(
         g_ranks = g_ranks_sorted[_gather(g_sorted_off, inv, g_src_off)]
         mb_key = np.concatenate([g_key, b_key])
         mb_ranks = np.concatenate([g_ranks, b_rank])
-        meta = {"improve_moves": int(moves), "gap_fills": int(fills)}
-    else:
+        meta = {"improve_moves": int(moves), "gap_fills": int(fills), **meta}
+    n_bins = b_off.shape[0] - 1
+    mb_k = np.concatenate([kg, np.ones(n_bins, dtype=np.int64)])
+    mb_time = np.concatenate([g_time, b_time]).astype(np.int64)
+    if not balance:
         # ByteScale Alg. 1: micro-batches by decreasing tokens, first fit into waves of N ranks (one
         # micro-batch per rank per wave); no cost balancing.
+        b_tokens = (
+            np.add.reduceat(lengths[b_items], b_off[:-1]) if n_bins else np.zeros(0, np.int64)
+        )
         tokens = np.concatenate([lengths[grp], b_tokens]).astype(np.int64)
         order = np.lexsort((np.arange(mb_k.shape[0]), -tokens)).astype(np.int64)
         ranks_sorted, wave = _place_waves(mb_k[order], n_ranks)
@@ -345,10 +355,10 @@ def _plan_dynamic(
         first_rank = mb_ranks[src_off[:-1]]
         mb_key = w * n_ranks + first_rank
         meta = {"waves": int(wave.max()) + 1 if wave.size else 0}
-    mb_cap = np.concatenate([caps[j[grp]], np.full(n_bins, cap, dtype=np.int64)])
-    mb_off_layers = np.concatenate([j[grp], np.zeros(n_bins, dtype=np.int64)])
-    items_off = np.concatenate([np.arange(n_g, dtype=np.int64), n_g + b_off])
-    items = np.concatenate([grp, b_items]).astype(np.int64)
+    mb_cap = np.concatenate([caps[jg], np.full(n_bins, cap, dtype=np.int64)])
+    mb_off_layers = np.concatenate([jg, np.zeros(n_bins, dtype=np.int64)])
+    items_off = np.concatenate([g_off[:-1], g_off[-1] + b_off])
+    items = np.concatenate([g_items, b_items]).astype(np.int64)
     meta["offload"] = bool(config.offload)
     return _assemble(
         "hdp" if balance else "naive-hdp",
@@ -367,6 +377,281 @@ def _plan_dynamic(
         meta,
         lb,
     )
+
+
+def _local_times(
+    cost: CostModel, lengths: np.ndarray, b_off: np.ndarray, b_items: np.ndarray
+) -> np.ndarray:
+    """Time of each local micro-batch: c + the whole compute of its samples."""
+    if b_off.shape[0] <= 1:
+        return np.zeros(0, np.int64)
+    w1 = cost.work_ns(lengths[b_items], 1)
+    return (cost.c_ns + np.add.reduceat(w1, b_off[:-1])).astype(np.int64)
+
+
+def _hdp_schedule(
+    kg: np.ndarray,
+    g_time: np.ndarray,
+    b_time: np.ndarray,
+    n_ranks: int,
+    budget: int,
+    rules: tuple[tuple[int, bool], ...] | None = None,
+) -> tuple:
+    """hdp's balance for fixed micro-batches: three group orders x two placements (`rules`, all by
+    default) through _balance, the smallest makespan kept, then the improvement pass on its tail.
+    Returns (makespan after improvement, g_order, group ranks in that order, local ranks, local
+    slot keys, gap fills, improvement moves, rank loads, the winning rule)."""
+    n_g, n_bins = kg.shape[0], b_time.shape[0]
+    orders = [np.lexsort((np.arange(n_g), -kg, -g_time))]
+    if n_g > 1:
+        orders.append(np.lexsort((np.arange(n_g), -g_time, -kg)))
+        orders.append(np.lexsort((np.arange(n_g), -kg, -g_time * kg)))
+    if rules is None or n_g <= 1:
+        rules = tuple(
+            (o, bf) for o in range(len(orders)) for bf in ((False, True)[: 1 + (n_g > 1)])
+        )
+    best, best_rule = None, rules[0]
+    b_order = np.lexsort((np.arange(n_bins), -b_time)).astype(np.int64)
+    for rule in rules:
+        g_order = orders[rule[0]].astype(np.int64)
+        cand = _balance(g_order, kg, g_time, b_time, b_order, n_ranks, rule[1])
+        if best is None or cand[0] < best[0]:
+            best, best_rule = cand, rule
+    _, g_order, g_ranks_sorted, b_rank, b_key, fills, tail, tail_rank, load = best
+    moves = _improve_local(tail_rank, b_time[tail], load, budget)
+    b_rank[tail] = tail_rank
+    # Tail micro-batches run after every group, so their rank's order among them is free.
+    b_key[tail] = 2 * n_g + tail_rank
+    makespan = int(load.max()) if n_ranks else 0
+    return makespan, g_order, g_ranks_sorted, b_rank, b_key, fills, int(moves), load, best_rule
+
+
+# ------------------------------------------------------------------------------------------------
+# hdp widen: give long samples more ranks than the smallest group when that shortens the step
+# ------------------------------------------------------------------------------------------------
+WIDEN_SLACK = 1 / 256  # skip the search when the plan is within this of the work bound
+WIDEN_EVALS = 12  # candidate schedules evaluated at most (besides the plain plan)
+WIDEN_LAMBDA_STEP = 1.25  # geometric step of the scalar family's target
+
+
+def _group_times(
+    cost: CostModel,
+    lengths: np.ndarray,
+    g_off: np.ndarray,
+    g_items: np.ndarray,
+    kg: np.ndarray,
+    jg: np.ndarray,
+) -> np.ndarray:
+    """Member time of group micro-batches holding one or more samples (each split zigzag over the
+    group): c + shares + exposed ring/offload of the member's total positions. Equals
+    group_time_ns for single-sample groups."""
+    if kg.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    per = np.repeat(kg, np.diff(g_off))
+    s = lengths[g_items]
+    attn = np.add.reduceat(cost.attn_ns(s, per), g_off[:-1])
+    lin = np.add.reduceat(cost.linear_ns(s, per), g_off[:-1])
+    work = np.add.reduceat(cost.work_ns(s, per), g_off[:-1])
+    n = np.add.reduceat(s, g_off[:-1]).astype(np.float64) / kg
+    ring = cost.ring_ns(n, kg)
+    off = cost.offload_ns(n, jg.astype(np.float64) / cost.num_layers)
+    return (cost.c_ns + work + cost.exposed_ns(attn, lin, ring, off)).astype(np.int64)
+
+
+def _widen(
+    cost: CostModel,
+    lengths: np.ndarray,
+    caps: np.ndarray,
+    cap: int,
+    n_ranks: int,
+    budget: int,
+    work_bound: int,
+    layout: tuple,
+) -> tuple[tuple, dict]:
+    """Search group-size vectors k' >= k (k' <= min(N, S)) for a smaller estimated makespan.
+
+    Candidates, each scheduled by _hdp_schedule (rank times as the slot-order replay computes
+    them; a wider ring pays its extra hops and every member's per-micro-batch overhead):
+
+    1. scalar family: k_i(lam) = clip(ceil(W_i / (lam * T)), k_i, min(N, S_i)), W_i the sample's
+       whole compute, T the work bound ceil(total / N); lam starts where the family equals the
+       plain plan and falls by WIDEN_LAMBDA_STEP (new vectors only) until one does not improve;
+    2. critical path: on the rank that finishes last, widen one of its groups (longest first) by
+       the factor that would take the excess over T off its share; accept the first improvement
+       and repeat, stop when no group on that rank improves;
+    3. fill: short samples whose zigzag pair fits a group's spare room (C - ceil(S/k) per member;
+       groups without offload) join that group's micro-batch (first fit, longest sample and widest
+       group first) and the rest is packed again; once into widened groups only, once into all.
+
+    Candidates are scheduled with the plain plan's winning order/placement rule; the best one is
+    scheduled again with all rules. At most WIDEN_EVALS candidates. The plain plan is one, so the
+    estimate never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
+    widened or not, finishes before T)."""
+    kg0, jg0, g_off0, g_items0, g_time0, b_off0, b_items0, b_time0, sched0 = layout
+    meta = {"widen": True, "widen_candidates": 0, "widened": 0, "widen_filled": 0}
+    n_g = kg0.shape[0]
+    if n_g == 0 or sched0[0] <= work_bound + work_bound * WIDEN_SLACK:
+        return layout, meta
+    s_g = lengths[g_items0]  # one sample per group in the plain plan
+    k_cap = np.minimum(n_ranks, s_g)  # k <= S: every member gets a non-empty chunk
+    rules = (sched0[8],)
+    best = layout
+    seen = {kg0.tobytes()}
+    evals = 0
+
+    def evaluate(cand: tuple) -> bool:
+        """Schedule a layout (sched slot ignored); keep it if the makespan improves."""
+        nonlocal best, evals
+        kk, jj, g_off, g_items, t, b_off, b_items, bt, _ = cand
+        sched = _hdp_schedule(kk, t, bt, n_ranks, budget, rules)
+        evals += 1
+        if sched[0] < best[8][0]:
+            best = (kk, jj, g_off, g_items, t, b_off, b_items, bt, sched)
+            return True
+        return False
+
+    def widened(kk: np.ndarray) -> tuple:
+        jj = np.minimum(np.searchsorted(caps, -(-s_g // kk)), jg0).astype(np.int64)
+        t = group_time_ns(cost, s_g, kk, jj)
+        return (kk, jj, g_off0, g_items0, t, b_off0, b_items0, b_time0, None)
+
+    # 1. scalar family
+    if (kg0 < k_cap).any():
+        w = cost.work_ns(s_g, 1).astype(np.float64)
+        tw = float(max(work_bound, 1))
+        lam = float((w / (kg0 * tw)).max())
+        for _ in range(64):
+            if evals >= WIDEN_EVALS:
+                break
+            lam /= WIDEN_LAMBDA_STEP
+            kk = np.clip(np.ceil(w / (lam * tw)).astype(np.int64), kg0, k_cap)
+            key = kk.tobytes()
+            if key in seen:
+                if (kk == k_cap).all():
+                    break
+                continue
+            seen.add(key)
+            if not evaluate(widened(kk)):
+                break
+    # 2. critical path: widen one group on the rank that finishes last
+    while evals < WIDEN_EVALS:
+        kk, t, sched = best[0], best[4], best[8]
+        makespan, g_order, g_ranks_sorted, load = sched[0], sched[1], sched[2], sched[7]
+        excess = makespan - work_bound
+        if excess <= 0:
+            break
+        off = np.zeros(n_g + 1, dtype=np.int64)
+        np.cumsum(kk[g_order], out=off[1:])
+        pos = np.flatnonzero(g_ranks_sorted == int(np.argmax(load)))
+        on = g_order[np.searchsorted(off, pos, side="right") - 1]
+        on = on[kk[on] < k_cap[on]]
+        on = on[np.lexsort((on, -t[on]))]
+        improved = False
+        for g in on.tolist():
+            share = float(t[g] - cost.c_ns)
+            left = max(share - excess, share / 4)
+            kn = min(int(k_cap[g]), max(int(kk[g]) + 1, int(np.ceil(kk[g] * share / left))))
+            cand = kk.copy()
+            cand[g] = kn
+            key = cand.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            if evaluate(widened(cand)) or evals >= WIDEN_EVALS:
+                improved = best[0] is cand
+                break
+        if not improved:
+            break
+    # 3. fill spare ring room with short samples
+    kk, jj = best[0], best[1]
+    if b_items0.size:
+        room = np.where(jj == 0, cap - (-(-s_g // kk)), 0)
+        for r in (np.where(kk > kg0, room, 0), room):
+            if evals >= WIDEN_EVALS + 2 or not r.any():
+                continue
+            filled = _fill_layout(lengths, kk, g_items0, b_items0, r, cap)
+            if filled is None:
+                continue
+            g_off, g_items, b_off, b_items = filled
+            t = _group_times(cost, lengths, g_off, g_items, kk, jj)
+            bt = _local_times(cost, lengths, b_off, b_items)
+            evaluate((kk, jj, g_off, g_items, t, b_off, b_items, bt, None))
+            if r is room or not (kk > kg0).any():
+                break
+    if best is not layout:  # the winner with every order/placement rule
+        kk, jj, g_off, g_items, t, b_off, b_items, bt, sched = best
+        full = _hdp_schedule(kk, t, bt, n_ranks, budget)
+        if full[0] < sched[0]:
+            best = (kk, jj, g_off, g_items, t, b_off, b_items, bt, full)
+    meta["widen_candidates"] = evals
+    meta["widened"] = int((best[0] > kg0).sum())
+    meta["widen_filled"] = int(best[3].shape[0] - n_g)
+    return best, meta
+
+
+def _fill_layout(
+    lengths: np.ndarray,
+    kg: np.ndarray,
+    g_items: np.ndarray,
+    short: np.ndarray,
+    room: np.ndarray,
+    cap: int,
+) -> tuple | None:
+    """Move short samples into groups' spare room (`room` positions per member; a sample of S takes
+    ceil(S/k)) and pack the rest into local micro-batches again: (g_off, g_items, b_off, b_items),
+    or None if nothing moves."""
+    s_order = short[np.lexsort((short, -lengths[short]))]
+    g_order = np.lexsort((np.arange(kg.shape[0]), -kg)).astype(np.int64)
+    dest = _fill_rooms(lengths[s_order], kg[g_order], room[g_order].astype(np.int64))
+    moved = dest >= 0
+    if not moved.any():
+        return None
+    grp_of = g_order[dest[moved]]
+    extra = s_order[moved]
+    o = np.lexsort((extra, grp_of))
+    grp_of, extra = grp_of[o], extra[o]
+    g_off = np.zeros(kg.shape[0] + 1, dtype=np.int64)
+    np.cumsum(1 + np.bincount(grp_of, minlength=kg.shape[0]), out=g_off[1:])
+    items = np.empty(g_off[-1], dtype=np.int64)
+    items[g_off[:-1]] = g_items
+    rank_in = np.arange(extra.shape[0]) - np.searchsorted(grp_of, grp_of)
+    items[g_off[grp_of] + 1 + rank_in] = extra
+    b_off, b_items = _pack_local(np.sort(s_order[~moved]), lengths, cap)
+    return g_off, items, b_off, b_items
+
+
+@njit(cache=True)
+def _fill_rooms(s: np.ndarray, k: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """First fit of samples (given order) into groups' per-member room: a sample of s positions
+    takes ceil(s/k) of group room; returns the group index per sample or -1. A max segment tree
+    over room*k (the longest sample a group can still take) finds the first fit in O(log G)."""
+    n = k.shape[0]
+    out = -np.ones(s.shape[0], dtype=np.int64)
+    if n == 0:
+        return out
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.zeros(2 * size, dtype=np.int64)
+    for i in range(n):
+        tree[size + i] = room[i] * k[i]
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    for b in range(s.shape[0]):
+        if s[b] > tree[1]:
+            continue
+        i = 1
+        while i < size:
+            i = 2 * i if tree[2 * i] >= s[b] else 2 * i + 1
+        g = i - size
+        out[b] = g
+        room[g] -= (s[b] + k[g] - 1) // k[g]
+        tree[i] = room[g] * k[g]
+        i //= 2
+        while i >= 1:
+            tree[i] = max(tree[2 * i], tree[2 * i + 1])
+            i //= 2
+    return out
 
 
 def _balance(

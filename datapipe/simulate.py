@@ -209,12 +209,16 @@ def length_stats(lengths: np.ndarray) -> dict[str, float]:
     }
 
 
-VARIANTS = (
-    ("static", "static", False),
-    ("naive-hdp", "naive-hdp", False),
-    ("naive-hdp+offload", "naive-hdp", True),
-    ("hdp", "hdp", False),
-    ("hdp+offload", "hdp", True),
+VARIANTS = (  # (label, policy, offload, widen)
+    ("static", "static", False, False),
+    ("naive-hdp", "naive-hdp", False, False),
+    ("naive-hdp+offload", "naive-hdp", True, False),
+    ("hdp", "hdp", False, False),
+    ("hdp+offload", "hdp", True, False),
+)
+WIDEN_VARIANTS = (  # `mixlen simulate --widen` adds these
+    ("hdp+widen", "hdp", False, True),
+    ("hdp+offload+widen", "hdp", True, True),
 )
 
 
@@ -248,9 +252,14 @@ def simulate(
     from datapipe.planners import PlannerConfig
 
     out: dict[str, list] = {}
-    for label, policy, offload in variants:
+    for label, policy, offload, *rest in variants:
         planner = PlannerConfig(
-            policy=policy, num_ranks=ranks, capacity=capacity, offload=offload, max_context=context
+            policy=policy,
+            num_ranks=ranks,
+            capacity=capacity,
+            offload=offload,
+            widen=bool(rest and rest[0]),
+            max_context=context,
         ).build(cost)
         planner.plan(batches[0][:1])  # JIT warm-up
         res = []

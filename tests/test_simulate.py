@@ -148,6 +148,30 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
             assert [m["group"] for m in got] == [list(m.group) for m in want]
 
 
+def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
+    """--policy all --widen adds an hdp+widen column; its dump records widen and replays."""
+    root, lengths = dataset
+    dump = tmp_path / "plan.json"
+    args = ["plan", str(root), "--ranks", "4", "--capacity", "8192", "--model", "debug"]
+    args += ["--global-batch-tokens", "40000", "--steps", "2", "--widen", "--json"]
+    assert main(args + ["--dump", str(dump)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by = {p["policy"]: p for p in out["policies"]}
+    assert list(by) == ["static", "naive-hdp", "hdp", "hdp+widen"]
+    assert by["hdp+widen"]["est_step_time_s"] <= by["hdp"]["est_step_time_s"]
+    stream = StreamConfig(path=str(root), global_batch_tokens=40_000).build()
+    batches = [next(stream) for _ in range(2)]
+    steps = [s for s in json.loads(dump.read_text())["steps"] if s["widen"]]
+    assert len(steps) == 2 and all(s["policy"] == "hdp" for s in steps)
+    for step in steps:
+        b = batches[step["step"]]
+        cfg = PlannerConfig(num_ranks=4, capacity=8192, widen=True)
+        plan = cfg.build(C.preset("debug")).plan(b.lengths, b.sample_ids)
+        assert step["digest"] == plan.digest().hex()
+    assert main(args[:-2] + ["--policy", "static", "--widen"]) == 2
+    assert "--widen applies to the hdp policy only" in capsys.readouterr().err
+
+
 def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
     root, _ = dataset
     png, page = tmp_path / "r.png", tmp_path / "r.html"
@@ -244,7 +268,9 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
             "100000",
             "--steps",
             "1",
+            "--widen",
         ]
     )
     assert rc == 0
-    assert "assumptions:" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "assumptions:" in text and "hdp+offload+widen" in text

@@ -34,6 +34,12 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help="host link bandwidth for offload, Gbit/s per direction (default: cost model)",
     )
+    p.add_argument(
+        "--widen",
+        action="store_true",
+        help="also plan hdp with groups wider than the smallest where that shortens the step "
+        "(an hdp+widen row; docs/PLAN.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="per-rank stacked bars")
     p.add_argument("--html", metavar="FILE.html", default=None, help="report with plot as HTML")
@@ -76,9 +82,20 @@ def resolve_cost(args: argparse.Namespace):
     return cost
 
 
-def policy_variants(policy: str, offload: bool) -> list[tuple[str, bool]]:
+def policy_variants(
+    policy: str, offload: bool, widen: bool = False
+) -> list[tuple[str, bool, bool]]:
+    """(policy, offload, widen) per report column: --policy all adds hdp+widen beside hdp with
+    --widen, --policy hdp --widen plans hdp+widen only."""
+    from datapipe.errors import ConfigError
+
+    if widen and policy not in ("hdp", "all"):
+        raise ConfigError(f"--widen applies to the hdp policy only, not --policy {policy}")
     names = ("static", "naive-hdp", "hdp") if policy == "all" else (policy,)
-    return [(n, offload and n != "static") for n in names]
+    out = [(n, offload and n != "static", widen and policy == "hdp") for n in names]
+    if widen and policy == "all":
+        out.append(("hdp", offload, True))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,13 +116,14 @@ def run(args: argparse.Namespace) -> int:
         path=args.dir, global_batch_tokens=args.global_batch_tokens, seed=args.seed
     ).build()
     batches = [next(stream) for _ in range(args.steps)]
-    variants = policy_variants(args.policy, args.offload)
+    variants = policy_variants(args.policy, args.offload, args.widen)
     planners = {
         v: PlannerConfig(
             policy=v[0],
             num_ranks=args.ranks,
             capacity=args.capacity,
             offload=v[1],
+            widen=v[2],
             max_context=max_ctx,
             seed=args.seed,
         ).build(cost)

@@ -1,5 +1,6 @@
-"""`mixlen simulate`: predicted step times of static, naive-hdp and hdp (with and without offload)
-at scale, on synthetic length distributions or a dataset's lengths, beside ByteScale's figures."""
+"""`mixlen simulate`: predicted step times of static, naive-hdp and hdp (with and without offload;
+with --widen also hdp+widen) at scale, on synthetic length distributions or a dataset's lengths,
+beside ByteScale's figures."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     n_pool = max(200_000, int(args.steps * args.global_batch_tokens / 2000))
     pool = S.length_pool(args.lengths, args.context, n_pool, args.seed)
     batches = S.draw_batches(pool, args.global_batch_tokens, args.steps, args.seed)
-    res = S.simulate(cost, args.ranks, args.capacity, args.context, batches)
+    variants = S.VARIANTS + (S.WIDEN_VARIANTS if args.widen else ())
+    res = S.simulate(cost, args.ranks, args.capacity, args.context, batches, variants)
     metrics = {
         label: report.average_metrics([report.plan_metrics(p, cost, ms) for p, ms in runs])
         for label, runs in res.items()

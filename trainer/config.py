@@ -142,13 +142,15 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     """`[parallel]`: the planner. `cost` is a cost file (`mixlen calibrate`) or a preset name
-    (datapipe.cost.preset); `max_context` fixes the static mesh's CP degree (default: per batch)."""
+    (datapipe.cost.preset); `max_context` fixes the static mesh's CP degree (default: per batch);
+    `widen` lets hdp give long samples more ranks than the smallest group (docs/PLAN.md)."""
 
     policy: str = "hdp"
     capacity: int = 4096
     islands: int = 1
     cost: str = "debug"
     max_context: int | None = None
+    widen: bool = False
 
     def validate(self) -> None:
         _choice("parallel.policy", self.policy, POLICIES)
@@ -161,6 +163,13 @@ class ParallelConfig:
             )
         if self.max_context is not None:
             _positive("parallel.max_context", self.max_context)
+        if not isinstance(self.widen, bool):
+            raise ConfigError(f"parallel.widen: expected bool, got {self.widen!r}")
+        if self.widen and self.policy != "hdp":
+            raise ConfigError(
+                f"parallel.widen: only the hdp policy widens groups, not '{self.policy}'; "
+                "set widen = false"
+            )
         if not self.cost.endswith(".json"):
             from datapipe.cost import preset
 
