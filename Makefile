@@ -28,14 +28,14 @@ demo-data: install
 		--max-len 16384 --out $(DEMO_DIR)/stdlib --overwrite
 	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 4096 --plot $(DEMO_DIR)/stdlib-lengths.png
 	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib --ranks 4 --capacity 4096 --global-batch-tokens 16384 \
-		--policy all --steps 8 --model debug --html $(DEMO_DIR)/plan.html
+		--policy all --widen --steps 8 --model debug --html $(DEMO_DIR)/plan.html
 
 demo-train: install
 	test -f $(DEMO_DIR)/stdlib/index.parquet || $(MAKE) demo-data
 	$(VENV)/bin/mixlen train configs/demo.toml --nproc 4 \
 		--set data.path='"$(DEMO_DIR)/stdlib"' --set metrics.dir='"$(DEMO_DIR)/run"' \
 		--set checkpoint.dir='"$(DEMO_DIR)/run/ckpt"'
-	@echo "plan report (4 ranks, hdp vs static vs naive-hdp): $(DEMO_DIR)/plan.html"
+	@echo "plan report (4 ranks: hdp, hdp+widen, static, naive-hdp): $(DEMO_DIR)/plan.html"
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests

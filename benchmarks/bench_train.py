@@ -1,4 +1,4 @@
-"""Training-step benchmark: hdp vs static vs naive-hdp on the same global batches of the
+"""Training-step benchmark: hdp vs hdp+widen vs static vs naive-hdp on the same global batches of the
 standard-library corpus (`make demo` builds .demo/stdlib), plus hdp's overhead against plain
 torch DistributedDataParallel on batches of short sequences only.
 
@@ -29,7 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-POLICIES = ("hdp", "static", "naive-hdp")
+POLICIES = ("hdp", "hdp+widen", "static", "naive-hdp")  # "+widen": PlannerConfig(widen=True)
 
 
 # --- workers -------------------------------------------------------------------------------------
@@ -72,7 +72,8 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         cost = load(job["cost"])
         planners = {
             p: PlannerConfig(
-                policy=p,
+                policy=p.split("+")[0],
+                widen=p.endswith("+widen"),
                 num_ranks=world,
                 capacity=job["capacity"],
                 max_context=int(fetcher.lengths.max()),
@@ -280,6 +281,11 @@ def _summary(records: list[dict], key: str) -> dict:
     out["hdp_over_static"]["deviation"] = (
         out["hdp_over_static"]["measured"] / out["hdp_over_static"]["predicted"] - 1
     )
+    w = out["hdp+widen"]
+    out["widen_over_static"] = {
+        "measured": w["measured_s"] / s["measured_s"],
+        "predicted": w["predicted_s"] / s["predicted_s"],
+    }
     return out
 
 
@@ -299,6 +305,8 @@ def _print_table(title: str, summ: dict, unit: str) -> None:
         f"hdp/static: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} "
         f"(deviation {q['deviation']:+.1%})"
     )
+    q = summ["widen_over_static"]
+    print(f"hdp+widen/static: measured {q['measured']:.3f}, predicted {q['predicted']:.3f}")
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datapipe.cost import preset
+from datapipe.cost import CostModel, preset
 from datapipe.planners import PlannerConfig
 from trainer.comm import Communicator, TorchComm, init_local_gloo
 from trainer.executor import HDPExecutor, MemoryFetcher, SoloComm, build_model, single_plan
@@ -46,12 +46,20 @@ def scenario_data(seed: int = 0) -> tuple[MemoryFetcher, list[np.ndarray]]:
     return MemoryFetcher(tokens), batches
 
 
+# Attention-dominated costs with a small per-micro-batch overhead: here hdp+widen puts 150 on 4
+# ranks and 100 on 3 (debug's 1 ms overhead per micro-batch makes widening pointless at these
+# lengths).
+WIDEN_COST = CostModel(1e-6, 1e-6, 1e-7, 64.0, 1e12, 2, 2000.0, 5e8, name="widen-test")
+
+
 def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int):
+    """A plan for `policy` (hdp, naive-hdp, static, single, or hdp+widen)."""
     if policy == "single":
         return single_plan(lengths, ids)
+    widen = policy == "hdp+widen"
     return (
-        PlannerConfig(policy=policy, num_ranks=n, capacity=CAPACITY)
-        .build(preset("debug"))
+        PlannerConfig(policy=policy.split("+")[0], num_ranks=n, capacity=CAPACITY, widen=widen)
+        .build(WIDEN_COST if widen else preset("debug"))
         .plan(lengths, ids)
     )
 

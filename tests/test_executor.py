@@ -54,7 +54,14 @@ def test_single_plan_is_a_valid_whole_sample_plan():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "policy,dtype", [("hdp", F64), ("static", F64), ("naive-hdp", F64), ("hdp", torch.float32)]
+    "policy,dtype",
+    [
+        ("hdp", F64),
+        ("static", F64),
+        ("naive-hdp", F64),
+        ("hdp+widen", F64),
+        ("hdp", torch.float32),
+    ],
 )
 def test_exactness_threads(policy, dtype):
     """4 fake ranks (threads): same loss curve and gradients as one process on whole samples."""
@@ -63,10 +70,12 @@ def test_exactness_threads(policy, dtype):
     for r in res[1:]:
         assert torch.equal(r["grad"], res[0]["grad"])
         assert r["losses"] == res[0]["losses"]
-    if policy != "static":  # the batch really exercises rings of 3 and 2 next to local work
-        assert res[0]["group_sizes"][0] == [1, 2, 3]
-    else:
+    if policy == "static":
         assert res[0]["group_sizes"][0] == [4]
+    elif policy == "hdp+widen":  # rings widened to 4 and 3
+        assert res[0]["group_sizes"][0] == [1, 3, 4]
+    else:  # the batch really exercises rings of 3 and 2 next to local work
+        assert res[0]["group_sizes"][0] == [1, 2, 3]
     compare(ref, res[0], dtype)
 
 

@@ -61,6 +61,7 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["model.dim=30"], "model"),
         (['parallel.cost="nope.json"'], "parallel.cost"),
         (["data.val_fraction=1.0"], "data.val_fraction"),
+        (["data.lookahead=-1"], "data.lookahead"),
         (["noequals"], "noequals"),
     ],
 )

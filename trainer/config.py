@@ -84,6 +84,7 @@ class DataConfig:
     val_fraction: float = 0.0
     val_tokens: int = 65536
     oversize: str = "own_step"
+    lookahead: int = 64  # first-fit window of the stream's batch fill (0: plain greedy)
     cache_dir: str | None = None
     prefetch_depth: int = 1
 
@@ -95,6 +96,7 @@ class DataConfig:
         _positive("data.val_tokens", self.val_tokens)
         _positive("data.prefetch_depth", self.prefetch_depth)
         _nonneg("data.seed", self.seed)
+        _nonneg("data.lookahead", self.lookahead)
         _choice("data.oversize", self.oversize, ("own_step", "error"))
 
 

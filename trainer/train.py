@@ -272,6 +272,7 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
             cfg.train.global_batch_tokens,
             seed=cfg.data.seed,
             oversize=cfg.data.oversize,
+            lookahead=cfg.data.lookahead,
             cache_dir=cfg.data.cache_dir,
         ),
         all_lengths[train_ids],
@@ -403,9 +404,10 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t_start,
     }
     if rt.rank == 0:
+        policy_name = cfg.parallel.policy + ("+widen" if cfg.parallel.widen else "")
         with open(summary["balance_report"], "w") as f:
-            f.write(balance.render(cfg.parallel.policy))
-        print(balance.render(cfg.parallel.policy))
+            f.write(balance.render(policy_name))
+        print(balance.render(policy_name))
         print(f"metrics:        {summary['metrics']}")
         print(f"balance report: {summary['balance_report']}")
         if ckpt_dir:
