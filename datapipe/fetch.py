@@ -243,7 +243,7 @@ def _groups(begin: np.ndarray, end: np.ndarray) -> list[tuple[int, int]]:
 def _willneed(fd: int, begin: np.ndarray, end: np.ndarray) -> None:
     """POSIX_FADV_WILLNEED for each run: the kernel starts all reads at once, in parallel (a
     no-op for cached pages). Measured: 2.7x on cold files; merging reads across gaps instead was
-    worse and would break the one-chunk-per-piece-end bound (benchmarks/results/stream.md)."""
+    worse and would break the one-chunk-per-piece-end bound (benchmarks/RESULTS.md, stream section)."""
     if hasattr(os, "posix_fadvise") and len(begin) > 1:
         b, e = begin.tolist(), end.tolist()
         for i, j in _groups(begin, end):
