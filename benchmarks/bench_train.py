@@ -1,6 +1,6 @@
-"""Training-step benchmark: hdp vs hdp+widen vs static vs naive-hdp on the same global batches of the
-standard-library corpus (`make demo` builds .demo/stdlib), plus hdp's overhead against plain
-torch DistributedDataParallel on batches of short sequences only.
+"""Training-step benchmark: hdp vs hdp+widen vs static vs naive-hdp on the same global batches of
+the standard-library corpus (`make demo` builds .demo/stdlib), plus, on batches of short sequences
+only, hdp against plain torch DistributedDataParallel and against static.
 
 - Wall clock, 2 gloo ranks (one per core): every policy runs every batch (interleaved, so machine
   noise hits all alike); step time is the slowest rank's, from a barrier to the optimizer step.
@@ -82,7 +82,8 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         }
         execs = {p: _executor(comm) for p in POLICIES}
         records = []
-        for i, ids in enumerate([batches[0], *batches]):  # batch 0 once more as warm-up
+        todo = [] if job.get("skip_policies") else [batches[0], *batches]
+        for i, ids in enumerate(todo):  # batch 0 once more as warm-up
             for j in range(len(POLICIES)):  # rotate the order: drift hits every policy alike
                 policy = POLICIES[(i + j) % len(POLICIES)]
                 plan = planners[policy].plan(fetcher.lengths[ids], ids)
@@ -129,7 +130,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
                         "loss": res.loss,
                     }
                 )
-        if rank == 0:
+        if rank == 0 and todo:
             with open(job["out"], "w") as f:
                 json.dump(records, f)
         if job.get("overhead"):
@@ -140,7 +141,9 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
 
 
 def _overhead(rank: int, world: int, comm, job: dict) -> None:
-    """hdp executor vs torch DDP (no_sync accumulation) on the same packed micro-batches."""
+    """hdp executor vs torch DDP (no_sync accumulation) on the same packed micro-batches, and vs
+    the static mesh a run over this dataset needs (CP sized for its longest sample) on the same
+    short batches."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -163,7 +166,19 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
         for p in plans
     ]
     assert all(len(f) > 0 for f in fetched), "every rank needs a micro-batch for DDP"
+    static = PlannerConfig(
+        policy="static",
+        num_ranks=world,
+        capacity=job["static_capacity"],
+        max_context=job["max_context"],
+    ).build(load(job["cost"]))
+    s_plans = [static.plan(fetcher.lengths[ids], ids) for ids in batches]
+    s_fetched = [
+        fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in p.microbatches(rank)])
+        for p in s_plans
+    ]
     ex = _executor(comm)
+    ex_static = _executor(comm)
     model, _ = build_model(get_config("debug"), torch.float32, seed=0)
     ddp = DDP(model)  # the model has no buffers
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -184,15 +199,19 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = {"hdp": 0.0, "ddp": 0.0}
+    names = ("hdp", "ddp", "static")
+    times = dict.fromkeys(names, 0.0)
     tokens = 0
     for rep in range(job["repeats"] + 1):
         for i, (plan, mbs) in enumerate(zip(plans, fetched)):
-            for name in ("hdp", "ddp") if (rep + i) % 2 == 0 else ("ddp", "hdp"):
+            for j in range(len(names)):  # rotate the order: drift hits every run alike
+                name = names[(rep + i + j) % len(names)]
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "hdp":
                     ex.step(plan, mbs, i)
+                elif name == "static":
+                    ex_static.step(s_plans[i], s_fetched[i], i)
                 else:
                     ddp_step(plan, mbs)
                 dist.barrier()
@@ -359,24 +378,29 @@ def main() -> int:
     _save(short_path, short_b, short_t)
     result["batches"] = [sorted((int(len(tokens[i])) for i in b), reverse=True) for b in batches]
 
-    if "wall2" not in skip:
+    if "wall2" not in skip or "overhead" not in skip:
         job = {
             "tokens": tok_path,
             "cost": cost_path,
             "capacity": 8192,
             "repeats": args.repeats,
             "out": os.path.join(work, "wall2.json"),
+            "skip_policies": "wall2" in skip,
         }
         if "overhead" not in skip:
             job["overhead"] = {
                 "tokens": short_path,
                 "cost": cost_path,
                 "capacity": 4096,
+                # static over this dataset on 2 ranks: CP 2 x 8192 holds its longest sample
+                "static_capacity": 8192,
+                "max_context": int(max(len(t) for t in tokens)),
                 "repeats": 2,
                 "out": os.path.join(work, "overhead.json"),
             }
         t0 = time.perf_counter()
         _spawn(_policies_main, 2, job, timeout=1800)
+    if "wall2" not in skip:
         recs = json.load(open(job["out"]))
         result["wall_2_ranks"] = {
             "capacity": 8192,
@@ -390,14 +414,20 @@ def main() -> int:
             "wall s",
         )
         print(f"(took {time.perf_counter() - t0:.0f} s)")
-        if "overhead" in job:
-            o = json.load(open(job["overhead"]["out"]))
-            tps = {k: o["tokens"] / v for k, v in o["seconds"].items()}
-            result["overhead"] = {**o, "tokens_per_s": tps, "hdp_over_ddp": tps["hdp"] / tps["ddp"]}
-            print(
-                f"\nshort sequences only (<= 1024 tokens), 2 ranks: hdp {tps['hdp']:.0f} tok/s, "
-                f"DDP {tps['ddp']:.0f} tok/s, ratio {tps['hdp'] / tps['ddp']:.3f}"
-            )
+    if "overhead" not in skip:
+        o = json.load(open(job["overhead"]["out"]))
+        tps = {k: o["tokens"] / v for k, v in o["seconds"].items()}
+        result["overhead"] = {
+            **o,
+            "tokens_per_s": tps,
+            "hdp_over_ddp": tps["hdp"] / tps["ddp"],
+            "hdp_over_static": tps["hdp"] / tps["static"],
+        }
+        print(
+            f"\nshort sequences only (<= 1024 tokens), 2 ranks: hdp {tps['hdp']:.0f} tok/s, "
+            f"DDP {tps['ddp']:.0f} tok/s (hdp/DDP {tps['hdp'] / tps['ddp']:.3f}), static (CP 2) "
+            f"{tps['static']:.0f} tok/s (hdp/static {tps['hdp'] / tps['static']:.3f})"
+        )
     if "replay4" not in skip:
         job = {
             "tokens": tok_path,
