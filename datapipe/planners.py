@@ -34,6 +34,9 @@ from datapipe.schedule import (
     fill_gaps,
     improve_local,
     list_schedule_groups,
+    max_tree,
+    max_tree_first,
+    max_tree_set,
     place_groups,
     place_local,
     place_waves,
@@ -633,32 +636,17 @@ def _fill_rooms(s: np.ndarray, k: np.ndarray, room: np.ndarray) -> np.ndarray:
     """First fit of samples (given order) into groups' per-member room: a sample of s positions
     takes ceil(s/k) of group room; returns the group index per sample or -1. A max segment tree
     over room*k (the longest sample a group can still take) finds the first fit in O(log G)."""
-    n = k.shape[0]
     out = -np.ones(s.shape[0], dtype=np.int64)
-    if n == 0:
+    if k.shape[0] == 0:
         return out
-    size = 1
-    while size < n:
-        size *= 2
-    tree = np.zeros(2 * size, dtype=np.int64)
-    for i in range(n):
-        tree[size + i] = room[i] * k[i]
-    for i in range(size - 1, 0, -1):
-        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    tree = max_tree(room * k)
     for b in range(s.shape[0]):
         if s[b] > tree[1]:
             continue
-        i = 1
-        while i < size:
-            i = 2 * i if tree[2 * i] >= s[b] else 2 * i + 1
-        g = i - size
+        g = max_tree_first(tree, s[b])
         out[b] = g
         room[g] -= (s[b] + k[g] - 1) // k[g]
-        tree[i] = room[g] * k[g]
-        i //= 2
-        while i >= 1:
-            tree[i] = max(tree[2 * i], tree[2 * i + 1])
-            i //= 2
+        max_tree_set(tree, g, room[g] * k[g])
     return out
 
 

@@ -195,33 +195,56 @@ def _sort_small(a: np.ndarray, lo: int, hi: int) -> None:
 
 
 @njit(cache=True)
-def fill_gaps(t: np.ndarray, gap_size: np.ndarray) -> np.ndarray:
-    """First fit of micro-batches (decreasing time) into idle gaps: gap index per item or -1.
-    A max segment tree over remaining gap sizes finds the first gap with room in O(log gaps)."""
-    n = gap_size.shape[0]
-    out = -np.ones(t.shape[0], dtype=np.int64)
-    if n == 0:
-        return out
+def max_tree(values: np.ndarray) -> np.ndarray:
+    """Max segment tree over `values` (leaves at len(tree) // 2 + i; padding leaves 0)."""
+    n = values.shape[0]
     size = 1
     while size < n:
         size *= 2
     tree = np.zeros(2 * size, dtype=np.int64)
     for i in range(n):
-        tree[size + i] = gap_size[i]
+        tree[size + i] = values[i]
     for i in range(size - 1, 0, -1):
         tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    return tree
+
+
+@njit(cache=True)
+def max_tree_first(tree: np.ndarray, x: int) -> int:
+    """Index of the first leaf >= x (caller checks tree[1] >= x), O(log n)."""
+    size = tree.shape[0] // 2
+    i = 1
+    while i < size:
+        i = 2 * i if tree[2 * i] >= x else 2 * i + 1
+    return i - size
+
+
+@njit(cache=True)
+def max_tree_set(tree: np.ndarray, leaf: int, value: int) -> None:
+    """Set a leaf and restore the maxima above it."""
+    i = tree.shape[0] // 2 + leaf
+    tree[i] = value
+    i //= 2
+    while i >= 1:
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+        i //= 2
+
+
+@njit(cache=True)
+def fill_gaps(t: np.ndarray, gap_size: np.ndarray) -> np.ndarray:
+    """First fit of micro-batches (decreasing time) into idle gaps: gap index per item or -1.
+    A max segment tree over remaining gap sizes finds the first gap with room in O(log gaps)."""
+    out = -np.ones(t.shape[0], dtype=np.int64)
+    if gap_size.shape[0] == 0:
+        return out
+    tree = max_tree(gap_size)
+    size = tree.shape[0] // 2
     for b in range(t.shape[0]):
         if t[b] > tree[1]:
             continue
-        i = 1
-        while i < size:
-            i = 2 * i if tree[2 * i] >= t[b] else 2 * i + 1
-        out[b] = i - size
-        tree[i] -= t[b]
-        i //= 2
-        while i >= 1:
-            tree[i] = max(tree[2 * i], tree[2 * i + 1])
-            i //= 2
+        g = max_tree_first(tree, t[b])
+        out[b] = g
+        max_tree_set(tree, g, tree[size + g] - t[b])
     return out
 
 
