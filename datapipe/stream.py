@@ -10,7 +10,8 @@ Fill rule (per island, per epoch):
    stays <= ``global_batch_tokens``; when the next one does not fit, the following W - D samples
    (D = samples already deferred) are scanned and each that fits the room left joins the batch,
    the others are deferred to the next batches. The oldest deferred sample always opens the next
-   batch, so a sample waits at most W batches and the epoch still holds every sample once.
+   batch, so a sample waits at most W batches and the epoch still holds every sample once. A
+   batch of only zero-length samples is folded into its neighbour: no step is empty.
    ``lookahead = 0`` is the plain greedy fill (the first sample that does not fit closes the
    batch). Cost: one searchsorted per batch plus O(W) per batch, independent of batch size.
 3. A sample longer than ``global_batch_tokens`` is, with ``oversize="own_step"``, a batch on its own
@@ -132,10 +133,12 @@ def lookahead_fill(
 
     Returns (positions, bounds): batch b holds ``positions[bounds[b]:bounds[b + 1]]``, positions
     into `lengths`; every position appears exactly once. ``lookahead = 0`` is the greedy fill.
+    Batches of zero tokens are folded into a neighbour (merge_empty_batches).
     """
     n = int(lengths.shape[0])
     if lookahead <= 0 or n == 0:
-        return np.arange(n, dtype=np.int64), greedy_boundaries(lengths, budget)
+        bounds = merge_empty_batches(lengths, greedy_boundaries(lengths, budget))
+        return np.arange(n, dtype=np.int64), bounds
     lens = lengths.tolist()
     csum = np.cumsum(lengths, dtype=np.int64)
     chunks: list[np.ndarray] = []
@@ -179,7 +182,24 @@ def lookahead_fill(
         bounds.append(bounds[-1] + batch.shape[0])
     positions = np.concatenate(chunks).astype(np.int64, copy=False)
     assert positions.shape[0] == n
-    return positions, np.asarray(bounds, dtype=np.int64)
+    return positions, merge_empty_batches(lengths[positions], np.asarray(bounds, dtype=np.int64))
+
+
+def merge_empty_batches(lengths: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Fold batches of zero tokens (only zero-length samples) into the batch before them (the
+    first non-empty one for leading ones), so no step is empty unless every sample is."""
+    if bounds.shape[0] < 3:
+        return bounds
+    tokens = np.add.reduceat(lengths, bounds[:-1])
+    empty = tokens == 0
+    if not empty.any() or empty.all():
+        return bounds
+    first = int(np.argmax(~empty))
+    drop = np.flatnonzero(empty)  # batch j > first merges into j - 1: drop its start bounds[j]
+    drop = np.where(drop < first, drop + 1, drop)  # leading ones merge forward: drop their ends
+    keep = np.ones(bounds.shape[0], dtype=bool)
+    keep[drop] = False
+    return bounds[keep]
 
 
 @dataclass(frozen=True)
@@ -350,6 +370,9 @@ class LengthAwareStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was saved; ConfigError if it belongs to another setup."""
+        if state.get("version") == 1 and "lookahead" not in state:
+            # saved before the look-ahead fill existed: its batches are the greedy fill's
+            state = {**state, "version": STATE_VERSION, "lookahead": 0}
         mine = self.state_dict()
         for key in (
             "version",
@@ -366,7 +389,7 @@ class LengthAwareStream:
             if state[key] != mine[key]:
                 raise ConfigError(
                     f"stream state: {key}={state[key]!r} was saved, but this stream has "
-                    f"{key}={mine[key]!r}"
+                    f"{key}={mine[key]!r}" + (" (set it to match)" if key == "lookahead" else "")
                 )
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])

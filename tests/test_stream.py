@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from datapipe.errors import ConfigError
@@ -112,15 +112,34 @@ def reference_lookahead(lengths: list[int], budget: int, window: int) -> list[li
                 deferred.append(p)
             p += 1
         batches.append(cur)
-    return batches
+    return merge_empty_reference(lengths, batches)
+
+
+def merge_empty_reference(lengths: list[int], batches: list[list[int]]) -> list[list[int]]:
+    """Batches with no tokens joined to the previous batch (to the next one at the start)."""
+    out: list[list[int]] = []
+    pending: list[int] = []  # leading empty batches, waiting for the first batch with tokens
+    for b in batches:
+        if sum(lengths[i] for i in b) == 0 and any(lengths):
+            if out:
+                out[-1] = out[-1] + b
+            else:
+                pending += b
+        else:
+            out.append(pending + b)
+            pending = []
+    return out if any(lengths) else batches
 
 
 @settings(deadline=None, max_examples=200)
 @given(
-    st.lists(st.integers(0, 300), min_size=0, max_size=200),
+    st.lists(st.just(0) | st.integers(1, 300), min_size=0, max_size=200),
     st.integers(1, 600),
     st.integers(0, 8),
 )
+@example([3, 10, 1, 1, 0], 5, 4)  # budget met exactly in the window, a zero-length sample next
+@example([10, 0, 0], 5, 4)  # zero-length samples after an oversize one
+@example([0, 2], 1, 1)  # an oversize sample after a zero-length one
 def test_lookahead_fill_matches_reference(lengths: list[int], budget: int, window: int) -> None:
     pos, bounds = lookahead_fill(np.asarray(lengths, np.int64), budget, window)
     got = [pos[bounds[i] : bounds[i + 1]].tolist() for i in range(len(bounds) - 1)]
@@ -128,10 +147,13 @@ def test_lookahead_fill_matches_reference(lengths: list[int], budget: int, windo
     assert got == ref
     assert sorted(pos.tolist()) == list(range(len(lengths)))
     arr = np.asarray(lengths, np.int64)
-    for b in got:  # within budget, unless one oversize sample alone
-        assert arr[b].sum() <= budget or len(b) == 1
-    if window == 0:
-        assert got == reference_batches(lengths, budget) if lengths else got == []
+    for b in got:  # within budget, unless one oversize sample (with zero-length ones)
+        assert arr[b].sum() <= budget or int((arr[b] > 0).sum()) == 1
+    if arr.any():  # never an empty step
+        assert all(arr[b].sum() > 0 for b in got), got
+    if window == 0:  # the greedy fill, empty batches folded
+        want = merge_empty_reference(lengths, reference_batches(lengths, budget))
+        assert got == want if lengths else got == []
 
 
 def test_lookahead_fills_batches_nearly_full() -> None:
@@ -257,6 +279,25 @@ def test_resume_in_process_matches_uninterrupted_run(tmp_path: Path) -> None:
     other = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=12).build()
     with pytest.raises(ConfigError, match="seed"):
         other.load_state_dict(state)
+
+
+def test_state_saved_before_lookahead_resumes_with_greedy_fill(tmp_path: Path) -> None:
+    """A version-1 state (no `lookahead` key: greedy batches) resumes a lookahead=0 stream."""
+    lengths = lognormal_lengths(800, seed=5)
+    write_length_index(tmp_path / "ds", lengths)
+    greedy = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, lookahead=0)
+    ref = greedy.build()
+    ref_batches = [next(ref) for _ in range(30)]
+    s = greedy.build()
+    for _ in range(10):
+        next(s)
+    old = {k: v for k, v in s.state_dict().items() if k != "lookahead"} | {"version": 1}
+    t = greedy.build()
+    t.load_state_dict(old)
+    assert [next(t).digest() for _ in range(20)] == [b.digest() for b in ref_batches[10:]]
+    default = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000).build()
+    with pytest.raises(ConfigError, match="lookahead=0 was saved"):
+        default.load_state_dict(old)
 
 
 def test_remote_metadata_goes_through_streaming_downloader(tmp_path: Path, monkeypatch) -> None:
