@@ -120,13 +120,10 @@ def group_time_ns(
 ) -> np.ndarray:
     """Member time of a group micro-batch holding one sample: c + share + exposed comm/offload."""
     s = np.asarray(lengths, dtype=np.int64)
-    k = np.asarray(k, dtype=np.int64)
-    attn = cost.attn_ns(s, k)
-    lin = cost.linear_ns(s, k)
-    n = s.astype(np.float64) / k
-    ring = cost.ring_ns(n, k)
-    off = cost.offload_ns(n, np.asarray(offload_layers, dtype=np.float64) / cost.num_layers)
-    return cost.c_ns + cost.work_ns(s, k) + cost.exposed_ns(attn, lin, ring, off)
+    one = np.arange(s.shape[0] + 1, dtype=np.int64)
+    return _group_times(
+        cost, s, one, one[:-1], np.asarray(k, np.int64), np.asarray(offload_layers, np.int64)
+    )
 
 
 def lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int) -> int:
@@ -306,7 +303,8 @@ def _plan_dynamic(
     balance: bool,
 ) -> StepPlan:
     n_ranks, cap = config.num_ranks, config.capacity
-    lb = lower_bound_ns(cost, lengths, n_ranks, cap)
+    work_bound, share_bound = _lower_bound_terms(cost, lengths, n_ranks, cap)
+    lb = max(work_bound, share_bound)
     target = lb if balance else None
     k, j = _dynamic_groups(cost, lengths, sample_ids, n_ranks, cap, config.offload, target)
     caps = cost.offload_capacity(cap, np.arange(cost.num_layers + 1))
@@ -326,7 +324,6 @@ def _plan_dynamic(
         sched = _hdp_schedule(kg, g_time, b_time, n_ranks, budget)
         meta: dict = {}
         if config.widen:
-            work_bound = _lower_bound_terms(cost, lengths, n_ranks, cap)[0]
             layout = (kg, jg, g_off, g_items, g_time, b_off, b_items, b_time, sched)
             layout, meta = _widen(cost, lengths, caps, cap, n_ranks, budget, work_bound, layout)
             kg, jg, g_off, g_items, g_time, b_off, b_items, b_time, sched = layout
@@ -421,7 +418,7 @@ def _hdp_schedule(
         rules = tuple(
             (o, bf) for o in range(len(orders)) for bf in ((False, True)[: 1 + (n_g > 1)])
         )
-    best, best_rule = None, rules[0]
+    best, best_rule = None, None
     b_order = np.lexsort((np.arange(n_bins), -b_time)).astype(np.int64)
     for rule in rules:
         g_order = orders[rule[0]].astype(np.int64)
@@ -441,7 +438,8 @@ def _hdp_schedule(
 # hdp widen: give long samples more ranks than the smallest group when that shortens the step
 # ------------------------------------------------------------------------------------------------
 WIDEN_SLACK = 1 / 256  # skip the search when the plan is within this of the work bound
-WIDEN_EVALS = 12  # candidate schedules evaluated at most (besides the plain plan)
+WIDEN_EVALS = 12  # widened candidates evaluated at most (besides the plain plan)
+WIDEN_FILLS = 2  # fill candidates after them: spare room of widened groups, of all groups
 WIDEN_LAMBDA_STEP = 1.25  # geometric step of the scalar family's target
 
 
@@ -454,8 +452,8 @@ def _group_times(
     jg: np.ndarray,
 ) -> np.ndarray:
     """Member time of group micro-batches holding one or more samples (each split zigzag over the
-    group): c + shares + exposed ring/offload of the member's total positions. Equals
-    group_time_ns for single-sample groups."""
+    group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares + exposed ring/offload of the
+    member's total positions."""
     if kg.shape[0] == 0:
         return np.zeros(0, np.int64)
     per = np.repeat(kg, np.diff(g_off))
@@ -495,7 +493,8 @@ def _widen(
        group first) and the rest is packed again; once into widened groups only, once into all.
 
     Candidates are scheduled with the plain plan's winning order/placement rule; the best one is
-    scheduled again with all rules. At most WIDEN_EVALS candidates. The plain plan is one, so the
+    scheduled again with all rules. At most WIDEN_EVALS + WIDEN_FILLS candidates. The plain plan
+    is one, so the
     estimate never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
     widened or not, finishes before T)."""
     kg0, jg0, g_off0, g_items0, g_time0, b_off0, b_items0, b_time0, sched0 = layout
@@ -568,8 +567,8 @@ def _widen(
             if key in seen:
                 continue
             seen.add(key)
-            if evaluate(widened(cand)) or evals >= WIDEN_EVALS:
-                improved = best[0] is cand
+            improved = evaluate(widened(cand))
+            if improved or evals >= WIDEN_EVALS:
                 break
         if not improved:
             break
@@ -577,8 +576,11 @@ def _widen(
     kk, jj = best[0], best[1]
     if b_items0.size:
         room = np.where(jj == 0, cap - (-(-s_g // kk)), 0)
-        for r in (np.where(kk > kg0, room, 0), room):
-            if evals >= WIDEN_EVALS + 2 or not r.any():
+        rooms = [np.where(kk > kg0, room, 0)]
+        if not np.array_equal(rooms[0], room):
+            rooms.append(room)
+        for r in rooms:  # at most WIDEN_FILLS more candidates
+            if not r.any():
                 continue
             filled = _fill_layout(lengths, kk, g_items0, b_items0, r, cap)
             if filled is None:
@@ -587,8 +589,6 @@ def _widen(
             t = _group_times(cost, lengths, g_off, g_items, kk, jj)
             bt = _local_times(cost, lengths, b_off, b_items)
             evaluate((kk, jj, g_off, g_items, t, b_off, b_items, bt, None))
-            if r is room or not (kk > kg0).any():
-                break
     if best is not layout:  # the winner with every order/placement rule
         kk, jj, g_off, g_items, t, b_off, b_items, bt, sched = best
         full = _hdp_schedule(kk, t, bt, n_ranks, budget)

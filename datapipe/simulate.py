@@ -252,13 +252,13 @@ def simulate(
     from datapipe.planners import PlannerConfig
 
     out: dict[str, list] = {}
-    for label, policy, offload, *rest in variants:
+    for label, policy, offload, widen in variants:
         planner = PlannerConfig(
             policy=policy,
             num_ranks=ranks,
             capacity=capacity,
             offload=offload,
-            widen=bool(rest and rest[0]),
+            widen=widen,
             max_context=context,
         ).build(cost)
         planner.plan(batches[0][:1])  # JIT warm-up

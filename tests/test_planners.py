@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datapipe import cost as C
+from datapipe import planners as P
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan import check_plan
 from datapipe.planners import (
     PlannerConfig,
     _group_times,
-    group_time_ns,
     lower_bound_ns,
     static_cp_degree,
 )
@@ -193,21 +193,36 @@ def test_widen_never_worse_than_hdp(cost) -> None:
         check_plan(w)
         assert w.makespan_ns <= h.makespan_ns
         assert w.lower_bound_ns == h.lower_bound_ns  # same reference bound in reports
-        assert w.meta["widen_candidates"] <= 14
+        assert w.meta["widen_candidates"] <= P.WIDEN_EVALS + P.WIDEN_FILLS
         better += w.makespan_ns < h.makespan_ns
     assert better > 0
 
 
-def test_group_times_match_single_sample_rule() -> None:
-    """Multi-sample group time (widen's fill) reduces to group_time_ns for one sample."""
+def test_group_times_of_multi_sample_groups() -> None:
+    """A group micro-batch of two samples costs c + both shares + the exposed part of the summed
+    attention, linear and ring time of the member's positions (spelled out from the cost model)."""
     rng = np.random.default_rng(1)
     s = rng.integers(1, 1 << 20, 200)
-    k = rng.integers(1, 300, 200)
-    j = rng.integers(0, OFFLOAD.num_layers + 1, 200)
-    off = np.arange(201, dtype=np.int64)
+    k = rng.integers(1, 300, 100)
+    j = rng.integers(0, OFFLOAD.num_layers + 1, 100)
+    off = np.arange(0, 201, 2, dtype=np.int64)
     for cost in (DEBUG, OFFLOAD, C.preset("llama-7b")):
-        want = group_time_ns(cost, s, k, j)
-        assert np.array_equal(_group_times(cost, s, off, np.arange(200), k, j), want)
+        got = _group_times(cost, s, off, np.arange(200), k, j)
+        for g in range(100):
+            a, b, kk = s[2 * g], s[2 * g + 1], k[g]
+            n = float(a + b) / kk
+            want = (
+                cost.c_ns
+                + cost.work_ns(np.array([a]), kk)[0]
+                + cost.work_ns(np.array([b]), kk)[0]
+                + cost.exposed_ns(
+                    cost.attn_ns(np.array([a]), kk) + cost.attn_ns(np.array([b]), kk),
+                    cost.linear_ns(np.array([a]), kk) + cost.linear_ns(np.array([b]), kk),
+                    cost.ring_ns(np.array([n]), np.array([kk])),
+                    cost.offload_ns(np.array([n]), np.array([j[g] / cost.num_layers])),
+                )[0]
+            )
+            assert got[g] == int(want), (cost.name, g)
 
 
 def test_widen_only_for_hdp() -> None:
@@ -380,7 +395,9 @@ def test_hdp_against_bruteforce_optimum() -> None:
         worst = max(worst, ratio)
     print(f"hdp within 10% of optimum: {within}/{total}; worst ratio {worst:.3f}")
     print(f"hdp+widen within 10% of hdp's optimum: {w_within}/{total}; below it: {w_below}")
-    assert within >= 0.9 * total and w_within >= within
+    # widen is never above plain hdp per case (asserted above); here: it reaches plans that no
+    # schedule of hdp's own micro-batches reaches
+    assert within >= 0.9 * total and w_below > 0
 
 
 def test_hdp_beats_naive_and_static_on_mixed_lengths() -> None:
