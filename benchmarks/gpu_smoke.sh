@@ -12,15 +12,18 @@ PY=${PY:-.venv/bin/python}
 DATA=${DATA:-.demo/stdlib}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 1 ]; then echo "gpu_smoke: no CUDA device" >&2; exit 1; fi
+if [ "$NGPU" -lt 2 ]; then echo "gpu_smoke: 1 GPU: NCCL rings and P2P are not exercised (need >= 2)" >&2; fi
+MIXLEN="$(dirname "$PY")/mixlen"
+CAP=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048))  # NGPU ranks x CAP hold a 16K sample
 $PY -c "import flash_attn" 2>/dev/null && echo "flash-attn: installed" || echo "flash-attn: not installed (math backend)"
 OUT=$(mktemp -d)
 echo "== CUDA tests (threaded fake ranks on one GPU, float32 + bfloat16)"
 $PY -m pytest -q -p no:cacheprovider tests/test_executor.py -k cuda
 for dtype in float32 bfloat16; do
   echo "== mixlen train: $NGPU ranks, nccl, $dtype, hdp"
-  .venv/bin/mixlen train configs/debug.toml --nproc "$NGPU" \
+  "$MIXLEN" train configs/debug.toml --nproc "$NGPU" \
     --set data.path="\"$DATA\"" --set train.device='"cuda"' --set train.dtype="\"$dtype\"" \
-    --set train.steps=6 --set train.eval_interval=3 --set parallel.capacity=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048)) \
+    --set train.steps=6 --set train.eval_interval=3 --set parallel.capacity=$CAP \
     --set metrics.dir="\"$OUT/$dtype\"" --set checkpoint.dir="\"$OUT/$dtype/ckpt\"" --set metrics.progress=false
   $PY - "$OUT/$dtype/metrics.jsonl" <<'PYEOF'
 import json, math, sys
@@ -31,8 +34,14 @@ print("ok:", [round(r["loss"], 3) for r in recs])
 PYEOF
 done
 echo "== resume on GPU (3 more steps from the step-6 checkpoint)"
-.venv/bin/mixlen train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+"$MIXLEN" train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
   --set train.device='"cuda"' --set train.steps=9 --set checkpoint.resume=true \
-  --set parallel.capacity=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048)) \
+  --set parallel.capacity=$CAP \
   --set metrics.dir="\"$OUT/float32\"" --set checkpoint.dir="\"$OUT/float32/ckpt\"" --set metrics.progress=false
+$PY - "$OUT/float32/metrics.jsonl" <<'PYEOF'
+import json, sys
+steps = [json.loads(x)["step"] for x in open(sys.argv[1])]
+assert steps == list(range(1, 10)), steps  # 6 steps, then 7..9 resumed from the checkpoint
+print("ok: resumed, steps", steps)
+PYEOF
 echo "gpu_smoke: all passed ($OUT)"

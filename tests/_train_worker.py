@@ -30,8 +30,13 @@ STEPS = 5
 BF16_GRAD_RTOL = 2e-2
 
 
+# Tokens come from the first TOKEN_IDS ids and the embeddings are untied, so the embedding rows of
+# the other ids get exactly zero gradient: the "exact zeros stay zero" check has zeros to check.
+TOKEN_IDS = 200
+
+
 def model_config():
-    return get_config("debug", dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    return get_config("debug", dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, tie_embeddings=False)
 
 
 def scenario_data(seed: int = 0) -> tuple[MemoryFetcher, list[np.ndarray]]:
@@ -42,7 +47,7 @@ def scenario_data(seed: int = 0) -> tuple[MemoryFetcher, list[np.ndarray]]:
         order = rng.permutation(len(LENGTHS))
         ids = np.arange(len(tokens), len(tokens) + len(LENGTHS), dtype=np.int64)[order]
         batches.append(ids)
-        tokens += [rng.integers(0, 258, size=n) for n in LENGTHS]
+        tokens += [rng.integers(0, TOKEN_IDS, size=n) for n in LENGTHS]
     return MemoryFetcher(tokens), batches
 
 
@@ -91,6 +96,7 @@ def compare(ref: dict, got: dict, dtype: torch.dtype) -> None:
     g, r = got["grad"], ref["grad"]
     if dtype == torch.float64:
         zero = r == 0
+        assert zero.any(), "the reference has no exact zeros to check"
         assert torch.equal(g[zero], r[zero]), "exact zeros of the reference are not zero"
         rel = ((g - r).abs() / r.abs())[~zero]
         assert float(rel.max()) <= 1e-10, f"float64 gradient element off by {float(rel.max()):.3g}"
@@ -105,14 +111,10 @@ def compare(ref: dict, got: dict, dtype: torch.dtype) -> None:
 # --- gloo worker: exactness over 4 processes ------------------------------------------------------
 
 
-def init_gloo(rank: int, world: int, port: int) -> None:
-    init_local_gloo(rank, world, port, timeout_s=60)
-
-
 def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Every policy and dtype of the exactness test; rank 0 also computes `single` and compares
     (gradients are identical on every rank after the all-reduce: checked too)."""
-    init_gloo(rank, world, port)
+    init_local_gloo(rank, world, port, timeout_s=60)
     try:
         comm = TorchComm()
         lines = []
@@ -120,7 +122,7 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
             policies = ("hdp", "static") if dtype != torch.bfloat16 else ("hdp",)
             ref = None
             if rank == 0:
-                ref = run_policy(solo(), "single", dtype)
+                ref = run_policy(SoloComm(), "single", dtype)
             for policy in policies:
                 got = run_policy(comm, policy, dtype)
                 everyone = comm.all_gather(got["grad"])
@@ -136,10 +138,6 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def solo() -> Communicator:
-    return SoloComm()
 
 
 def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> None:
@@ -215,7 +213,7 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> Non
 
     from trainer.train import run_training, setup_runtime
 
-    init_gloo(rank, world, port)
+    init_local_gloo(rank, world, port, timeout_s=60)
     try:
         rt = setup_runtime("cpu")
         torch.set_num_threads(1)

@@ -14,7 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, MixlenError
+from datapipe.planners import POLICIES as PLANNER_POLICIES
+from datapipe.planners import PlannerConfig
+from datapipe.stream import OVERSIZE_POLICIES
 
 try:
     import tomllib
@@ -37,7 +40,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "float64", "bfloat16")
-POLICIES = ("hdp", "naive-hdp", "static", "single")
+POLICIES = (*PLANNER_POLICIES, "single")  # single: one process, whole samples (the reference)
 
 
 @dataclass
@@ -56,10 +59,13 @@ class ModelSection:
 
         if self.name not in MODEL_CONFIGS:
             raise ConfigError(f"model.name: unknown {self.name!r} (known: {sorted(MODEL_CONFIGS)})")
+        for key, value in self.overrides().items():
+            _positive(f"model.{key}", value)
         try:
             get_config(self.name, **self.overrides())
-        except ValueError as exc:
-            raise ConfigError(f"model: {exc}") from None
+        except ValueError as exc:  # shape constraints between fields (heads, head dim)
+            keys = ", ".join(f"model.{k}" for k in self.overrides()) or "model.name"
+            raise ConfigError(f"{keys}: {exc}") from None
 
     def overrides(self) -> dict[str, int]:
         return {
@@ -97,7 +103,7 @@ class DataConfig:
         _positive("data.prefetch_depth", self.prefetch_depth)
         _nonneg("data.seed", self.seed)
         _nonneg("data.lookahead", self.lookahead)
-        _choice("data.oversize", self.oversize, ("own_step", "error"))
+        _choice("data.oversize", self.oversize, OVERSIZE_POLICIES)
 
 
 @dataclass
@@ -156,28 +162,34 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _choice("parallel.policy", self.policy, POLICIES)
-        _positive("parallel.capacity", self.capacity)
         _positive("parallel.islands", self.islands)
         if self.islands != 1:
             raise ConfigError(
                 f"parallel.islands: {self.islands} islands need CO2 outer sync, which is not "
                 "implemented yet; use islands = 1"
             )
-        if self.max_context is not None:
-            _positive("parallel.max_context", self.max_context)
-        if not isinstance(self.widen, bool):
-            raise ConfigError(f"parallel.widen: expected bool, got {self.widen!r}")
-        if self.widen and self.policy != "hdp":
-            raise ConfigError(
-                f"parallel.widen: only the hdp policy widens groups, not '{self.policy}'; "
-                "set widen = false"
-            )
-        if not self.cost.endswith(".json"):
-            from datapipe.cost import preset
+        if self.policy == "single" and self.widen:
+            raise ConfigError("parallel.widen: the single policy does not plan; set widen = false")
+        try:  # the planner's own checks (capacity, max_context, widen only with hdp)
+            PlannerConfig(
+                policy="hdp" if self.policy == "single" else self.policy,
+                num_ranks=1,
+                capacity=self.capacity,
+                max_context=self.max_context,
+                widen=self.widen,
+            ).validate()
+        except ConfigError as exc:
+            raise ConfigError(f"parallel.{exc}") from None
+        self.cost_model()
 
-            preset(self.cost)  # raises ConfigError naming the preset
-        elif not os.path.isfile(self.cost):
-            raise ConfigError(f"parallel.cost: cost file {self.cost!r} not found")
+    def cost_model(self):  # -> datapipe.cost.CostModel
+        """The planner's cost model: a `mixlen calibrate` file (*.json) or a preset name."""
+        from datapipe.cost import load, preset
+
+        try:
+            return load(self.cost) if self.cost.endswith(".json") else preset(self.cost)
+        except (MixlenError, OSError) as exc:
+            raise ConfigError(f"parallel.cost: {exc}") from None
 
 
 @dataclass
@@ -244,7 +256,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         _nonneg("checkpoint.interval", self.interval)
         _positive("checkpoint.keep", self.keep)
-        if self.resume not in (False, "") and self.dir is None and not isinstance(self.resume, str):
+        if self.resume is True and not self.dir:
             raise ConfigError("checkpoint.resume: needs checkpoint.dir (or a checkpoint path)")
 
 

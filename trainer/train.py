@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datapipe import cost as cost_mod
 from datapipe.errors import ConfigError
 from datapipe.fetch import FetchConfig, Fetcher
 from datapipe.plan import StepPlan
@@ -124,7 +123,7 @@ class _Planner:
                 f"{world} ranks x capacity {p.capacity} can hold; raise capacity or ranks, or cap "
                 "sample length at preprocess time (--max-len)"
             )
-        cost = cost_mod.load(p.cost) if p.cost.endswith(".json") else cost_mod.preset(p.cost)
+        cost = p.cost_model()
         if cfg.offload.bytes_per_s is not None:
             cost = cost.with_offload_bandwidth(cfg.offload.bytes_per_s)
         max_ctx = p.max_context if p.max_context is not None else max_len
