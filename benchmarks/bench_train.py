@@ -19,6 +19,7 @@ Prints tables and writes benchmarks/out/bench_train.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -186,7 +187,7 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
     def ddp_step(plan, mbs) -> None:
         n = labelled_positions(plan.lengths)
         for j, mb in enumerate(mbs):
-            ctx = ddp.no_sync() if j + 1 < len(mbs) else _null()
+            ctx = ddp.no_sync() if j + 1 < len(mbs) else contextlib.nullcontext()
             with ctx:
                 loss, _ = ddp(
                     torch.from_numpy(mb.input_ids),
@@ -224,31 +225,10 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
             json.dump({"tokens": tokens, "seconds": times}, f)
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def _spawn(fn, world: int, job: dict, timeout: float) -> None:
-    import torch.multiprocessing as mp
+    from trainer.comm import free_port, spawn
 
-    from trainer.comm import free_port
-
-    ctx = mp.start_processes(
-        fn, args=(world, free_port(), job), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark workers did not finish in {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    spawn(fn, world, (world, free_port(), job), timeout)
 
 
 # --- driver --------------------------------------------------------------------------------------
@@ -349,21 +329,14 @@ def main() -> int:
 
     cost_path = args.cost
     if cost_path is None:
-        import torch
+        from datapipe.files import write_text_atomic
+        from tools.cmd_calibrate import calibrate
 
-        from tools.cmd_calibrate import fit_cost, time_model
-
-        torch.set_num_threads(1)
         lens = [256, 1024, 2048, 4096, 8192]
-        t = time_model("debug", lens, 1, "float32", "cpu")
-        a, b, c = fit_cost(np.array(lens), np.array(t))
-        from datapipe.cost import preset
-
-        base = preset("debug").to_dict()
-        base.update(a=a, b=b, c=c, name="debug@bench-calibrated")
+        model, t = calibrate("debug", lens, repeats=1)
+        a, b, c = model.a, model.b, model.c
         cost_path = os.path.join(work, "cost.json")
-        with open(cost_path, "w") as f:
-            json.dump(base, f, indent=2)
+        write_text_atomic(cost_path, model.to_json())
         result["calibration"] = {"lengths": lens, "seconds": t, "a": a, "b": b, "c": c}
         print(
             f"calibrated: a={a:.3g} b={b:.3g} c={c:.3g}  (lengths {lens}, s {[round(x, 3) for x in t]})"

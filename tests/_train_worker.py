@@ -8,7 +8,6 @@ several short ones (capacity 64, 4 ranks), trained for a few AdamW steps under a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -138,24 +137,6 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> None:
-    """Start `world` spawned processes running fn(rank, *args); fail fast on error or timeout."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not finish in {timeout} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
 
 
 # --- training runs: a tiny dataset and a 2-process worker ------------------------------------------

@@ -14,13 +14,12 @@ from _train_worker import (
     make_plan,
     model_config,
     run_policy,
-    spawn,
 )
 
 from datapipe.errors import MixlenError
 from datapipe.plan import check_plan
 from datapipe.zigzag import member_ranges
-from trainer.comm import free_port, run_threads
+from trainer.comm import free_port, run_threads, spawn
 from trainer.executor import (
     HDPExecutor,
     MemoryFetcher,

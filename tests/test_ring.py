@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hypothesis import strategies as st
 
 from datapipe.zigzag import member_ranges
 from trainer.attention import attend
-from trainer.comm import ThreadComm, free_port, run_threads
+from trainer.comm import ThreadComm, free_port, run_threads, spawn
 from trainer.ring import RingAttention, ZigzagLayout, ring_attend
 
 F64 = torch.float64
@@ -176,22 +174,6 @@ def test_ring_gloo_processes():
     """One launch of 4 gloo processes running several rings, incl. a non-contiguous one and one
     addressed through an island subgroup (island-local ranks mapped to global ranks)."""
     import _ring_worker
-    import torch.multiprocessing as mp
 
     world = 4
-    ctx = mp.start_processes(
-        _ring_worker.main,
-        args=(world, free_port()),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 75
-    try:
-        while not ctx.join(timeout=5):  # raises ProcessRaisedException if a worker failed
-            if time.monotonic() > deadline:
-                raise TimeoutError("gloo ring workers did not finish in 75 s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
+    spawn(_ring_worker.main, world, (world, free_port()), timeout=75)

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _train_worker import make_dataset, spawn, train_config, train_main
+from _train_worker import make_dataset, train_config, train_main
 
 from datapipe.errors import ConfigError
-from trainer.comm import free_port
+from trainer.comm import free_port, spawn
 from trainer.config import apply_overrides, from_dict, load_config, to_toml
 from trainer.train import held_out_mask, run_training
 

@@ -16,6 +16,8 @@ import time
 import numpy as np
 
 from datapipe.errors import ConfigError
+from datapipe.files import write_text_atomic
+from trainer.config import DTYPES
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096"
 
@@ -26,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated lengths")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per length (min kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (as one rank)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--link-bytes-per-s",
@@ -61,18 +63,14 @@ def fit_cost(lengths: np.ndarray, times: np.ndarray) -> tuple[float, float, floa
     return float(coef[0]), float(coef[1]), float(coef[2])
 
 
-def time_model(
-    model_name: str, lengths: list[int], repeats: int, dtype: str, device: str
-) -> list[float]:
-    """Min over `repeats` of one forward+backward of a whole random sample per length (s)."""
+def time_model(cfg, lengths: list[int], repeats: int, dtype: str, device: str) -> list[float]:
+    """Min over `repeats` of one forward+backward of a whole random sample per length (s), for a
+    trainer.model.ModelConfig."""
     import torch
 
     from trainer.executor import build_model
-    from trainer.model import get_config
 
-    dt = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
-    cfg = get_config(model_name)
-    model, _ = build_model(cfg, dt, device, seed=0)
+    model, _ = build_model(cfg, getattr(torch, dtype), device, seed=0)
     gen = torch.Generator().manual_seed(0)
     out = []
     for n in lengths:
@@ -94,12 +92,56 @@ def time_model(
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def calibrate(
+    model_name: str,
+    lengths: list[int],
+    repeats: int = 3,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 1,
+    link_bytes_per_s: float | None = None,
+    offload_bytes_per_s: float | None = None,
+):  # -> (datapipe.cost.CostModel, measured seconds per length)
+    """Time the trainer's model and fit a, b, c; byte sizes come from the model's shape and the
+    bandwidths from the `cpu` device preset unless given."""
+    import dataclasses
+
     import torch
 
-    from datapipe.cost import DEVICES, CostModel
+    from datapipe.cost import DEVICES, ModelShape, build_cost_model
     from trainer.model import get_config
 
+    try:
+        cfg = get_config(model_name)
+    except ValueError as exc:
+        raise ConfigError(f"--model: {exc}") from None
+    torch.set_num_threads(threads)
+    times = time_model(cfg, lengths, repeats, dtype, device)
+    a, b, c = fit_cost(np.array(lengths), np.array(times))
+    shape = ModelShape(
+        model_name,
+        cfg.n_layers,
+        cfg.dim,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.ffn_dim,
+        cfg.vocab_size,
+        dtype_bytes=getattr(torch, dtype).itemsize,
+    )
+    base = build_cost_model(shape, DEVICES["cpu"])
+    model = dataclasses.replace(
+        base,
+        a=a,
+        b=b,
+        c=c,
+        link_bytes_per_s=link_bytes_per_s or base.link_bytes_per_s,
+        offload_bytes_per_s=offload_bytes_per_s or base.offload_bytes_per_s,
+        name=f"{model_name}@calibrated-{device}-{threads}t",
+    )
+    return model, times
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
     except ValueError:
@@ -110,28 +152,26 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--lengths: need at least 3 distinct positive lengths to fit a, b, c")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    try:
-        cfg = get_config(args.model)
-    except ValueError as exc:
-        raise ConfigError(f"--model: {exc}") from None
-    torch.set_num_threads(max(1, args.threads))
-    times = time_model(args.model, lengths, args.repeats, args.dtype, args.device)
-    a, b, c = fit_cost(np.array(lengths), np.array(times))
-    elt = {"float32": 4, "float64": 8, "bfloat16": 2}[args.dtype]
-    dev = DEVICES["cpu"]
-    model = CostModel(
-        a=a,
-        b=b,
-        c=c,
-        kv_bytes_per_token=float(2 * cfg.n_kv_heads * cfg.head_dim * elt * cfg.n_layers),
-        link_bytes_per_s=args.link_bytes_per_s or dev.link_bytes_per_s,
-        num_layers=cfg.n_layers,
-        act_bytes_per_token_layer=float(17 * cfg.dim * elt),
-        offload_bytes_per_s=args.offload_bytes_per_s or dev.offload_bytes_per_s,
-        name=f"{args.model}@calibrated-{args.device}-{args.threads}t",
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ConfigError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    for key in ("link_bytes_per_s", "offload_bytes_per_s"):
+        v = getattr(args, key)
+        if v is not None and not v > 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
+    model, times = calibrate(
+        args.model,
+        lengths,
+        args.repeats,
+        args.dtype,
+        args.device,
+        args.threads,
+        args.link_bytes_per_s,
+        args.offload_bytes_per_s,
     )
     d = model.to_dict()
-    pred = [a * n * n + b * n + c for n in lengths]
+    pred = [model.a * n * n + model.b * n + model.c for n in lengths]
     d["calibration"] = {
         "lengths": lengths,
         "seconds": times,
@@ -140,11 +180,11 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "device": args.device,
     }
-    with open(args.out, "w") as f:
-        json.dump(d, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_text_atomic(args.out, json.dumps(d, indent=2, sort_keys=True) + "\n")
     print(f"{'length':>8} {'measured s':>11} {'fit s':>9}")
     for n, t, p in zip(lengths, times, pred):
         print(f"{n:>8} {t:>11.4f} {p:>9.4f}")
-    print(f"a = {a:.4g} s/S^2, b = {b:.4g} s/token, c = {c:.4g} s  ->  {args.out}")
+    print(
+        f"a = {model.a:.4g} s/S^2, b = {model.b:.4g} s/token, c = {model.c:.4g} s  ->  {args.out}"
+    )
     return 0

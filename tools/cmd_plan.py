@@ -151,16 +151,15 @@ def run(args: argparse.Namespace) -> int:
     )
     table = report.format_table(all_metrics, title)
     if args.dump:
-        with open(args.dump, "w") as f:
-            json.dump(
-                {
-                    "schema": "mixlen-plan-dump/1",
-                    "cost": cost.to_dict(),
-                    "cost_hash": cost.hash,
-                    "steps": dumped,
-                },
-                f,
-            )
+        from datapipe.files import write_text_atomic
+
+        dump = {
+            "schema": "mixlen-plan-dump/1",
+            "cost": cost.to_dict(),
+            "cost_hash": cost.hash,
+            "steps": dumped,
+        }
+        write_text_atomic(args.dump, json.dumps(dump))
     png = None
     if args.plot or args.html:
         png = report.plot_ranks(first_plans, cost, args.plot, title=f"{title} (step 0)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,8 +227,10 @@ def plot_ranks(
     plt.close(fig)
     data = buf.getvalue()
     if path:
-        with open(path, "wb") as f:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
             f.write(data)
+        os.replace(tmp, path)
     return data
 
 
@@ -241,5 +244,6 @@ def write_html(path: str, title: str, table: str, png: bytes) -> None:
         f"<img alt='per-rank time' style='max-width:100%' src='data:image/png;base64,{img}'>"
         "</body></html>\n"
     )
-    with open(path, "w") as f:
-        f.write(page)
+    from datapipe.files import write_text_atomic
+
+    write_text_atomic(path, page)

@@ -214,3 +214,22 @@ def init_local_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> None:
+    """Start `world` spawned processes running fn(rank, *args); raise the first worker's error,
+    or TimeoutError after `timeout` seconds (the workers are terminated either way)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=2):  # raises ProcessRaisedException if a worker failed
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} workers did not finish in {timeout} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()

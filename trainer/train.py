@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from datapipe.errors import ConfigError
 from datapipe.fetch import FetchConfig, Fetcher
+from datapipe.files import write_text_atomic
 from datapipe.plan import StepPlan
 from datapipe.planners import PlannerConfig
 from datapipe.stream import GlobalBatch, LengthAwareStream, StreamConfig, greedy_boundaries
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.comm import Communicator, TorchComm
+from trainer.config import DTYPES as CONFIG_DTYPES
 from trainer.config import TrainerConfig, to_toml
 from trainer.executor import HDPExecutor, SoloComm, build_model, single_plan
 from trainer.metrics import BalanceSummary, MetricsWriter, imbalance
@@ -37,7 +39,7 @@ from trainer.model import get_config
 
 __all__ = ["Runtime", "held_out_mask", "run_training", "setup_runtime"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in CONFIG_DTYPES}  # config name -> torch dtype
 TIMEOUT_ENV = "MIXLEN_DIST_TIMEOUT"  # seconds a collective may wait (default 600)
 
 
@@ -313,8 +315,7 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
     )
     closers.append(writer.close)
     if rt.rank == 0:
-        with open(os.path.join(cfg.metrics.dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
+        write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
     writer.set_start(start)
     validation = None
     if cfg.train.eval_interval and val_fetcher is not None and val_ids.size:
@@ -404,9 +405,9 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
     }
     if rt.rank == 0:
         policy_name = cfg.parallel.policy + ("+widen" if cfg.parallel.widen else "")
-        with open(summary["balance_report"], "w") as f:
-            f.write(balance.render(policy_name))
-        print(balance.render(policy_name))
+        report = balance.render(policy_name)
+        write_text_atomic(summary["balance_report"], report)
+        print(report)
         print(f"metrics:        {summary['metrics']}")
         print(f"balance report: {summary['balance_report']}")
         if ckpt_dir:
