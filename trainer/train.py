@@ -413,8 +413,3 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
         if ckpt_dir:
             print(f"checkpoints:    {ckpt_dir}")
     return summary
-
-
-def describe(cfg: TrainerConfig) -> str:
-    """The resolved config (for --print-config)."""
-    return to_toml(cfg)
