@@ -159,6 +159,15 @@ class StepPlan:
             )
         return out
 
+    @property
+    def label(self) -> str:
+        """Report name of the plan's policy: hdp, hdp+offload, hdp+widen, hdp+offload+widen, ..."""
+        return (
+            self.policy
+            + ("+offload" if self.meta.get("offload") else "")
+            + ("+widen" if self.meta.get("widen") else "")
+        )
+
     # --- digest and serialisation ----------------------------------------------------------------
     def digest(self) -> bytes:
         """16-byte digest of everything that decides execution (not timings or meta)."""

@@ -136,6 +136,31 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
     assert straight["losses"][-1] < straight["losses"][0]
     assert os.path.isfile(straight["balance_report"])
     assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["step-00000003", "step-00000006"]
+    assert [json.loads(x)["step"] for x in open(second["metrics"])] == [1, 2, 3, 4, 5, 6]
+    # resuming with another learning rate would silently keep the saved one: refused
+    with pytest.raises(ConfigError, match="train.lr: 0.003 -> 0.01"):
+        run_training(
+            train_config(
+                dataset,
+                part,
+                parallel={"policy": "single"},
+                train={"lr": 1e-2},
+                checkpoint={"resume": True},
+            )
+        )
+    # resuming from an earlier checkpoint: the abandoned run's later one is not "latest" after it
+    step3 = os.path.join(part, "ckpt", "step-00000003")
+    again = run_training(
+        train_config(
+            dataset,
+            part,
+            parallel={"policy": "single"},
+            train={"stop_after": 4},
+            checkpoint={"resume": step3},
+        )
+    )
+    assert again["losses"] == straight["losses"][3:4]
+    assert sorted(os.listdir(os.path.join(part, "ckpt"))) == ["step-00000003", "step-00000004"]
 
 
 # --- multi-process -------------------------------------------------------------------------------

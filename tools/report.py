@@ -39,15 +39,6 @@ class PlanMetrics:
         return d
 
 
-def policy_label(plan: StepPlan) -> str:
-    """Report name of a plan's policy: hdp, hdp+offload, hdp+widen, hdp+offload+widen, ..."""
-    return (
-        plan.policy
-        + ("+offload" if plan.meta.get("offload") else "")
-        + ("+widen" if plan.meta.get("widen") else "")
-    )
-
-
 def rank_components(plan: StepPlan, cost: CostModel) -> np.ndarray:
     """Per-rank seconds by component [N, 5] (COMPONENTS order); idle = rank time - row sum."""
     m = plan.num_microbatches
@@ -88,7 +79,7 @@ def plan_metrics(plan: StepPlan, cost: CostModel, plan_ms: float) -> PlanMetrics
     off = float((2 * cost.offload_bytes(member_tokens, plan.mb_offload) * k).sum())
     sizes, n = np.unique(k[k >= 2], return_counts=True)
     return PlanMetrics(
-        policy=policy_label(plan),
+        policy=plan.label,
         est_step_time_s=mx,
         mean_rank_time_s=mean,
         imbalance=mx / mean if mean > 0 else 1.0,
@@ -212,7 +203,7 @@ def plot_ranks(
         ax.axhline(
             plan.lower_bound_ns / 1e9, color="k", linestyle="--", linewidth=0.8, label="lower bound"
         )
-        name = policy_label(plan)
+        name = plan.label
         ax.set_title(f"{name}: step {plan.makespan_ns / 1e9:.3f} s", fontsize=10, loc="left")
         ax.set_xlim(-0.5, plan.num_ranks - 0.5)
         ax.set_ylim(0, max(plan.makespan_ns, plan.lower_bound_ns, 1) / 1e9 * 1.08)

@@ -78,7 +78,9 @@ def save_checkpoint(
     keep: int = 2,
 ) -> str:
     """Write the checkpoint of `step` (after `step` optimizer steps); returns its directory.
-    `extra` holds plain values (stream state, step, config digest). Keeps the newest `keep`."""
+    `extra` holds plain values (stream state, step, config). Keeps the newest `keep` up to
+    `step`; checkpoints of later steps (left by a run this one resumed before) are removed, so
+    `resume = true` continues this run, not the abandoned one."""
     final = step_dir(root, step)
     tmp = final + ".tmp"
     if _rank() == 0:
@@ -91,11 +93,17 @@ def save_checkpoint(
         dcp.save(state, checkpoint_id=tmp)
     _barrier()
     if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.isdir(final):  # the same step again: the old copy goes only after the rename
+            os.replace(final, final + ".old")
         os.replace(tmp, final)
-        old = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
-        for name in old[: max(len(old) - keep, 0)]:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        steps = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
+        later = [k for k in steps if k > step]
+        kept = [k for k in steps if k <= step]
+        for k in later + kept[: max(len(kept) - keep, 0)]:
+            shutil.rmtree(step_dir(root, k), ignore_errors=True)
+        for name in os.listdir(root):  # temporaries of crashed saves, and the replaced copy
+            if name.startswith("step-") and name.endswith((".tmp", ".old")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     _barrier()
     return final
 

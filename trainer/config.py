@@ -294,6 +294,30 @@ class TrainerConfig:
         return dataclasses.asdict(self)
 
 
+# Settings a resumed run may change: how long it runs and where it logs. Everything else (model,
+# data order, optimisation, parallelism) must match the checkpoint's run.
+RESUME_MAY_CHANGE = frozenset(
+    {"train.steps", "train.stop_after", "train.eval_interval", "train.device"}
+    | {"data.path", "data.cache_dir", "data.prefetch_depth"}
+)
+RESUME_FREE_SECTIONS = frozenset({"checkpoint", "metrics"})
+
+
+def resume_conflicts(saved: dict[str, dict[str, Any]], cfg: TrainerConfig) -> list[str]:
+    """`section.key: saved -> now` for every run-defining setting that differs from `saved` (the
+    checkpoint's `to_dict()`)."""
+    out = []
+    for section, values in cfg.to_dict().items():
+        if section in RESUME_FREE_SECTIONS:
+            continue
+        old = saved.get(section, {})
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name not in RESUME_MAY_CHANGE and key in old and old[key] != value:
+                out.append(f"{name}: {old[key]!r} -> {value!r}")
+    return out
+
+
 # --- parsing -------------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ rank, whole samples, no splitting), the reference the others are tested against.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from datapipe.fetch import as_pieces, pack_microbatch
 from datapipe.plan import MicroBatch as PlannedMicroBatch
 from datapipe.plan import StepPlan
 from datapipe.stream import greedy_boundaries
-from trainer.attention import LocalAttention
+from trainer.attention import LocalAttention, accum_dtype
 from trainer.comm import Communicator, Handle
 from trainer.ring import RingAttention
 
@@ -143,19 +144,18 @@ class _TimedHandle:
 
 
 class CountingComm:
-    """A Communicator wrapper counting bytes sent and time spent blocked in communication."""
+    """A Communicator wrapper counting ring bytes sent and time blocked in ring hops (the executor
+    times its one all-reduce itself)."""
 
     def __init__(self, inner: Communicator) -> None:
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.p2p_bytes = 0  # bytes this rank sent point-to-point (ring hops)
-        self.collective_bytes = 0  # payload bytes of all-reduces/all-gathers it joined
         self.wait_s = 0.0  # time blocked in P2P waits
-        self.collective_s = 0.0  # time in collectives
 
     def reset(self) -> None:
-        self.p2p_bytes = self.collective_bytes = 0
-        self.wait_s = self.collective_s = 0.0
+        self.p2p_bytes = 0
+        self.wait_s = 0.0
 
     def send_recv(
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
@@ -164,17 +164,10 @@ class CountingComm:
         return _TimedHandle(self.inner.send_recv(send, dst, recv, src, tag), self)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        t0 = time.perf_counter()
         self.inner.all_reduce(tensor)
-        self.collective_s += time.perf_counter() - t0
-        self.collective_bytes += tensor.numel() * tensor.element_size()
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        t0 = time.perf_counter()
-        out = self.inner.all_gather(tensor)
-        self.collective_s += time.perf_counter() - t0
-        self.collective_bytes += tensor.numel() * tensor.element_size()
-        return out
+        return self.inner.all_gather(tensor)
 
 
 # --- the executor --------------------------------------------------------------------------------
@@ -195,7 +188,6 @@ class StepResult:
     rank_p2p_bytes: int = 0  # this rank's ring bytes sent
     rank_comm_s: float = 0.0  # this rank's time in ring waits and the all-reduce
     reduce_bytes: int = 0  # payload of the coalesced all-reduce
-    extra: dict = field(default_factory=dict)
 
 
 def build_model(
@@ -203,19 +195,13 @@ def build_model(
 ) -> tuple[nn.Module, nn.Module]:
     """(compute model, master weights) of a `trainer.model.ModelConfig`, initialised from `seed`:
     one module for float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
-    master_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    master = cfg.build(device, master_dtype)
+    master_dtype = accum_dtype(dtype)
+    # built on the meta device and materialised once: the weights are initialised exactly once
+    master = cfg.build("meta", master_dtype).to_empty(device=device)
     master.init_weights(seed)
     if dtype == master_dtype:
         return master, master
-    model = cfg.build(device, master_dtype)
-    model.load_state_dict(master.state_dict())
-    return model.to(dtype), master
-
-
-def _float_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of reductions and accumulators: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return copy.deepcopy(master).to(dtype), master
 
 
 class HDPExecutor:
@@ -251,7 +237,7 @@ class HDPExecutor:
         if len(self.params) != len(self.master_params):
             raise ValueError("model and master have different parameters")
         self.compute_dtype = self.params[0].dtype
-        self.acc_dtype = _float_dtype(self.compute_dtype)
+        self.acc_dtype = accum_dtype(self.compute_dtype)
         # low-precision compute: drain gradients into a float32 buffer after every micro-batch
         self.drain = self.compute_dtype not in (torch.float32, torch.float64)
         self.numel = sum(p.numel() for p in self.params)
@@ -320,8 +306,11 @@ class HDPExecutor:
                     )
                 lens.append(e - s)
             attn = RingAttention(self.comm, pm.group, pm.group_index, lens, device=dev)
-            want = attn.layout.position_ids(pm.group_index)
-            assert np.array_equal(want, mb.position_ids), "fetched tokens are not the zigzag layout"
+            if not np.array_equal(attn.layout.position_ids(pm.group_index), mb.position_ids):
+                raise MixlenError(
+                    f"slot {pm.slot}: the fetched positions are not this member's zigzag share "
+                    "(the fetcher and the plan disagree)"
+                )
         with torch.set_grad_enabled(grad):
             loss_sum, _ = self.model(ids, pos, labels=labels, attn=attn)
             if grad:

@@ -16,6 +16,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from datapipe.files import write_text_atomic
+
 __all__ = ["BalanceSummary", "MetricsWriter", "imbalance"]
 
 
@@ -92,10 +94,7 @@ def _truncate_after(path: str, step: int) -> None:
                 continue
             if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(keep))
 
 
 @dataclass

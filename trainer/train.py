@@ -32,7 +32,7 @@ from datapipe.stream import GlobalBatch, LengthAwareStream, StreamConfig, greedy
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.comm import Communicator, TorchComm
 from trainer.config import DTYPES as CONFIG_DTYPES
-from trainer.config import TrainerConfig, to_toml
+from trainer.config import TrainerConfig, resume_conflicts, to_toml
 from trainer.executor import HDPExecutor, SoloComm, build_model, single_plan
 from trainer.metrics import BalanceSummary, MetricsWriter, imbalance
 from trainer.model import get_config
@@ -74,7 +74,10 @@ def setup_runtime(device: str = "auto") -> Runtime:
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = int(env) if env.isdigit() else (cores or 1) // max(local_world, 1)
+        torch.set_num_threads(max(1, threads))  # OMP_NUM_THREADS if set, else a core share
     owns = False
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
@@ -147,8 +150,9 @@ class _Planner:
         return self.planner.plan(lengths, ids)
 
 
-def _rank_pieces(plan: StepPlan, rank: int) -> list[np.ndarray]:
-    return [np.array(m.pieces, dtype=np.int64).reshape(-1, 3) for m in plan.microbatches(rank)]
+def _rank_pieces(plan: StepPlan, rank: int) -> list[tuple]:
+    """This rank's pieces per micro-batch, in slot order (the fetcher takes them as they are)."""
+    return [m.pieces for m in plan.microbatches(rank)]
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -186,7 +190,8 @@ class _Validation:
             keep &= lengths <= cfg.parallel.capacity * rt.world
         ids, lengths = ids[keep], lengths[keep]
         n = int(np.searchsorted(np.cumsum(lengths), cfg.data.val_tokens, side="right"))
-        ids, lengths = ids[: max(n, min(1, len(ids)))], lengths[: max(n, min(1, len(ids)))]
+        n = max(n, min(1, len(ids)))  # at least one sample when there is one
+        ids, lengths = ids[:n], lengths[:n]
         bounds = greedy_boundaries(lengths, cfg.train.global_batch_tokens) if len(ids) else [0]
         self.batches = []
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -297,6 +302,13 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
             extra = load_checkpoint(
                 path, master, opt, sched, {"stream": stream.state_dict(), "config": ""}
             )
+            conflicts = resume_conflicts(json.loads(extra["config"] or "{}"), cfg)
+            if conflicts:
+                raise ConfigError(
+                    f"checkpoint.resume: {path} belongs to a run with other settings ("
+                    + "; ".join(conflicts)
+                    + "); resume with its settings, or start a new run (checkpoint.resume = false)"
+                )
             if master is not model:
                 model.load_state_dict(master.state_dict())
             stream.load_state_dict(extra["stream"])
@@ -366,7 +378,7 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
                 "allreduce_bytes": res.reduce_bytes,
                 "microbatches_per_rank": res.microbatches,
                 "imbalance_measured": imbalance(res.compute_s),
-                "imbalance_planned": imbalance(planned) if plan.num_ranks > 1 else 1.0,
+                "imbalance_planned": imbalance(planned),
                 "planned_makespan_s": plan.makespan_ns / 1e9,
                 "policy": plan.policy,
                 "epoch": batch.epoch,
@@ -404,8 +416,7 @@ def _train(cfg: TrainerConfig, rt: Runtime, closers: list) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t_start,
     }
     if rt.rank == 0:
-        policy_name = cfg.parallel.policy + ("+widen" if cfg.parallel.widen else "")
-        report = balance.render(policy_name)
+        report = balance.render(plan.label if last > start else cfg.parallel.policy)
         write_text_atomic(summary["balance_report"], report)
         print(report)
         print(f"metrics:        {summary['metrics']}")
