@@ -251,7 +251,18 @@ class HDPExecutor:
     # -- checks ------------------------------------------------------------------------------------
 
     def check_plan(self, plan: StepPlan, step: int) -> None:
-        """Refuse plans this executor cannot run; all-gather the plan digest and stop on mismatch."""
+        """All-gather the plan digest and stop on mismatch (first, so that every rank takes part
+        before any rank can refuse), then refuse plans this executor cannot run."""
+        if self.check_agreement and self.comm.size > 1:
+            d = np.frombuffer(plan.digest(), dtype="<i8").astype(np.int64)
+            mine = torch.tensor([step, int(d[0]), int(d[1])], dtype=torch.int64, device=self.device)
+            got = self.comm.all_gather(mine)
+            bad = [r for r, t in enumerate(got) if not torch.equal(t, mine)]
+            if bad:
+                raise MixlenError(
+                    f"step {step}: rank {self.rank} disagrees with rank(s) {bad} about the plan "
+                    "(different dataset, config, cost file or code version across ranks?)"
+                )
         if plan.num_ranks != self.comm.size:
             raise MixlenError(
                 f"step {step}: plan for {plan.num_ranks} ranks, but the island has {self.comm.size}"
@@ -261,17 +272,6 @@ class HDPExecutor:
                 f"step {step}: the plan offloads activations (offload_ratio up to "
                 f"{float(plan.mb_offload.max()):.2f}); selective offload is not implemented yet "
                 "(it lands in a later issue): set [offload] enabled = false"
-            )
-        if not self.check_agreement or self.comm.size == 1:
-            return
-        d = np.frombuffer(plan.digest(), dtype="<i8").astype(np.int64)
-        mine = torch.tensor([step, int(d[0]), int(d[1])], dtype=torch.int64, device=self.device)
-        got = self.comm.all_gather(mine)
-        bad = [r for r, t in enumerate(got) if not torch.equal(t, mine)]
-        if bad:
-            raise MixlenError(
-                f"step {step}: rank {self.rank} disagrees with rank(s) {bad} about the plan "
-                "(different dataset, config, cost file or code version across ranks?)"
             )
 
     # -- micro-batches -----------------------------------------------------------------------------
@@ -383,10 +383,12 @@ class HDPExecutor:
         reduce_s = time.perf_counter() - t0
         n_labels = labelled_positions(plan.lengths)
         scale = 1.0 / max(n_labels, 1)
+        buf[:n].mul_(scale)
         off = 0
-        for p in self.master_params:
+        for p in self.master_params:  # the master's gradients are views of the reduced buffer
+            assert p.dtype == buf.dtype, "master weights are kept in the accumulation dtype"
             k = p.numel()
-            p.grad = (buf[off : off + k] * scale).view_as(p).to(p.dtype)
+            p.grad = buf[off : off + k].view_as(p)
             off += k
         if self.master is not self.model:
             for p in self.params:
