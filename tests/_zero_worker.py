@@ -1,0 +1,196 @@
+"""Shared scenario of tests/test_zero.py and its gloo worker: a small float64 network trained by
+ZeroOptimizer on ranks with unequal micro-batch counts, against torch.optim.AdamW on the whole
+model fed the sum of every rank's micro-batch gradients (the reference)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from trainer.comm import Communicator, TorchComm, init_local_gloo
+from trainer.zero import ZeroOptimizer
+
+LR, WD, SCALE = 2e-2, 0.1, 0.25
+CLIP = 0.05  # below the scenario's gradient norms (~0.2-2): clipping is active
+# micro-batches per rank, by island size: unequal, and an idle rank from 3 ranks on
+MICROBATCHES = {1: [3], 2: [2, 1], 3: [2, 1, 0], 4: [2, 1, 0, 3]}
+
+
+class Net(nn.Module):
+    """Layers of odd sizes (slices cut through parameters) and a branch that one rank's last
+    micro-batch skips (its hooks never fire there, so readiness differs across ranks)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3)
+
+        self.w1, self.b1 = w(13, 7), w(13)
+        self.wb = w(13, 13)
+        self.w2, self.b2 = w(5, 13), w(5)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        x = x.to(self.w1.dtype)
+        h = torch.tanh(x @ self.w1.T + self.b1)
+        if branch:
+            h = h + torch.tanh(h @ self.wb.T)
+        return (h @ self.w2.T + self.b2).pow(2).sum()
+
+
+NET = Net()  # built once: threads must not share the global RNG
+
+
+def fresh_net() -> Net:
+    return copy.deepcopy(NET)
+
+
+def batch(step: int, rank: int, mb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + mb)
+    return torch.randn(4, 7, generator=g, dtype=torch.float64)
+
+
+def branch_used(rank: int, mb: int, count: int) -> bool:
+    return not (rank == 0 and mb == count - 1)
+
+
+def run_zero(
+    comm: Communicator,
+    level: int,
+    hooks: bool,
+    clip: float,
+    steps: range,
+    net: Net | None = None,
+    zero: ZeroOptimizer | None = None,
+    bucket_bytes: int = 8 * 40,
+) -> dict:
+    """Train `steps` (global step numbers, for the data) on this rank; returns the network, the
+    optimizer, the norms and the bucket launch sequence."""
+    net = net if net is not None else fresh_net()
+    if zero is None:
+        zero = ZeroOptimizer(
+            list(net.parameters()),
+            comm,
+            level=level,
+            lr=LR,
+            weight_decay=WD,
+            grad_clip=clip,
+            bucket_bytes=bucket_bytes,
+        )
+    if hooks:
+        zero.install_hooks()
+    counts = MICROBATCHES[comm.size]
+    norms, launched = [], []
+    for step in steps:
+        zero.begin_step()
+        k = counts[comm.rank]
+        for j in range(k):
+            zero.begin_microbatch(last=j == k - 1)
+            net(batch(step, comm.rank, j), branch_used(comm.rank, j, k)).backward()
+            if not hooks:
+                zero.accumulate_grads()
+        zero.finish_backward()
+        launched.append([b for b, _ in zero._handles])
+        norms.append(zero.step(scale=SCALE))
+    return {"net": net, "zero": zero, "norms": norms, "launched": launched}
+
+
+def reference(ranks_per_step: list[int], clip: float) -> tuple[Net, list[float]]:
+    """torch.optim.AdamW on the whole network: each step's gradient is the sum over every
+    rank's micro-batches (same data as run_zero), scaled, clipped by clip_grad_norm_."""
+    net = fresh_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for step, size in enumerate(ranks_per_step):
+        counts = MICROBATCHES[size]
+        for r in range(size):
+            for j in range(counts[r]):
+                net(batch(step, r, j), branch_used(r, j, counts[r])).backward()
+        for p in net.parameters():
+            p.grad.mul_(SCALE)
+        if clip > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+        else:
+            norms.append(
+                float(
+                    torch.linalg.vector_norm(
+                        torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+                    )
+                )
+            )
+        opt.step()
+        opt.zero_grad()
+    return net, norms
+
+
+def assert_params_close(got: nn.Module, want: nn.Module, rtol: float = 1e-12) -> None:
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
+        a, b = a.detach(), b.detach()
+        err = float(((a - b).abs() / b.abs().clamp_min(1e-3)).max())
+        assert err <= rtol, f"{name}: off by {err:.3g} (relative)"
+
+
+# --- gloo worker ---------------------------------------------------------------------------------
+
+
+def gloo_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """4 processes: the slice collectives against a plain sum; zero 1 with hooks on 4 ranks (two
+    steps) against torch AdamW; a DCP save of its sharded state; resume on 2 ranks (zero 1, two
+    more steps) and on 1 rank (zero 0, one more step) against the reference run straight."""
+    from test_slices import SIZES, _check_chunk_results, _chunk_run
+
+    init_local_gloo(rank, world, port, timeout_s=60)
+    torch.set_num_threads(1)
+    try:
+        comm = TorchComm()
+        for async_op in (False, True):
+            got = _chunk_run(comm, SIZES[world], async_op)
+            _check_chunk_results(world, SIZES[world], [got])
+        ckpt = os.path.join(out_dir, "ckpt")
+        first = run_zero(comm, 1, True, CLIP, range(2))
+        want, want_norms = reference([4, 4], CLIP)
+        assert_params_close(first["net"], want)
+        assert all(abs(a - b) <= 1e-12 * b for a, b in zip(first["norms"], want_norms))
+        dcp.save(first["zero"].state_dict(), checkpoint_id=ckpt)
+        net_state = {k: v.clone() for k, v in first["net"].state_dict().items()}
+        pair = dist.new_group([0, 1])
+        solo = dist.new_group([0])
+        if rank < 2:
+            net = fresh_net()
+            net.load_state_dict(net_state)
+            zero = ZeroOptimizer(
+                list(net.parameters()), TorchComm(pair), level=1, lr=LR, weight_decay=WD,
+                grad_clip=CLIP, bucket_bytes=8 * 40,
+            )  # fmt: skip
+            sd = zero.state_dict()
+            dcp.load(sd, checkpoint_id=ckpt, process_group=pair)
+            zero.load_state_dict(sd)
+            second = run_zero(TorchComm(pair), 1, True, CLIP, range(2, 4), net, zero)
+            want, _ = reference([4, 4, 2, 2], CLIP)
+            assert_params_close(second["net"], want)
+        dist.barrier()
+        if rank == 0:
+            net = fresh_net()
+            net.load_state_dict(net_state)
+            solo_comm = TorchComm(solo)
+            zero = ZeroOptimizer(
+                list(net.parameters()), solo_comm, level=0, lr=LR, weight_decay=WD,
+                grad_clip=CLIP, bucket_bytes=8 * 40,
+            )  # fmt: skip
+            sd = zero.state_dict()
+            dcp.load(sd, checkpoint_id=ckpt, process_group=solo)
+            zero.load_state_dict(sd)
+            third = run_zero(solo_comm, 0, False, CLIP, range(2, 3), net, zero)
+            want, _ = reference([4, 4, 1], CLIP)
+            assert_params_close(third["net"], want)
+            with open(os.path.join(out_dir, "ok.txt"), "w") as f:
+                f.write("ok\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
