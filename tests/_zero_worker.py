@@ -23,9 +23,11 @@ MICROBATCHES = {1: [3], 2: [2, 1], 3: [2, 1, 0], 4: [2, 1, 0, 3]}
 
 class Net(nn.Module):
     """Layers of odd sizes (slices cut through parameters) and a branch that one rank's last
-    micro-batch skips (its hooks never fire there, so readiness differs across ranks)."""
+    micro-batch skips (its hooks never fire there, so readiness differs across ranks). `odd`
+    adds an input scale registered last but used first: its gradient is final last, so its
+    bucket (first in launch order) holds every launch back until the end of the backward."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, odd: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
 
@@ -35,20 +37,23 @@ class Net(nn.Module):
         self.w1, self.b1 = w(13, 7), w(13)
         self.wb = w(13, 13)
         self.w2, self.b2 = w(5, 13), w(5)
+        self.scale = w(7) if odd else None
 
     def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
         x = x.to(self.w1.dtype)
+        if self.scale is not None:
+            x = x * self.scale
         h = torch.tanh(x @ self.w1.T + self.b1)
         if branch:
             h = h + torch.tanh(h @ self.wb.T)
         return (h @ self.w2.T + self.b2).pow(2).sum()
 
 
-NET = Net()  # built once: threads must not share the global RNG
+NETS = {False: Net(), True: Net(odd=True)}  # built once: threads must not share the global RNG
 
 
-def fresh_net() -> Net:
-    return copy.deepcopy(NET)
+def fresh_net(odd: bool = False) -> Net:
+    return copy.deepcopy(NETS[odd])
 
 
 def batch(step: int, rank: int, mb: int) -> torch.Tensor:
@@ -101,10 +106,10 @@ def run_zero(
     return {"net": net, "zero": zero, "norms": norms, "launched": launched}
 
 
-def reference(ranks_per_step: list[int], clip: float) -> tuple[Net, list[float]]:
+def reference(ranks_per_step: list[int], clip: float, odd: bool = False) -> tuple[Net, list[float]]:
     """torch.optim.AdamW on the whole network: each step's gradient is the sum over every
     rank's micro-batches (same data as run_zero), scaled, clipped by clip_grad_norm_."""
-    net = fresh_net()
+    net = fresh_net(odd)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
     norms = []
     for step, size in enumerate(ranks_per_step):

@@ -20,7 +20,7 @@ from _zero_worker import (
     run_zero,
 )
 
-from trainer.comm import free_port, run_threads, spawn
+from trainer.comm import Done, free_port, run_threads, spawn
 from trainer.memory import model_state_bytes
 from trainer.zero import ZeroOptimizer
 
@@ -53,10 +53,15 @@ def _zero(net, comm, level, **kw) -> ZeroOptimizer:
 @pytest.mark.parametrize("clip", [0.0, CLIP])
 def test_sharded_adamw_equals_torch_adamw(ranks, level, hooks, clip):
     """Unequal micro-batch counts (an idle rank at 3), a branch one rank skips in its last
-    micro-batch: parameters after every step and the norms equal torch's (float64, 1e-12)."""
+    micro-batch, with hooks a parameter whose gradient is final last but whose bucket launches
+    first: parameters after every step and the norms equal torch's (float64, 1e-12)."""
     steps = 3
-    out = run_threads(ranks, lambda c: run_zero(c, level, hooks, clip, range(steps)), timeout=50)
-    want, want_norms = reference([ranks] * steps, clip)
+
+    def run(comm):
+        return run_zero(comm, level, hooks, clip, range(steps), fresh_net(odd=hooks))
+
+    out = run_threads(ranks, run, timeout=50)
+    want, want_norms = reference([ranks] * steps, clip, odd=hooks)
     if clip:
         assert all(n > clip for n in want_norms), "clipping must be active"
     for res in out:
@@ -91,6 +96,41 @@ def test_buckets_launch_while_the_last_backward_runs():
     for in_flight, order, n in out:
         assert 0 < in_flight < n
         assert order == list(range(n))
+
+
+class _InstantComm:
+    """Rank 0 of 2 whose collectives complete at once (and do nothing): memory bookkeeping."""
+
+    rank, size = 0, 2
+
+    def all_reduce(self, tensor, async_op=False):
+        return Done() if async_op else None
+
+    def reduce_scatter(self, flat, out, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+    def all_gather_into(self, flat, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+
+def test_zero2_frees_sent_buckets_during_the_backward():
+    """zero 2, one micro-batch: a non-owned bucket lives from its first gradient until its
+    reduction has completed, so the gradient memory never reaches the whole model."""
+    from _zero_worker import batch
+
+    net = fresh_net()
+    zero = _zero(net, _InstantComm(), 2)
+    zero.install_hooks()
+    zero.begin_step()
+    zero.begin_microbatch(last=True)
+    net(batch(0, 0, 0), True).backward()
+    zero.finish_backward()
+    zero.step()
+    numel = sum(p.numel() for p in net.parameters())
+    mem = zero.memory()
+    assert mem.grads == zero.grad.numel() * 8  # between steps: this rank's slice only
+    bucket = max(b.numel for b in zero.buckets)
+    assert mem.grads_peak <= mem.grads + 2 * bucket * 8 < numel * 8
 
 
 @pytest.mark.parametrize("compute", ["float32", "bfloat16", "float64"])
