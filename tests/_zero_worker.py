@@ -154,9 +154,10 @@ def gloo_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     try:
         comm = TorchComm()
-        for async_op in (False, True):
-            got = _chunk_run(comm, SIZES[world], async_op)
-            _check_chunk_results(world, SIZES[world], [got])
+        for native in (False, True):  # per-chunk reduce/broadcast (gloo's default) and native
+            for async_op in (False, True):
+                got = _chunk_run(TorchComm(native=native), SIZES[world], async_op)
+                _check_chunk_results(world, SIZES[world], [got])
         ckpt = os.path.join(out_dir, "ckpt")
         first = run_zero(comm, 1, True, CLIP, range(2))
         want, want_norms = reference([4, 4], CLIP)

@@ -306,8 +306,8 @@ def test_load_refuses_other_keys():
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_gloo_collectives_zero_and_resharded_resume(tmp_path):
-    """4 gloo processes: slice collectives (sync and async, equal/uneven/empty chunks) against a
-    plain sum; zero 1 with hooks against torch AdamW; a real DCP save on 4 ranks resumed on 2
+    """4 gloo processes: slice collectives (sync and async, equal/uneven/empty chunks, per-chunk
+    and gloo's own reduce-scatter/all-gather) against a plain sum; zero 1 with hooks against torch AdamW; a real DCP save on 4 ranks resumed on 2
     (zero 1) and on 1 (zero 0) equal to the uninterrupted reference."""
     spawn(gloo_main, 4, (4, free_port(), str(tmp_path)), timeout=160)
     assert (tmp_path / "ok.txt").read_text() == "ok\n"
