@@ -13,7 +13,7 @@ may be empty) serve ZeRO and CO2 (trainer.slices): `reduce_scatter` sums chunk i
 rank i, `all_gather_into` fills every chunk from its owner. On NCCL, equal chunks use its
 reduce-scatter / all-gather; otherwise one reduce / broadcast per non-empty chunk, which moves the
 same bytes: gloo's all-gather refuses unequal sizes, and in torch 2.14 its reduce-scatter and
-all-gather took 2-5x the time of per-chunk reduces and broadcasts on 25M floats (2 and 4 ranks,
+all-gather took 2-14x the time of per-chunk reduces and broadcasts on 25M floats (2 and 4 ranks,
 this box). With `async_op=True` a collective returns a Handle; a rank's collectives run in the
 order it issued them, on every implementation.
 """
