@@ -108,7 +108,9 @@ class ZeroOptimizer:
         self.grad_comm = grad_comm if grad_comm is not None else comm
         self.cross_comm = cross_comm
         self.grad_clip, self.async_gather = float(grad_clip), async_gather
-        self.layout = layout if layout is not None else FlatLayout.from_params(params, comm.size)
+        self.layout = (
+            layout if layout is not None else FlatLayout.from_params(self.params, comm.size)
+        )
         lay = self.layout
         if lay.ranks != comm.size or lay.shapes != [p.shape for p in self.params]:
             raise ValueError(f"{lay} does not fit {len(self.params)} parameters on {comm.size}")
