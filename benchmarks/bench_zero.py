@@ -31,15 +31,16 @@ GB = 1e9
 def memory_table() -> list[dict]:
     import torch
 
+    from datapipe.shapes import get_config
     from trainer.comm import run_threads
     from trainer.memory import model_state_bytes
-    from trainer.model import get_config
+    from trainer.model import build
     from trainer.zero import ZeroOptimizer
 
     rows = []
     for name in ("debug", "small"):
         cfg = get_config(name)
-        model = cfg.build("meta", torch.bfloat16)
+        model = build(cfg, "meta", torch.bfloat16)
         shapes = [p.shape for p in model.parameters()]
         for ranks in (2, 4):
             for level in (0, 1, 2):
@@ -73,14 +74,15 @@ def _phase_main(rank: int, world: int, port: int, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from datapipe.shapes import get_config
     from trainer.comm import TorchComm, init_local_gloo
-    from trainer.model import get_config
+    from trainer.model import build
     from trainer.zero import ZeroOptimizer
 
     init_local_gloo(rank, world, port, timeout_s=600)
     try:
         comm = TorchComm()
-        model = get_config("small").build("meta", torch.float32).to_empty(device="cpu")
+        model = build(get_config("small"), "meta", torch.float32).to_empty(device="cpu")
         params = [p for p in model.parameters()]
         g = torch.Generator().manual_seed(rank)
         grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in params]

@@ -5,7 +5,7 @@ World = islands x N ranks. Every rank of an island owns slice i of `trainer.slic
 momentum m, the previous applied average D_prev and one in-flight buffer. Rank i of every island
 averages slice i across islands on the cross-island communicator (N parallel streams); norms are
 over the whole model (squared slice norms summed over the island), so every rank of every island
-computes the same penalty and clipping. The rule (the design's "CO2 across islands"):
+computes the same penalty and clipping. The rule (docs/ARCHITECTURE.md, "CO2 across islands"):
 
 - round t starts every island at x = a_t and runs tau local steps;
 - at its end, delta_t = a_t - x goes into the in-flight buffer (never the live weights) and its
