@@ -90,12 +90,13 @@ def test_buckets_launch_while_the_last_backward_runs():
         zero.finish_backward()
         order = [b for b, _ in zero._handles]
         zero.step()
-        return seen[0], order, len(zero.buckets)
+        return seen[0], order, len(zero.buckets), zero.last_reduce
 
     out = run_threads(2, run, timeout=30)
-    for in_flight, order, n in out:
+    for in_flight, order, n, stats in out:
         assert 0 < in_flight < n
         assert order == list(range(n))
+        assert stats.buckets == n and in_flight <= stats.early <= n
 
 
 class _InstantComm:

@@ -50,8 +50,9 @@ reshards them: a checkpoint of 4 ranks loads on 2 or 1, at any level.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,7 +61,16 @@ from trainer.comm import Communicator, Handle
 from trainer.memory import ModelStateBytes
 from trainer.slices import FlatLayout, checkpointable
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ReduceStats", "ZeroOptimizer"]
+
+
+class ReduceStats(NamedTuple):
+    """The gradient reduction of the last step on this rank (for metrics)."""
+
+    buckets: int  # reductions issued (1 without hooks at zero 0/1: one collective)
+    early: int  # of them, launched from hooks before the backward ended
+    wait_s: float  # time step() blocked waiting for them
+    bytes: int  # gradient payload this rank contributed
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -171,6 +181,7 @@ class ZeroOptimizer:
         self._hooks: list[Any] = []
         self._gather_handles: list[Handle] = []
         self._grad_peak = 0
+        self.last_reduce = ReduceStats(0, 0, 0.0, 0)
         self.begin_step()
 
     # -- gradient accumulation ---------------------------------------------------------------------
@@ -197,6 +208,7 @@ class ZeroOptimizer:
         self._next = 0
         self._handles: list[tuple[int, Handle]] = []
         self._polled = 0
+        self._early = 0
         self._last = False
         self._grad_peak = self._grad_bytes()
 
@@ -215,6 +227,7 @@ class ZeroOptimizer:
     def finish_backward(self) -> None:
         """After the rank's last micro-batch (or at once on a rank without micro-batches): launch
         every reduction not launched yet."""
+        self._early = len(self._handles)
         if not self._hooks and self.level < 2 and not self._handles:
             self._reduce_whole()
             return
@@ -305,9 +318,15 @@ class ZeroOptimizer:
         before clipping."""
         if self._next < len(self.buckets):
             raise RuntimeError("step() before finish_backward(): reductions not all launched")
+        t0 = time.perf_counter()
         for b, h in self._handles:
             h.wait()
             self._tmp.pop(b, None)
+        esize = self.grad.element_size()
+        payload = self.layout.numel if self.grad_flat is None else self.grad_flat.numel()
+        self.last_reduce = ReduceStats(
+            len(self._handles), self._early, time.perf_counter() - t0, payload * esize
+        )
         self._handles = []
         g = self.grad
         if self.cross_comm is not None and self.cross_comm.size > 1 and g.numel():
