@@ -293,7 +293,7 @@ class _TimedHandle:
 
 class CountingComm:
     """A Communicator wrapper counting ring bytes sent and time blocked in ring hops (the executor
-    times its one all-reduce itself)."""
+    times its collectives itself)."""
 
     def __init__(self, inner: Communicator) -> None:
         self.inner = inner
@@ -311,25 +311,11 @@ class CountingComm:
         self.p2p_bytes += send.numel() * send.element_size()
         return _TimedHandle(self.inner.send_recv(send, dst, recv, src, tag), self)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
-        return self.inner.all_reduce(tensor, async_op=async_op)
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return self.inner.all_gather(tensor)
-
-    def reduce_scatter(
-        self,
-        flat: torch.Tensor,
-        out: torch.Tensor,
-        sizes: Sequence[int] | None = None,
-        async_op: bool = False,
-    ) -> Handle | None:
-        return self.inner.reduce_scatter(flat, out, sizes, async_op=async_op)
-
-    def all_gather_into(
-        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
-    ) -> Handle | None:
-        return self.inner.all_gather_into(flat, sizes, async_op=async_op)
+    def __getattr__(self, name: str) -> Any:
+        """The collectives (all_reduce, all_gather, reduce_scatter, all_gather_into) pass through."""
+        if name.startswith("_") or name == "inner":  # no recursion while half-built (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 # --- in-process fake -----------------------------------------------------------------------------
