@@ -1,7 +1,7 @@
 """Sharded optimizer benchmark (trainer.zero), before its wiring into the executor.
 
 - Memory per rank: the debug and small models measured through ZeroOptimizer (bfloat16 compute,
-  fake ranks in threads) against trainer.memory's formula, and the llama presets computed, for
+  fake ranks in threads) against datapipe.plan.memory's formula, and the llama presets computed, for
   zero 0 (replicated optimizer) / 1 / 2.
 - Optimizer phase over gloo (2 and 4 processes on this box): from the end of the backward to
   updated weights everywhere (reduction, clipping, AdamW, weight all-gather) for zero 0 / 1 / 2 on
@@ -33,7 +33,7 @@ def memory_table() -> list[dict]:
 
     from datapipe.shapes import get_config
     from trainer.comm import run_threads
-    from trainer.memory import model_state_bytes
+    from datapipe.plan.memory import model_state_bytes
     from trainer.model import build
     from trainer.zero import ZeroOptimizer
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.co2 import LinkEmulator, OuterConfig, OuterSync
 from trainer.comm import run_islands, run_threads
-from trainer.memory import outer_state_bytes
+from datapipe.plan.memory import outer_state_bytes
 from trainer.slices import FlatLayout
 from trainer.zero import ZeroOptimizer
 

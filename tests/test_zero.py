@@ -1,5 +1,5 @@
 """The sharded optimizer (trainer.zero) against torch.optim.AdamW on the whole model, its memory
-against trainer.memory's formula, and resharding of its state through DCP."""
+against datapipe.plan.memory's formula, and resharding of its state through DCP."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from _zero_worker import (
 )
 
 from trainer.comm import Done, free_port, run_threads, spawn
-from trainer.memory import model_state_bytes
+from datapipe.plan.memory import model_state_bytes
 from trainer.zero import ZeroOptimizer
 
 

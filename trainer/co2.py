@@ -376,6 +376,6 @@ class OuterSync:
         self._handle, self._averaged = None, True
 
     def memory_bytes(self) -> int:
-        """Outer-state bytes of this rank (compare `trainer.memory.outer_state_bytes`)."""
+        """Outer-state bytes of this rank (compare `datapipe.plan.memory.outer_state_bytes`)."""
         bufs = (self.anchor, self.momentum, self.d_prev, self.inflight)
         return sum(t.numel() * t.element_size() for t in bufs)

@@ -2,8 +2,8 @@
 
 A model's trainable parameters, in a fixed order, are laid end to end into one flat vector of
 `numel` elements. The vector is cut into `ranks` contiguous slices of padded length S
-(`trainer.memory.slice_length`: ceil(numel / ranks) rounded up to `align` elements, so every
-slice of every buffer starts on an aligned boundary); rank i owns [i*S, (i+1)*S) clipped to
+(`datapipe.plan.memory.slice_length`: ceil(numel / ranks) rounded up to `align` elements, so
+every slice of every buffer starts on an aligned boundary); rank i owns [i*S, (i+1)*S) clipped to
 `numel`, so the last slices may be shorter or empty. Flat buffers are allocated with the padded
 length ranks*S, so slices are equal chunks for collectives; the padding is never read.
 
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from trainer.memory import slice_bounds, slice_length
+from datapipe.plan.memory import slice_bounds, slice_length
 
 __all__ = ["Bucket", "FlatLayout", "Part", "checkpointable"]
 

@@ -58,7 +58,7 @@ import torch
 
 from trainer.attention import accum_dtype
 from trainer.comm import Communicator, Handle
-from trainer.memory import ModelStateBytes
+from datapipe.plan.memory import ModelStateBytes
 from trainer.slices import FlatLayout, checkpointable
 
 __all__ = ["ReduceStats", "ZeroOptimizer"]
@@ -432,7 +432,7 @@ class ZeroOptimizer:
                 t.copy_(torch.as_tensor(sd[k]).reshape(t.shape))
 
     def memory(self) -> ModelStateBytes:
-        """Bytes this rank holds (compare `trainer.memory.model_state_bytes`)."""
+        """Bytes this rank holds (compare `datapipe.plan.memory.model_state_bytes`)."""
         master = 0
         if self.separate_master:
             master = _nbytes(self._master_flat if self._master_flat is not None else self.master)

@@ -2,10 +2,10 @@
 
 One definition of how the flat parameter vector is cut into per-rank slices (`slice_length`,
 `slice_bounds`: `trainer.slices.FlatLayout` uses them), and of how many bytes a rank holds for
-weights, master weights, AdamW moments and gradient buffers under `zero = 0 | 1 | 2`
-(`model_state_bytes`), and for CO2's outer state (`outer_state_bytes`). The trainer's metrics
-report these figures; `mixlen plan` / `simulate` can use the same formula for model presets, so
-this module imports nothing heavier than the standard library.
+weights, master weights, AdamW moments and gradient buffers under `[parallel] zero = 0 | 1 | 2`
+(`model_state_bytes`), and for CO2's outer state (`outer_state_bytes`). The trainer's metrics,
+`mixlen plan` and `mixlen simulate` (`preset_memory`) report these figures, so this module imports
+nothing heavier than the standard library.
 
 What each level keeps, for P parameters on N ranks of an island, slice length S (P/N rounded up
 to the alignment), compute dtype c and accumulation dtype a (float64 for float64, else float32):
@@ -29,8 +29,10 @@ __all__ = [
     "DTYPE_BYTES",
     "ModelStateBytes",
     "accum_dtype_name",
+    "format_preset_memory",
     "model_state_bytes",
     "outer_state_bytes",
+    "preset_memory",
     "slice_bounds",
     "slice_length",
 ]
@@ -122,3 +124,32 @@ def outer_state_bytes(numel: int, ranks: int, compute: str = "bfloat16", align: 
     model)."""
     start, end = slice_bounds(numel, ranks, align, 0)
     return 4 * (end - start) * DTYPE_BYTES[accum_dtype_name(compute)]
+
+
+def preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> dict[str, dict[str, int]]:
+    """Model-state bytes per rank of the named shape (datapipe.shapes; a cost preset's
+    `name@device` suffix is ignored) on an island of `ranks` ranks, by ZeRO level ("zero0" is
+    the replicated optimizer); {} for a name that is not a model shape (a cost file)."""
+    from datapipe.shapes import MODEL_CONFIGS
+
+    shape = MODEL_CONFIGS.get(model.split("@")[0])
+    if shape is None:
+        return {}
+    n = shape.num_params()
+    return {f"zero{z}": model_state_bytes(n, ranks, z, compute).as_dict() for z in (0, 1, 2)}
+
+
+def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> str:
+    """One line per ZeRO level for `mixlen plan` / `simulate` ('' when `model` is no shape)."""
+    table = preset_memory(model, ranks, compute)
+    if not table:
+        return ""
+    name = model.split("@")[0]
+    lines = [f"model state per rank ({name}, {compute} compute, {ranks} ranks per island, GB):"]
+    for level, b in table.items():
+        lines.append(
+            f"  zero {level[-1]}: weights {b['weights'] / 1e9:.1f}  master {b['master'] / 1e9:.1f}"
+            f"  moments {b['moments'] / 1e9:.1f}  grads {b['grads'] / 1e9:.1f}"
+            f" (peak {b['grads_peak'] / 1e9:.1f})  total {b['total'] / 1e9:.1f}"
+        )
+    return "\n".join(lines)
