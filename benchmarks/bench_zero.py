@@ -31,9 +31,9 @@ GB = 1e9
 def memory_table() -> list[dict]:
     import torch
 
+    from datapipe.plan.memory import model_state_bytes
     from datapipe.shapes import get_config
     from trainer.comm import run_threads
-    from datapipe.plan.memory import model_state_bytes
     from trainer.model import build
     from trainer.zero import ZeroOptimizer
 

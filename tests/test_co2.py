@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from datapipe.plan.memory import outer_state_bytes
 from trainer.co2 import LinkEmulator, OuterConfig, OuterSync
 from trainer.comm import run_islands, run_threads
-from datapipe.plan.memory import outer_state_bytes
 from trainer.slices import FlatLayout
 from trainer.zero import ZeroOptimizer
 

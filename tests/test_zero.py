@@ -20,8 +20,8 @@ from _zero_worker import (
     run_zero,
 )
 
-from trainer.comm import Done, free_port, run_threads, spawn
 from datapipe.plan.memory import model_state_bytes
+from trainer.comm import Done, free_port, run_threads, spawn
 from trainer.zero import ZeroOptimizer
 
 

@@ -56,9 +56,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from datapipe.plan.memory import ModelStateBytes
 from trainer.attention import accum_dtype
 from trainer.comm import Communicator, Handle
-from datapipe.plan.memory import ModelStateBytes
 from trainer.slices import FlatLayout, checkpointable
 
 __all__ = ["ReduceStats", "ZeroOptimizer"]
