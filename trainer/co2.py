@@ -275,6 +275,16 @@ class OuterSync:
         self.pending = False
         return OuterStats(self.round, True, update_norm, penalty, clipped, wait_s)
 
+    @torch.no_grad()
+    def finish(self, x: torch.Tensor) -> OuterStats | None:
+        """At the end of training: end the current round early if it has local steps (its
+        delta is averaged and applied too), then `flush`; None if there was nothing to do."""
+        s = None
+        if self.local_steps:
+            self.local_steps = 0
+            s = self.boundary(x)
+        return self.flush(x) or s
+
     # -- pieces ------------------------------------------------------------------------------------
 
     def _launch(self) -> None:

@@ -13,9 +13,9 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
    sequence of collectives whatever order its hooks fire in; `finish_backward()` launches the rest
    (ranks without micro-batches launch everything there). Without hooks one reduce-scatter (zero 1)
    or all-reduce (zero 0) of the whole buffer runs instead.
-3. `step(scale)`: wait, scale by 1 / labelled positions, optionally all-reduce the slice across
-   islands (`sync`), clip by the global norm (squared slice norms, one 1-element all-reduce),
-   AdamW on the slice (AdamW is element-wise, so a flat slice steps exactly as
+3. `step(scale)` = `reduce(scale)`: wait, optionally all-reduce the slice across islands
+   (`sync`), scale by 1 / labelled positions, global norm (squared slice norms, one 1-element
+   all-reduce); then `apply(norm)`: clip by the global norm, AdamW on the slice (AdamW is element-wise, so a flat slice steps exactly as
    `torch.optim.AdamW` on the whole model: `self.optimizer` IS a torch AdamW over the slice, for the
    LR schedule), then all-gather the updated weights into every rank's compute-dtype parameters
    (by bucket, in forward order; `async_gather=True` leaves the wait to `wait_weights()`).
@@ -69,8 +69,15 @@ class ReduceStats(NamedTuple):
 
     buckets: int  # reductions issued (1 without hooks at zero 0/1: one collective)
     early: int  # of them, launched from hooks before the backward ended
-    wait_s: float  # time step() blocked waiting for them
+    wait_s: float  # time reduce() blocked waiting for them (the exposed communication)
     bytes: int  # gradient payload this rank contributed
+    span_s: float = 0.0  # first launch to the end of that wait
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the reduction's span that overlapped other work: 1 - wait / span (an upper
+        bound on the hidden share of the communication when the link idles between launches)."""
+        return 1.0 - self.wait_s / self.span_s if self.span_s > 0 else 0.0
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -184,6 +191,19 @@ class ZeroOptimizer:
         self.last_reduce = ReduceStats(0, 0, 0.0, 0)
         self.begin_step()
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, comm: Communicator, *, master: Any = None, **kwargs: Any
+    ) -> ZeroOptimizer:
+        """Over `model`'s trainable parameters in registration order (forward order for
+        trainer.model); `master`: a module of the same parameters in the accumulation dtype
+        holding the initial weights (bfloat16 compute; not needed afterwards)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        masters = None
+        if master is not None and master is not model:
+            masters = [p for p in master.parameters() if p.requires_grad]
+        return cls(params, comm, master_params=masters, **kwargs)
+
     # -- gradient accumulation ---------------------------------------------------------------------
 
     def install_hooks(self) -> None:
@@ -209,6 +229,7 @@ class ZeroOptimizer:
         self._handles: list[tuple[int, Handle]] = []
         self._polled = 0
         self._early = 0
+        self._t_first = 0.0
         self._last = False
         self._grad_peak = self._grad_bytes()
 
@@ -276,6 +297,8 @@ class ZeroOptimizer:
                 out = buf if b.owner == self.rank else buf[:0]
                 h = self.grad_comm.reduce_scatter(buf, out, sizes, async_op=True)
             assert h is not None
+            if not self._handles:
+                self._t_first = time.perf_counter()
             self._handles.append((b.index, h))
             self._next += 1
 
@@ -287,6 +310,7 @@ class ZeroOptimizer:
             a, b = self.layout.padded_slice(self.rank)
             h = self.grad_comm.reduce_scatter(self.grad_flat, self.grad_flat[a:b], async_op=True)
         assert h is not None
+        self._t_first = time.perf_counter()
         self._handles.append((-1, h))
         self._next = len(self.buckets)
 
@@ -311,21 +335,30 @@ class ZeroOptimizer:
 
     # -- the optimizer step ------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, scale: float = 1.0) -> float:
-        """Finish the reductions, scale the slice's gradient by `scale`, clip by the global norm,
-        step AdamW on the slice and all-gather the weights; returns the gradient's global norm
-        before clipping."""
+        """`reduce(scale)` then `apply(norm)`: one optimizer step after `finish_backward()`;
+        returns the gradient's global norm before clipping."""
+        norm = self.reduce(scale)
+        self.apply(norm)
+        return norm
+
+    @torch.no_grad()
+    def reduce(self, scale: float = 1.0) -> float:
+        """Finish the reductions, scale the slice's gradient by `scale` (summed across islands
+        first with `cross_comm`); returns the gradient's global norm (squared slice norms summed
+        over the island). The gradient is then in `grad` (this rank's slice) until `apply`."""
         if self._next < len(self.buckets):
-            raise RuntimeError("step() before finish_backward(): reductions not all launched")
+            raise RuntimeError("reduce() before finish_backward(): reductions not all launched")
         t0 = time.perf_counter()
         for b, h in self._handles:
             h.wait()
             self._tmp.pop(b, None)
+        t1 = time.perf_counter()
         esize = self.grad.element_size()
         payload = self.layout.numel if self.grad_flat is None else self.grad_flat.numel()
+        span = t1 - self._t_first if self._handles else 0.0
         self.last_reduce = ReduceStats(
-            len(self._handles), self._early, time.perf_counter() - t0, payload * esize
+            len(self._handles), self._early, t1 - t0, payload * esize, span
         )
         self._handles = []
         g = self.grad
@@ -336,9 +369,16 @@ class ZeroOptimizer:
         sq = torch.dot(g, g).reshape(1) if g.numel() else g.new_zeros(1)
         if self.level > 0 and self.comm.size > 1:
             self.comm.all_reduce(sq)
-        norm = float(sq.sqrt())
+        return float(sq.sqrt())
+
+    @torch.no_grad()
+    def apply(self, norm: float) -> None:
+        """Clip the reduced gradient to `grad_clip` by its global `norm` (torch's
+        clip_grad_norm_ rule), step AdamW on the slice, clear the gradient and all-gather the
+        weights (left in flight with `async_gather`)."""
+        g = self.grad
         if self.grad_clip > 0:
-            coef = self.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            coef = self.grad_clip / (norm + 1e-6)
             if coef < 1.0:
                 g.mul_(coef)
         self.master.grad = g
@@ -351,7 +391,34 @@ class ZeroOptimizer:
         self.gather_weights()
         if not self.async_gather:
             self.wait_weights()
-        return norm
+
+    @torch.no_grad()
+    def gather_master(self) -> torch.Tensor:
+        """The whole accumulation-dtype master weights on every rank: a copy (collective at
+        zero 1/2; for tests and debugging)."""
+        n = self.layout.numel
+        if self.level == 0:
+            base = self._master_flat if self._master_flat is not None else self.flat_params
+            return base[:n].clone()
+        flat = self.layout.new_flat(self.acc_dtype, self.master.device)
+        o0, o1 = self.own
+        flat[o0:o1].copy_(self.master)
+        self.comm.all_gather_into(flat)
+        return flat[:n]
+
+    @torch.no_grad()
+    def gather_grad(self) -> torch.Tensor:
+        """The whole reduced gradient (between `reduce` and `apply`), on every rank: a copy
+        (collective at zero 1/2; for tests and debugging)."""
+        n = self.layout.numel
+        if self.level == 0:
+            assert self.grad_flat is not None
+            return self.grad_flat[:n].clone()
+        flat = self.layout.new_flat(self.acc_dtype, self.grad.device)
+        o0, o1 = self.own
+        flat[o0:o1].copy_(self.grad)
+        self.comm.all_gather_into(flat)
+        return flat[:n]
 
     def gather_weights(self) -> None:
         """Copy the stepped master slice into the compute weights and all-gather them over the
