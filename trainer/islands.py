@@ -26,15 +26,16 @@ from torch import nn
 from trainer.co2 import LinkEmulator, OuterConfig, OuterStats, OuterSync
 from trainer.comm import Communicator
 from trainer.config import TrainerConfig
+from trainer.config_co2 import CO2Config
 from trainer.zero import ZeroOptimizer
 
 __all__ = ["CrossIsland", "ModelState", "build_optimizer", "cross_link"]
 
 
-def cross_link(cfg: TrainerConfig, cross: Communicator) -> Communicator:
+def cross_link(cfg: CO2Config, cross: Communicator) -> Communicator:
     """The cross-island communicator, behind the emulated link when `co2.link_gbps` > 0."""
-    if cfg.parallel.islands > 1 and cfg.co2.link_gbps > 0 and cross.size > 1:
-        return LinkEmulator(cross, cfg.co2.link_gbps)
+    if cfg.link_gbps > 0 and cross.size > 1:
+        return LinkEmulator(cross, cfg.link_gbps)
     return cross
 
 
@@ -69,12 +70,11 @@ class CrossIsland:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        c: CO2Config,
         zero: ZeroOptimizer,
         island: Communicator,
         cross: Communicator,
     ) -> None:
-        c = cfg.co2
         assert c.mode in ("co2", "diloco")
         self.settings = OuterConfig(
             tau=c.tau,
