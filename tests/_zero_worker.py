@@ -144,13 +144,15 @@ def assert_params_close(got: nn.Module, want: nn.Module, rtol: float = 1e-12) ->
 # --- gloo worker ---------------------------------------------------------------------------------
 
 
-def gloo_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def gloo_main(rank: int, world: int, port: int, out_dir: str, data_dir: str) -> None:
     """4 processes: the slice collectives against a plain sum; zero 1 with hooks on 4 ranks (two
     steps) against torch AdamW; a DCP save of its sharded state; resume on 2 ranks (zero 1, two
-    more steps) and on 1 rank (zero 0, one more step) against the reference run straight."""
+    more steps) and on 1 rank (zero 0, one more step) against the reference run straight; then
+    the executor at zero 0 / 1 / 2 (executor_levels) and the Trainer resumed on fewer ranks
+    (trainer_resume)."""
     from test_slices import SIZES, _check_chunk_results, _chunk_run
 
-    init_local_gloo(rank, world, port, timeout_s=60)
+    init_local_gloo(rank, world, port, timeout_s=90)
     torch.set_num_threads(1)
     try:
         comm = TorchComm()
@@ -198,5 +200,117 @@ def gloo_main(rank: int, world: int, port: int, out_dir: str) -> None:
             with open(os.path.join(out_dir, "ok.txt"), "w") as f:
                 f.write("ok\n")
         dist.barrier()
+        lines = executor_levels(comm, TorchComm(dist.new_group(list(range(world)))))
+        lines += trainer_resume(data_dir, out_dir)
+        if rank == 0:
+            with open(os.path.join(out_dir, "levels.txt"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# --- the executor at every level, and the Trainer resumed on fewer ranks ---------------------------
+
+EXEC_CLIP = 0.3  # below every step's gradient norm of the scenario: clipping acts
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def executor_levels(comm: Communicator, grad_comm: Communicator) -> list[str]:
+    """hdp plans with unequal micro-batch counts and rings at zero 0 / 1 / 2 (float64, clipping
+    active; zero 2 also without), and zero 1 in bfloat16: zero 1 and 2 equal zero 0 (1e-12 on
+    every step's reduced gradient, 1e-9 on the loss curve), and every run equals the
+    single-process reference (compare(): the executor's exactness bounds). Rank 0 asserts."""
+    from _train_worker import ZERO_LENGTHS, compare, run_policy
+
+    from trainer.comm import SoloComm
+
+    f64, out = torch.float64, []
+
+    def run(level: int, clip: float, dtype: torch.dtype = f64) -> dict:
+        return run_policy(comm, "hdp", dtype, zero=level, clip=clip, grad_comm=grad_comm,
+                          all_grads=dtype == f64, lengths=ZERO_LENGTHS)  # fmt: skip
+
+    levels = {z: run(z, EXEC_CLIP) for z in (0, 1, 2)}
+    unclipped = run(2, 0.0)
+    bf16 = run(1, 1.0, torch.bfloat16)
+    if comm.rank == 0:
+        single = {
+            clip: run_policy(SoloComm(), "single", f64, clip=clip, all_grads=True,
+                             lengths=ZERO_LENGTHS)
+            for clip in (EXEC_CLIP, 0.0)
+        }  # fmt: skip
+        assert all(n > EXEC_CLIP for n in single[EXEC_CLIP]["grad_norms"]), "clipping must act"
+        assert levels[0]["microbatches"] == [3, 3, 3, 2], levels[0]["microbatches"]
+        base = levels[0]
+        for z, got in levels.items():
+            compare(single[EXEC_CLIP], got, f64)
+            grad = max(_rel(a, b) for a, b in zip(got["grads"], base["grads"]))
+            loss = max(abs(a - b) / b for a, b in zip(got["losses"], base["losses"]))
+            assert grad <= 1e-12 and loss <= 1e-9, (z, grad, loss)
+            out.append(f"zero {z} clip: grads vs zero 0 {grad:.3e}, losses {loss:.3e}")
+        compare(single[0.0], unclipped, f64)
+        bf_ref = run_policy(SoloComm(), "single", torch.bfloat16, lengths=ZERO_LENGTHS)
+        compare(bf_ref, bf16, torch.bfloat16)
+        out.append(
+            f"zero 1 bf16 vs single: {float((bf16['grad'] - bf_ref['grad']).norm() / bf_ref['grad'].norm()):.3e}"
+        )
+    return out
+
+
+def _trained(cfg, rt) -> tuple[list[float], torch.Tensor]:
+    from trainer.trainer import Trainer
+
+    with Trainer(cfg, rt) as t:
+        summary = t.train()
+        t.zero.wait_weights()
+        return summary["losses"], t.zero.flat_params[: t.zero.layout.numel].clone()
+
+
+def trainer_resume(data_dir: str, out_dir: str) -> list[str]:
+    """The Trainer in float64 at zero 1 on 4 ranks (capacity 128): straight for 6 steps, and
+    stopped after 3; its checkpoint resumed on 2 ranks (zero 1, capacity 256) and on 1 rank
+    (zero 0, single policy, capacity 512): loss curves within 1e-9 and final weights within 1e-9
+    of the straight run (HDP plans of 4, 2 and 1 ranks compute the same step)."""
+    from _train_worker import train_config
+
+    from trainer.comm import SoloComm
+    from trainer.runtime import Runtime, setup_runtime
+
+    rank = dist.get_rank()
+    rt4 = setup_runtime("cpu")
+    f64 = {"dtype": "float64"}
+
+    def cfg(name: str, capacity: int, zero: int, **sections: dict):
+        parallel = {"capacity": capacity, "zero": zero, **sections.pop("parallel", {})}
+        return train_config(data_dir, os.path.join(out_dir, name), parallel=parallel, **sections)
+
+    straight, w4 = _trained(cfg("straight", 128, 1, train=f64), rt4)
+    first, _ = _trained(cfg("part", 128, 1, train={**f64, "stop_after": 3}), rt4)
+    step3 = os.path.join(out_dir, "part", "ckpt", "step-00000003")
+    pair, pair_grad, solo = (dist.new_group(g) for g in ([0, 1], [0, 1], [0]))
+    out = []
+    if rank < 2:
+        rt2 = Runtime(rank, 2, 0, torch.device("cpu"), TorchComm(pair), False,
+                      grad_comm=TorchComm(pair_grad))  # fmt: skip
+        resumed = cfg("on2", 256, 1, train=f64, checkpoint={"resume": step3})
+        second, w2 = _trained(resumed, rt2)
+        check = [("on 2 ranks", second, w2)]
+        if rank == 0:
+            rt1 = Runtime(0, 1, 0, torch.device("cpu"), SoloComm(), False,
+                          run_comm=TorchComm(solo))  # fmt: skip
+            alone = cfg("on1", 512, 0, train=f64, parallel={"policy": "single"},
+                        checkpoint={"resume": step3})  # fmt: skip
+            third, w1 = _trained(alone, rt1)
+            check.append(("on 1 rank", third, w1))
+        for name, losses, w in check:
+            assert first == straight[:3]
+            err = max(abs(a - b) / b for a, b in zip(losses, straight[3:]))
+            werr = _rel(w, w4)
+            assert len(losses) == 3 and err <= 1e-9 and werr <= 1e-9, (name, err, werr)
+            out.append(f"resume {name}: losses {err:.3e}, weights {werr:.3e}")
+    dist.barrier()
+    return out

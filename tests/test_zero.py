@@ -304,11 +304,40 @@ def test_load_refuses_other_keys():
         zero.load_state_dict({"exp_avg": torch.zeros(3)})
 
 
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    from _train_worker import make_dataset
+
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(170)
-def test_gloo_collectives_zero_and_resharded_resume(tmp_path):
+@pytest.mark.timeout(400)
+def test_gloo_collectives_zero_and_resharded_resume(tmp_path, dataset):
     """4 gloo processes: slice collectives (sync and async, equal/uneven/empty chunks, per-chunk
-    and gloo's own reduce-scatter/all-gather) against a plain sum; zero 1 with hooks against torch AdamW; a real DCP save on 4 ranks resumed on 2
-    (zero 1) and on 1 (zero 0) equal to the uninterrupted reference."""
-    spawn(gloo_main, 4, (4, free_port(), str(tmp_path)), timeout=160)
+    and gloo's own reduce-scatter/all-gather) against a plain sum; zero 1 with hooks against
+    torch AdamW; a real DCP save on 4 ranks resumed on 2 (zero 1) and on 1 (zero 0) equal to the
+    uninterrupted reference. Then the executor on hdp plans with unequal micro-batch counts and
+    rings: zero 1 and 2 equal zero 0 and the single-process reference (float64, clipping active;
+    bfloat16 within the bound); the Trainer at zero 1 on 4 ranks resumed on 2 and on 1 (zero 0)
+    equals the straight run; its metrics report the formula's bytes."""
+    import json
+
+    from datapipe.shapes import get_config
+
+    spawn(gloo_main, 4, (4, free_port(), str(tmp_path), dataset), timeout=390)
     assert (tmp_path / "ok.txt").read_text() == "ok\n"
+    lines = (tmp_path / "levels.txt").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == [
+        "zero 0 clip", "zero 1 clip", "zero 2 clip", "zero 1 bf16 vs single",
+        "resume on 2 ranks", "resume on 1 rank",
+    ]  # fmt: skip
+    numel = get_config("debug", dim=32, ffn_dim=64).num_params()
+    want = model_state_bytes(numel, 4, 1, "float64")
+    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    assert len(recs) == 6
+    for r in recs:
+        got = (r["mem_weights_bytes"], r["mem_master_bytes"], r["mem_moments_bytes"],
+               r["mem_grads_bytes"], r["mem_grads_peak_bytes"])  # fmt: skip
+        assert got == (want.weights, want.master, want.moments, want.grads, want.grads_peak)
+        assert 0.0 <= r["grad_comm_hidden"] <= 1.0 and r["grad_comm_wait_s"] >= 0

@@ -49,6 +49,8 @@ def step_record(
         "ring_wait_s_per_rank": res.ring_wait_s,
         "ring_bytes_per_rank": res.p2p_bytes,
         "allreduce_bytes": res.reduce_bytes,
+        "grad_comm_wait_s": res.grad_wait_s,
+        "grad_comm_hidden": res.grad_hidden,
         "microbatches_per_rank": res.microbatches,
         "imbalance_measured": imbalance(res.compute_s),
         "imbalance_planned": imbalance(planned),
