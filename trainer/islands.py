@@ -100,6 +100,8 @@ class CrossIsland:
     def after_step(self) -> dict[str, Any]:
         """Count a local step; at a round's end average, apply and start the next round from the
         new anchor. Returns the step's metrics."""
+        if self.outer.local_steps + 1 >= self.settings.tau:
+            self.zero.wait_weights()  # the boundary rewrites the slice the gather still sends
         s = self.outer.after_step(self.zero.outer_slice())
         if s is not None:
             self.zero.publish_outer_slice()
@@ -108,6 +110,7 @@ class CrossIsland:
     def finish(self) -> dict[str, Any]:
         """After the last step: end the current round if it has local steps, apply every average
         still pending, and leave every island at the final anchor."""
+        self.zero.wait_weights()
         s = self.outer.finish(self.zero.outer_slice())
         if s is not None:
             self.zero.publish_outer_slice()
