@@ -142,6 +142,15 @@ def test_resume_may_change_how_but_not_what():
                                                                   "co2.tau=3"]))) == []  # fmt: skip
 
 
+def test_example_configs_load():
+    """configs/*.toml are valid configs; co2.toml describes 2 islands of 2 ranks."""
+    for name in ("debug", "demo", "co2"):
+        cfg = load_config(os.path.join(ROOT, "configs", f"{name}.toml"))
+        assert cfg.data.path == ".demo/stdlib"
+    co2 = load_config(os.path.join(ROOT, "configs", "co2.toml"))
+    assert (co2.parallel.islands, co2.parallel.ranks_per_island(4), co2.co2.mode) == (2, 2, "co2")
+
+
 def test_config_needs_data_path():
     with pytest.raises(ConfigError, match="data.path"):
         from_dict({})
