@@ -47,6 +47,14 @@ SWEEP = [
     {"tau": 8, "outer_lr": 0.7, "outer_momentum": 0.5, "clip_value": 0.01},
     {"tau": 4, "outer_lr": 0.7, "outer_momentum": 0.5},
     {"tau": 16, "outer_lr": 0.7, "outer_momentum": 0.5},
+    # momentum hurts a one-round-stale update over so few rounds: without it
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "clip_value": 0.01},
+    {"tau": 8, "outer_lr": 0.8, "outer_momentum": 0.0},
+    {"tau": 8, "outer_lr": 1.2, "outer_momentum": 0.0},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.2},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "staleness_lambda": 0.0, "clip": "none"},
+    {"tau": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+    {"tau": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "clip_value": 0.01},
 ]
 
 
@@ -169,7 +177,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="optimizer steps per run (the budget)")
     ap.add_argument("--batch", type=int, default=2048, help="global batch tokens per island")
     ap.add_argument(
-        "--sweep", action="store_true", help="only the no-link runs and the defaults sweep"
+        "--sweep",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="I,J,..",
+        help="only the no-link runs and the defaults sweep (all settings, or these indices)",
     )
     ap.add_argument("--ablation-tau", type=int, default=16)
     args = ap.parse_args()
@@ -188,14 +201,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # 1. no link: compute per step, loss after the budget (or the defaults sweep)
         runs = [config(args, tmp, m, {"mode": m}) for m in taus]
+        picked = []
         if args.sweep:
-            runs += [config(args, tmp, f"sweep{i}", s) for i, s in enumerate(SWEEP)]
+            all_ = args.sweep == "all"
+            picked = list(range(len(SWEEP))) if all_ else [int(i) for i in args.sweep.split(",")]
+            runs += [config(args, tmp, f"sweep{i}", SWEEP[i]) for i in picked]
         got = run_all(runs)
         nolink = {m: summarize(got[m], taus[m]) for m in taus}
         result["nolink"] = nolink
         if args.sweep:
             result["sweep"] = [
-                {**s, **summarize(got[f"sweep{i}"], s["tau"])} for i, s in enumerate(SWEEP)
+                {"index": i, **SWEEP[i], **summarize(got[f"sweep{i}"], SWEEP[i]["tau"])}
+                for i in picked
             ]
             report(args, numel, result)
             return
@@ -239,13 +256,14 @@ def report(args: argparse.Namespace, numel: int, result: dict) -> None:
             f"({lo:.2f}/{med:.2f}/{hi:.2f})  val {s['val_loss']:.4f}  "
             f"train(last 8) {s['train_loss_last8']:.4f}"
         )
-    for i, s in enumerate(result.get("sweep", [])):
-        if i == 0:
+    for k, s in enumerate(result.get("sweep", [])):
+        i = s["index"]
+        if k == 0:
             print("\nsweep (co2, no link; other settings the defaults) -> held-out loss")
         clipped = statistics.median(s["clipped"]) if s["clipped"] else 0.0
         penalty = max(s["penalty"], default=1.0)
         print(
-            f"  {json.dumps(SWEEP[i]):78} val {s['val_loss']:.4f}  train(last 8) "
+            f"  {i:2} {json.dumps(SWEEP[i]):78} val {s['val_loss']:.4f}  train(last 8) "
             f"{s['train_loss_last8']:.4f}  clipped {clipped:.3f}  penalty <= {penalty:.2f}"
         )
     if linked:
