@@ -130,6 +130,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
+def _short_write_cause(tmp: str, exc: BaseException) -> OSError | None:
+    """The OS error behind a short write that torch's zip writer reports only as a position
+    mismatch ("unexpected pos": a full disk or a file size limit): appending one byte to the
+    files written so far (temporary, removed anyway) raises it again."""
+    if "unexpected pos" not in str(exc) and "unexpected pos" not in _describe(exc):
+        return None
+    for name in sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []:
+        try:
+            with open(os.path.join(tmp, name), "ab") as f:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as cause:
+            return cause
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_dcp() -> Iterator[None]:
     """DCP warns when one process runs without a process group: intended here."""
@@ -187,7 +204,7 @@ def save_checkpoint(
         with _quiet_dcp():
             dcp.save(state.state_dict(), checkpoint_id=tmp, process_group=group)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported below
-        err = exc
+        err = _short_write_cause(tmp, exc) or exc
     stop_if_failed(err, shared=True)
     # this rank's generators, rank 0 the run's state
     try:
