@@ -67,7 +67,7 @@ def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config) -> dict:
     )  # fmt: skip
     ex = HDPExecutor(model, zero, comm, cross_comm=sync)
     rounds = CrossIsland(co2, zero, comm, cross) if mode != "sync" else None
-    losses, records = [], []
+    losses, records, waits = [], [], []
     for s in range(STEPS):
         ids = batches[s * ISLANDS + cross.rank]
         plan = make_plan("hdp", fetcher.lengths[ids], ids, comm.size)
@@ -76,13 +76,15 @@ def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config) -> dict:
         res = ex.accumulate(plan, fetched, s)
         ex.update(res)
         losses.append(res.loss)
+        waits.append(res.cross_wait_s)
         if rounds is not None:
             records.append(rounds.after_step())
     if rounds is not None:
         rounds.finish()
     zero.wait_weights()
     return {"losses": losses, "weights": zero.flat_params[: zero.layout.numel].clone(),
-            "records": records, "groups": sorted({int(k) for k in plan.group_sizes})}  # fmt: skip
+            "records": records, "groups": sorted({int(k) for k in plan.group_sizes}),
+            "cross_wait_s": waits}  # fmt: skip
 
 
 # --- plain references (rank 0) ---------------------------------------------------------------------

@@ -64,8 +64,11 @@ def test_modes_equal_plain_references_threads(name):
     w = want["weights"]
     err = float((out[0]["weights"] - w).abs().max() / w.abs().max())
     check(name, losses, err, want)
-    if mode == "sync":
+    if mode == "sync":  # the same loss everywhere; every step waits on the cross-island sums
         assert losses[0] == losses[1]
+        assert all(t > 0 for t in out[0]["cross_wait_s"])
+    else:
+        assert all(t == 0 for t in out[0]["cross_wait_s"])
     if name == "co2":  # the first boundary applies nothing; clipping and the penalty act
         recs = [r for r in out[0]["records"] if "co2_applied" in r]
         assert [r["co2_applied"] for r in recs] == [False, True, True]

@@ -66,6 +66,7 @@ class StepResult:
     reduce_bytes: int = 0  # this rank's gradient payload plus the statistics all-reduce
     grad_wait_s: float = 0.0  # this rank: blocked on the gradient reduction after the backward
     grad_hidden: float = 0.0  # this rank: share of the reduction's span hidden behind work
+    cross_wait_s: float = 0.0  # sync mode, this rank: in the cross-island all-reduces
     # per rank, with an activation manager (offload or checkpointing; else empty): bytes moved to
     # host, and the accounted peak of saved-activation bytes on the device (trainer.offload)
     offload_bytes: list[int] = field(default_factory=list)
@@ -114,6 +115,7 @@ class HDPExecutor:
         self.activations = activations
         self.act_stats: list[MicrobatchStats] = []  # this rank's micro-batches of the last step
         self.plan_offload: PlanOffload | None = None  # every rank's, of the last checked plan
+        self._cross_s = 0.0  # the last step's cross-island statistics all-reduce (sync mode)
 
     @property
     def rank(self) -> int:
@@ -253,6 +255,7 @@ class HDPExecutor:
             reduce_bytes=red.bytes + (len(stats) + 2) * 8,
             grad_wait_s=red.wait_s,
             grad_hidden=red.hidden_fraction,
+            cross_wait_s=self._cross_s + red.cross_s,
             offload_bytes=[int(x) for x in stats[1 + 4 * size : 1 + 5 * size]] if managed else [],
             act_peak_bytes=[int(x) for x in stats[1 + 5 * size :]] if managed else [],
         )
@@ -274,9 +277,12 @@ class HDPExecutor:
         buf[1 + 5 * size + r] = max((s.peak_bytes for s in self.act_stats), default=0)
         self.comm.all_reduce(buf)
         n_labels = labelled_positions(plan.lengths)
+        self._cross_s = 0.0
         if self.cross_comm is not None:
             total = torch.stack([buf[0], buf.new_tensor(float(n_labels))])
+            t0 = time.perf_counter()
             self.cross_comm.all_reduce(total)
+            self._cross_s = time.perf_counter() - t0
             buf[0] = total[0]
             n_labels = int(round(float(total[1])))
         return buf.tolist(), n_labels

@@ -51,6 +51,7 @@ def step_record(
         "allreduce_bytes": res.reduce_bytes,
         "grad_comm_wait_s": res.grad_wait_s,
         "grad_comm_hidden": res.grad_hidden,
+        "cross_wait_s": res.cross_wait_s,
         "microbatches_per_rank": res.microbatches,
         "imbalance_measured": imbalance(res.compute_s),
         "imbalance_planned": imbalance(planned),

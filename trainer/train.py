@@ -29,9 +29,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     n = cfg.parallel.ranks_per_island(world)  # the plan is an island's
     with ExitStack() as stack:
         vocab = cfg.model.shape().vocab_size
-        data = TrainData(
-            cfg, 0, n, vocab, stack, validation=False, islands=cfg.parallel.islands
-        )
+        data = TrainData(cfg, 0, n, vocab, stack, validation=False, islands=cfg.parallel.islands)
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
             check_run_matches(paths[0], cfg, data.stream)

@@ -72,6 +72,7 @@ class ReduceStats(NamedTuple):
     wait_s: float  # time reduce() blocked waiting for them (the exposed communication)
     bytes: int  # gradient payload this rank contributed
     span_s: float = 0.0  # first launch to the end of that wait
+    cross_s: float = 0.0  # sync mode: the cross-island all-reduce of the slice
 
     @property
     def hidden_fraction(self) -> float:
@@ -357,13 +358,15 @@ class ZeroOptimizer:
         esize = self.grad.element_size()
         payload = self.layout.numel if self.grad_flat is None else self.grad_flat.numel()
         span = t1 - self._t_first if self._handles else 0.0
-        self.last_reduce = ReduceStats(
-            len(self._handles), self._early, t1 - t0, payload * esize, span
-        )
-        self._handles = []
+        launched, self._handles = len(self._handles), []
         g = self.grad
+        cross_s = 0.0
         if self.cross_comm is not None and self.cross_comm.size > 1 and g.numel():
             self.cross_comm.all_reduce(g)
+            cross_s = time.perf_counter() - t1
+        self.last_reduce = ReduceStats(
+            launched, self._early, t1 - t0, payload * esize, span, cross_s
+        )
         if scale != 1.0:
             g.mul_(scale)
         sq = torch.dot(g, g).reshape(1) if g.numel() else g.new_zeros(1)
