@@ -18,6 +18,7 @@ Every run trains the same token budget (--steps steps of --batch tokens per isla
    tau, at 1x.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_co2.py [--steps 48] [--sweep]
+        [--methods co2 --factors 0.8,1,1.25 --ablation-tau 0]   # around 1x, co2 only
 
 Prints tables and writes benchmarks/out/bench_co2.json.
 """
@@ -193,7 +194,9 @@ def main() -> None:
         metavar="I,J,..",
         help="only the no-link runs and the defaults sweep (all settings, or these indices)",
     )
-    ap.add_argument("--ablation-tau", type=int, default=16)
+    ap.add_argument("--ablation-tau", type=int, default=16, help="0: no ablation runs")
+    ap.add_argument("--methods", default="sync,diloco,co2")
+    ap.add_argument("--factors", default=",".join(str(f) for f in FACTORS))
     args = ap.parse_args()
     args.data = ensure_data(args.data)
 
@@ -206,7 +209,8 @@ def main() -> None:
     numel = get_config("debug", n_layers=4).num_params()
     payload = slice_length(numel, RANKS, 64) * 4  # bytes of one rank's float32 slice
     result: dict = {"args": vars(args), "defaults": vars(default), "payload_bytes": payload}
-    taus = {"sync": 1, "diloco": tau, "co2": tau}
+    taus = {m: 1 if m == "sync" else tau for m in args.methods.split(",")}
+    factors = [float(f) for f in args.factors.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         # 1. no link: compute per step, loss after the budget (or the defaults sweep)
         runs = [config(args, tmp, m, {"mode": m}) for m in taus]
@@ -227,15 +231,16 @@ def main() -> None:
             return
         # 2. emulated links: one round's communication = factor x its compute; 3. the ablation
         runs, comm = [], {}
-        for f in FACTORS:
+        for f in factors:
             for m in taus:
                 comm[f"{m}@{f}"] = (f * taus[m] * nolink[m]["step_s"], m, taus[m], {"mode": m})
         big = args.ablation_tau
-        comm["co2-big-tau@1.0"] = (big * nolink["co2"]["step_s"], "co2", big, {"tau": big})
-        comm["co2-big-tau-plain@1.0"] = (
-            big * nolink["co2"]["step_s"], "co2", big,
-            {"tau": big, "staleness_lambda": 0.0, "clip": "none"},
-        )  # fmt: skip
+        if big and "co2" in taus:
+            comm["co2-big-tau@1.0"] = (big * nolink["co2"]["step_s"], "co2", big, {"tau": big})
+            comm["co2-big-tau-plain@1.0"] = (
+                big * nolink["co2"]["step_s"], "co2", big,
+                {"tau": big, "staleness_lambda": 0.0, "clip": "none"},
+            )  # fmt: skip
         for name, (comm_s, _, _, co2) in comm.items():
             runs.append(config(args, tmp, name, {**co2, "link_gbps": payload * 8 / comm_s / 1e9}))
         got = run_all(runs)

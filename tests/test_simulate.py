@@ -263,7 +263,8 @@ def _state_bytes_by_hand(model: str, n: int) -> dict:
     from datapipe.shapes import get_config
 
     p = get_config(model).num_params()
-    s = -(-(-(-p // n)) // 64) * 64
+    per = (p + n - 1) // n  # ceil(P / n)
+    s = (per + 63) // 64 * 64
     full = {"weights": 2 * n * s, "grads": 4 * n * s, "grads_peak": 4 * n * s}
     rows = {
         "zero0": {**full, "master": 4 * n * s, "moments": 8 * p},
