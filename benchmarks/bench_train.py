@@ -47,10 +47,11 @@ def _executor(comm, lr: float = 1e-3):
 
     from trainer.executor import HDPExecutor, build_model
     from trainer.model import get_config
+    from trainer.zero import ZeroOptimizer
 
     model, master = build_model(get_config("debug"), torch.float32, seed=0)
-    opt = torch.optim.AdamW(master.parameters(), lr=lr)
-    return HDPExecutor(model, opt, comm, master=master, grad_clip=1.0)
+    opt = ZeroOptimizer.for_model(model, comm, master=master, level=0, lr=lr, grad_clip=1.0)
+    return HDPExecutor(model, opt, comm)
 
 
 def _policies_main(rank: int, world: int, port: int, job: dict) -> None:

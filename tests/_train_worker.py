@@ -25,6 +25,7 @@ from trainer.executor import HDPExecutor
 from trainer.model import build_model, get_config
 from trainer.offload import ActivationPolicy
 from trainer.offload_plan import HostNeed
+from trainer.zero import ZeroOptimizer
 
 CAPACITY = 64
 WORLD = 4
@@ -33,6 +34,8 @@ WORLD = 4
 # static 4), so uneven zigzag chunks (the first S mod 2k one token longer) are exercised.
 LENGTHS = [155, 103, 20, 17, 30, 9, 25, 12, 5, 40, 3]
 STEPS = 5
+# ranks run 3, 3, 3 and 2 micro-batches of these on 4 ranks (rings of 3 and 2 beside local work)
+ZERO_LENGTHS = [150, 100, 60, 58, 50, 20, 17, 30, 9, 25, 12, 5, 40, 3]
 # bfloat16 (compute) vs the bfloat16 single-process run: relative error of the gradient in norm.
 # Measured ~2-4e-3 on these batches (different sum orders of bf16 partial results); bound 2e-2.
 BF16_GRAD_RTOL = 2e-2
@@ -63,16 +66,19 @@ TRAIN = {
 MODEL_SEED = 1
 
 
-def scenario_data(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Token arrays of STEPS batches of LENGTHS (shuffled per step) and each step's sample ids."""
+def scenario_data(
+    seed: int = 0, lengths: list[int] = LENGTHS
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Token arrays of STEPS batches of `lengths` (shuffled per step) and each step's sample
+    ids."""
     rng = np.random.default_rng(seed)
     tokens: list[np.ndarray] = []
     batches = []
     for _ in range(STEPS):
-        order = rng.permutation(len(LENGTHS))
-        ids = np.arange(len(tokens), len(tokens) + len(LENGTHS), dtype=np.int64)[order]
+        order = rng.permutation(len(lengths))
+        ids = np.arange(len(tokens), len(tokens) + len(lengths), dtype=np.int64)[order]
         batches.append(ids)
-        tokens += [rng.integers(0, TOKEN_IDS, size=n) for n in LENGTHS]
+        tokens += [rng.integers(0, TOKEN_IDS, size=n) for n in lengths]
     return tokens, batches
 
 
@@ -92,45 +98,62 @@ def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int):
     )
 
 
-def _flat(params, attr: str | None = None) -> torch.Tensor:
-    return torch.cat(
-        [(getattr(p, attr) if attr else p).detach().reshape(-1).double() for p in params]
-    )
-
-
-def run_policy(comm: Communicator, policy: str, dtype: torch.dtype, steps: int = STEPS) -> dict:
-    """Train `steps` steps through the executor, with the optimizer and schedule built as
-    trainer.trainer.Trainer builds them from TRAIN. Returns the first step's reduced gradient
-    (flat, float64), the loss curve, the pre-clip gradient norms, each step's learning rate, the
-    final weights (flat, float64) and the group sizes each plan used."""
+def optimizer(model, master, comm: Communicator, **kwargs) -> tuple:
+    """The island's optimizer and LR schedule as trainer.trainer.Trainer builds them from TRAIN
+    (`kwargs` override ZeroOptimizer's arguments, e.g. `level`)."""
     from trainer.config import from_dict
     from trainer.trainer import lr_lambda
 
     cfg = from_dict({"data": {"path": "unused"}, "train": TRAIN})
     t = cfg.train
-    tokens, batches = scenario_data()
+    args = {"lr": t.lr, "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay,
+            "grad_clip": t.grad_clip, **kwargs}  # fmt: skip
+    opt = ZeroOptimizer.for_model(model, comm, master=master, **args)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(cfg))
+
+
+def run_policy(
+    comm: Communicator,
+    policy: str,
+    dtype: torch.dtype,
+    steps: int = STEPS,
+    zero: int = 0,
+    clip: float | None = None,
+    grad_comm: Communicator | None = None,
+    all_grads: bool = False,
+    lengths: list[int] = LENGTHS,
+) -> dict:
+    """Train `steps` steps through the executor at ZeRO level `zero`, with the optimizer and
+    schedule built as trainer.trainer.Trainer builds them from TRAIN (`clip` replaces its
+    grad_clip). Returns the first step's reduced gradient (flat, float64; every step's in "grads"
+    with `all_grads`), the loss curve, the pre-clip gradient norms, each step's learning rate, the
+    final master weights (flat, float64), the group sizes each plan used and the first step's
+    micro-batch counts."""
+    tokens, batches = scenario_data(lengths=lengths)
     fetcher = MemoryFetcher(tokens)
     model, master = build_model(model_config(), dtype, "cpu", seed=MODEL_SEED)
-    opt = torch.optim.AdamW(
-        master.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    ex = HDPExecutor(model, opt, comm, master=master, scheduler=sched, grad_clip=t.grad_clip)
-    out: dict = {"losses": [], "grad_norms": [], "lrs": [], "group_sizes": []}
+    kw = {} if clip is None else {"grad_clip": clip}
+    opt, sched = optimizer(model, master, comm, level=zero, grad_comm=grad_comm, **kw)
+    ex = HDPExecutor(model, opt, comm, scheduler=sched)
+    out: dict = {"losses": [], "grad_norms": [], "lrs": [], "group_sizes": [], "grads": []}
     for step in range(steps):
         ids = batches[step]
         plan = make_plan(policy, fetcher.lengths[ids], ids, comm.size)
         out["group_sizes"].append(sorted({int(k) for k in plan.group_sizes}))
         mine = plan.microbatches(comm.rank)
         fetched = fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in mine])
-        out["lrs"].append(opt.param_groups[0]["lr"])
+        out["lrs"].append(opt.optimizer.param_groups[0]["lr"])
         res = ex.accumulate(plan, fetched, step)
-        if step == 0:
-            out["grad"] = _flat(master.parameters(), "grad")
+        if step == 0 or all_grads:
+            grad = opt.gather_grad().double()
+            out.setdefault("grad", grad)
+            if all_grads:
+                out["grads"].append(grad)
+        out.setdefault("microbatches", res.microbatches)
         ex.update(res)
         out["losses"].append(res.loss)
         out["grad_norms"].append(res.grad_norm)
-    out["weights"] = _flat(master.parameters())
+    out["weights"] = opt.gather_master().double()
     return out
 
 
@@ -213,19 +236,11 @@ def run_offload(
     plans made with offload if `planned`. Returns the first step's gradient, the loss curve, the
     final weights, each step's StepResult and plan, and this rank's micro-batch stats beside the
     plan's host bytes for them."""
-    from trainer.config import from_dict
-    from trainer.trainer import lr_lambda
-
-    cfg = from_dict({"data": {"path": "unused"}, "train": TRAIN})
-    t = cfg.train
     tokens, batches = scenario_data()
     fetcher = MemoryFetcher(tokens)
     shape = offload_model_config()
     model, master = build_model(shape, torch.float64, "cpu", seed=MODEL_SEED)
-    opt = torch.optim.AdamW(
-        master.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt, sched = optimizer(model, master, comm)
     acts = None
     if managed:
         settings = OffloadConfig(
@@ -236,9 +251,7 @@ def run_offload(
         )
         pol = ActivationPolicy(checkpoint, settings)
         acts = pol.build("cpu", HostNeed.of(shape, 8, pol.checkpointed(shape.n_layers)))
-    ex = HDPExecutor(
-        model, opt, comm, master=master, scheduler=sched, grad_clip=t.grad_clip, activations=acts
-    )
+    ex = HDPExecutor(model, opt, comm, scheduler=sched, activations=acts)
     out: dict = {"losses": [], "results": [], "mbs": [], "plans": []}
     for step in range(steps):
         ids = batches[step]
@@ -248,7 +261,7 @@ def run_offload(
         fetched = fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in mine])
         res = ex.accumulate(plan, fetched, step)
         if step == 0:
-            out["grad"] = _flat(master.parameters(), "grad")
+            out["grad"] = opt.gather_grad().double()
         ex.update(res)
         out["losses"].append(res.loss)
         out["results"].append(res)
@@ -263,7 +276,7 @@ def run_offload(
                 ]
             )
             assert acts.store_bytes == 0 and acts.pool.live_bytes == 0  # emptied every backward
-    out["weights"] = _flat(master.parameters())
+    out["weights"] = opt.gather_master().double()
     return out
 
 

@@ -22,6 +22,7 @@ from datapipe.plan.zigzag import member_ranges
 from trainer.comm import SoloComm, run_threads
 from trainer.executor import HDPExecutor, labelled_positions
 from trainer.model import build_model
+from trainer.zero import ZeroOptimizer
 
 F64 = torch.float64
 
@@ -48,12 +49,11 @@ def test_idle_ranks_and_tiny_samples():
         ids = np.arange(3)
         policy = "single" if comm.size == 1 else "hdp"
         plan = make_plan(policy, fetcher.lengths, ids, comm.size)
-        model, master = build_model(model_config(), F64, seed=3)
-        opt = torch.optim.SGD(master.parameters(), lr=0.0)
-        ex = HDPExecutor(model, opt, comm)
+        model, _ = build_model(model_config(), F64, seed=3)
+        ex = HDPExecutor(model, ZeroOptimizer.for_model(model, comm, level=1), comm)
         mine = plan.microbatches(comm.rank)
         res = ex.accumulate(plan, fetcher.fetch_step([np.array(m.pieces) for m in mine]), 0)
-        return res, torch.cat([p.grad.reshape(-1) for p in master.parameters()])
+        return res, ex.zero.gather_grad()
 
     ((ref, g_ref),) = run_threads(1, run)
     out = run_threads(4, run)
@@ -66,8 +66,8 @@ def test_idle_ranks_and_tiny_samples():
 def test_offload_plan_refused_without_offload_enabled():
     plan = make_plan("hdp", np.array([150, 20]), np.arange(2), 4)
     plan = dataclasses.replace(plan, mb_offload=np.where(plan.group_sizes > 1, 0.5, 0.0))
-    model, master = build_model(model_config(), F64)
-    ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), SoloComm())
+    model, _ = build_model(model_config(), F64)
+    ex = HDPExecutor(model, ZeroOptimizer.for_model(model, SoloComm()), SoloComm())
     ex.comm.size = 4  # the refusal comes before any communication
     with pytest.raises(MixlenError, match="step 7: .*offload.enabled = false"):
         ex.check_plan(plan, 7)
@@ -77,8 +77,8 @@ def test_plan_disagreement_stops_every_rank():
     def run(comm):
         lengths = np.array([150, 100, 20] if comm.rank != 2 else [150, 100, 21])
         plan = make_plan("hdp", lengths, np.arange(3), comm.size)
-        model, master = build_model(model_config(), F64)
-        ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), comm)
+        model, _ = build_model(model_config(), F64)
+        ex = HDPExecutor(model, ZeroOptimizer.for_model(model, comm), comm)
         try:
             ex.check_plan(plan, 5)
         except MixlenError as exc:
@@ -97,8 +97,8 @@ def test_ring_bytes_counted():
 
     def run(comm):
         plan = make_plan("hdp", fetcher.lengths, np.arange(3), comm.size)
-        model, master = build_model(cfg, F64)
-        ex = HDPExecutor(model, torch.optim.SGD(master.parameters(), lr=0.1), comm)
+        model, _ = build_model(cfg, F64)
+        ex = HDPExecutor(model, ZeroOptimizer.for_model(model, comm), comm)
         mine = plan.microbatches(comm.rank)
         res = ex.accumulate(plan, fetcher.fetch_step([np.array(m.pieces) for m in mine]), 0)
         return res.rank_p2p_bytes, [(m.group, m.group_index, m.group_pieces) for m in mine]

@@ -80,12 +80,14 @@ def test_checkpoint_files_and_rng_per_rank(dataset, tmp_path) -> None:
     seed_all(4321)
     c = cfg(dataset, run)
     from trainer.comm import SoloComm
+    from trainer.islands import ModelState
     from trainer.model import build_model, torch_dtype
+    from trainer.zero import ZeroOptimizer
 
     model, master = build_model(c.model.shape(), torch_dtype(c.train.dtype), "cpu", seed=5)
-    opt = torch.optim.AdamW(master.parameters(), lr=1.0)
+    state = ModelState(model, ZeroOptimizer.for_model(model, SoloComm(), master=master, level=0))
     ckpt.load_checkpoint(
-        str(run / "ckpt" / "step-00000002"), master, opt, None, SoloComm(), torch.device("cpu")
+        str(run / "ckpt" / "step-00000002"), state, None, SoloComm(), torch.device("cpu")
     )
     got = (torch.rand(6), np.random.rand(6), [random.random() for _ in range(6)])
     assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]

@@ -50,15 +50,16 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     from trainer.checkpoint import load_checkpoint
     from trainer.comm import SoloComm
     from trainer.config import from_dict
+    from trainer.islands import ModelState
     from trainer.model import build_model, torch_dtype
+    from trainer.zero import ZeroOptimizer
 
     cfg = from_dict(json.loads((path / "run.json").read_text())["config"])
     model, master = build_model(cfg.model.shape(), torch_dtype(cfg.train.dtype), "cpu", seed=123)
-    opt = torch.optim.AdamW(master.parameters(), lr=1.0)
-    load_checkpoint(str(path), master, opt, None, SoloComm(), torch.device("cpu"))
-    out = {f"model.{k}": v for k, v in master.state_dict().items()}
-    for i, st in opt.state_dict()["state"].items():
-        out.update({f"optim.{i}.{k}": v for k, v in st.items()})
+    zero = ZeroOptimizer.for_model(model, SoloComm(), master=master, level=0)
+    load_checkpoint(str(path), ModelState(model, zero), None, SoloComm(), torch.device("cpu"))
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    out.update({f"optim.{k}": v for k, v in zero.state_dict().items()})
     return out
 
 

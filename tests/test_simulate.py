@@ -122,6 +122,7 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
         ):
             assert isinstance(p[key], float) and p[key] >= 0
     assert out["speedup_hdp_over_static"] > 1.0
+    assert out["model_state_bytes_per_rank"] == _state_bytes_by_hand("llama-7b", 16)
     # The dump replays: rebuild each step's batch from the stream, re-plan, compare per rank.
     d = json.loads(dump.read_text())
     assert len(d["steps"]) == 6
@@ -199,6 +200,9 @@ def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
     assert rc == 0
     text = capsys.readouterr().out
     assert "hdp+offload" in text and "est. step time" in text
+    # the default --model llama-7b: 121.3 GB of model state per rank at zero 0 on 8 ranks
+    assert "model state per rank (llama-7b, bfloat16 compute, 8 ranks per island, GB)" in text
+    assert "zero 0: weights 13.5  master 27.0  moments 53.9  grads 27.0" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = page.read_text().split('id="plan-data">', 1)[1].split("</script>", 1)[0]
     assert json.loads(data)["policies"] == ["hdp+offload"]  # the page's embedded data
@@ -250,6 +254,28 @@ def test_simulate_cli_json(capsys) -> None:
     assert by["static"]["speedup_over_static"] == 1.0
     assert by["hdp"]["est_step_time_s"] <= by["naive-hdp"]["est_step_time_s"]
     assert out["paper"]["ablation_speedup"]["hdp+offload"] == 3.69
+    assert out["model_state_bytes_per_rank"] == _state_bytes_by_hand("llama-7b", 64)
+
+
+def _state_bytes_by_hand(model: str, n: int) -> dict:
+    """Model-state bytes of rank 0 with bfloat16 compute: 2-byte weights in a flat buffer of n
+    slices of S elements (P/n rounded up to 64), 4-byte master weights, moments and gradients;
+    zero 1 keeps the slice of master and moments, zero 2 also of the gradient between steps."""
+    from datapipe.shapes import get_config
+
+    p = get_config(model).num_params()
+    per = (p + n - 1) // n  # ceil(P / n)
+    s = (per + 63) // 64 * 64
+    full = {"weights": 2 * n * s, "grads": 4 * n * s, "grads_peak": 4 * n * s}
+    rows = {
+        "zero0": {**full, "master": 4 * n * s, "moments": 8 * p},
+        "zero1": {**full, "master": 4 * s, "moments": 8 * s},
+        "zero2": {**full, "master": 4 * s, "moments": 8 * s, "grads": 4 * s, "grads_peak": 4 * p},
+    }
+    for r in rows.values():
+        r["optimizer"] = r["master"] + r["moments"]
+        r["total"] = r["weights"] + r["optimizer"] + r["grads_peak"]
+    return rows
 
 
 def test_simulate_cli_dataset(dataset, capsys) -> None:

@@ -53,10 +53,23 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["train.lr=true"], "train.lr"),
         (['train.dtype="float16"'], "train.dtype"),
         (['parallel.policy="ring"'], "parallel.policy"),
-        (["parallel.islands=2"], "parallel.islands"),  # not parsed until CO2 lands
+        (["parallel.islands=0"], "parallel.islands"),
+        (["parallel.zero=3"], "parallel.zero"),
+        (["parallel.zero=-1"], "parallel.zero"),
         (["parallel.widen=1"], "parallel.widen"),
         (['parallel.policy="static"', "parallel.widen=true"], "parallel.widen"),
-        (["co2.tau=4"], "co2"),  # unknown section until CO2 lands
+        (["co2.tau=0"], "co2.tau"),
+        (["co2.outer_momentum=1.0"], "co2.outer_momentum"),
+        (["co2.outer_momentum=-0.1"], "co2.outer_momentum"),
+        (["co2.clip_value=0"], "co2.clip_value"),
+        (["co2.clip_value=-1"], "co2.clip_value"),
+        (['co2.mode="slowmo"'], "co2.mode"),
+        (['co2.clip="l2"'], "co2.clip"),
+        (["co2.outer_lr=0"], "co2.outer_lr"),
+        (["co2.staleness_lambda=-1"], "co2.staleness_lambda"),
+        (['co2.mode="diloco"', "co2.overlap=true"], "co2.overlap"),
+        (["co2.link_gbps=-1"], "co2.link_gbps"),
+        (["co2.bogus=1"], "co2.bogus"),
         (["offload.bogus=1"], "offload.bogus"),
         (["train.global_batch_tokens=0"], "train.global_batch_tokens"),  # the stream's check
         (['data.oversize="drop"'], "data.oversize"),
@@ -79,6 +92,63 @@ def test_config_errors_name_the_key(sets, key):
     with pytest.raises(ConfigError) as exc:
         from_dict(apply_overrides({"data": {"path": "x"}}, sets))
     assert key in str(exc.value)
+
+
+@pytest.mark.parametrize("islands,world", [(2, 1), (2, 3), (3, 4), (4, 2)])
+def test_islands_must_divide_the_world(islands, world):
+    from trainer.config import ranks_per_island
+
+    with pytest.raises(ConfigError, match="parallel.islands"):
+        ranks_per_island(islands, world)
+    assert ranks_per_island(world, world) == 1 and ranks_per_island(1, world) == world
+
+
+def test_islands_not_dividing_the_world_stop_the_run(dataset, tmp_path, capsys):
+    """One process cannot be 2 islands: refused before training, naming the key, also by the CLI
+    before it launches any rank."""
+    from tools.cli import main
+
+    cfg = train_config(dataset, str(tmp_path), parallel={"islands": 2})
+    with pytest.raises(ConfigError, match="parallel.islands: 2 islands do not divide the 1"):
+        run_training(cfg)
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert main(["train", str(path), "--nproc", "3"]) == 2
+    assert "parallel.islands: 2 islands do not divide the 3" in capsys.readouterr().err
+
+
+def test_resume_may_change_how_but_not_what():
+    """policy, capacity, widen, cost and zero may change on resume; islands, the global batch and
+    CO2's rule may not (the conflict names the key); [co2] is ignored with one island."""
+    from trainer.config import resume_conflicts
+
+    base = {"data": {"path": "x"}, "parallel": {"islands": 2}}
+    saved = from_dict(base).to_dict()
+    how = apply_overrides(
+        base,
+        ['parallel.policy="static"', "parallel.capacity=128", "parallel.widen=false",
+         'parallel.cost="llama-7b"', "parallel.zero=2", "co2.link_gbps=10"],
+    )  # fmt: skip
+    assert resume_conflicts(saved, from_dict(how)) == []
+    for key, value, shown in [
+        ("parallel.islands", "4", "parallel.islands: 2 -> 4"),
+        ("train.global_batch_tokens", "1024", "train.global_batch_tokens: 65536 -> 1024"),
+        ("co2.tau", "3", "co2.tau: 4 -> 3"),
+    ]:
+        got = resume_conflicts(saved, from_dict(apply_overrides(base, [f"{key}={value}"])))
+        assert got == [shown]
+    one = from_dict({"data": {"path": "x"}}).to_dict()
+    assert resume_conflicts(one, from_dict(apply_overrides(base, ["parallel.islands=1",
+                                                                  "co2.tau=3"]))) == []  # fmt: skip
+
+
+def test_example_configs_load():
+    """configs/*.toml are valid configs; co2.toml describes 2 islands of 2 ranks."""
+    for name in ("debug", "demo", "co2"):
+        cfg = load_config(os.path.join(ROOT, "configs", f"{name}.toml"))
+        assert cfg.data.path == ".demo/stdlib"
+    co2 = load_config(os.path.join(ROOT, "configs", "co2.toml"))
+    assert (co2.parallel.islands, co2.parallel.ranks_per_island(4), co2.co2.mode) == (2, 2, "co2")
 
 
 def test_config_needs_data_path():

@@ -100,6 +100,11 @@ def resolve_cost(args: argparse.Namespace):
     return cost
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """The model shape whose per-rank memory is reported: --model's (none with --cost FILE)."""
+    return "" if args.cost else args.model
+
+
 def policy_variants(
     policy: str, offload: bool, widen: bool = False
 ) -> list[tuple[str, bool, bool]]:
@@ -123,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     from datapipe.errors import ConfigError
     from datapipe.index import read_lengths, read_manifest
+    from datapipe.plan.memory import format_preset_memory, preset_memory
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
     from datapipe.stream import StreamConfig
@@ -240,9 +246,13 @@ def run(args: argparse.Namespace) -> int:
         hdp = next((m for m in all_metrics if m.policy.startswith("hdp")), None)
         if "static" in by and hdp is not None and hdp.est_step_time_s > 0:
             out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
+        out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks)
         print(json.dumps(out))
     else:
         print(table)
+        memory = format_preset_memory(model_name(args), args.ranks)
+        if memory:
+            print(memory)
         for path in (args.plot, args.html, args.dump):
             if path:
                 print(f"wrote {path}")

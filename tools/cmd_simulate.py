@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tools.cmd_plan import add_planner_arguments, resolve_cost
+from tools.cmd_plan import add_planner_arguments, model_name, resolve_cost
 
 ASSUMPTIONS = """assumptions:
   - per-rank time = cost model (a*S^2/k + b*S/k + c per micro-batch); ring K/V traffic over the
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from datapipe.errors import ConfigError
     from datapipe.plan import simulate as S
+    from datapipe.plan.memory import format_preset_memory, preset_memory
     from datapipe.progress import progress
     from tools import report
 
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 "step_times_s": S.PAPER_STEP_TIMES_S,
                 "step_time_speedup": paper_steps,
             },
+            "model_state_bytes_per_rank": preset_memory(model_name(args), args.ranks),
         }
         print(json.dumps(out))
     else:
@@ -116,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             " + offload, + balance; its step times 8m40s / 4m32s / 2m37s)"
         )
         print(f"length stats of the pool: {json.dumps({k: round(v, 4) for k, v in stats.items()})}")
+        memory = format_preset_memory(model_name(args), args.ranks)
+        if memory:
+            print(memory)
         print(ASSUMPTIONS)
     if args.plot:
         plans = [res[k][0][0] for k in res]

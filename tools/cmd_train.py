@@ -91,7 +91,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config import load_config, to_toml
+    from trainer.config import load_config, ranks_per_island, to_toml
 
     if args.config is None and not args.print_config:
         raise ConfigError("a config file is required (e.g. configs/debug.toml)")
@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not under_torchrun:
+        ranks_per_island(cfg.parallel.islands, args.nproc)  # once, before any rank starts
     if args.nproc > 1 and not under_torchrun:
         from trainer.train import preflight
 

@@ -16,6 +16,11 @@ and loads nothing pickled except DCP's own metadata classes (trainer.checkpoint_
 reported and the previous complete one is used; a checkpoint named explicitly is used or
 refused. `Checkpointer` owns the policy: when to save, how many to keep, which checkpoint to
 resume from, and refusing one of a run with other settings.
+
+The DCP part is a `trainer.islands.ModelState`: the weights, the sharded optimizer state as chunks
+of global tensors at their offsets (so a checkpoint of N ranks resumes on any other number, at any
+ZeRO level) and CO2's outer state. Every rank of every island takes part: the communicator given
+here spans the whole run (its rank numbers the rng files).
 """
 
 from __future__ import annotations
@@ -27,13 +32,11 @@ import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from datapipe.errors import ConfigError, MixlenError, PeerError
 from datapipe.stream import LengthAwareStream
@@ -93,6 +96,15 @@ def latest_checkpoint(root: str) -> str | None:
     return found[0] if found else None
 
 
+class StateOwner(Protocol):
+    """What DCP saves of the model (trainer.islands.ModelState): `state_dict()` returns the live
+    tensors, which dcp.load fills in place before `load_state_dict` runs."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
 def _rng_file(rank: int) -> str:
     return f"rng-{rank:05d}.json"
 
@@ -118,6 +130,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
+def _short_write_cause(tmp: str, exc: BaseException) -> OSError | None:
+    """The OS error behind a short write that torch's zip writer reports only as a position
+    mismatch ("unexpected pos": a full disk or a file size limit): appending one byte to the
+    files written so far (temporary, removed anyway) raises it again."""
+    if "unexpected pos" not in str(exc) and "unexpected pos" not in _describe(exc):
+        return None
+    for name in sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []:
+        try:
+            with open(os.path.join(tmp, name), "ab") as f:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as cause:
+            return cause
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_dcp() -> Iterator[None]:
     """DCP warns when one process runs without a process group: intended here."""
@@ -129,8 +158,7 @@ def _quiet_dcp() -> Iterator[None]:
 def save_checkpoint(
     root: str,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: StateOwner,
     run: dict[str, Any],
     comm: Communicator,
     device: torch.device,
@@ -172,12 +200,11 @@ def save_checkpoint(
             err = exc
     stop_if_failed(err, shared=False)
     # model and optimizer (DCP, collective: a failure on one rank raises on all)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         with _quiet_dcp():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=group)
+            dcp.save(state.state_dict(), checkpoint_id=tmp, process_group=group)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported below
-        err = exc
+        err = _short_write_cause(tmp, exc) or exc
     stop_if_failed(err, shared=True)
     # this rank's generators, rank 0 the run's state
     try:
@@ -216,25 +243,24 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: StateOwner,
     scheduler: Any,
     comm: Communicator,
     device: torch.device,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, schedule and this rank's generators in place from the (verified)
+    """Restore the model state, schedule and this rank's generators in place from the (verified)
     checkpoint `path` (collective); returns run.json's content."""
     run = read_json(os.path.join(path, RUN_FILE))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    sd = state.state_dict()
     group = getattr(comm, "group", None)
     with _quiet_dcp():
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), process_group=group)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+        dcp.load(sd, storage_reader=SafeReader(path), planner=SafePlanner(), process_group=group)
+    state.load_state_dict(sd)
     if scheduler is not None:
         scheduler.load_state_dict(run["scheduler"])
+        # the optimizer's learning rate is the schedule's, not the one it was built with
+        for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            g["lr"] = lr
     own = os.path.join(path, _rng_file(comm.rank))
     # a rank the saved run did not have (more ranks now) takes rank 0's generators
     restore_rng(read_json(own if os.path.isfile(own) else os.path.join(path, _rng_file(0))), device)
@@ -305,24 +331,21 @@ def check_run_matches(path: str, cfg: TrainerConfig, stream: LengthAwareStream) 
 
 
 class Checkpointer:
-    """When to save, how many to keep, and resuming, for one run's model, optimizer, schedule and
-    stream (collective: every rank of the island calls every method)."""
+    """When to save, how many to keep, and resuming, for one run's model state, schedule and
+    stream (collective: every rank of every island calls every method; `comm` spans the run)."""
 
     def __init__(
         self,
         cfg: CheckpointConfig,
         run: TrainerConfig,
-        model: nn.Module,
-        master: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        state: StateOwner,
         scheduler: Any,
         comm: Communicator | None = None,
         device: torch.device | str = "cpu",
         faults: FaultInjector | None = None,
     ) -> None:
         self.cfg, self.run = cfg, run
-        self.model, self.master = model, master
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.state, self.scheduler = state, scheduler
         self.comm = comm if comm is not None else SoloComm()
         self.device = torch.device(device)
         self.faults = faults
@@ -394,16 +417,13 @@ class Checkpointer:
         stream_state = check_run_matches(path, self.run, stream)
         try:
             SafeReader(path).read_metadata()  # refused here, before DCP logs its own traceback
-            run = load_checkpoint(
-                path, self.master, self.optimizer, self.scheduler, self.comm, self.device
-            )
+            run = load_checkpoint(path, self.state, self.scheduler, self.comm, self.device)
         except MixlenError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP cannot read it
             raise ConfigError(f"checkpoint {path}: cannot be loaded ({_describe(exc)})") from None
-        if self.master is not self.model:
-            self.model.load_state_dict(self.master.state_dict())
-        stream.load_state_dict(stream_state)
+        # islands take one batch each per step, so one island's position is every island's
+        stream.load_state_dict({**stream_state, "island": stream.island})
         self.resumed = True
         step = int(run["step"])
         world = int(run.get("world", self.comm.size))
@@ -430,8 +450,7 @@ class Checkpointer:
         return save_checkpoint(
             self.cfg.dir,
             step,
-            self.master,
-            self.optimizer,
+            self.state,
             run,
             self.comm,
             self.device,

@@ -4,9 +4,18 @@ Ranks are island-local (0..N-1, as in the StepPlan). Implementations:
 - `TorchComm`: torch.distributed over one process group (the island's), P2P ops addressed by the
   global ranks of that group and issued as one `batch_isend_irecv` per hop (gloo on CPU, NCCL on CUDA).
 - `ThreadComm`: an in-process fake, one thread per rank exchanging tensors through queues, so ring
-  attention and executors can be tested in one process (`run_threads`).
+  attention and executors can be tested in one process (`run_threads`, `run_islands`).
 - `SoloComm`: a one-rank island (no process group). `CountingComm` wraps any of them and counts
   ring bytes and the time blocked in ring hops.
+
+Collectives on flat buffers cut into consecutive per-rank chunks (`sizes`, default equal; a chunk
+may be empty) serve ZeRO and CO2 (trainer.slices): `reduce_scatter` sums chunk i of every rank into
+rank i, `all_gather_into` fills every chunk from its owner. On NCCL, equal chunks use its
+reduce-scatter / all-gather; otherwise one reduce / broadcast per non-empty chunk, which moves the
+same bytes: gloo's all-gather refuses unequal sizes, and in torch 2.14 its reduce-scatter and
+all-gather took 2-14x the time of per-chunk reduces and broadcasts on 25M floats (2 and 4 ranks,
+this box). With `async_op=True` a collective returns a Handle; a rank's collectives run in the
+order it issued them, on every implementation.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -23,11 +32,14 @@ import torch.distributed as dist
 __all__ = [
     "Communicator",
     "CountingComm",
+    "Done",
     "Handle",
     "SoloComm",
     "ThreadComm",
     "ThreadWorld",
     "TorchComm",
+    "chunk_offsets",
+    "run_islands",
     "run_threads",
 ]
 
@@ -50,37 +62,115 @@ class Communicator(Protocol):
         """Post a paired send of `send` to `dst` and receive into `recv` from `src`."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` in place over all ranks."""
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """Sum `tensor` in place over all ranks (a Handle if async_op, else None)."""
         ...
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order."""
         ...
 
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """`out` = SUM over ranks of this rank's chunk of the 1-D `flat` (chunks of `sizes`,
+        default equal). `out` may be this rank's chunk of `flat` itself; the rest of `flat` is
+        undefined afterwards."""
+        ...
+
+    def all_gather_into(
+        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
+    ) -> Handle | None:
+        """Fill every chunk of the 1-D `flat` with its owner's chunk (this rank's is the input)."""
+        ...
+
+
+def chunk_offsets(numel: int, size: int, sizes: Sequence[int] | None) -> list[int]:
+    """Offsets [0, ..., total] of `size` consecutive chunks of a buffer of `numel` elements:
+    `sizes`, or numel // size each."""
+    if sizes is None:
+        if numel % size:
+            raise ValueError(f"{numel} elements do not split into {size} equal chunks")
+        sizes = [numel // size] * size
+    if len(sizes) != size or min(sizes, default=0) < 0:
+        raise ValueError(f"need {size} chunk sizes >= 0, got {list(sizes)}")
+    offs = [0]
+    for n in sizes:
+        offs.append(offs[-1] + int(n))
+    if offs[-1] > numel:
+        raise ValueError(f"chunks of {offs[-1]} elements in a buffer of {numel}")
+    return offs
+
+
+class Done:
+    """A Handle of something already finished."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
 
 # --- torch.distributed ---------------------------------------------------------------------------
 
 
 class _Works:
-    def __init__(self, works: list[Any], keep: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        works: list[Any],
+        keep: tuple[torch.Tensor, ...],
+        then: Callable[[], None] | None = None,
+    ) -> None:
         self._works = works
         self._keep = keep  # buffers stay alive until the transfer completes
+        self._then = then  # runs once, after the transfers (e.g. copy out of a staging buffer)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
         for w in self._works:
             w.wait()
+        then, self._then = self._then, None
         self._works, self._keep = [], ()
+        if then is not None:
+            then()
+
+
+def _finish(handle: _Works, async_op: bool) -> Handle | None:
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# torch >= 2.14 names the single-tensor collectives *_single (the *_tensor names are deprecated)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor", None
+)
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor", None
+)
 
 
 class TorchComm:
-    """Communicator over a torch.distributed process group (default: the world)."""
+    """Communicator over a torch.distributed process group (default: the world). `native`: use
+    the backend's single-tensor reduce-scatter / all-gather for equal chunks (default: on NCCL
+    only, see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, native: bool | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+        nccl = dist.get_backend(self.group) == "nccl"
+        self._native = (nccl if native is None else native) and _reduce_scatter_single is not None
+        self._nccl = nccl
 
     def send_recv(
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
@@ -93,13 +183,64 @@ class TorchComm:
         ]
         return _Works(dist.batch_isend_irecv(ops), (send, recv))
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return _Works([work], (tensor,)) if async_op else None
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
+
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        offs = chunk_offsets(flat.numel(), self.size, sizes)
+        mine = flat[offs[self.rank] : offs[self.rank + 1]]
+        if out.numel() != mine.numel() or not (flat.is_contiguous() and out.is_contiguous()):
+            raise ValueError("reduce_scatter needs contiguous buffers and out of the chunk's size")
+        n = [b - a for a, b in zip(offs[:-1], offs[1:])]
+        in_place = out.data_ptr() == mine.data_ptr()
+        if self._native and n[0] > 0 and len(set(n)) == 1:
+            # one backend reduce-scatter; the output must not alias the input
+            dst = torch.empty_like(out) if in_place else out
+            work = _reduce_scatter_single(
+                dst, flat[: offs[-1]], op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
+            then = (lambda: out.copy_(dst)) if in_place else None
+            return _finish(_Works([work], (flat, out, dst), then), async_op)
+        # uneven: a reduce to each chunk's owner (the result lands in the owner's chunk)
+        works = [
+            dist.reduce(flat[a:b], dst=self._global[r], group=self.group, async_op=True)
+            for r, (a, b) in enumerate(zip(offs[:-1], offs[1:]))
+            if b > a
+        ]
+        then = None if in_place or out.numel() == 0 else (lambda: out.copy_(mine))
+        return _finish(_Works(works, (flat, out), then), async_op)
+
+    def all_gather_into(
+        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
+    ) -> Handle | None:
+        offs = chunk_offsets(flat.numel(), self.size, sizes)
+        if not flat.is_contiguous():
+            raise ValueError("all_gather_into needs a contiguous buffer")
+        n = [b - a for a, b in zip(offs[:-1], offs[1:])]
+        if self._native and n[0] > 0 and len(set(n)) == 1 and _all_gather_single is not None:
+            mine = flat[offs[self.rank] : offs[self.rank + 1]]
+            if not self._nccl:
+                mine = mine.clone()  # in-place all-gather is an NCCL guarantee only
+            work = _all_gather_single(flat[: offs[-1]], mine, group=self.group, async_op=True)
+            return _finish(_Works([work], (flat, mine)), async_op)
+        works = [
+            dist.broadcast(flat[a:b], src=self._global[r], group=self.group, async_op=True)
+            for r, (a, b) in enumerate(zip(offs[:-1], offs[1:]))
+            if b > a
+        ]
+        return _finish(_Works(works, (flat,)), async_op)
 
 
 # --- one-rank island and accounting --------------------------------------------------------------
@@ -115,11 +256,29 @@ class SoloComm:
     ) -> Handle:
         raise RuntimeError("a one-rank island has no ring peers")
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        return None
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        return Done() if async_op else None
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor.clone()]
+
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        n = chunk_offsets(flat.numel(), 1, sizes)[1]
+        if out.data_ptr() != flat.data_ptr():
+            out.copy_(flat[:n].view_as(out))
+        return Done() if async_op else None
+
+    def all_gather_into(
+        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
+    ) -> Handle | None:
+        chunk_offsets(flat.numel(), 1, sizes)
+        return Done() if async_op else None
 
 
 class _TimedHandle:
@@ -134,7 +293,7 @@ class _TimedHandle:
 
 class CountingComm:
     """A Communicator wrapper counting ring bytes sent and time blocked in ring hops (the executor
-    times its one all-reduce itself)."""
+    times its collectives itself)."""
 
     def __init__(self, inner: Communicator) -> None:
         self.inner = inner
@@ -152,11 +311,11 @@ class CountingComm:
         self.p2p_bytes += send.numel() * send.element_size()
         return _TimedHandle(self.inner.send_recv(send, dst, recv, src, tag), self)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.inner.all_reduce(tensor)
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return self.inner.all_gather(tensor)
+    def __getattr__(self, name: str) -> Any:
+        """The collectives (all_reduce, all_gather, reduce_scatter, all_gather_into) pass through."""
+        if name.startswith("_") or name == "inner":  # no recursion while half-built (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 # --- in-process fake -----------------------------------------------------------------------------
@@ -199,17 +358,81 @@ class _ThreadRecv:
         self._done = True
 
 
+class _ThreadWork:
+    """A collective queued on a fake rank's worker thread."""
+
+    def __init__(self, fn: Callable[[], Any], timeout: float) -> None:
+        self._fn, self._timeout = fn, timeout
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self._error = e
+        finally:
+            self._event.set()
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        if not self._event.wait(self._timeout):
+            raise TimeoutError(f"collective not finished within {self._timeout} s (deadlock?)")
+        if self._error is not None:
+            raise self._error
+
+
 class ThreadComm:
-    """Fake communicator for one thread-rank of a `ThreadWorld`."""
+    """Fake communicator for one thread-rank of a `ThreadWorld`. Collectives run in issue order on
+    a worker thread of the rank (started on demand, gone when idle), so an async collective
+    proceeds while its rank computes, as on a real process group."""
+
+    _IDLE_S = 0.5
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         self.world, self.rank, self.size = world, rank, world.size
+        self._jobs: queue.Queue[_ThreadWork] = queue.Queue()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
 
     def send_recv(
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
     ) -> Handle:
         self.world.channel(self.rank, dst, tag).put(send.detach().clone())
         return _ThreadRecv(self.world.channel(src, self.rank, tag), recv, self.world.timeout)
+
+    # -- the worker --------------------------------------------------------------------------------
+
+    def _work_loop(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._worker = None
+                        return
+                continue
+            job.run()
+
+    def _submit(self, fn: Callable[[], Any]) -> _ThreadWork:
+        job = _ThreadWork(fn, self.world.timeout)
+        with self._lock:
+            self._jobs.put(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True)
+                self._worker.start()
+        return job
+
+    def _issue(self, fn: Callable[[], Any], async_op: bool) -> Handle | None:
+        job = self._submit(fn)
+        if async_op:
+            return job
+        job.wait()
+        return None
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         w = self.world
@@ -220,32 +443,77 @@ class ThreadComm:
         w.barrier.wait()
         return got
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        got = self._exchange(tensor)
-        total = got[0].clone()
-        for t in got[1:]:
-            total += t
-        tensor.copy_(total)
+    # -- collectives -------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        def job() -> None:
+            got = self._exchange(tensor)
+            total = got[0].clone()
+            for t in got[1:]:
+                total += t
+            tensor.copy_(total)
+
+        return self._issue(job, async_op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return self._exchange(tensor)
+        job = self._submit(lambda: self._exchange(tensor))
+        job.wait()
+        return job.result
+
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        offs = chunk_offsets(flat.numel(), self.size, sizes)
+        a, b = offs[self.rank], offs[self.rank + 1]
+        if out.numel() != b - a:
+            raise ValueError(f"reduce_scatter: out has {out.numel()} elements, chunk {b - a}")
+
+        def job() -> None:
+            got = self._exchange(flat[: offs[-1]])
+            total = got[0][a:b].clone()
+            for t in got[1:]:
+                total += t[a:b]
+            out.copy_(total.view_as(out))
+
+        return self._issue(job, async_op)
+
+    def all_gather_into(
+        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
+    ) -> Handle | None:
+        offs = chunk_offsets(flat.numel(), self.size, sizes)
+
+        def job() -> None:
+            got = self._exchange(flat[: offs[-1]])
+            for r in range(self.size):
+                if r != self.rank:
+                    flat[offs[r] : offs[r + 1]].copy_(got[r][offs[r] : offs[r + 1]])
+
+        return self._issue(job, async_op)
 
 
-def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
-    """Run fn(comm) for ranks 0..size-1 in threads; return results in rank order, re-raising the
-    first failure (other ranks are released from barriers and time out of receives)."""
-    world = ThreadWorld(size, timeout)
+def _run(
+    size: int,
+    make: Callable[[int], tuple],
+    fn: Callable[..., Any],
+    worlds: Sequence[ThreadWorld],
+    timeout: float,
+) -> list[Any]:
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
 
-    def body(rank: int) -> None:
+    def body(i: int) -> None:
         try:
-            results[rank] = fn(world.comm(rank))
+            results[i] = fn(*make(i))
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
-            errors[rank] = e
-            world.barrier.abort()
+            errors[i] = e
+            for w in worlds:
+                w.barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -259,6 +527,32 @@ def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.
         if e is not None:
             raise e
     return results
+
+
+def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
+    """Run fn(comm) for ranks 0..size-1 in threads; return results in rank order, re-raising the
+    first failure (other ranks are released from barriers and time out of receives)."""
+    world = ThreadWorld(size, timeout)
+    return _run(size, lambda r: (world.comm(r),), fn, [world], timeout)
+
+
+def run_islands(
+    islands: int,
+    ranks: int,
+    fn: Callable[[ThreadComm, ThreadComm], Any],
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run fn(island_comm, cross_comm) for `islands` x `ranks` fake ranks in threads: island_comm
+    joins the ranks of one island, cross_comm rank i of every island (its rank is the island
+    index). Results in order island * ranks + rank."""
+    island_worlds = [ThreadWorld(ranks, timeout) for _ in range(islands)]
+    cross_worlds = [ThreadWorld(islands, timeout) for _ in range(ranks)]
+
+    def make(g: int) -> tuple[ThreadComm, ThreadComm]:
+        j, r = divmod(g, ranks)
+        return island_worlds[j].comm(r), cross_worlds[r].comm(j)
+
+    return _run(islands * ranks, make, fn, island_worlds + cross_worlds, timeout)
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from datapipe.plan.cost import CostModel, load, preset
 from datapipe.plan.planner import PlannerConfig
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
 from datapipe.stream import StreamConfig
+from trainer.config_co2 import CO2Config, ranks_per_island
 
 try:
     import tomllib
@@ -29,6 +30,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = [
+    "CO2Config",
     "CheckpointConfig",
     "DataConfig",
     "MetricsConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "apply_overrides",
     "checkpoint_every",
     "load_config",
+    "ranks_per_island",
     "to_toml",
 ]
 
@@ -109,6 +112,8 @@ class DataConfig:
         "lookahead": "data.lookahead",
         "cache_dir": "data.cache_dir",
         "global_batch_tokens": "train.global_batch_tokens",
+        "num_islands": "parallel.islands",
+        "island": "parallel.islands",
     }
     FETCH_KEYS: typing.ClassVar[dict[str, str]] = {
         "path": "data.path",
@@ -123,12 +128,17 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction: must be in [0, 1), got {self.val_fraction}")
         _positive("data.val_tokens", self.val_tokens)
 
-    def stream_config(self, global_batch_tokens: int) -> StreamConfig:
-        """The length-aware stream of the training set."""
+    def stream_config(
+        self, global_batch_tokens: int, island: int = 0, num_islands: int = 1
+    ) -> StreamConfig:
+        """The length-aware stream of the training set, as island `island` of `num_islands` sees
+        it (batch j of an epoch goes to island j mod num_islands)."""
         return StreamConfig(
             self.path,
             global_batch_tokens,
             seed=self.seed,
+            island=island,
+            num_islands=num_islands,
             oversize=self.oversize,
             lookahead=self.lookahead,
             cache_dir=self.cache_dir,
@@ -206,13 +216,20 @@ class ParallelConfig:
     """`[parallel]`: the planner (datapipe.plan.planner). `cost` is a cost file (`mixlen
     calibrate`) or a preset name (datapipe.plan.cost.preset); `max_context` fixes the static
     mesh's CP degree (default: the dataset's longest sample); `widen` lets hdp give long samples
-    more ranks than the smallest group (docs/PLAN.md)."""
+    more ranks than the smallest group (docs/PLAN.md).
+
+    `zero`: 0 every rank keeps the whole optimizer state; 1 each rank of an island keeps its
+    slice of the master weights and AdamW moments; 2 also only its slice of the gradient between
+    steps (trainer.zero). Default: 1 when an island has more than one rank, else 0. `islands`:
+    the world is `islands` x ranks per island; islands train together as `[co2]` says."""
 
     policy: str = "hdp"
     capacity: int = 4096
     cost: str = "debug"
     max_context: int | None = None
     widen: bool = False
+    zero: int | None = None
+    islands: int = 1
 
     # how the planner's fields are written in this config
     PLANNER_KEYS: typing.ClassVar[dict[str, str]] = {
@@ -227,6 +244,19 @@ class ParallelConfig:
     def validate(self) -> None:
         self.planner_config(num_ranks=1, max_len=1, seed=0).validate()
         self.cost_model()
+        if self.zero is not None and self.zero not in (0, 1, 2):
+            raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {self.zero!r}")
+        _positive("parallel.islands", self.islands)
+
+    def ranks_per_island(self, world: int) -> int:
+        """N of a run of `world` ranks (ConfigError unless `islands` divides it)."""
+        return ranks_per_island(self.islands, world)
+
+    def zero_level(self, ranks: int) -> int:
+        """The ZeRO level of an island of `ranks` ranks (`zero`, default 1 if ranks > 1)."""
+        if self.zero is not None:
+            return self.zero
+        return 1 if ranks > 1 else 0
 
     def planner_config(
         self, num_ranks: int, max_len: int, seed: int, offload: bool = False
@@ -352,11 +382,14 @@ class TrainerConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    co2: CO2Config = field(default_factory=CO2Config)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
-        self.data.stream_config(self.train.global_batch_tokens).validate()
+        self.data.stream_config(
+            self.train.global_batch_tokens, num_islands=self.parallel.islands
+        ).validate()
         self.data.fetch_config().validate()
         self._validate_offload()
 
@@ -396,9 +429,9 @@ class TrainerConfig:
 
 
 # Settings a resumed run may change: how long it runs, where it logs, and how (not what) a step
-# computes: the planner's settings (and the number of ranks, not a config key) change which rank
-# computes which tokens, not the loss or the gradients (docs/ARCHITECTURE.md, "Loss and
-# exactness"). Everything else (model, data order, optimisation) must match the checkpoint's run.
+# computes: the planner's settings (and the number of ranks) change which rank computes which
+# tokens, not the loss or the gradients (docs/ARCHITECTURE.md, "Loss and exactness"); the ZeRO
+# level which rank keeps which state; the emulated link only the time. Everything else must match.
 RESUME_MAY_CHANGE = frozenset(
     {"train.steps", "train.stop_after", "train.eval_interval", "train.device"}
     | {"data.path", "data.cache_dir", "data.prefetch_depth"}
@@ -406,7 +439,7 @@ RESUME_MAY_CHANGE = frozenset(
     | {"train.activation_checkpoint", "offload.host_budget_bytes", "offload.min_bytes"}
     | {"offload.pool_bytes"}
     | {"parallel.policy", "parallel.capacity", "parallel.widen", "parallel.cost"}
-    | {"parallel.max_context"}
+    | {"parallel.max_context", "parallel.zero", "co2.link_gbps"}
 )
 RESUME_FREE_SECTIONS = frozenset({"checkpoint", "metrics"})
 
@@ -415,9 +448,10 @@ def resume_conflicts(saved: dict[str, dict[str, Any]], cfg: TrainerConfig) -> li
     """`section.key: saved -> now` for every run-defining setting that differs from `saved` (the
     checkpoint's `to_dict()`)."""
     out = []
+    islands = (saved.get("parallel", {}).get("islands", 1), cfg.parallel.islands)
     for section, values in cfg.to_dict().items():
-        if section in RESUME_FREE_SECTIONS:
-            continue
+        if section in RESUME_FREE_SECTIONS or (section == "co2" and islands == (1, 1)):
+            continue  # [co2] means nothing to a run of one island
         old = saved.get(section, {})
         for key, value in values.items():
             name = f"{section}.{key}"

@@ -86,7 +86,10 @@ class TrainData:
         vocab_size: int,
         stack: ExitStack,
         validation: bool = True,
+        island: int = 0,
+        islands: int = 1,
     ) -> None:
+        """`rank` of an island of `world` ranks, island `island` of `islands`."""
         self.rank = rank
         # the training set's fetch; the model must cover its vocabulary
         self.fetcher = cfg.data.fetch_config().build()
@@ -120,7 +123,8 @@ class TrainData:
             raise ConfigError("data.val_fraction: leaves no training samples")
         # stream over the training samples, and the island's planner
         self.stream = LengthAwareStream(
-            cfg.data.stream_config(cfg.train.global_batch_tokens), all_lengths[self.train_ids]
+            cfg.data.stream_config(cfg.train.global_batch_tokens, island, islands),
+            all_lengths[self.train_ids],
         )
         cost = cfg.cost_model()
         self.planner = cfg.planner_config(world, int(all_lengths.max())).build(cost)

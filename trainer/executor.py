@@ -1,12 +1,17 @@
 """The HDP step executor: runs one rank's share of a StepPlan and updates the model.
 
-Each rank runs its micro-batches in slot order (forward, backward, gradients accumulate), with ring
-attention over the micro-batch's group for group micro-batches and document-masked local attention
-otherwise. After its last micro-batch it joins ONE coalesced SUM all-reduce over the island of a
-flat buffer holding every gradient, the loss sum and its own timings; then gradients are divided by
-the step's labelled positions (sum of L-1 over the step's samples), clipped, and AdamW steps. No
-per-bucket hooks (ranks run different numbers of micro-batches) and no process group per step:
-rings talk point-to-point inside the island's communicator.
+Each rank runs its micro-batches in slot order (forward, backward), with ring attention over the
+micro-batch's group for group micro-batches and document-masked local attention otherwise. The
+island's sharded optimizer (trainer.zero, `[parallel] zero`) takes every gradient from
+post-accumulate-grad hooks into its buckets; during the rank's LAST micro-batch's backward it
+launches each bucket's SUM reduction (to the bucket's owner; an all-reduce at zero 0) as soon as
+the bucket is final, in one fixed order on every rank, on the island's gradient communicator, so
+the reduction overlaps the rest of that backward and no rank ever waits on a peer still in an
+earlier micro-batch. After the last micro-batch one small all-reduce sums the loss and the ranks'
+timings; the gradient is divided by the step's labelled positions (sum of L-1 over the step's
+samples; in `sync` mode over every island's), clipped by its global norm, and AdamW steps each
+rank's slice, whose weights the island then all-gathers. No process group per step: rings talk
+point-to-point inside the island's communicator.
 
 The same code runs every policy's plans (datapipe.plan.planner): hdp, naive-hdp, static and single.
 """
@@ -30,6 +35,7 @@ from trainer.comm import Communicator, CountingComm
 from trainer.offload import ActivationManager, MicrobatchStats
 from trainer.offload_plan import PlanOffload
 from trainer.ring import RingAttention
+from trainer.zero import ZeroOptimizer
 
 __all__ = ["HDPExecutor", "StepResult", "labelled_positions"]
 
@@ -56,8 +62,11 @@ class StepResult:
     ring_wait_s: list[float] = field(default_factory=list)  # per rank: blocked in ring hops
     p2p_bytes: list[int] = field(default_factory=list)  # per rank: ring bytes sent
     rank_p2p_bytes: int = 0  # this rank's ring bytes sent
-    rank_comm_s: float = 0.0  # this rank's time in ring waits and the all-reduce
-    reduce_bytes: int = 0  # payload of the coalesced all-reduce
+    rank_comm_s: float = 0.0  # this rank's time in ring waits and the reductions
+    reduce_bytes: int = 0  # this rank's gradient payload plus the statistics all-reduce
+    grad_wait_s: float = 0.0  # this rank: blocked on the gradient reduction after the backward
+    grad_hidden: float = 0.0  # this rank: share of the reduction's span hidden behind work
+    cross_wait_s: float = 0.0  # sync mode, this rank: in the cross-island all-reduces
     # per rank, with an activation manager (offload or checkpointing; else empty): bytes moved to
     # host, and the accounted peak of saved-activation bytes on the device (trainer.offload)
     offload_bytes: list[int] = field(default_factory=list)
@@ -67,47 +76,46 @@ class StepResult:
 class HDPExecutor:
     """Runs steps of StepPlans on one rank of an island.
 
-    `model` computes (its dtype is the compute dtype); `master` holds the weights the optimizer
-    updates (the same module for float32/float64; a float32 copy for bfloat16, copied back into
-    `model` after each step). `activations` (trainer.offload) runs each micro-batch's forward and
-    backward with its plan's offload ratio and the checkpointing policy; None: plain.
+    `model` computes (its dtype is the compute dtype); `zero` (trainer.zero.ZeroOptimizer over
+    the model's trainable parameters, on this island) reduces the gradients and steps AdamW;
+    `scheduler` is an LR schedule of `zero.optimizer`. `cross_comm` (sync mode: rank i of every
+    island) sums the loss and its denominator across islands; `zero` then needs the same
+    communicator to sum the gradients. `activations` (trainer.offload) runs each micro-batch's
+    forward and backward with its plan's offload ratio and the checkpointing policy; None: plain.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        zero: ZeroOptimizer,
         comm: Communicator,
         *,
-        master: nn.Module | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        grad_clip: float = 0.0,
         device: torch.device | str = "cpu",
         check_agreement: bool = True,
         activations: ActivationManager | None = None,
+        cross_comm: Communicator | None = None,
     ) -> None:
         self.model = model
-        self.master = master if master is not None else model
-        self.optimizer = optimizer
+        self.zero = zero
         self.scheduler = scheduler
         self.comm = comm if isinstance(comm, CountingComm) else CountingComm(comm)
-        self.grad_clip = float(grad_clip)
+        self.cross_comm = cross_comm if cross_comm is not None and cross_comm.size > 1 else None
         self.device = torch.device(device)
         self.check_agreement = check_agreement
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.master_params = [p for p in self.master.parameters() if p.requires_grad]
-        if len(self.params) != len(self.master_params):
-            raise ValueError("model and master have different parameters")
+        if [p.shape for p in self.params] != zero.layout.shapes or zero.comm.size != comm.size:
+            raise ValueError("the optimizer is not over this model's parameters on this island")
         self.compute_dtype = self.params[0].dtype
         self.acc_dtype = accum_dtype(self.compute_dtype)
-        # low-precision compute: drain gradients into a float32 buffer after every micro-batch
-        self.drain = self.compute_dtype not in (torch.float32, torch.float64)
         self.numel = sum(p.numel() for p in self.params)
+        zero.install_hooks()  # gradients go into its buckets as soon as they are final
         # (slot, wall s, this thread's CPU s) of each micro-batch of the last step, for benchmarks
         self.mb_log: list[tuple[int, float, float]] = []
         self.activations = activations
         self.act_stats: list[MicrobatchStats] = []  # this rank's micro-batches of the last step
         self.plan_offload: PlanOffload | None = None  # every rank's, of the last checked plan
+        self._cross_s = 0.0  # the last step's cross-island statistics all-reduce (sync mode)
 
     @property
     def rank(self) -> int:
@@ -189,27 +197,11 @@ class HDPExecutor:
             self.act_stats.append(stats)
         return loss_sum.detach().to(self.acc_dtype)
 
-    def _drain(self, buf: torch.Tensor) -> None:
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is not None:
-                buf[off : off + n] += p.grad.reshape(-1).to(buf.dtype)
-                p.grad = None
-            off += n
-
-    def _flat_grads(self, buf: torch.Tensor) -> None:
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is not None:
-                buf[off : off + n].copy_(p.grad.reshape(-1))
-            off += n
-
     def _run_rank(
-        self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], grad: bool, buf: torch.Tensor
+        self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], grad: bool
     ) -> tuple[torch.Tensor, float, int]:
-        """This rank's micro-batches in slot order: (loss sum, busy seconds, count)."""
+        """This rank's micro-batches in slot order: (loss sum, busy seconds, count). With `grad`,
+        the optimizer's hooks collect the gradients; the last backward launches the reduction."""
         mine = plan.microbatches(self.rank)
         if len(mine) != len(fetched):
             raise ValueError(f"{len(fetched)} fetched micro-batches for {len(mine)} in the plan")
@@ -218,11 +210,11 @@ class HDPExecutor:
         t0 = time.perf_counter()
         self.mb_log = []
         self.act_stats = []
-        for pm, mb in zip(mine, fetched):
+        for j, (pm, mb) in enumerate(zip(mine, fetched)):
             w0, c0 = time.perf_counter(), time.thread_time()
+            if grad:
+                self.zero.begin_microbatch(last=j == len(mine) - 1)
             loss += self._run_microbatch(pm, mb, lengths_by_id, grad)
-            if grad and self.drain:
-                self._drain(buf[: self.numel])
             self.mb_log.append((pm.slot, time.perf_counter() - w0, time.thread_time() - c0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # timings measure work, not kernel launches
@@ -234,76 +226,73 @@ class HDPExecutor:
     def accumulate(
         self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], step: int
     ) -> StepResult:
-        """Forward/backward of this rank's micro-batches, then the coalesced all-reduce: leaves the
-        step's gradient (divided by its labelled positions) in the master parameters' .grad."""
+        """Forward/backward of this rank's micro-batches, the gradient reduction and the step's
+        statistics: leaves the step's gradient (divided by its labelled positions) in the
+        optimizer (`zero.gather_grad()` shows it whole) and its norm in the result."""
         self.comm.reset()
         self.check_plan(plan, step)
-        n, size = self.numel, self.comm.size
-        # [grads | loss sum | per rank: busy seconds, micro-batches, ring wait s, ring bytes sent,
-        #  offload bytes moved, activation peak bytes]
-        buf = torch.zeros(n + 1 + 6 * size, dtype=self.acc_dtype, device=self.device)
-        for p in self.params:
-            p.grad = None
-        loss, busy, count = self._run_rank(plan, fetched, True, buf)
-        if not self.drain:
-            self._flat_grads(buf)
-        buf[n] = loss
-        buf[n + 1 + self.rank] = busy
-        buf[n + 1 + size + self.rank] = count
-        buf[n + 1 + 2 * size + self.rank] = self.comm.wait_s
-        buf[n + 1 + 3 * size + self.rank] = self.comm.p2p_bytes
-        buf[n + 1 + 4 * size + self.rank] = sum(s.moved_bytes for s in self.act_stats)
-        buf[n + 1 + 5 * size + self.rank] = max((s.peak_bytes for s in self.act_stats), default=0)
+        self.zero.begin_step()  # the previous step's weights are all here
+        loss, busy, count = self._run_rank(plan, fetched, True)
+        self.zero.finish_backward()  # ranks without micro-batches launch their share here
         t0 = time.perf_counter()
-        self.comm.all_reduce(buf)
+        stats, n_labels = self._step_stats(plan, loss, busy, count)
+        norm = self.zero.reduce(1.0 / max(n_labels, 1))
         reduce_s = time.perf_counter() - t0
-        n_labels = labelled_positions(plan.lengths)
-        scale = 1.0 / max(n_labels, 1)
-        buf[:n].mul_(scale)
-        off = 0
-        for p in self.master_params:  # the master's gradients are views of the reduced buffer
-            assert p.dtype == buf.dtype, "master weights are kept in the accumulation dtype"
-            k = p.numel()
-            p.grad = buf[off : off + k].view_as(p)
-            off += k
-        if self.master is not self.model:
-            for p in self.params:
-                p.grad = None
-        stats = buf[n:].tolist()
+        size = self.comm.size
+        red = self.zero.last_reduce
         managed = self.activations is not None
         return StepResult(
-            loss=stats[0] * scale,
+            loss=stats[0] / max(n_labels, 1),
             n_labels=n_labels,
             tokens=int(plan.lengths.sum()),
-            grad_norm=float("nan"),
+            grad_norm=norm,
             compute_s=stats[1 : 1 + size],
             microbatches=[int(x) for x in stats[1 + size : 1 + 2 * size]],
             ring_wait_s=stats[1 + 2 * size : 1 + 3 * size],
             p2p_bytes=[int(x) for x in stats[1 + 3 * size : 1 + 4 * size]],
             rank_p2p_bytes=self.comm.p2p_bytes,
             rank_comm_s=self.comm.wait_s + reduce_s,
-            reduce_bytes=buf.numel() * buf.element_size(),
+            reduce_bytes=red.bytes + (len(stats) + 2) * 8,
+            grad_wait_s=red.wait_s,
+            grad_hidden=red.hidden_fraction,
+            cross_wait_s=self._cross_s + red.cross_s,
             offload_bytes=[int(x) for x in stats[1 + 4 * size : 1 + 5 * size]] if managed else [],
             act_peak_bytes=[int(x) for x in stats[1 + 5 * size :]] if managed else [],
         )
 
+    def _step_stats(
+        self, plan: StepPlan, loss: torch.Tensor, busy: float, count: int
+    ) -> tuple[list[float], int]:
+        """One small island all-reduce: [loss sum | per rank: busy s, micro-batches, ring wait s,
+        ring bytes, offload bytes moved, activation peak bytes]; in sync mode the loss sum and the labelled positions are also summed across
+        islands. Returns the list and the step's labelled positions."""
+        size, r = self.comm.size, self.rank
+        buf = torch.zeros(1 + 6 * size, dtype=torch.float64, device=self.device)
+        buf[0] = loss
+        buf[1 + r] = busy
+        buf[1 + size + r] = count
+        buf[1 + 2 * size + r] = self.comm.wait_s
+        buf[1 + 3 * size + r] = self.comm.p2p_bytes
+        buf[1 + 4 * size + r] = sum(s.moved_bytes for s in self.act_stats)
+        buf[1 + 5 * size + r] = max((s.peak_bytes for s in self.act_stats), default=0)
+        self.comm.all_reduce(buf)
+        n_labels = labelled_positions(plan.lengths)
+        self._cross_s = 0.0
+        if self.cross_comm is not None:
+            total = torch.stack([buf[0], buf.new_tensor(float(n_labels))])
+            t0 = time.perf_counter()
+            self.cross_comm.all_reduce(total)
+            self._cross_s = time.perf_counter() - t0
+            buf[0] = total[0]
+            n_labels = int(round(float(total[1])))
+        return buf.tolist(), n_labels
+
     def update(self, result: StepResult) -> None:
-        """Clip the accumulated gradient, step AdamW and the schedule (records the norm)."""
-        if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.master_params, self.grad_clip)
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in self.master_params])
-            )
-        result.grad_norm = float(norm)
-        self.optimizer.step()
+        """Clip the reduced gradient by its norm, step AdamW on this rank's slice, all-gather the
+        weights, step the LR schedule."""
+        self.zero.apply(result.grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not self.model:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master_params):
-                    p.copy_(m)
 
     def step(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], step: int) -> StepResult:
         """One optimizer step of `plan`; `fetched` are this rank's micro-batches in slot order."""
@@ -315,7 +304,8 @@ class HDPExecutor:
     def evaluate(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]) -> tuple[float, int]:
         """Forward only: (sum of token losses over the island, labelled positions)."""
         self.check_plan(plan, -1)
-        loss, _, _ = self._run_rank(plan, fetched, False, torch.zeros(0))
+        self.zero.wait_weights()
+        loss, _, _ = self._run_rank(plan, fetched, False)
         t = loss.reshape(1).clone()
         self.comm.all_reduce(t)
         return float(t.item()), labelled_positions(plan.lengths)

@@ -1,7 +1,13 @@
-"""Where a training process runs: its rank in the island, the island's communicator, the device.
+"""Where a training process runs: its island, its rank in the island, the communicators, the device.
 
 `setup_runtime` joins the process group named by torchrun's environment (gloo on CPU, NCCL with
-eager `device_id` initialisation on CUDA) or runs as one process.
+eager `device_id` initialisation on CUDA) or runs as one process, then creates, once, every process
+group the run needs (`island_groups`): the world is `islands` x N ranks, global rank g is rank
+g mod N of island g // N. Each island gets two groups over the same ranks: one for rings, plan
+agreement and step statistics, one for the bucketed gradient reductions ZeRO launches during the
+last backward (on NCCL a reduction queued on the ring's communicator would hold that backward's
+ring hops behind a collective the other members join only after their own last micro-batch).
+Rank i of every island shares a cross-island group (CO2's slice averages, sync's gradients).
 """
 
 from __future__ import annotations
@@ -15,16 +21,38 @@ import torch.distributed as dist
 
 from datapipe.errors import ConfigError
 from trainer.comm import Communicator, SoloComm, TorchComm
+from trainer.config import ranks_per_island
 from trainer.faults import restart_count
 
-__all__ = ["TIMEOUT_ENV", "Runtime", "is_peer_failure", "setup_runtime"]
+__all__ = [
+    "TIMEOUT_ENV",
+    "IslandGroups",
+    "Runtime",
+    "is_peer_failure",
+    "island_groups",
+    "setup_runtime",
+]
 
 TIMEOUT_ENV = "MIXLEN_DIST_TIMEOUT"  # seconds a collective may wait (default 600)
 
 
 @dataclass
+class IslandGroups:
+    """This rank's communicators: its island's (rings, statistics), its island's gradient
+    reductions, and its cross-island slice (SoloComm where a group has one rank)."""
+
+    island: int
+    islands: int
+    comm: Communicator
+    grad_comm: Communicator
+    cross_comm: Communicator
+
+
+@dataclass
 class Runtime:
-    """Where this process runs: its rank in the island, the island's communicator, the device."""
+    """Where this process runs. `rank` and `world` are island-local (the StepPlan's ranks and
+    their number N); `global_rank` / `global_world` count every island; `run_comm` spans the
+    whole run (checkpoints; default: `comm`, the run of one island)."""
 
     rank: int
     world: int
@@ -32,6 +60,27 @@ class Runtime:
     device: torch.device
     comm: Communicator
     owns_group: bool  # this module initialised torch.distributed (and tears it down)
+    island: int = 0
+    islands: int = 1
+    grad_comm: Communicator | None = None  # default: comm
+    cross_comm: Communicator | None = None  # default: a one-rank SoloComm
+    run_comm: Communicator | None = None  # default: comm
+
+    def __post_init__(self) -> None:
+        if self.grad_comm is None:
+            self.grad_comm = self.comm
+        if self.cross_comm is None:
+            self.cross_comm = SoloComm()
+        if self.run_comm is None:
+            self.run_comm = self.comm
+
+    @property
+    def global_rank(self) -> int:
+        return self.island * self.world + self.rank
+
+    @property
+    def global_world(self) -> int:
+        return self.islands * self.world
 
     def close(self) -> None:
         """Tear down the process group if this runtime created it."""
@@ -39,12 +88,39 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def setup_runtime(device: str = "auto") -> Runtime:
-    """Join the process group named by torchrun's environment, or run as one process."""
+def _comm(group: dist.ProcessGroup | None, size: int) -> Communicator:
+    return SoloComm() if size == 1 else TorchComm(group)
+
+
+def island_groups(islands: int) -> IslandGroups:
+    """Create the island, gradient and cross-island groups of the world (collective: every rank
+    creates every group, in one order, as torch.distributed.new_group requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = ranks_per_island(islands, world)
+    island, local = divmod(rank, n)
+    comm = grad = cross = None
+    for j in range(islands):
+        members = list(range(j * n, (j + 1) * n))
+        g = dist.group.WORLD if islands == 1 else dist.new_group(members) if n > 1 else None
+        gg = dist.new_group(members) if n > 1 else None
+        if j == island:
+            comm, grad = _comm(g, n), _comm(gg, n)
+    for i in range(n):
+        g = dist.new_group(list(range(i, world, n))) if islands > 1 else None
+        if i == local:
+            cross = _comm(g, islands)
+    assert comm is not None and grad is not None and cross is not None
+    return IslandGroups(island, islands, comm, grad, cross)
+
+
+def setup_runtime(device: str = "auto", islands: int = 1) -> Runtime:
+    """Join the process group named by torchrun's environment (or run as one process) and create
+    the island groups of `islands` islands."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
         world = dist.get_world_size()
+    ranks_per_island(islands, world)  # before joining: every rank raises the same error
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
@@ -72,9 +148,22 @@ def setup_runtime(device: str = "auto") -> Runtime:
         )
         owns = True
     if dist.is_initialized() and dist.get_world_size() > 1:
-        comm: Communicator = TorchComm()
+        groups = island_groups(islands)
         dist.barrier()
-        return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, comm, owns)
+        n = dist.get_world_size() // islands
+        return Runtime(
+            groups.comm.rank,
+            n,
+            local_rank,
+            dev,
+            groups.comm,
+            owns,
+            island=groups.island,
+            islands=islands,
+            grad_comm=groups.grad_comm,
+            cross_comm=groups.cross_comm,
+            run_comm=groups.comm if islands == 1 else TorchComm(),
+        )
     return Runtime(0, 1, 0, dev, SoloComm(), owns)
 
 

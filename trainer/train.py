@@ -20,13 +20,16 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     """Check, without starting it, that a run of `world` ranks can start: the config, the dataset
     (manifest, index, shard sizes), the plan fitting its longest sample on `world` ranks, the
     model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
-    run. The launcher calls it before torchrun, so such an error is printed once."""
+    run, and `parallel.islands` dividing `world`. The launcher calls it before torchrun, so such an
+    error is printed once."""
     from trainer.checkpoint import check_run_matches, resume_candidates
     from trainer.data import TrainData
 
     cfg.validate()
+    n = cfg.parallel.ranks_per_island(world)  # the plan is an island's
     with ExitStack() as stack:
-        data = TrainData(cfg, 0, world, cfg.model.shape().vocab_size, stack, validation=False)
+        vocab = cfg.model.shape().vocab_size
+        data = TrainData(cfg, 0, n, vocab, stack, validation=False, islands=cfg.parallel.islands)
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
             check_run_matches(paths[0], cfg, data.stream)
@@ -37,7 +40,7 @@ def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any
     calls it. A runtime made here (rt None) is torn down at the end."""
     cfg.validate()
     own_rt = rt is None
-    rt = rt or setup_runtime(cfg.train.device)
+    rt = rt or setup_runtime(cfg.train.device, cfg.parallel.islands)
     try:
         with Trainer(cfg, rt) as trainer:
             return trainer.train()

@@ -3,7 +3,10 @@
 
 Per step, every rank of the island takes the next global batch from the length-aware stream, plans
 it (the same plan everywhere, from lengths alone), fetches only its own token ranges (in a
-background thread, one step ahead) and hands the plan and its micro-batches to the HDP executor.
+background thread, one step ahead) and hands the plan and its micro-batches to the HDP executor,
+whose sharded optimizer (trainer.zero) steps the island's weights. With several islands, batch j
+of an epoch goes to island j mod I and the islands train together as `[co2]` says: co2 / diloco
+rounds after the optimizer steps (trainer.islands.CrossIsland), or sync gradients inside them.
 Every resource is released through one ExitStack (`close()`), also when building fails.
 """
 
@@ -18,12 +21,14 @@ from typing import Any
 
 import torch
 
+from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainerConfig, to_toml
 from trainer.data import TrainData
 from trainer.executor import HDPExecutor
 from trainer.faults import FaultInjector
+from trainer.islands import CrossIsland, ModelState, build_optimizer, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
 from trainer.model import build_model, torch_dtype
@@ -66,67 +71,96 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, rt = self.cfg, self.rt
-        # model, optimizer, schedule, executor; every generator seeded (and checkpointed)
+        if rt.islands != cfg.parallel.islands:
+            raise ConfigError(
+                f"parallel.islands: {cfg.parallel.islands}, but the runtime was set up with "
+                f"{rt.islands} island(s)"
+            )
+        # model, the island's sharded optimizer, schedule, executor; every generator seeded
         seed_all(cfg.train.seed)
         shape = cfg.model.shape()
-        self.model, self.master = build_model(
+        self.model, master = build_model(
             shape, torch_dtype(cfg.train.dtype), rt.device, seed=cfg.train.seed
         )
-        self.optimizer = torch.optim.AdamW(
-            self.master.parameters(),
-            lr=cfg.train.lr,
-            betas=(cfg.train.beta1, cfg.train.beta2),
-            weight_decay=cfg.train.weight_decay,
+        assert rt.grad_comm is not None and rt.cross_comm is not None
+        mode = cfg.co2.mode if rt.islands > 1 else "single"
+        cross = cross_link(cfg.co2, rt.cross_comm)
+        self.zero = build_optimizer(
+            cfg, self.model, master, rt.comm, rt.grad_comm, cross if mode == "sync" else None
         )
+        del master  # its values are in the optimizer's master weights now
+        self.optimizer = self.zero.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # offload and activation checkpointing (None: neither)
         self.activations = activation_manager(cfg, rt.device, torch_dtype(cfg.train.dtype))
         self.executor = HDPExecutor(
             self.model,
-            self.optimizer,
+            self.zero,
             rt.comm,
-            master=self.master,
             scheduler=self.scheduler,
-            grad_clip=cfg.train.grad_clip,
             device=rt.device,
             activations=self.activations,
+            cross_comm=cross if mode == "sync" else None,
         )
+        # co2 / diloco rounds across islands
+        self.cross: CrossIsland | None = None
+        if mode in ("co2", "diloco"):
+            self.cross = CrossIsland(cfg.co2, self.zero, rt.comm, cross)
         # test-only fault injection (MIXLEN_FAULT); nothing armed in a normal run
-        self.faults = FaultInjector(rt.rank)
+        self.faults = FaultInjector(rt.global_rank)
         self.faults.attach(self.model)
-        # data: fetch, held-out split, stream, planner, validation set
-        self.data = TrainData(cfg, rt.rank, rt.world, shape.vocab_size, self._stack)
+        # data: fetch, held-out split, this island's stream, planner, validation set
+        self.data = TrainData(
+            cfg, rt.rank, rt.world, shape.vocab_size, self._stack, island=rt.island,
+            islands=rt.islands,
+        )  # fmt: skip
         # resume before the first step
+        self.state = ModelState(
+            self.model, self.zero, self.cross, rt.island, prefixed=self.cross is not None
+        )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             cfg,
-            self.model,
-            self.master,
-            self.optimizer,
+            self.state,
             self.scheduler,
-            rt.comm,
+            rt.run_comm,
             rt.device,
             self.faults,
         )
         self.start_step = self.checkpointer.resume(self.data.stream)
-        # metrics (rank 0 writes)
+        # metrics (the run's rank 0 writes)
         self.metrics = MetricsWriter(
             cfg.metrics.dir,
             cfg.train.steps,
-            active=rt.rank == 0,
+            active=rt.global_rank == 0,
             tensorboard=cfg.metrics.tensorboard,
             progress=cfg.metrics.progress,
             console_interval=cfg.metrics.console_interval,
             resume_step=self.start_step if self.checkpointer.resumed else None,
         )
         self._stack.callback(self.metrics.close)
-        if rt.rank == 0:
+        if rt.global_rank == 0:
             write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
         self.metrics.set_start(self.start_step)
         self.balance = BalanceSummary()
         if self.activations is not None:
             cost = self.data.planner.cost
             self.balance.offload = OffloadSummary(shape.n_layers, cost.act_bytes_per_token_layer)
+
+    def memory_record(self) -> dict[str, Any]:
+        """This rank's model-state bytes (datapipe.plan.memory's formula counts the same)."""
+        mem = self.zero.memory()
+        rec: dict[str, Any] = {
+            "zero": self.zero.level,
+            "mem_weights_bytes": mem.weights,
+            "mem_master_bytes": mem.master,
+            "mem_moments_bytes": mem.moments,
+            "mem_grads_bytes": mem.grads,
+            "mem_grads_peak_bytes": mem.grads_peak,
+        }
+        if self.cross is not None:
+            rec["mem_outer_bytes"] = self.cross.memory_bytes()
+        return rec
 
     def train_step(self, step: int, item: tuple, fetched: list, wait_s: float) -> dict[str, Any]:
         """One optimizer step of the prefetched `item` = (batch, plan, stream state); returns the
@@ -136,10 +170,13 @@ class Trainer:
         batch, plan, _ = item
         lr = self.optimizer.param_groups[0]["lr"]
         res = self.executor.step(plan, fetched, step)
+        outer = self._outer_step(step)
         step_s = time.perf_counter() - t0 + wait_s
         planned = (plan.rank_time_ns / 1e9).tolist()
         self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
         rec = step_record(step, batch, plan, res, lr, wait_s, step_s)
+        rec.update(outer)
+        rec.update(self.memory_record())
         if self.balance.offload is not None and self.executor.plan_offload is not None:
             po = self.executor.plan_offload
             rec.update(self.balance.offload.add(po, res.offload_bytes, res.act_peak_bytes))
@@ -148,11 +185,22 @@ class Trainer:
             rec["val_loss"] = val.run(self.executor)
             rec["val_tokens"] = val.tokens
         self.metrics.log(rec)
-        if self.rt.rank != 0:  # rank 0's line is the metrics console line
+        if self.rt.global_rank != 0:  # global rank 0's line is the metrics console line
             get_logger().info(
                 f"step {step}: {res.microbatches[self.rt.rank]} micro-batches, compute "
                 f"{res.compute_s[self.rt.rank]:.3f} s, ring wait {res.ring_wait_s[self.rt.rank]:.3f} s"
             )
+        return rec
+
+    def _outer_step(self, step: int) -> dict[str, Any]:
+        """The co2 / diloco round after an optimizer step; after the run's last step every
+        pending average is applied (a stop_after end keeps its round in flight: the checkpoint
+        holds it)."""
+        if self.cross is None:
+            return {}
+        rec = self.cross.after_step()
+        if step == self.cfg.train.steps:
+            rec.update(self.cross.finish())
         return rec
 
     def train(self) -> dict[str, Any]:
@@ -191,7 +239,7 @@ class Trainer:
             "checkpoint_dir": cfg.checkpoint.dir,
             "wall_s": time.perf_counter() - self.t_start,
         }
-        if self.rt.rank == 0:
+        if self.rt.global_rank == 0:
             report = self.balance.render(label)
             write_text_atomic(summary["balance_report"], report)
             log = get_logger()

@@ -1,0 +1,300 @@
+"""CO2 across islands: sync, diloco and co2 on 2 islands x 2 gloo ranks over emulated links.
+
+The debug model with 4 layers trains on the standard-library corpus (Python sources of this
+interpreter, preprocessed with --max-len 2048 into --data unless it exists) through the real
+Trainer (`mixlen train`'s code: stream dealt to islands, plans, fetch, executor, trainer.islands).
+Every run trains the same token budget (--steps steps of --batch tokens per island).
+
+1. No link (gloo on localhost, ~free): each method's compute time per step, and the loss after the
+   budget (held-out loss of the final weights), also for the `--sweep` settings that chose the
+   `[co2]` defaults.
+2. Emulated links (`co2.link_gbps`, trainer.co2.LinkEmulator) scaled from phase 1 so that one
+   round's cross-island communication takes 0.5x, 1x and 4x the compute between two of them:
+   tau steps for co2 and diloco (one average of each rank's slice per round), one step for sync
+   (the gradient slice every step). Tokens/s in steady state (the first round and the last step,
+   whose final average cannot overlap anything, are left out), the share of the communication
+   hidden (1 - time lost against the no-link run / the link's busy time), and the loss.
+3. The ablation: co2 without the staleness penalty and clipping beside co2 with them at a large
+   tau, at 1x.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_co2.py [--steps 48] [--sweep]
+        [--methods co2 --factors 0.8,1,1.25 --ablation-tau 0]   # around 1x, co2 only
+
+Prints tables and writes benchmarks/out/bench_co2.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ISLANDS, RANKS = 2, 2
+FACTORS = (0.5, 1.0, 4.0)
+# [co2] settings compared by --sweep (no link) to choose the defaults
+SWEEP = [
+    {"tau": 8, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
+    {"tau": 8, "outer_lr": 0.7, "outer_momentum": 0.5},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.5},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.0},
+    {"tau": 8, "outer_lr": 0.7, "outer_momentum": 0.5, "staleness_lambda": 0.0, "clip": "none"},
+    {"tau": 8, "outer_lr": 0.7, "outer_momentum": 0.5, "clip_value": 0.01},
+    {"tau": 4, "outer_lr": 0.7, "outer_momentum": 0.5},
+    {"tau": 16, "outer_lr": 0.7, "outer_momentum": 0.5},
+    # momentum hurts a one-round-stale update over so few rounds: without it
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "clip_value": 0.01},
+    {"tau": 8, "outer_lr": 0.8, "outer_momentum": 0.0},
+    {"tau": 8, "outer_lr": 1.2, "outer_momentum": 0.0},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.2},
+    {"tau": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "staleness_lambda": 0.0, "clip": "none"},
+    {"tau": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+    {"tau": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "clip_value": 0.01},
+]
+
+
+def ensure_data(path: str) -> str:
+    """The standard-library corpus with samples of at most 2048 tokens (built once)."""
+    if os.path.isfile(os.path.join(path, "index.parquet")):
+        return path
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    preprocess(
+        PreprocessConfig(
+            inputs=[stdlib], out=path, globs=["**/*.py"], excludes=["site-packages/*"],
+            max_len=2048, progress=False,
+        )
+    )  # fmt: skip
+    return path
+
+
+def base_config(args: argparse.Namespace, run_dir: str) -> dict:
+    return {
+        "model": {"name": "debug", "n_layers": 4},
+        "data": {"path": args.data, "val_fraction": 0.02, "val_tokens": 16384},
+        "train": {
+            "steps": args.steps,
+            "global_batch_tokens": args.batch,
+            "lr": 4e-3,
+            "warmup": 3,
+            "eval_interval": args.steps,
+        },
+        "parallel": {"policy": "hdp", "capacity": 1024, "islands": ISLANDS},
+        "checkpoint": {"dir": None},
+        "metrics": {"dir": run_dir, "progress": False, "console_interval": 10**6},
+    }
+
+
+def _worker(rank: int, world: int, port: int, job: dict) -> None:
+    """Every run of `job` in turn on one 2 x 2 runtime; rank 0 copies each run's records."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.comm import init_local_gloo
+    from trainer.config import from_dict
+    from trainer.runtime import setup_runtime
+    from trainer.train import run_training
+
+    init_local_gloo(rank, world, port, timeout_s=1800)
+    try:
+        rt = setup_runtime("cpu", islands=ISLANDS)
+        torch.set_num_threads(1)
+        out = {}
+        for name, d in job["runs"]:
+            summary = run_training(from_dict(d), rt)
+            if rank == 0:
+                with open(summary["metrics"]) as f:
+                    out[name] = [json.loads(x) for x in f]
+            dist.barrier()
+        if rank == 0:
+            with open(job["out"], "w") as f:
+                json.dump(out, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_all(runs: list[tuple[str, dict]]) -> dict[str, list[dict]]:
+    from trainer.comm import free_port, spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runs.json")
+        n = ISLANDS * RANKS
+        spawn(_worker, n, (n, free_port(), {"runs": runs, "out": out}), timeout=7200)
+        with open(out) as f:
+            return json.load(f)
+
+
+def config(args, tmp: str, name: str, co2: dict) -> tuple[str, dict]:
+    d = base_config(args, os.path.join(tmp, name))
+    d["co2"] = co2
+    return name, d
+
+
+# --- summaries ---------------------------------------------------------------------------------------
+
+
+def steady(recs: list[dict], tau: int) -> list[dict]:
+    """Whole rounds from the second to the one before the last (the first has no average to
+    wait for, the last one's final average cannot overlap anything)."""
+    rounds = len(recs) // tau
+    return recs[tau : tau * (rounds - 1)] if rounds > 2 else recs[1:-1]
+
+
+def summarize(recs: list[dict], tau: int, comm_s: float = 0.0, nolink: dict | None = None) -> dict:
+    """Over the steady window: tokens/s (all islands) and time per step from the wall clock; the
+    time blocked on the cross-island link in the same run (co2/diloco: waiting for the average at
+    round ends, sync: in the cross-island all-reduces of every step); the loss after the budget.
+
+    The box is shared, so wall-clock ratios between runs carry the load of the moment (tens of
+    percent); the in-run figures do not: `keeps` = 1 - blocked / wall (the share of the run's
+    no-communication throughput it kept), `hidden` = 1 - blocked / the link's busy time, and
+    `factor` = one round's communication over the compute time of a round measured in the run."""
+    st = steady(recs, tau)
+    wall = sum(r["step_time_s"] for r in st)
+    blocked = sum(r.get("co2_wait_s", 0.0) + r.get("cross_wait_s", 0.0) for r in st)
+    steps = [r["step_time_s"] for r in st]
+    out = {
+        "tokens_per_s": ISLANDS * sum(r["tokens"] for r in st) / wall,
+        "step_s": wall / len(st),
+        "step_s_spread": [min(steps), statistics.median(steps), max(steps)],
+        "blocked_s": blocked,
+        "val_loss": recs[-1].get("val_loss"),
+        "train_loss_last8": statistics.mean(r["loss"] for r in recs[-8:]),
+        "clipped": [r["co2_clipped_fraction"] for r in recs if "co2_clipped_fraction" in r],
+        "penalty": [r["co2_penalty"] for r in recs if "co2_penalty" in r],
+    }
+    if comm_s > 0:
+        rounds = len(st) / tau
+        out["keeps"] = 1.0 - blocked / wall
+        out["hidden"] = min(1.0, max(0.0, 1.0 - blocked / (comm_s * rounds)))
+        out["factor"] = comm_s / ((wall - blocked) / rounds)
+        if nolink is not None:
+            out["keeps_wall"] = out["tokens_per_s"] / nolink["tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=os.path.join(ROOT, "benchmarks", "out", "stdlib-2k"))
+    ap.add_argument("--steps", type=int, default=48, help="optimizer steps per run (the budget)")
+    ap.add_argument("--batch", type=int, default=2048, help="global batch tokens per island")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="I,J,..",
+        help="only the no-link runs and the defaults sweep (all settings, or these indices)",
+    )
+    ap.add_argument("--ablation-tau", type=int, default=16, help="0: no ablation runs")
+    ap.add_argument("--methods", default="sync,diloco,co2")
+    ap.add_argument("--factors", default=",".join(str(f) for f in FACTORS))
+    args = ap.parse_args()
+    args.data = ensure_data(args.data)
+
+    from datapipe.plan.memory import slice_length
+    from datapipe.shapes import get_config
+    from trainer.config_co2 import CO2Config
+
+    default = CO2Config()
+    tau = default.tau
+    numel = get_config("debug", n_layers=4).num_params()
+    payload = slice_length(numel, RANKS, 64) * 4  # bytes of one rank's float32 slice
+    result: dict = {"args": vars(args), "defaults": vars(default), "payload_bytes": payload}
+    taus = {m: 1 if m == "sync" else tau for m in args.methods.split(",")}
+    factors = [float(f) for f in args.factors.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        # 1. no link: compute per step, loss after the budget (or the defaults sweep)
+        runs = [config(args, tmp, m, {"mode": m}) for m in taus]
+        picked = []
+        if args.sweep:
+            all_ = args.sweep == "all"
+            picked = list(range(len(SWEEP))) if all_ else [int(i) for i in args.sweep.split(",")]
+            runs += [config(args, tmp, f"sweep{i}", SWEEP[i]) for i in picked]
+        got = run_all(runs)
+        nolink = {m: summarize(got[m], taus[m]) for m in taus}
+        result["nolink"] = nolink
+        if args.sweep:
+            result["sweep"] = [
+                {"index": i, **SWEEP[i], **summarize(got[f"sweep{i}"], SWEEP[i]["tau"])}
+                for i in picked
+            ]
+            report(args, numel, result)
+            return
+        # 2. emulated links: one round's communication = factor x its compute; 3. the ablation
+        runs, comm = [], {}
+        for f in factors:
+            for m in taus:
+                comm[f"{m}@{f}"] = (f * taus[m] * nolink[m]["step_s"], m, taus[m], {"mode": m})
+        big = args.ablation_tau
+        if big and "co2" in taus:
+            comm["co2-big-tau@1.0"] = (big * nolink["co2"]["step_s"], "co2", big, {"tau": big})
+            comm["co2-big-tau-plain@1.0"] = (
+                big * nolink["co2"]["step_s"], "co2", big,
+                {"tau": big, "staleness_lambda": 0.0, "clip": "none"},
+            )  # fmt: skip
+        for name, (comm_s, _, _, co2) in comm.items():
+            runs.append(config(args, tmp, name, {**co2, "link_gbps": payload * 8 / comm_s / 1e9}))
+        got = run_all(runs)
+        result["linked"] = {
+            name: {
+                **summarize(got[name], t, comm_s, nolink[m]),
+                "link_gbps": payload * 8 / comm_s / 1e9,
+                "comm_s": comm_s,
+            }
+            for name, (comm_s, m, t, _) in comm.items()
+        }
+    report(args, numel, result)
+
+
+def report(args: argparse.Namespace, numel: int, result: dict) -> None:
+    """Print the tables and write benchmarks/out/bench_co2.json (bench_co2_sweep.json)."""
+    nolink, linked = result["nolink"], result.get("linked", {})
+    print(
+        f"debug model, 4 layers ({numel / 1e6:.2f}M params), {ISLANDS} islands x {RANKS} ranks, "
+        f"{args.steps} steps x {args.batch} tokens per island; [co2] {result['defaults']}"
+    )
+    print("\nno link: tokens/s, s per step (min/median/max), held-out loss after the budget")
+    for m, s in nolink.items():
+        lo, med, hi = s["step_s_spread"]
+        print(
+            f"  {m:7} {s['tokens_per_s']:8.0f} tok/s  {s['step_s']:.3f} s/step "
+            f"({lo:.2f}/{med:.2f}/{hi:.2f})  val {s['val_loss']:.4f}  "
+            f"train(last 8) {s['train_loss_last8']:.4f}"
+        )
+    for k, s in enumerate(result.get("sweep", [])):
+        i = s["index"]
+        if k == 0:
+            print("\nsweep (co2, no link; other settings the defaults) -> held-out loss")
+        clipped = statistics.median(s["clipped"]) if s["clipped"] else 0.0
+        penalty = max(s["penalty"], default=1.0)
+        print(
+            f"  {i:2} {json.dumps(SWEEP[i]):78} val {s['val_loss']:.4f}  train(last 8) "
+            f"{s['train_loss_last8']:.4f}  clipped {clipped:.3f}  penalty <= {penalty:.2f}"
+        )
+    if linked:
+        print("\nemulated link: one round's communication = factor x its compute (set from the")
+        print("no-link runs; 'in run' = measured against the run's own compute)")
+        print(f"  {'run':24} {'Gbit/s':>8} {'in run':>7} {'tok/s':>7} {'keeps':>6} "
+              f"{'(wall)':>7} {'hidden':>7} {'val loss':>9}")  # fmt: skip
+    for name, s in linked.items():
+        print(
+            f"  {name:24} {s['link_gbps']:8.4f} {s['factor']:6.2f}x {s['tokens_per_s']:7.0f} "
+            f"{s['keeps']:6.2f} {s['keeps_wall']:7.2f} {s['hidden']:7.2f} {s['val_loss']:9.4f}"
+        )
+    os.makedirs(os.path.join(ROOT, "benchmarks", "out"), exist_ok=True)
+    name = "bench_co2_sweep.json" if args.sweep else "bench_co2.json"
+    with open(os.path.join(ROOT, "benchmarks", "out", name), "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Model-state memory per rank: the slice arithmetic and the byte formula, without torch.
+
+One definition of how the flat parameter vector is cut into per-rank slices (`slice_length`,
+`slice_bounds`: `trainer.slices.FlatLayout` uses them), and of how many bytes a rank holds for
+weights, master weights, AdamW moments and gradient buffers under `[parallel] zero = 0 | 1 | 2`
+(`model_state_bytes`), and for CO2's outer state (`outer_state_bytes`). The trainer's metrics,
+`mixlen plan` and `mixlen simulate` (`preset_memory`) report these figures, so this module imports
+nothing heavier than the standard library.
+
+What each level keeps, for P parameters on N ranks of an island, slice length S (P/N rounded up
+to the alignment), compute dtype c and accumulation dtype a (float64 for float64, else float32):
+
+| buffer  | zero 0                  | zero 1            | zero 2                                  |
+| ------- | ----------------------- | ----------------- | --------------------------------------- |
+| weights | N*S*c (padded flat)     | N*S*c             | N*S*c                                   |
+| master  | N*S*a if c != a, else 0 | own*a if c != a   | own*a if c != a                         |
+| moments | 2*P*a                   | 2*own*a           | 2*own*a                                 |
+| grads   | N*S*a                   | N*S*a             | own*a between steps; up to P*a in a step |
+
+`own` is the rank's real slice length (<= S; the last slices may be shorter or empty). With
+float32/float64 compute the flat weights are the master weights (no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = [
+    "DTYPE_BYTES",
+    "ModelStateBytes",
+    "accum_dtype_name",
+    "format_preset_memory",
+    "model_state_bytes",
+    "outer_state_bytes",
+    "preset_memory",
+    "slice_bounds",
+    "slice_length",
+]
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def accum_dtype_name(compute: str) -> str:
+    """Dtype of master weights, moments and gradient accumulation for a compute dtype (the rule of
+    `trainer.attention.accum_dtype`, by name)."""
+    return "float64" if compute == "float64" else "float32"
+
+
+def slice_length(numel: int, ranks: int, align: int) -> int:
+    """Padded length S of every slice: ceil(numel / ranks) rounded up to a multiple of `align`."""
+    assert ranks >= 1 and align >= 1 and numel >= 0
+    per = -(-numel // ranks)
+    return -(-per // align) * align
+
+
+def slice_bounds(numel: int, ranks: int, align: int, rank: int) -> tuple[int, int]:
+    """[start, end) of `rank`'s slice of the flat vector: [rank*S, (rank+1)*S) clipped to numel
+    (the last slices may be shorter, or empty when the model is tiny)."""
+    s = slice_length(numel, ranks, align)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes one rank holds for the model state (activations not included)."""
+
+    weights: int  # compute-dtype weights (replicated, padded flat buffer)
+    master: int  # accumulation-dtype master weights (0 when the weights are the master)
+    moments: int  # AdamW exp_avg + exp_avg_sq
+    grads: int  # gradient buffers held between steps
+    grads_peak: int  # gradient buffers at most during a step
+
+    @property
+    def optimizer(self) -> int:
+        """Optimizer state: master weights and moments."""
+        return self.master + self.moments
+
+    @property
+    def total(self) -> int:
+        """Peak model-state bytes (weights, optimizer state, gradients at their peak)."""
+        return self.weights + self.master + self.moments + self.grads_peak
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "optimizer": self.optimizer, "total": self.total}
+
+
+def model_state_bytes(
+    numel: int,
+    ranks: int,
+    zero: int,
+    compute: str = "bfloat16",
+    align: int = 64,
+    rank: int = 0,
+) -> ModelStateBytes:
+    """Model-state bytes of `rank` (rank 0 holds the largest slice) for `numel` trainable
+    parameters on an island of `ranks` ranks with ZeRO level `zero` and compute dtype `compute`
+    (a name of DTYPE_BYTES). Equal to what `trainer.zero.ZeroOptimizer` allocates."""
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
+    c = DTYPE_BYTES[compute]
+    a = DTYPE_BYTES[accum_dtype_name(compute)]
+    padded = ranks * slice_length(numel, ranks, align)
+    start, end = slice_bounds(numel, ranks, align, rank)
+    own = end - start if zero > 0 else numel
+    separate_master = c != a
+    if zero == 0:
+        master = padded * a if separate_master else 0
+    else:
+        master = own * a if separate_master else 0
+    grads = padded * a if zero < 2 else own * a
+    grads_peak = padded * a if zero < 2 else numel * a
+    return ModelStateBytes(
+        weights=padded * c,
+        master=master,
+        moments=2 * own * a,
+        grads=grads,
+        grads_peak=grads_peak,
+    )
+
+
+def outer_state_bytes(numel: int, ranks: int, compute: str = "bfloat16", align: int = 64) -> int:
+    """CO2 outer-state bytes of rank 0 of an island: its slice of the anchor, outer momentum,
+    previous average D_prev and the in-flight buffer, in the accumulation dtype (about 4/N of the
+    model)."""
+    start, end = slice_bounds(numel, ranks, align, 0)
+    return 4 * (end - start) * DTYPE_BYTES[accum_dtype_name(compute)]
+
+
+def preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> dict[str, dict[str, int]]:
+    """Model-state bytes per rank of the named shape (datapipe.shapes; a cost preset's
+    `name@device` suffix is ignored) on an island of `ranks` ranks, by ZeRO level ("zero0" is
+    the replicated optimizer); {} for a name that is not a model shape (a cost file)."""
+    from datapipe.shapes import MODEL_CONFIGS
+
+    shape = MODEL_CONFIGS.get(model.split("@")[0])
+    if shape is None:
+        return {}
+    n = shape.num_params()
+    return {f"zero{z}": model_state_bytes(n, ranks, z, compute).as_dict() for z in (0, 1, 2)}
+
+
+def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> str:
+    """One line per ZeRO level for `mixlen plan` / `simulate` ('' when `model` is no shape)."""
+    table = preset_memory(model, ranks, compute)
+    if not table:
+        return ""
+    name = model.split("@")[0]
+    lines = [f"model state per rank ({name}, {compute} compute, {ranks} ranks per island, GB):"]
+    for level, b in table.items():
+        lines.append(
+            f"  zero {level[-1]}: weights {b['weights'] / 1e9:.1f}  master {b['master'] / 1e9:.1f}"
+            f"  moments {b['moments'] / 1e9:.1f}  grads {b['grads'] / 1e9:.1f}"
+            f" (peak {b['grads_peak'] / 1e9:.1f})  total {b['total'] / 1e9:.1f}"
+        )
+    return "\n".join(lines)

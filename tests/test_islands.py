@@ -1,0 +1,133 @@
+"""Islands training together (trainer.islands): co2, diloco and sync through the executor and the
+sharded optimizer against plain-torch references (fake ranks in threads, then 2 islands x 2 gloo
+processes with the Trainer: resume mid-round and at a boundary with a round in flight)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _co2_worker import ISLANDS, RANKS, SCENARIOS, STEPS, main, reference, run_mode
+from _train_worker import make_dataset
+
+from datapipe.plan.memory import model_state_bytes, outer_state_bytes
+from datapipe.shapes import get_config
+from trainer.comm import free_port, run_islands, spawn
+from trainer.config_co2 import CO2Config
+from trainer.islands import CrossIsland, ModelState
+from trainer.model import build_model
+from trainer.zero import ZeroOptimizer
+
+SC = {name: (mode, c) for name, mode, c in SCENARIOS}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
+
+
+def check(name: str, losses: list[list[float]], weights_err: float, want: dict) -> None:
+    """Every island's loss curve within 1e-9 of the reference's (float64), final weights 1e-9."""
+    for j in range(ISLANDS):
+        got, ref = np.array(losses[j]), np.array(want["losses"][j])
+        assert got.shape == (STEPS,)
+        assert np.all(np.abs(got - ref) <= 1e-9 * np.abs(ref)), (name, j, got, ref)
+    assert weights_err <= 1e-9, (name, weights_err)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])
+def test_modes_equal_plain_references_threads(name):
+    """2 islands x 2 fake ranks: co2 without overlap, penalty or clipping and diloco equal DiLoCo
+    with torch's heavy-ball SGD; tau 1, momentum 0, outer lr 1 equals averaging the weights every
+    step; co2 with overlap, penalty, clipping and Nesterov equals the contract's rule one round
+    stale; sync equals one process on the union of the islands' batches."""
+    mode, c = SC[name]
+    out = run_islands(ISLANDS, RANKS, lambda isl, cross: run_mode(isl, None, cross, mode, c), 200)
+    want = reference(mode, c)
+    assert out[0]["groups"] == [1, 2]  # a ring beside local work
+    losses = [out[j * RANKS]["losses"] for j in range(ISLANDS)]
+    for j in range(ISLANDS):  # the ranks of an island agree bitwise
+        assert all(out[j * RANKS + r]["losses"] == losses[j] for r in range(RANKS))
+        assert all(torch.equal(out[j * RANKS + r]["weights"], out[0]["weights"])
+                   for r in range(RANKS))  # fmt: skip
+    w = want["weights"]
+    err = float((out[0]["weights"] - w).abs().max() / w.abs().max())
+    check(name, losses, err, want)
+    if mode == "sync":  # the same loss everywhere; every step waits on the cross-island sums
+        assert losses[0] == losses[1]
+        assert all(t > 0 for t in out[0]["cross_wait_s"])
+    else:
+        assert all(t == 0 for t in out[0]["cross_wait_s"])
+    if name == "co2":  # the first boundary applies nothing; clipping and the penalty act
+        recs = [r for r in out[0]["records"] if "co2_applied" in r]
+        assert [r["co2_applied"] for r in recs] == [False, True, True]
+        assert all(0 < r["co2_clipped_fraction"] < 1 for r in recs[1:])
+        assert recs[2]["co2_penalty"] > 1.01
+    if name == "diloco":
+        assert [r.get("co2_applied") for r in out[0]["records"]] == [None, None, True] * 2
+
+
+def test_model_state_prefixes_islands_and_shares_outer_state():
+    """co2/diloco checkpoints keep each island's weights and optimizer under its prefix and the
+    outer state once (same keys on every island); sync keeps one unprefixed copy."""
+
+    def body(isl, cross):
+        model, _ = build_model(get_config("debug", dim=32, ffn_dim=64), torch.float32)
+        zero = ZeroOptimizer.for_model(model, isl, level=1)
+        rounds = CrossIsland(CO2Config(tau=2), zero, isl, cross)
+        co2 = ModelState(model, zero, rounds, cross.rank, prefixed=True).state_dict()
+        sync = ModelState(model, zero, None, cross.rank).state_dict()
+        return sorted(co2), sorted(co2[f"island{cross.rank}"]), sorted(co2["outer"]), sorted(sync)
+
+    out = run_islands(2, 2, body)
+    assert out[0][0] == ["island0", "outer"] and out[2][0] == ["island1", "outer"]
+    assert out[0][1] == ["model", "optim"]
+    assert out[0][2] == out[3][2] == ["anchor", "counters", "d_prev", "inflight", "momentum"]
+    assert out[0][3] == out[3][3] == ["model", "optim"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_islands_gloo_processes(dataset, tmp_path):
+    """2 islands x 2 gloo processes (island, gradient and cross-island groups from the runtime):
+    the scenarios above against their references; the Trainer with co2 stopped mid-round (step 3)
+    or at a round boundary with a round in flight (step 4) and resumed equals the straight run
+    bitwise (loss curve and final weights, checked on every rank), every island ends at the same
+    anchor; diloco and sync runs; metrics report rounds and memory per the formulas."""
+    spawn(main, ISLANDS * RANKS, (ISLANDS * RANKS, free_port(), dataset, str(tmp_path)), 460)
+    res = json.loads((tmp_path / "co2.json").read_text())
+    for name, *_ in SCENARIOS:
+        r = res[name]
+        check(name, r["losses"], r["weights_err"], {"losses": r["want_losses"]})
+        assert r["groups"] == [1, 2]
+    tr = res["trainer"]
+    assert len(tr["straight"]) == 6 and tr["stop3"][0] == tr["straight"][:3]
+    assert len(tr["diloco"]) == 4 and len(tr["sync"]) == 3
+    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    boundary = [r for r in recs if "co2_applied" in r]
+    assert [r["step"] for r in boundary] == [2, 4, 6]
+    assert [r["co2_applied"] for r in boundary] == [False, True, True]
+    assert recs[-1]["co2_final"] is True and recs[-1]["co2_round"] == 3
+    assert all(r["co2_wait_s"] >= 0 and r["co2_update_norm"] > 0 for r in boundary[1:])
+    numel = get_config("debug", dim=32, ffn_dim=64).num_params()
+    want = model_state_bytes(numel, RANKS, 1, "float32")
+    for r in recs:
+        assert r["zero"] == 1
+        assert (
+            r["mem_weights_bytes"],
+            r["mem_master_bytes"],
+            r["mem_moments_bytes"],
+            r["mem_grads_bytes"],
+        ) == (want.weights, want.master, want.moments, want.grads)
+        assert r["mem_outer_bytes"] == outer_state_bytes(numel, RANKS, "float32")  # fmt: skip

@@ -1,0 +1,343 @@
+"""The sharded optimizer (trainer.zero) against torch.optim.AdamW on the whole model, its memory
+against datapipe.plan.memory's formula, and resharding of its state through DCP."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _zero_worker import (
+    CLIP,
+    LR,
+    MICROBATCHES,
+    WD,
+    assert_params_close,
+    fresh_net,
+    gloo_main,
+    reference,
+    run_zero,
+)
+
+from datapipe.plan.memory import model_state_bytes
+from trainer.comm import Done, free_port, run_threads, spawn
+from trainer.zero import ZeroOptimizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class _Rank:
+    """Rank and size only: enough to build an optimizer that loads or reports memory."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+def _zero(net, comm, level, **kw) -> ZeroOptimizer:
+    return ZeroOptimizer(
+        list(net.parameters()), comm, level=level, lr=LR, weight_decay=WD, bucket_bytes=8 * 40, **kw
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("clip", [0.0, CLIP])
+def test_sharded_adamw_equals_torch_adamw(ranks, level, hooks, clip):
+    """Unequal micro-batch counts (an idle rank at 3), a branch one rank skips in its last
+    micro-batch, with hooks a parameter whose gradient is final last but whose bucket launches
+    first: parameters after every step and the norms equal torch's (float64, 1e-12)."""
+    steps = 3
+
+    def run(comm):
+        return run_zero(comm, level, hooks, clip, range(steps), fresh_net(odd=hooks))
+
+    out = run_threads(ranks, run, timeout=50)
+    want, want_norms = reference([ranks] * steps, clip, odd=hooks)
+    if clip:
+        assert all(n > clip for n in want_norms), "clipping must be active"
+    for res in out:
+        assert_params_close(res["net"], want)
+        for a, b in zip(res["norms"], want_norms):
+            assert abs(a - b) <= 1e-12 * b
+    # every rank issued the same sequence of bucket reductions
+    assert all(r["launched"] == out[0]["launched"] for r in out)
+
+
+def test_buckets_launch_while_the_last_backward_runs():
+    """With hooks, reductions of the late layers are in flight before the first layer's gradient
+    is final (communication overlaps the rest of the backward), in the same order on all ranks."""
+
+    def run(comm):
+        net = fresh_net()
+        zero = _zero(net, comm, 1)
+        seen = []  # a probe that runs just before the optimizer's own hook on w1
+        net.w1.register_post_accumulate_grad_hook(lambda p: seen.append(len(zero._handles)))
+        zero.install_hooks()
+        zero.begin_step()
+        zero.begin_microbatch(last=True)
+        from _zero_worker import batch
+
+        net(batch(0, comm.rank, 0), True).backward()
+        zero.finish_backward()
+        order = [b for b, _ in zero._handles]
+        zero.step()
+        return seen[0], order, len(zero.buckets), zero.last_reduce
+
+    out = run_threads(2, run, timeout=30)
+    for in_flight, order, n, stats in out:
+        assert 0 < in_flight < n
+        assert order == list(range(n))
+        assert stats.buckets == n and in_flight <= stats.early <= n
+
+
+class _InstantComm:
+    """Rank 0 of 2 whose collectives complete at once (and do nothing): memory bookkeeping."""
+
+    rank, size = 0, 2
+
+    def all_reduce(self, tensor, async_op=False):
+        return Done() if async_op else None
+
+    def reduce_scatter(self, flat, out, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+    def all_gather_into(self, flat, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+
+def test_zero2_frees_sent_buckets_during_the_backward():
+    """zero 2, one micro-batch: a non-owned bucket lives from its first gradient until its
+    reduction has completed, so the gradient memory never reaches the whole model."""
+    from _zero_worker import batch
+
+    net = fresh_net()
+    zero = _zero(net, _InstantComm(), 2)
+    zero.install_hooks()
+    zero.begin_step()
+    zero.begin_microbatch(last=True)
+    net(batch(0, 0, 0), True).backward()
+    zero.finish_backward()
+    zero.step()
+    numel = sum(p.numel() for p in net.parameters())
+    mem = zero.memory()
+    assert mem.grads == zero.grad.numel() * 8  # between steps: this rank's slice only
+    bucket = max(b.numel for b in zero.buckets)
+    assert mem.grads_peak <= mem.grads + 2 * bucket * 8 < numel * 8
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_memory_equals_the_formula(compute, ranks, level):
+    dtype = getattr(torch, compute)
+
+    def run(comm):
+        net = fresh_net().to(dtype)
+        zero = _zero(net, comm, level)
+        res = run_zero(comm, level, True, 0.0, range(1), net, zero)
+        return res["zero"].memory(), MICROBATCHES[ranks][comm.rank]
+
+    numel = sum(p.numel() for p in fresh_net().parameters())
+    for rank, (got, count) in enumerate(run_threads(ranks, run, timeout=30)):
+        want = model_state_bytes(numel, ranks, level, compute, align=64, rank=rank)
+        assert (got.weights, got.master, got.moments, got.grads) == (
+            want.weights,
+            want.master,
+            want.moments,
+            want.grads,
+        )
+        if level < 2 or count >= 2:  # a rank accumulating >= 2 micro-batches holds everything
+            assert got.grads_peak == want.grads_peak
+        else:
+            assert got.grads_peak <= want.grads_peak
+
+
+def test_memory_formula_by_hand():
+    # 1000 parameters, 4 ranks, align 64: S = 256, slices 256, 256, 256, 232
+    z1 = model_state_bytes(1000, 4, 1, "bfloat16", align=64, rank=3)
+    assert (z1.weights, z1.master, z1.moments, z1.grads) == (2048, 928, 1856, 4096)
+    z2 = model_state_bytes(1000, 4, 2, "bfloat16", align=64, rank=0)
+    assert (z2.grads, z2.grads_peak, z2.optimizer) == (1024, 4000, 1024 + 2048)
+    z0 = model_state_bytes(1000, 4, 0, "float32", align=64)
+    assert (z0.weights, z0.master, z0.moments, z0.grads) == (4096, 0, 8000, 4096)
+    # 7B in bfloat16 on 8 ranks: optimizer state 12 bytes / parameter / 8 instead of 12
+    p = 7_000_000_000
+    rep = model_state_bytes(p, 8, 0, "bfloat16")
+    sh = model_state_bytes(p, 8, 1, "bfloat16")
+    assert rep.optimizer == 4 * p + 8 * p
+    assert abs(sh.optimizer - 12 * p / 8) < 12 * 64
+
+
+def test_bfloat16_levels_agree():
+    """bfloat16 compute with float32 master slices: zero 1 and 2 equal zero 0."""
+
+    def run(comm, level):
+        net = fresh_net().to(torch.bfloat16)
+        master = fresh_net().to(torch.float32)
+        zero = _zero(net, comm, level, master_params=list(master.parameters()))
+        assert zero.master.dtype == torch.float32
+        res = run_zero(comm, level, True, CLIP, range(3), net, zero)
+        return torch.cat([p.detach().float().reshape(-1) for p in res["net"].parameters()])
+
+    base = run_threads(3, lambda c: run(c, 0), timeout=30)[0]
+    for level in (1, 2):
+        for got in run_threads(3, lambda c, lv=level: run(c, lv), timeout=30):
+            torch.testing.assert_close(got, base, rtol=1e-6, atol=1e-6)
+
+
+# --- checkpoints: resharding through DCP ---------------------------------------------------------
+
+
+def _keep(sd: dict) -> dict:
+    """A detached copy of a state dict, keeping each chunk's global offset."""
+    out = {}
+    for k, t in sd.items():
+        c = t.detach().clone()
+        for attr in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+            if hasattr(t, attr):
+                setattr(c, attr, getattr(t, attr))
+        out[k] = c
+    return out
+
+
+def _save_as_ranks(path: str, sds: list[dict]) -> None:
+    """Write the state dicts of several ranks as ONE checkpoint with one chunk per rank, as
+    their joint DCP save would (one process: each key is the ranks' chunks side by side)."""
+    merged = {}
+    for k in sds[0]:
+        if not hasattr(sds[0][k], "global_offsets"):
+            merged[k] = sds[0][k]
+            continue
+        parts = [sd[k] for sd in sds if sd[k].numel()]
+        t = torch.cat(parts)
+        t.global_shape = parts[0].global_shape
+        t.global_offsets = tuple(p.global_offsets[0] for p in parts)
+        starts = [0]
+        for p in parts[:-1]:
+            starts.append(starts[-1] + p.numel())
+        t.local_offsets = tuple((s,) for s in starts)
+        t.local_sizes = tuple((p.numel(),) for p in parts)
+        merged[k] = t
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(merged, checkpoint_id=path)
+    meta = dcp.FileSystemReader(path).read_metadata()
+    assert len(meta.state_dict_metadata["exp_avg"].chunks) == len(
+        [sd for sd in sds if sd["exp_avg"].numel()]
+    )
+
+
+def _load_rank(path: str, net, rank: int, size: int, level: int) -> dict:
+    zero = _zero(net, _Rank(rank, size), level)
+    sd = zero.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(sd, checkpoint_id=path)
+    return _keep(sd)
+
+
+def _cat(sds: list[dict], key: str) -> torch.Tensor:
+    return torch.cat([sd[key] for sd in sds])
+
+
+@pytest.mark.timeout(60)
+def test_state_reshards_4_to_2_to_1(tmp_path):
+    """State of zero 1 on 4 ranks saved by DCP (one chunk per rank) loads on 2 ranks (zero 2),
+    whose state loads on 1 (zero 0); training continues exactly like the uninterrupted run."""
+
+    def first(comm):
+        res = run_zero(comm, 1, True, CLIP, range(2))
+        return _keep(res["zero"].state_dict()), res["net"].state_dict()
+
+    out4 = run_threads(4, first, timeout=30)
+    net_state = {k: v.clone() for k, v in out4[0][1].items()}
+    _save_as_ranks(str(tmp_path / "c4"), [sd for sd, _ in out4])
+
+    loaded2 = [_load_rank(str(tmp_path / "c4"), fresh_net(), r, 2, 2) for r in range(2)]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(_cat(loaded2, key), _cat([sd for sd, _ in out4], key))
+    assert float(loaded2[0]["step"]) == 2.0
+
+    def second(comm):
+        net = fresh_net()
+        net.load_state_dict(net_state)
+        zero = _zero(net, comm, 2, grad_clip=CLIP)
+        zero.load_state_dict(loaded2[comm.rank])
+        res = run_zero(comm, 2, True, CLIP, range(2, 4), net, zero)
+        return _keep(res["zero"].state_dict()), res["net"].state_dict()
+
+    out2 = run_threads(2, second, timeout=30)
+    want, _ = reference([4, 4, 2, 2], CLIP)
+    net2 = fresh_net()
+    net2.load_state_dict(out2[0][1])
+    assert_params_close(net2, want)
+    _save_as_ranks(str(tmp_path / "c2"), [sd for sd, _ in out2])
+
+    net1 = fresh_net()
+    net1.load_state_dict(out2[0][1])
+    loaded1 = _load_rank(str(tmp_path / "c2"), fresh_net(), 0, 1, 0)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded1[key], _cat([sd for sd, _ in out2], key))
+
+    def third(comm):
+        zero = _zero(net1, comm, 0, grad_clip=CLIP)
+        zero.load_state_dict(loaded1)
+        return run_zero(comm, 0, False, CLIP, range(4, 5), net1, zero)["net"]
+
+    (done,) = run_threads(1, third, timeout=30)
+    want, _ = reference([4, 4, 2, 2, 1], CLIP)
+    assert_params_close(done, want)
+
+
+def test_load_refuses_other_keys():
+    zero = _zero(fresh_net(), _Rank(0, 2), 1)
+    with pytest.raises(ValueError, match="keys"):
+        zero.load_state_dict({"exp_avg": torch.zeros(3)})
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    from _train_worker import make_dataset
+
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gloo_collectives_zero_and_resharded_resume(tmp_path, dataset):
+    """4 gloo processes: slice collectives (sync and async, equal/uneven/empty chunks, per-chunk
+    and gloo's own reduce-scatter/all-gather) against a plain sum; zero 1 with hooks against
+    torch AdamW; a real DCP save on 4 ranks resumed on 2 (zero 1) and on 1 (zero 0) equal to the
+    uninterrupted reference. Then the executor on hdp plans with unequal micro-batch counts and
+    rings: zero 1 and 2 equal zero 0 and the single-process reference (float64, clipping active;
+    bfloat16 within the bound); the Trainer at zero 1 on 4 ranks resumed on 2 and on 1 (zero 0)
+    equals the straight run; its metrics report the formula's bytes."""
+    import json
+
+    from datapipe.shapes import get_config
+
+    spawn(gloo_main, 4, (4, free_port(), str(tmp_path), dataset), timeout=390)
+    assert (tmp_path / "ok.txt").read_text() == "ok\n"
+    lines = (tmp_path / "levels.txt").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == [
+        "zero 0 clip", "zero 1 clip", "zero 2 clip", "zero 1 bf16 vs single",
+        "resume on 2 ranks", "resume on 1 rank",
+    ]  # fmt: skip
+    numel = get_config("debug", dim=32, ffn_dim=64).num_params()
+    want = model_state_bytes(numel, 4, 1, "float64")
+    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    assert len(recs) == 6
+    for r in recs:
+        got = (r["mem_weights_bytes"], r["mem_master_bytes"], r["mem_moments_bytes"],
+               r["mem_grads_bytes"], r["mem_grads_peak_bytes"])  # fmt: skip
+        assert got == (want.weights, want.master, want.moments, want.grads, want.grads_peak)
+        assert 0.0 <= r["grad_comm_hidden"] <= 1.0 and r["grad_comm_wait_s"] >= 0

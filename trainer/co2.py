@@ -1,0 +1,391 @@
+"""CO2's outer update across islands, on this rank's slice of the flat weights.
+
+World = islands x N ranks. Every rank of an island owns slice i of `trainer.slices.FlatLayout`
+(the slices ZeRO shards by) and keeps only that slice of the outer state: the anchor a, the outer
+momentum m, the previous applied average D_prev and one in-flight buffer. Rank i of every island
+averages slice i across islands on the cross-island communicator (N parallel streams); norms are
+over the whole model (squared slice norms summed over the island), so every rank of every island
+computes the same penalty and clipping. The rule (docs/ARCHITECTURE.md, "CO2 across islands"):
+
+- round t starts every island at x = a_t and runs tau local steps;
+- at its end, delta_t = a_t - x goes into the in-flight buffer (never the live weights) and its
+  cross-island average starts asynchronously;
+- the previous round's average D = avg(delta_{t-1}), which travelled while round t computed, is
+  applied one round stale::
+
+      penalty = 1 + lambda * ||D - D_prev|| / (||D|| + eps)   (D_prev = D at the first application)
+      m       = clip(beta * m + D / penalty)                  (clip: none, element-wise to [-c, c],
+                                                                or to global norm c)
+      step    = m                     (heavy-ball)  or  D / penalty + beta * m  (Nesterov)
+      a_{t+1} = a_t - alpha * step
+
+- round t+1 starts from a_{t+1}. At the end of the first round nothing is pending (a_2 = a_1);
+  every delta is applied exactly once, one round late (`flush` applies the last one at the end).
+
+`overlap = False` waits for this round's own average and applies it at once (DiLoCo; with lambda 0
+and no clipping it is DiLoCo with heavy-ball or Nesterov outer momentum; with tau 1, beta 0,
+alpha 1 it is parameter averaging every step). Here the previous round's average is awaited
+before this round's is launched: collectives on the cross-island group run in issue order, so
+the new one could not travel earlier anyway, and the in-flight buffer is reused (4 slices of
+outer state per rank instead of 5).
+
+`x` below is this rank's slice of the accumulation-dtype weights (`ZeroOptimizer.outer_slice()`),
+changed in place; the caller then all-gathers it over the island (`publish_outer_slice()`).
+`LinkEmulator` delays cross-island collectives by bytes / bandwidth so the overlap is measurable on
+one machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from trainer.comm import Communicator, Handle
+from trainer.slices import FlatLayout, checkpointable
+
+__all__ = ["LinkEmulator", "OuterConfig", "OuterStats", "OuterSync"]
+
+CLIPS = ("none", "value", "norm")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer update's settings (the `[co2]` section maps onto these)."""
+
+    tau: int = 8  # local steps per round
+    outer_lr: float = 0.7  # alpha
+    momentum: float = 0.9  # beta
+    nesterov: bool = False
+    staleness_lambda: float = 0.0  # lambda of the staleness gap penalty (0: off)
+    clip: str = "none"  # none | value | norm
+    clip_value: float = 1.0  # c
+    overlap: bool = True  # False: wait for this round's average and apply it now (DiLoCo)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        assert self.tau >= 1 and 0.0 <= self.momentum < 1.0 and self.clip in CLIPS
+        assert self.clip == "none" or self.clip_value > 0
+
+
+class OuterStats(NamedTuple):
+    """What one round boundary did (identical on every rank of every island but `wait_s`)."""
+
+    round: int  # round boundaries passed, this one included
+    applied: bool  # an average was applied
+    update_norm: float  # ||alpha * step|| over the whole model (0 when nothing was applied)
+    penalty: float  # the staleness gap penalty (1 when nothing was applied)
+    clipped_fraction: float  # elements clipped (value) or 1.0 if m was rescaled (norm)
+    wait_s: float  # time this rank blocked waiting for the cross-island average
+
+
+# --- link emulator -------------------------------------------------------------------------------
+
+
+class _LinkHandle:
+    def __init__(self, inner: Handle | None, done_at: float, link: LinkEmulator) -> None:
+        self._inner, self._done_at, self._link = inner, done_at, link
+
+    def is_completed(self) -> bool:
+        inner = getattr(self._inner, "is_completed", lambda: True)()
+        return inner and self._link.clock() >= self._done_at
+
+    def wait(self) -> None:
+        if self._inner is not None:
+            self._inner.wait()
+            self._inner = None
+        left = self._done_at - self._link.clock()
+        if left > 0:
+            self._link.sleep(left)
+            self._link.delayed_s += left
+
+
+class LinkEmulator:
+    """A cross-island communicator over a slow link: each collective completes no earlier than
+    its bytes / bandwidth after the link is free (transfers queue behind each other), enforced on
+    the waiting side, so compute that runs meanwhile overlaps it. Bytes are the ring traffic per
+    rank: 2(k-1)/k of the payload for an all-reduce, (k-1)/k for reduce-scatter and all-gather."""
+
+    def __init__(
+        self,
+        inner: Communicator,
+        gbps: float,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not gbps > 0:
+            raise ValueError(f"link bandwidth must be > 0 Gbit/s, got {gbps}")
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+        self.bytes_per_s = gbps * 1e9 / 8
+        self.clock, self.sleep = clock, sleep
+        self._free_at = -math.inf
+        self.bytes_sent = 0.0
+        self.delayed_s = 0.0  # time slept in waits beyond the real collective
+
+    def _delay(self, payload: int, factor: float, inner: Handle | None, async_op: bool) -> Any:
+        nbytes = payload * factor
+        start = max(self.clock(), self._free_at)
+        self._free_at = start + nbytes / self.bytes_per_s
+        self.bytes_sent += nbytes
+        h = _LinkHandle(inner, self._free_at, self)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    def _ring(self, allreduce: bool) -> float:
+        k = self.size
+        return (2.0 if allreduce else 1.0) * (k - 1) / k
+
+    def send_recv(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
+    ) -> Handle:
+        h = self.inner.send_recv(send, dst, recv, src, tag)
+        return self._delay(send.numel() * send.element_size(), 1.0, h, True)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        h = self.inner.all_reduce(tensor, async_op=True)
+        return self._delay(tensor.numel() * tensor.element_size(), self._ring(True), h, async_op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = self.inner.all_gather(tensor)
+        self._delay(
+            tensor.numel() * tensor.element_size() * self.size, self._ring(False), None, False
+        )
+        return out
+
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        h = self.inner.reduce_scatter(flat, out, sizes, async_op=True)
+        return self._delay(flat.numel() * flat.element_size(), self._ring(False), h, async_op)
+
+    def all_gather_into(
+        self, flat: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False
+    ) -> Handle | None:
+        h = self.inner.all_gather_into(flat, sizes, async_op=True)
+        return self._delay(flat.numel() * flat.element_size(), self._ring(False), h, async_op)
+
+
+# --- the outer update ----------------------------------------------------------------------------
+
+
+class OuterSync:
+    """Rounds, the cross-island average and the outer update of one rank's slice."""
+
+    def __init__(
+        self,
+        cfg: OuterConfig,
+        layout: FlatLayout,
+        island: Communicator,
+        cross: Communicator,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if layout.ranks != island.size:
+            raise ValueError(f"{layout} for an island of {island.size} ranks")
+        self.cfg, self.layout, self.island, self.cross, self.clock = (
+            cfg,
+            layout,
+            island,
+            cross,
+            clock,
+        )
+        s0, s1 = layout.slice(island.rank)
+        self.start_offset = s0
+
+        def buf() -> torch.Tensor:
+            return torch.zeros(s1 - s0, dtype=dtype, device=device)
+
+        self.anchor, self.momentum, self.d_prev, self.inflight = buf(), buf(), buf(), buf()
+        self.round = 0  # round boundaries passed
+        self.local_steps = 0  # steps into the current round
+        self.has_prev = False  # d_prev holds the last applied average
+        self.pending = False  # the in-flight buffer holds (or awaits) an average to apply
+        self._averaged = False  # the in-flight buffer already holds the average, not a sum
+        self._handle: Handle | None = None
+        self._counters = torch.zeros(4, dtype=torch.int64)
+
+    # -- rounds ------------------------------------------------------------------------------------
+
+    def start(self, x: torch.Tensor) -> None:
+        """The first anchor: this rank's slice of the initial weights (identical on all islands)."""
+        self.anchor.copy_(x)
+
+    def after_step(self, x: torch.Tensor) -> OuterStats | None:
+        """Count one local step; at the end of a round run the boundary (returns its stats; the
+        caller then all-gathers the changed `x` over the island)."""
+        self.local_steps += 1
+        if self.local_steps < self.cfg.tau:
+            return None
+        self.local_steps = 0
+        return self.boundary(x)
+
+    @torch.no_grad()
+    def boundary(self, x: torch.Tensor) -> OuterStats:
+        """End of a round: snapshot delta = anchor - x, average it across islands, apply the
+        previous (overlap) or this (no overlap) round's average, and set x to the new anchor."""
+        assert x.shape == self.anchor.shape
+        alpha = self.cfg.outer_lr
+        stats = (1.0, 0.0, 0.0)
+        wait_s, applied = 0.0, False
+        if self.cfg.overlap:
+            if self.pending:
+                wait_s = self._receive()
+                stats = self._prepare()
+                applied = True
+            x.neg_().add_(self.anchor)  # delta_t = a_t - x (x becomes the anchor below)
+            if applied:
+                self.anchor.sub_(self.inflight, alpha=alpha)
+            self.inflight.copy_(x)
+            self._launch()
+            self.pending = True
+        else:
+            torch.sub(self.anchor, x, out=self.inflight)
+            self._launch()
+            wait_s = self._receive()
+            stats = self._prepare()
+            applied = True
+            self.anchor.sub_(self.inflight, alpha=alpha)
+        x.copy_(self.anchor)
+        self.round += 1
+        penalty, update_norm, clipped = stats
+        return OuterStats(self.round, applied, update_norm, penalty, clipped, wait_s)
+
+    @torch.no_grad()
+    def flush(self, x: torch.Tensor) -> OuterStats | None:
+        """At the end of training: apply the round still in flight (so no delta is lost) and set
+        x to the final anchor; None if nothing was pending."""
+        if not self.pending:
+            return None
+        wait_s = self._receive()
+        penalty, update_norm, clipped = self._prepare()
+        self.anchor.sub_(self.inflight, alpha=self.cfg.outer_lr)
+        x.copy_(self.anchor)
+        self.pending = False
+        return OuterStats(self.round, True, update_norm, penalty, clipped, wait_s)
+
+    @torch.no_grad()
+    def finish(self, x: torch.Tensor) -> OuterStats | None:
+        """At the end of training: end the current round early if it has local steps (its
+        delta is averaged and applied too), then `flush`; None if there was nothing to do."""
+        s = None
+        if self.local_steps:
+            self.local_steps = 0
+            s = self.boundary(x)
+        return self.flush(x) or s
+
+    # -- pieces ------------------------------------------------------------------------------------
+
+    def _launch(self) -> None:
+        self._averaged = False
+        self._handle = None
+        if self.inflight.numel() and self.cross.size > 1:
+            self._handle = self.cross.all_reduce(self.inflight, async_op=True)
+
+    def _receive(self) -> float:
+        """Wait for the cross-island sum and turn it into the average; returns the time waited."""
+        t0 = self.clock()
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        waited = self.clock() - t0
+        if not self._averaged:
+            if self.cross.size > 1:
+                self.inflight.div_(self.cross.size)
+            self._averaged = True
+        return waited
+
+    def _island_sum(self, values: list[float | torch.Tensor]) -> list[float]:
+        dev = self.anchor.device  # NCCL reduces device tensors only
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in values])
+        if self.island.size > 1:
+            self.island.all_reduce(t)
+        return t.tolist()
+
+    def _sq(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            return torch.dot(t, t).double()
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+
+    def _prepare(self) -> tuple[float, float, float]:
+        """With D in the in-flight buffer: penalty, momentum and clipping; leaves the step in the
+        in-flight buffer and D in d_prev. Returns (penalty, ||alpha * step||, clipped fraction)."""
+        cfg, d, m = self.cfg, self.inflight, self.momentum
+        zero = torch.zeros((), dtype=torch.float64, device=d.device)
+        diff_sq = self._sq(d - self.d_prev) if self.has_prev else zero
+        diff2, d2 = self._island_sum([diff_sq, self._sq(d)])
+        penalty = 1.0 + cfg.staleness_lambda * math.sqrt(diff2) / (math.sqrt(d2) + cfg.eps)
+        m.mul_(cfg.momentum).add_(d, alpha=1.0 / penalty)
+        count = zero
+        rescaled = False
+        if cfg.clip == "value":
+            count = (m.abs() > cfg.clip_value).sum().double()
+            m.clamp_(-cfg.clip_value, cfg.clip_value)
+        elif cfg.clip == "norm":
+            (m2,) = self._island_sum([self._sq(m)])
+            rescaled = math.sqrt(m2) > cfg.clip_value
+            if rescaled:
+                m.mul_(cfg.clip_value / math.sqrt(m2))
+        self.d_prev.copy_(d)
+        self.has_prev = True
+        if cfg.nesterov:
+            d.mul_(1.0 / penalty).add_(m, alpha=cfg.momentum)
+        else:
+            d.copy_(m)
+        s2, clipped = self._island_sum([self._sq(d), count])
+        fraction = float(rescaled) if cfg.clip == "norm" else clipped / max(self.layout.numel, 1)
+        return penalty, cfg.outer_lr * math.sqrt(s2), fraction
+
+    # -- checkpoints and accounting ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state of this rank's slice with global offsets (identical on every island,
+        so DCP keeps one copy). A round in flight is finished first and saved as its average, so a
+        resume applies it exactly once."""
+        if self.pending:
+            self._receive()
+        self._counters.copy_(
+            torch.tensor([self.round, self.local_steps, int(self.has_prev), int(self.pending)])
+        )
+        return self._tensors()
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        s0, n = self.start_offset, self.layout.numel
+        return {
+            "anchor": checkpointable(self.anchor, s0, n),
+            "momentum": checkpointable(self.momentum, s0, n),
+            "d_prev": checkpointable(self.d_prev, s0, n),
+            "inflight": checkpointable(self.inflight, s0, n),
+            "counters": self._counters,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from a dict shaped like `state_dict()` (tensors `dcp.load` filled in place
+        need no copy)."""
+        mine = self._tensors()
+        if set(sd) != set(mine):
+            raise ValueError(f"outer state keys {sorted(sd)}, expected {sorted(mine)}")
+        for k, t in mine.items():
+            if sd[k] is not t:
+                t.copy_(torch.as_tensor(sd[k]).reshape(t.shape))
+        r, steps, has_prev, pending = (int(v) for v in self._counters.tolist())
+        self.round, self.local_steps = r, steps
+        self.has_prev, self.pending = bool(has_prev), bool(pending)
+        self._handle, self._averaged = None, True
+
+    def memory_bytes(self) -> int:
+        """Outer-state bytes of this rank (compare `datapipe.plan.memory.outer_state_bytes`)."""
+        bufs = (self.anchor, self.momentum, self.d_prev, self.inflight)
+        return sum(t.numel() * t.element_size() for t in bufs)

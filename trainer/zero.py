@@ -1,0 +1,516 @@
+"""The sharded optimizer (ZeRO-1/2) of an island: AdamW on this rank's slice of the flat weights.
+
+Weights stay replicated in the compute dtype: the parameters are views of one padded flat buffer
+(`trainer.slices.FlatLayout`). Each step:
+
+1. Micro-batches accumulate their gradients into accumulation-dtype buckets (pieces of the
+   per-rank slices): from post-accumulate-grad hooks (`install_hooks`, the parameter's `.grad` is
+   freed at once) or by `accumulate_grads()` after a backward.
+2. After the rank's last micro-batch the buckets are reduced to their owners. With hooks, each
+   bucket is launched (async) as soon as every parameter in it has its final gradient of the
+   last micro-batch, so communication overlaps the rest of that backward. Buckets are launched in
+   one fixed order (a ready bucket waits for the ones before it), so every rank issues the same
+   sequence of collectives whatever order its hooks fire in; `finish_backward()` launches the rest
+   (ranks without micro-batches launch everything there). Without hooks one reduce-scatter (zero 1)
+   or all-reduce (zero 0) of the whole buffer runs instead.
+3. `step(scale)` = `reduce(scale)`: wait, optionally all-reduce the slice across islands
+   (`sync`), scale by 1 / labelled positions, global norm (squared slice norms, one 1-element
+   all-reduce); then `apply(norm)`: clip by the global norm, AdamW on the slice (AdamW is element-wise, so a flat slice steps exactly as
+   `torch.optim.AdamW` on the whole model: `self.optimizer` IS a torch AdamW over the slice, for the
+   LR schedule), then all-gather the updated weights into every rank's compute-dtype parameters
+   (by bucket, in forward order; `async_gather=True` leaves the wait to `wait_weights()`).
+
+Levels: zero 0 keeps everything on every rank (all-reduce, no gather); zero 1 shards master
+weights and moments; zero 2 also shards the gradient buffer where HDP allows it:
+
+*What zero 2 saves with unequal micro-batch counts, and why.* Classic ZeRO-2 reduce-scatters after
+every micro-batch and keeps only its slice's running sum. HDP ranks run different numbers of
+micro-batches, so a per-micro-batch collective would put ranks in lockstep (k_max reductions per
+step, ranks that ran out sending zeros: k_max times the gradient traffic). Here nothing is sent
+before a rank's last micro-batch, so everything a rank must still send is its whole gradient: a
+rank with k >= 2 micro-batches accumulates every bucket from its first backward on (peak P
+elements, as zero 1). What zero 2 drops is the rest: buckets outside the rank's slice are
+allocated on first use in a step and freed as soon as their reduction has completed (polled
+without blocking from the hooks, and in `step`), so (a) between steps, during the optimizer step,
+the weight all-gather and the next step's first forward, a rank holds S gradient elements instead
+of P; (b) a rank with a single micro-batch never accumulates: its non-owned buckets live only
+from their first gradient to the end of their reduction, inside its one backward. Blocking on a
+bucket inside a hook to bound that further would deadlock a ring whose other members are still in
+earlier micro-batches, so it is not done.
+
+Buckets should travel on their own communicator (`grad_comm`, a second process group of the
+island): a reduction issued mid-backward on the ring's communicator would queue ring hops of that
+backward behind a collective the other members join only after their own last micro-batch.
+
+Checkpoints: `state_dict()` holds this rank's slice of the moments (and master weights when
+they are separate from the weights) marked with their global offsets (`checkpointable`), so DCP
+reshards them: a checkpoint of 4 ranks loads on 2 or 1, at any level.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from datapipe.plan.memory import ModelStateBytes
+from trainer.attention import accum_dtype
+from trainer.comm import Communicator, Handle
+from trainer.slices import FlatLayout, checkpointable
+
+__all__ = ["ReduceStats", "ZeroOptimizer"]
+
+
+class ReduceStats(NamedTuple):
+    """The gradient reduction of the last step on this rank (for metrics)."""
+
+    buckets: int  # reductions issued (1 without hooks at zero 0/1: one collective)
+    early: int  # of them, launched from hooks before the backward ended
+    wait_s: float  # time reduce() blocked waiting for them (the exposed communication)
+    bytes: int  # gradient payload this rank contributed
+    span_s: float = 0.0  # first launch to the end of that wait
+    cross_s: float = 0.0  # sync mode: the cross-island all-reduce of the slice
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the reduction's span that overlapped other work: 1 - wait / span (an upper
+        bound on the hidden share of the communication when the link idles between launches)."""
+        return 1.0 - self.wait_s / self.span_s if self.span_s > 0 else 0.0
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ZeroOptimizer:
+    """AdamW over an island with sharded state (see the module docstring).
+
+    `params`: the compute model's trainable parameters in a fixed order (rebound as views of
+    `flat_params`); `master_params`: same shapes, the accumulation-dtype initial values when the
+    compute dtype is lower (default: `params`); `layout`: the island's slice ownership (shared with
+    CO2; default built here); `cross_comm`: when given, the reduced slice is also summed across
+    islands (`sync` mode).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        comm: Communicator,
+        *,
+        level: int = 1,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_clip: float = 0.0,
+        master_params: Sequence[torch.Tensor] | None = None,
+        layout: FlatLayout | None = None,
+        bucket_bytes: int = 16 << 20,
+        grad_comm: Communicator | None = None,
+        cross_comm: Communicator | None = None,
+        async_gather: bool = False,
+    ) -> None:
+        if level not in (0, 1, 2):
+            raise ValueError(f"zero level must be 0, 1 or 2, got {level!r}")
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("no parameters to optimize")
+        self.comm, self.level, self.rank = comm, level, comm.rank
+        self.grad_comm = grad_comm if grad_comm is not None else comm
+        self.cross_comm = cross_comm
+        self.grad_clip, self.async_gather = float(grad_clip), async_gather
+        self.layout = (
+            layout if layout is not None else FlatLayout.from_params(self.params, comm.size)
+        )
+        lay = self.layout
+        if lay.ranks != comm.size or lay.shapes != [p.shape for p in self.params]:
+            raise ValueError(f"{lay} does not fit {len(self.params)} parameters on {comm.size}")
+        dev = self.params[0].device
+        self.compute_dtype = self.params[0].dtype
+        self.acc_dtype = accum_dtype(self.compute_dtype)
+        acc, esize = self.acc_dtype, torch.empty(0, dtype=self.acc_dtype).element_size()
+
+        # weights: one padded flat buffer the parameters are views of
+        self.flat_params = lay.new_flat(self.compute_dtype, dev)
+        lay.bind_params(self.params, self.flat_params)
+        # the range this rank's optimizer steps: everything at zero 0, its slice otherwise
+        self.own = (0, lay.numel) if level == 0 else lay.slice(self.rank)
+        o0, o1 = self.own
+        self.separate_master = self.compute_dtype != acc
+        self._master_flat: torch.Tensor | None = None
+        if not self.separate_master:
+            self.master = self.flat_params[o0:o1]  # the weights are the master weights
+        else:
+            if level == 0:
+                self._master_flat = lay.new_flat(acc, dev)
+                self.master = self._master_flat[o0:o1]
+            else:
+                self.master = torch.zeros(o1 - o0, dtype=acc, device=dev)
+            src = list(master_params) if master_params is not None else self.params
+            for part in lay.parts(o0, o1):
+                flat_p = src[part.param].detach().reshape(-1)
+                seg = flat_p[part.param_start : part.param_start + part.length]
+                self.master[part.range_start : part.range_start + part.length].copy_(seg)
+
+        # gradients: buckets of the slices, in launch (backward) order
+        self.buckets = lay.buckets(max(1, bucket_bytes // esize))
+        self.grad_flat = lay.new_flat(acc, dev) if level < 2 else None
+        if self.grad_flat is not None:
+            self.grad = self.grad_flat[o0:o1]
+        else:
+            self.grad = torch.zeros(o1 - o0, dtype=acc, device=dev)
+        self._tmp: dict[int, torch.Tensor] = {}  # zero 2: non-owned buckets alive in this step
+        self._parts: list[list[tuple[int, int, int, int]]] = [[] for _ in self.params]
+        self._count = [0] * len(self.buckets)
+        for b in self.buckets:
+            for part in lay.parts(b.start, b.end):
+                self._parts[part.param].append(
+                    (b.index, part.param_start, part.range_start, part.length)
+                )
+                self._count[b.index] += 1
+
+        # the inner AdamW over the slice, its state allocated now (checkpoints load into it)
+        self.optimizer = torch.optim.AdamW(
+            [self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        state = self.optimizer.state[self.master]
+        state["step"] = torch.zeros((), dtype=_scalar_dtype())
+        state["exp_avg"] = torch.zeros_like(self.master)
+        state["exp_avg_sq"] = torch.zeros_like(self.master)
+        self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+
+        self._hooks: list[Any] = []
+        self._gather_handles: list[Handle] = []
+        self._grad_peak = 0
+        self.last_reduce = ReduceStats(0, 0, 0.0, 0)
+        self.begin_step()
+
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, comm: Communicator, *, master: Any = None, **kwargs: Any
+    ) -> ZeroOptimizer:
+        """Over `model`'s trainable parameters in registration order (forward order for
+        trainer.model); `master`: a module of the same parameters in the accumulation dtype
+        holding the initial weights (bfloat16 compute; not needed afterwards)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        masters = None
+        if master is not None and master is not model:
+            masters = [p for p in master.parameters() if p.requires_grad]
+        return cls(params, comm, master_params=masters, **kwargs)
+
+    # -- gradient accumulation ---------------------------------------------------------------------
+
+    def install_hooks(self) -> None:
+        """Accumulate each parameter's gradient from a post-accumulate-grad hook (the `.grad` is
+        freed at once) and launch each bucket's reduction as soon as it is final."""
+        if not self._hooks:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                for i, p in enumerate(self.params)
+            ]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def begin_step(self) -> None:
+        """Before a step's first micro-batch: wait for the previous weight all-gather and reset
+        the bucket bookkeeping."""
+        self.wait_weights()
+        self._remaining = list(self._count)
+        self._next = 0
+        self._handles: list[tuple[int, Handle]] = []
+        self._polled = 0
+        self._early = 0
+        self._t_first = 0.0
+        self._last = False
+        self._grad_peak = self._grad_bytes()
+
+    def begin_microbatch(self, last: bool) -> None:
+        """Before a micro-batch's backward: `last` if it is the rank's last of the step (its
+        hooks launch bucket reductions)."""
+        self._last = last
+
+    def accumulate_grads(self) -> None:
+        """Move every parameter's `.grad` into the buckets (the path without hooks)."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._add(i, p.grad)
+                p.grad = None
+
+    def finish_backward(self) -> None:
+        """After the rank's last micro-batch (or at once on a rank without micro-batches): launch
+        every reduction not launched yet."""
+        self._early = len(self._handles)
+        if not self._hooks and self.level < 2 and not self._handles:
+            self._reduce_whole()
+            return
+        self._remaining = [0] * len(self.buckets)
+        self._launch_ready()
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        self._add(i, p.grad)
+        p.grad = None
+        if self._last:
+            for b, *_ in self._parts[i]:
+                self._remaining[b] -= 1
+            self._launch_ready()
+        self._poll()
+
+    @torch.no_grad()
+    def _add(self, i: int, grad: torch.Tensor) -> None:
+        g = grad.detach().reshape(-1)
+        for b, ps, bs, n in self._parts[i]:
+            self._bucket_buf(b)[bs : bs + n].add_(g[ps : ps + n])
+
+    def _bucket_buf(self, b: int) -> torch.Tensor:
+        bucket = self.buckets[b]
+        if self.grad_flat is not None:
+            return self.grad_flat[bucket.start : bucket.end]
+        if bucket.owner == self.rank:
+            return self.grad[bucket.start - self.own[0] : bucket.end - self.own[0]]
+        buf = self._tmp.get(b)
+        if buf is None:  # zero 2: allocated on first use in the step
+            buf = torch.zeros(bucket.numel, dtype=self.acc_dtype, device=self.grad.device)
+            self._tmp[b] = buf
+            self._grad_peak = max(self._grad_peak, self._grad_bytes())
+        return buf
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._remaining[self._next] <= 0:
+            b = self.buckets[self._next]
+            buf = self._bucket_buf(b.index)
+            if self.level == 0:
+                h = self.grad_comm.all_reduce(buf, async_op=True)
+            else:
+                sizes = [0] * self.layout.ranks
+                sizes[b.owner] = b.numel
+                out = buf if b.owner == self.rank else buf[:0]
+                h = self.grad_comm.reduce_scatter(buf, out, sizes, async_op=True)
+            assert h is not None
+            if not self._handles:
+                self._t_first = time.perf_counter()
+            self._handles.append((b.index, h))
+            self._next += 1
+
+    def _reduce_whole(self) -> None:
+        assert self.grad_flat is not None
+        if self.level == 0:
+            h = self.grad_comm.all_reduce(self.grad_flat, async_op=True)
+        else:
+            a, b = self.layout.padded_slice(self.rank)
+            h = self.grad_comm.reduce_scatter(self.grad_flat, self.grad_flat[a:b], async_op=True)
+        assert h is not None
+        self._t_first = time.perf_counter()
+        self._handles.append((-1, h))
+        self._next = len(self.buckets)
+
+    def _poll(self) -> None:
+        """zero 2: free the non-owned buckets whose reduction has completed, oldest first,
+        stopping at the first one still in flight (never blocks)."""
+        if self.level < 2:
+            return
+        while self._polled < len(self._handles):
+            b, h = self._handles[self._polled]
+            if b in self._tmp:
+                if not getattr(h, "is_completed", lambda: False)():
+                    return
+                h.wait()
+                del self._tmp[b]
+            self._polled += 1
+
+    def _grad_bytes(self) -> int:
+        if self.grad_flat is not None:
+            return _nbytes(self.grad_flat)
+        return _nbytes(self.grad) + sum(_nbytes(t) for t in self._tmp.values())
+
+    # -- the optimizer step ------------------------------------------------------------------------
+
+    def step(self, scale: float = 1.0) -> float:
+        """`reduce(scale)` then `apply(norm)`: one optimizer step after `finish_backward()`;
+        returns the gradient's global norm before clipping."""
+        norm = self.reduce(scale)
+        self.apply(norm)
+        return norm
+
+    @torch.no_grad()
+    def reduce(self, scale: float = 1.0) -> float:
+        """Finish the reductions, scale the slice's gradient by `scale` (summed across islands
+        first with `cross_comm`); returns the gradient's global norm (squared slice norms summed
+        over the island). The gradient is then in `grad` (this rank's slice) until `apply`."""
+        if self._next < len(self.buckets):
+            raise RuntimeError("reduce() before finish_backward(): reductions not all launched")
+        t0 = time.perf_counter()
+        for b, h in self._handles:
+            h.wait()
+            self._tmp.pop(b, None)
+        t1 = time.perf_counter()
+        esize = self.grad.element_size()
+        payload = self.layout.numel if self.grad_flat is None else self.grad_flat.numel()
+        span = t1 - self._t_first if self._handles else 0.0
+        launched, self._handles = len(self._handles), []
+        g = self.grad
+        cross_s = 0.0
+        if self.cross_comm is not None and self.cross_comm.size > 1 and g.numel():
+            self.cross_comm.all_reduce(g)
+            cross_s = time.perf_counter() - t1
+        self.last_reduce = ReduceStats(
+            launched, self._early, t1 - t0, payload * esize, span, cross_s
+        )
+        if scale != 1.0:
+            g.mul_(scale)
+        sq = torch.dot(g, g).reshape(1) if g.numel() else g.new_zeros(1)
+        if self.level > 0 and self.comm.size > 1:
+            self.comm.all_reduce(sq)
+        return float(sq.sqrt())
+
+    @torch.no_grad()
+    def apply(self, norm: float) -> None:
+        """Clip the reduced gradient to `grad_clip` by its global `norm` (torch's
+        clip_grad_norm_ rule), step AdamW on the slice, clear the gradient and all-gather the
+        weights (left in flight with `async_gather`)."""
+        g = self.grad
+        if self.grad_clip > 0:
+            coef = self.grad_clip / (norm + 1e-6)
+            if coef < 1.0:
+                g.mul_(coef)
+        self.master.grad = g
+        self.optimizer.step()
+        self.master.grad = None
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        else:
+            self.grad.zero_()
+        self.gather_weights()
+        if not self.async_gather:
+            self.wait_weights()
+
+    @torch.no_grad()
+    def gather_master(self) -> torch.Tensor:
+        """The whole accumulation-dtype master weights on every rank: a copy (collective at
+        zero 1/2; for tests and debugging)."""
+        n = self.layout.numel
+        if self.level == 0:
+            base = self._master_flat if self._master_flat is not None else self.flat_params
+            return base[:n].clone()
+        flat = self.layout.new_flat(self.acc_dtype, self.master.device)
+        o0, o1 = self.own
+        flat[o0:o1].copy_(self.master)
+        self.comm.all_gather_into(flat)
+        return flat[:n]
+
+    @torch.no_grad()
+    def gather_grad(self) -> torch.Tensor:
+        """The whole reduced gradient (between `reduce` and `apply`), on every rank: a copy
+        (collective at zero 1/2; for tests and debugging)."""
+        n = self.layout.numel
+        if self.level == 0:
+            assert self.grad_flat is not None
+            return self.grad_flat[:n].clone()
+        flat = self.layout.new_flat(self.acc_dtype, self.grad.device)
+        o0, o1 = self.own
+        flat[o0:o1].copy_(self.grad)
+        self.comm.all_gather_into(flat)
+        return flat[:n]
+
+    def gather_weights(self) -> None:
+        """Copy the stepped master slice into the compute weights and all-gather them over the
+        island, bucket by bucket in forward order (wait with `wait_weights()`)."""
+        o0, o1 = self.own
+        if self._master_flat is not None:  # zero 0, separate master: every rank has everything
+            self.flat_params.copy_(self._master_flat)
+            return
+        if self.separate_master:
+            self.flat_params[o0:o1].copy_(self.master)
+        if self.level == 0:
+            return
+        ranks = self.layout.ranks
+        for b in reversed(self.buckets):  # forward order
+            sizes = [0] * ranks
+            sizes[b.owner] = b.numel
+            h = self.grad_comm.all_gather_into(
+                self.flat_params[b.start : b.end], sizes, async_op=True
+            )
+            assert h is not None
+            self._gather_handles.append(h)
+
+    def wait_weights(self) -> None:
+        """Wait for the weight all-gather (before the next forward)."""
+        for h in self._gather_handles:
+            h.wait()
+        self._gather_handles = []
+
+    # -- CO2 hooks: the acc-dtype weights of this rank's layout slice ------------------------------
+
+    def outer_slice(self) -> torch.Tensor:
+        """The accumulation-dtype weights of this rank's slice of the layout (what CO2 updates in
+        place); call `publish_outer_slice()` after changing it."""
+        s0, s1 = self.layout.slice(self.rank)
+        if self.level == 0:
+            base = self._master_flat if self._master_flat is not None else self.flat_params
+            return base[s0:s1]
+        return self.master
+
+    def publish_outer_slice(self) -> None:
+        """Make every rank's weights (and zero 0's replicated master) agree after each rank
+        changed its `outer_slice()`: an island all-gather."""
+        self.wait_weights()
+        if self.level > 0:
+            self.gather_weights()
+            self.wait_weights()
+            return
+        base = self._master_flat if self._master_flat is not None else self.flat_params
+        self.comm.all_gather_into(base)
+        if base is not self.flat_params:
+            self.flat_params.copy_(base)
+
+    # -- checkpoints and accounting ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state with global offsets (DCP saves and reshards it; the
+        tensors are the live buffers, so `dcp.load` into this dict restores in place)."""
+        o0, n = self.own[0], self.layout.numel
+        sd: dict[str, Any] = {
+            "exp_avg": checkpointable(self.exp_avg, o0, n),
+            "exp_avg_sq": checkpointable(self.exp_avg_sq, o0, n),
+            "step": self.optimizer.state[self.master]["step"],
+        }
+        if self.separate_master:
+            sd["master"] = checkpointable(self.master, o0, n)
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from a dict shaped like `state_dict()` (nothing to copy for the tensors
+        `dcp.load` filled in place). The compute weights come from the model's own checkpoint
+        (they equal the master weights cast, after every step)."""
+        mine = self.state_dict()
+        if set(sd) != set(mine):
+            raise ValueError(f"optimizer state keys {sorted(sd)}, expected {sorted(mine)}")
+        for k, t in mine.items():
+            if sd[k] is not t:
+                t.copy_(torch.as_tensor(sd[k]).reshape(t.shape))
+
+    def memory(self) -> ModelStateBytes:
+        """Bytes this rank holds (compare `datapipe.plan.memory.model_state_bytes`)."""
+        master = 0
+        if self.separate_master:
+            master = _nbytes(self._master_flat if self._master_flat is not None else self.master)
+        grads = self._grad_bytes()
+        return ModelStateBytes(
+            weights=_nbytes(self.flat_params),
+            master=master,
+            moments=_nbytes(self.exp_avg) + _nbytes(self.exp_avg_sq),
+            grads=grads,
+            grads_peak=max(self._grad_peak, grads),
+        )
