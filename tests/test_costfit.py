@@ -11,7 +11,7 @@ import pytest
 
 from datapipe.plan import cost as C
 from datapipe.plan.common import group_times
-from datapipe.plan.costfit import CalibrationError, Terms, Timing, fit_terms, predict
+from datapipe.plan.costfit import CalibrationError, Terms, Timing, fit_local, fit_terms, predict
 
 TRUE = {"a": 3.4e-8, "b": 4.1e-5, "c": 6e-3, "h": 180.0, "lat": 2.5e-4, "bw": 6e8, "ov": 0.6}
 KV, LAYERS = 2048.0, 2
@@ -133,3 +133,14 @@ def test_fit_errors() -> None:
     with pytest.raises(CalibrationError, match="positive number of seconds"):
         fit_terms([*good, Timing("local", 1, (5,), 0.0, 0.0)], KV, LAYERS)
     assert Timing.from_dict(good[-1].to_dict()) == good[-1]
+
+
+def test_local_fit_clamps_negative_terms() -> None:
+    """Concave local timings would fit a negative quadratic term: it is fixed at 0 and b, c
+    refitted."""
+    s = [128, 256, 512, 1024, 4096, 16384]
+    exact = [Timing("local", 1, (x,), 0.0, 3e-8 * x * x + 8e-5 * x + 2e-3) for x in s]
+    assert fit_local(exact) == pytest.approx((3e-8, 8e-5, 2e-3), rel=1e-8)
+    concave = [Timing("local", 1, (x,), 0.0, 1e-4 * x - 1e-10 * x * x + 1e-3) for x in s]
+    a, b, c = fit_local(concave)
+    assert a == 0 and b > 0 and c >= 0

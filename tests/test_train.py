@@ -234,43 +234,40 @@ def test_cli_nproc_launch(dataset, tmp_path):
 # --- calibrate -----------------------------------------------------------------------------------
 
 
-def test_fit_cost_recovers_coefficients():
-    from tools.cmd_calibrate import fit_cost
-
-    s = np.array([128, 256, 512, 1024, 4096, 16384])
-    a, b, c = 3e-8, 8e-5, 2e-3
-    got = fit_cost(s, a * s * s + b * s + c)
-    np.testing.assert_allclose(got, (a, b, c), rtol=1e-8)
-    # concave data would fit a negative quadratic term: it is clamped to zero
-    ga, gb, gc = fit_cost(s, 1e-4 * s - 1e-10 * s * s + 1e-3)
-    assert ga == 0 and gb > 0 and gc >= 0
-
-
 def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     from datapipe.plan.cost import load
     from tools.cli import main
 
     out = tmp_path / "cost.json"
-    assert (
-        main(
-            [
-                "calibrate",
-                "--model",
-                "debug",
-                "--out",
-                str(out),
-                "--lengths",
-                "16,32,64",
-                "--repeats",
-                "1",
-            ]
-        )
-        == 0
-    )
+    args = ["calibrate", "--model", "debug", "--out", str(out), "--lengths", "16,32,64"]
+    assert main([*args, "--repeats", "1"]) == 0
     cost = load(out)
     assert cost.num_layers == 2 and min(cost.a, cost.b, cost.c) >= 0
     assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
-    assert json.loads(out.read_text())["calibration"]["lengths"] == [16, 32, 64]
+    assert (cost.attn_n_half, cost.hop_latency_s, cost.overlap) == (0.0, 0.0, 1.0)  # no rings
+    cal = json.loads(out.read_text())["calibration"]
+    assert [t["lengths"] for t in cal["timings"]][:3] == [[16], [32], [64]]
+    assert cal["fitted_terms"] == ["a", "b", "c"] and "local" in cal["residuals"]
+    assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
+
+
+@pytest.mark.slow
+def test_calibrate_two_processes_fits_ring_terms(tmp_path):
+    """Two gloo processes: hops and rings are timed and every ring term is fitted."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["calibrate", "--out", str(out), "--nproc", "2", "--repeats", "1"]
+    args += ["--lengths", "64,128,256", "--ring-lengths", "128,256", "--hop-bytes", "1024,262144"]
+    assert main(args) == 0
+    cost = load(out)
+    cal = json.loads(out.read_text())["calibration"]
+    assert set(cal["fitted_terms"]) >= {"hop_latency_s", "link_bytes_per_s", "overlap"}
+    kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
+    assert kinds == {("local", 1), ("hop", 2), ("ring", 2)}
+    assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
+    assert cal["nproc"] == 2 and cal["clock"] == "wall"
 
 
 def test_print_config_and_tensorboard_message(tmp_path, capsys):
