@@ -43,11 +43,13 @@ MDS_ACCESS = ("reader", "dataset")
 
 @dataclass
 class PackedMicroBatch:
-    """One packed micro-batch of one rank; every array is 1-D over its T positions."""
+    """One packed micro-batch of one rank; every array is 1-D over its T positions. Token ids keep
+    the dataset's dtype (uint16 below 65,536 ids: 2 bytes per position where int64 took 8), labels
+    and positions are int32; the model widens them on its device (trainer.model)."""
 
-    input_ids: np.ndarray  # int64 [T]
-    labels: np.ndarray  # int64 [T], IGNORE_INDEX at a sample's last position
-    position_ids: np.ndarray  # int64 [T], absolute position within the sample
+    input_ids: np.ndarray  # [T], the token dtype (uint16, uint32; int64 from MemoryFetcher)
+    labels: np.ndarray  # int32 [T], IGNORE_INDEX at a sample's last position
+    position_ids: np.ndarray  # int32 [T], absolute position within the sample
     cu_seqlens: np.ndarray  # int32 [P+1], piece boundaries for document-masked attention
     pieces: np.ndarray  # int64 [P, 3] (sample_id, token_start, token_end)
 
@@ -61,7 +63,7 @@ class PackedMicroBatch:
         return int(np.count_nonzero(self.labels != IGNORE_INDEX))
 
     def to_torch(self) -> dict[str, Any]:
-        """The arrays as torch tensors (int64; cu_seqlens int32), sharing memory where possible."""
+        """The arrays as torch tensors (same dtypes), sharing memory."""
         import torch
 
         return {
@@ -104,17 +106,18 @@ def pack_microbatch(
     starts = np.asarray(span_start, np.int64)
     if vectorized is None:
         vectorized = total < VECTORIZE_BELOW_MEAN_PIECE * len(pieces)
-    labels = np.full(total, IGNORE_INDEX, np.int64)
+    labels = np.full(total, IGNORE_INDEX, np.int32)
     if vectorized:
-        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - a, sizes)
-        src = position_ids + np.repeat(starts - a, sizes)  # index into flat of each input token
-        input_ids = flat.take(src).astype(np.int64, copy=False)
-        has_label = position_ids + 1 < np.repeat(lengths[s], sizes)
+        pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - a, sizes)
+        src = pos + np.repeat(starts - a, sizes)  # index into flat of each input token
+        input_ids = flat.take(src)
+        has_label = pos + 1 < np.repeat(lengths[s], sizes)
         labels[has_label] = flat.take(src[has_label] + 1)
+        position_ids = pos.astype(np.int32)
     else:
-        input_ids = np.empty(total, np.int64)
-        position_ids = np.empty(total, np.int64)
-        ramp = np.arange(int(b.max()) if len(b) else 0, dtype=np.int64)
+        input_ids = np.empty(total, flat.dtype)
+        position_ids = np.empty(total, np.int32)
+        ramp = np.arange(int(b.max()) if len(b) else 0, dtype=np.int32)
         nlab = np.minimum(b + 1, lengths[s]) - a - 1  # labelled positions of each piece
         for lo, hi, st, ai, bi, nl in zip(
             cu[:-1].tolist(),

@@ -99,7 +99,8 @@ def _check_against_reference(fetcher, pieces_list, ref) -> None:
     assert len(mbs) == len(pieces_list)
     for pieces, mb in zip(pieces_list, mbs, strict=True):
         want = reference_microbatch(pieces, ref)
-        assert mb.input_ids.dtype == np.int64 and mb.cu_seqlens.dtype == np.int32
+        assert mb.input_ids.dtype == fetcher.reader.dtype and mb.cu_seqlens.dtype == np.int32
+        assert mb.labels.dtype == mb.position_ids.dtype == np.int32
         assert mb.input_ids.tolist() == want["input_ids"]
         assert mb.labels.tolist() == want["labels"]
         assert mb.position_ids.tolist() == want["position_ids"]

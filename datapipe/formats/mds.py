@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from datapipe.formats.base import (
     read_ranges,
     willneed,
 )
+from datapipe.formats.mds_direct import token_decoder, verified
 from datapipe.index import download
 
 SUFFIX = ".mds"
@@ -84,7 +86,11 @@ class Writer(ShardWriter):
 
 
 class Reader(RowReader):
-    """MDS rows through the library's MDSReader: offset table + pread, decode_sample."""
+    """MDS rows through the library's MDSReader: offset table + pread; the token column decoded
+    directly where the shard's layout allows and a first row checked it (datapipe.formats.
+    mds_direct), else by `decode_sample`. `direct = False` forces the library's decode."""
+
+    direct = True
 
     def __init__(self, local: str, remote: str | None, manifest: dict) -> None:
         super().__init__(local, remote, manifest)
@@ -102,6 +108,7 @@ class Reader(RowReader):
         if any(r.compression for r in self.readers):
             raise InputError(f"{index_json}: compressed MDS shards are not supported")
         self._fds: dict[int, tuple[int, np.ndarray]] = {}
+        self._decoders: dict[int, Callable] = {}
 
     def _open(self, shard: int) -> tuple[int, np.ndarray]:
         if shard not in self._fds:
@@ -117,11 +124,29 @@ class Reader(RowReader):
         fd, offs = self._open(shard)
         willneed(fd, offs[local_rows], offs[local_rows + 1])
 
+    def _decoder(self, shard: int, row: memoryview) -> Callable:
+        """The token decoder of a shard, chosen at its first read (mds_direct.verified)."""
+        if shard not in self._decoders:
+            rd = self.readers[shard]
+
+            def library(data, _decode=rd.decode_sample):
+                return _decode(data)[TOKENS]
+
+            direct = None
+            if self.direct:
+                direct = token_decoder(
+                    rd.column_names, rd.column_encodings, rd.column_sizes, self.dtype, library
+                )
+            self._decoders[shard] = verified(direct, library, row)
+        return self._decoders[shard]
+
     def _read_shard(self, shard: int, local_rows: np.ndarray) -> list[np.ndarray]:
         fd, offs = self._open(shard)
-        decode = self.readers[shard].decode_sample
         raw = read_ranges(fd, offs[local_rows], offs[local_rows + 1], self.stats)
-        return [decode(d)[TOKENS] for d in raw]
+        if not raw:
+            return []
+        decode = self._decoder(shard, raw[0])
+        return [decode(d) for d in raw]
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
