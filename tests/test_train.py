@@ -190,6 +190,15 @@ def test_train_two_gloo_ranks(dataset, tmp_path):
     np.testing.assert_allclose(
         [v for _, v in got["val"]], [v for _, v in ref["val_losses"]], rtol=1e-5
     )
+    # the straight run compared hdp with static on steps 2, 4, 6 (a second pass, no update)
+    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    rows = [r["compare"] for r in recs if "compare" in r]
+    assert [r["step"] for r in recs if "compare" in r] == [2, 4, 6]
+    assert all(r["other_policy"] == "static" and r["other_groups"] == [2] for r in rows)
+    assert all(r["predicted_s"] > 0 and r["other_measured_s"] > 0 for r in rows)
+    report = (tmp_path / "straight" / "balance.md").read_text()
+    total = sum(r["other_predicted_s"] for r in rows)
+    assert f"| static | {total:.2f} |" in report and "on the same 3 global batches" in report
 
 
 @pytest.mark.slow

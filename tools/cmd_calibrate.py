@@ -24,6 +24,9 @@ DEFAULT_HOP_BYTES = "4096,65536,1048576,4194304"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="debug", help="trainer model config name")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="the model's vocabulary (default: its own)"
+    )
     parser.add_argument("--out", required=True, help="cost file to write (JSON)")
     parser.add_argument(
         "--nproc", type=int, default=1, help="processes (ranks) to time rings with (default 1)"
@@ -100,6 +103,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
     if args.ranks_per_node < 0:
         raise ConfigError(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
+    shape = None
+    if args.vocab_size is not None:
+        from datapipe.shapes import get_config
+
+        if args.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+        try:
+            shape = get_config(args.model, vocab_size=args.vocab_size)
+        except ValueError as exc:
+            raise ConfigError(f"--model: {exc}") from None
     grid = CalibrationGrid(
         lengths=lengths,
         ring_lengths=_ints("--ring-lengths", args.ring_lengths),
@@ -119,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         args.offload_bytes_per_s,
         args.ranks_per_node,
         args.inter_node_bytes_per_s,
+        shape=shape,
     )
     write_text_atomic(args.out, cal.to_json())
     print(render(cal))

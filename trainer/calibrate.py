@@ -32,7 +32,7 @@ import numpy as np
 from datapipe.errors import ConfigError
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model
 from datapipe.plan.costfit import FitResult, Timing, fit_terms
-from datapipe.shapes import get_config
+from datapipe.shapes import ModelConfig, get_config
 
 CLOCKS = ("wall", "cpu")
 
@@ -156,7 +156,7 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
     grid = CalibrationGrid(**{k: _tup(v) for k, v in job["grid"].items()})
     dev = torch.device(job["device"])
     dtype = torch_dtype(job["dtype"])
-    model, _ = build_model(get_config(job["model"]), dtype, dev, seed=0)
+    model, _ = build_model(ModelConfig(**job["shape"]), dtype, dev, seed=0)
     gen = torch.Generator().manual_seed(1000 + rank)
     out: list[dict] = []
     # 1. local micro-batches on every rank at once
@@ -267,7 +267,7 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
 
 
 def measure(
-    model_name: str,
+    shape: ModelConfig,
     nproc: int = 1,
     grid: CalibrationGrid | None = None,
     dtype: str = "float32",
@@ -276,10 +276,11 @@ def measure(
     clock: str = "wall",
     timeout_s: float = 1800.0,
 ) -> list[Timing]:
-    """Run the grid in `nproc` processes (1: in this process, local timings only)."""
+    """Run the grid in `nproc` processes (1: in this process, local timings only) on a model of
+    `shape`."""
     grid = grid or CalibrationGrid()
     job = {
-        "model": model_name,
+        "shape": dataclasses.asdict(shape),
         "grid": dataclasses.asdict(grid),
         "dtype": dtype,
         "device": device,
@@ -311,26 +312,29 @@ def calibrate(
     ranks_per_node: int = 0,
     inter_node_bytes_per_s: float | None = None,
     timeout_s: float = 1800.0,
+    shape: ModelConfig | None = None,
 ) -> Calibration:
     """Measure (see `measure`) and fit the cost model of `model_name` on this machine. Byte sizes
     come from the model's shape. With rings (nproc >= 2) the link, hop latency, chunk efficiency
     and overlap are fitted; else the link is `link_bytes_per_s` (default: the device preset's)
     and the ring terms are neutral. `ranks_per_node` with `inter_node_bytes_per_s`: the measured
-    link becomes the node link and the given one is used between nodes."""
+    link becomes the node link and the given one is used between nodes. `shape` overrides the
+    named model's shape (e.g. another vocabulary size)."""
     import torch
 
     if clock not in CLOCKS:
         raise ConfigError(f"--clock: expected one of {', '.join(CLOCKS)}, got {clock!r}")
-    try:
-        shape = get_config(model_name)
-    except ValueError as exc:
-        raise ConfigError(f"--model: {exc}") from None
+    if shape is None:
+        try:
+            shape = get_config(model_name)
+        except ValueError as exc:
+            raise ConfigError(f"--model: {exc}") from None
     itemsize = getattr(torch, dtype).itemsize
     dev_rates = DEVICES["h100" if device.startswith("cuda") else "cpu"]
     base = build_cost_model(model_name, shape, dev_rates, dtype_bytes=itemsize)
     grid = grid or CalibrationGrid()
     t0 = time.perf_counter()
-    timings = measure(model_name, nproc, grid, dtype, device, threads, clock, timeout_s)
+    timings = measure(shape, nproc, grid, dtype, device, threads, clock, timeout_s)
     fit = fit_terms(
         timings,
         base.kv_bytes_per_token,
@@ -363,6 +367,7 @@ def calibrate(
     )
     meta = {
         "model": model_name,
+        "vocab_size": shape.vocab_size,
         "nproc": nproc,
         "threads": threads,
         "dtype": dtype,

@@ -20,6 +20,7 @@ import torch
 
 from datapipe.files import write_text_atomic
 from trainer.checkpoint import Checkpointer
+from trainer.compare import PolicyComparison
 from trainer.config import TrainerConfig, to_toml
 from trainer.data import TrainData
 from trainer.executor import HDPExecutor
@@ -111,6 +112,11 @@ class Trainer:
             write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
         self.metrics.set_start(self.start_step)
         self.balance = BalanceSummary()
+        self.compare = None
+        if cfg.metrics.compare:  # another policy on the same batches, for the report
+            self.compare = PolicyComparison(
+                cfg.metrics.compare, cfg.metrics.compare_interval, self.data, self.executor, rt.rank
+            )
 
     def train_step(self, step: int, item: tuple, fetched: list, wait_s: float) -> dict[str, Any]:
         """One optimizer step of the prefetched `item` = (batch, plan, stream state); returns the
@@ -123,6 +129,8 @@ class Trainer:
         planned = (plan.rank_time_ns / 1e9).tolist()
         self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
         rec = step_record(step, batch, plan, res, lr, wait_s, step_s)
+        if self.compare is not None and (row := self.compare.after_step(step, batch, plan, res)):
+            rec["compare"] = row
         val = self.data.validation
         if val is not None and step % self.cfg.train.eval_interval == 0:
             rec["val_loss"] = val.run(self.executor)
@@ -168,6 +176,8 @@ class Trainer:
         }
         if self.rt.rank == 0:
             report = self.balance.render(label)
+            if self.compare is not None:
+                report += "\n" + self.compare.render()
             write_text_atomic(summary["balance_report"], report)
             print(report)
             print(f"metrics:        {summary['metrics']}")
