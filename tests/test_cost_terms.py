@@ -116,6 +116,15 @@ def test_link_bandwidth_and_nodes() -> None:
         want = member_s(cost, [1800], 2, spans=r in (2, 3))
         assert_close(int(p.rank_time_ns[r]), want)
     assert p.rank_time_ns[2] > p.rank_time_ns[0]
+    # hdp places groups by load alone; each placed group is timed on the link its ranks use
+    for lengths in ([1800, 1700, 1600], [1800, 300, 1700, 200, 1600]):
+        p = plan(cost, "hdp", lengths, 6, 1024)
+        for m in range(p.num_microbatches):
+            ranks = p.group_ranks[p.mb_group_offsets[m] : p.mb_group_offsets[m + 1]].tolist()
+            items = p.piece_item[p.mb_piece_offsets[m] : p.mb_piece_offsets[m + 1]]
+            spans = len({r // 3 for r in ranks}) > 1
+            want = member_s(cost, [lengths[i] for i in items], len(ranks), spans)
+            assert_close(int(p.mb_time_ns[m]), want)
     # a group that needs more than one node is charged the slow link wherever it is placed
     big = plan(cost, "hdp", [9000], 6, 2048)
     assert big.group_sizes.tolist() == [5]

@@ -6,6 +6,7 @@ Times are int64 nanoseconds from datapipe.plan.cost; rank times come from the sl
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -58,13 +59,17 @@ def lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacit
 
 
 def lower_bound_terms(
-    cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int
+    cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int, best_case: bool = True
 ) -> tuple[int, int]:
     """(ceil(total work / N), largest member share) of lower_bound_ns. The first term also bounds
-    widened plans (a wider group adds exposed traffic and overhead in total, never removes work)."""
+    widened plans (a wider group adds exposed traffic and overhead in total, never removes work).
+    `best_case`: groups that fit in a node on the node link (a bound whatever the placement);
+    else timed as the planners time them before placement (cost.spans_nodes)."""
     s = lengths[lengths > 0]
     if s.size == 0:
         return 0, 0
+    if best_case:
+        cost = dataclasses.replace(cost, island_ranks=0)
     k = np.maximum(1, -(-s // capacity))
     shares = cost.work_ns(s, 1)
     long_ = np.flatnonzero(k > 1)
@@ -267,11 +272,13 @@ def group_times(
 
 
 def mb_spans_nodes(cost: CostModel, mb_group_offsets: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Per micro-batch (in table order): do its group's ranks sit in more than one node
-    (cost.ranks_per_node; all False with one link class)?"""
+    """Per placed micro-batch (in table order): do its group's ranks sit in more than one node,
+    i.e. use the link between nodes (all True with one link class, ranks_per_node = 0)?"""
     n_mb = mb_group_offsets.shape[0] - 1
-    if not cost.ranks_per_node or n_mb == 0:
-        return np.zeros(n_mb, dtype=bool)
+    if not cost.ranks_per_node:
+        return np.ones(n_mb, dtype=bool)
+    if n_mb == 0:
+        return np.zeros(0, dtype=bool)
     node = np.asarray(ranks, dtype=np.int64) // cost.ranks_per_node
     lo = np.minimum.reduceat(node, mb_group_offsets[:-1])
     hi = np.maximum.reduceat(node, mb_group_offsets[:-1])
@@ -288,11 +295,14 @@ def retime_spanning(
     offload_layers: np.ndarray,
     times: np.ndarray,
 ) -> np.ndarray:
-    """Times of placed micro-batches (table order) with the link their ranks really use: a group
-    that fits in one node was timed on the node link, but the scheduler may have placed it
-    across nodes; such groups are re-timed on the link between nodes."""
+    """Times of placed micro-batches (table order) on the link their ranks really use: groups
+    were timed before placement (cost.spans_nodes: in an island of several nodes every group on
+    the link between nodes); a group placed inside one node is re-timed on the node link."""
+    if not cost.ranks_per_node:
+        return times
     k = np.diff(goff)
-    fix = np.flatnonzero(mb_spans_nodes(cost, goff, ranks) & (k > 1) & ~cost.spans_nodes(k))
+    actual = mb_spans_nodes(cost, goff, ranks)
+    fix = np.flatnonzero((k > 1) & (actual != cost.spans_nodes(k)))
     if fix.size == 0:
         return times
     cnt = np.diff(poff)[fix]
@@ -301,7 +311,7 @@ def retime_spanning(
     sub_items = item[gather(poff, fix.astype(np.int64), sub_off)]
     out = times.copy()
     out[fix] = group_times(
-        cost, lengths, sub_off, sub_items, k[fix], offload_layers[fix], np.ones(fix.shape, bool)
+        cost, lengths, sub_off, sub_items, k[fix], offload_layers[fix], actual[fix]
     )
     return out
 

@@ -152,6 +152,8 @@ class CostModel:
     node_link_bytes_per_s: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
+    # ranks of the island being planned (for_island; 0: not known), not part of the file
+    island_ranks: int = dataclasses.field(default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for key in (
@@ -184,7 +186,7 @@ class CostModel:
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        del d["file_hash"]
+        del d["file_hash"], d["island_ranks"]
         d["schema"] = SCHEMA
         return d
 
@@ -237,14 +239,23 @@ class CostModel:
         k = np.asarray(k, dtype=np.float64)
         return np.where(k > 1, self.num_layers * (self.comm_passes * (k - 1.0) + 1.0), 0.0)
 
+    def for_island(self, num_ranks: int) -> CostModel:
+        """This model as the planners of an island of `num_ranks` use it (same hash)."""
+        return dataclasses.replace(self, island_ranks=int(num_ranks), file_hash=self.hash)
+
     def spans_nodes(self, k: np.ndarray | int) -> np.ndarray:
-        """Whether a group of k ranks is charged the link between nodes: always with one link
-        class (ranks_per_node = 0), else when it cannot fit in one node. (A group that fits may
-        still be placed across nodes: the planners re-time it, datapipe.plan.common.)"""
+        """Whether a group of k ranks is timed on the link between nodes before it is placed:
+        always with one link class (ranks_per_node = 0); never in an island that fits in one node;
+        always in a larger island (the schedulers do not keep small groups inside a node, so a
+        group is re-timed on the node link once placed inside one: datapipe.plan.common); and,
+        with the island unknown, when the group cannot fit in one node."""
         k = np.asarray(k, dtype=np.int64)
-        if not self.ranks_per_node:
+        rpn, n = self.ranks_per_node, self.island_ranks
+        if not rpn:
             return np.ones(k.shape, dtype=bool)
-        return k > self.ranks_per_node
+        if n:
+            return np.full(k.shape, n > rpn, dtype=bool)
+        return k > rpn
 
     def ring_ns(
         self, member_tokens: np.ndarray, k: np.ndarray | int, spans: np.ndarray | None = None
