@@ -24,7 +24,7 @@ $(STAMP)-$(HASH):
 # plan its first steps, train `debug` on 4 ranks comparing hdp+widen with the static mesh
 demo: demo-data demo-train
 
-DEMO_PLAN := --ranks 4 --capacity 8192 --global-batch-tokens 16384
+DEMO_PLAN := --ranks 4 --capacity 8192 --global-batch-tokens 32768
 
 demo-data: install
 	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '**/*.py' --exclude 'site-packages/*' \
@@ -32,7 +32,7 @@ demo-data: install
 		--out $(DEMO_DIR)/stdlib --overwrite
 	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 8192 --plot $(DEMO_DIR)/stdlib-lengths.png
 	$(VENV)/bin/mixlen calibrate --model debug --vocab-size 4096 --nproc 4 --repeats 1 \
-		--lengths 256,1024,2048,4096,8192 --ring-lengths 1024,4096,8192 --ring-sizes 2,4 \
+		--lengths 256,1024,2048,4096 --ring-lengths 1024,4096 --ring-sizes 2,4 \
 		--out $(DEMO_DIR)/cost.json
 	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib $(DEMO_PLAN) --policy all --widen --steps 8 \
 		--cost $(DEMO_DIR)/cost.json --html $(DEMO_DIR)/plan.html

@@ -1,7 +1,7 @@
 """Training-step benchmark: hdp, hdp+widen and static on the same global batches of the demo corpus
 (`make demo` builds .demo/stdlib), measured beside the planner's prediction, for three kinds of
-batches: `mixed` (the demo's stream batches: 16,384 tokens, capacity 8,192), `short` (samples of at most
-1,024 tokens) and `long` (samples over 4,096 tokens, 32,768-token batches).
+batches: `mixed` (the demo's stream batches: 32,768 tokens, capacity 8,192), `short` (samples of at most
+1,024 tokens, 16,384-token batches) and `long` (samples over 4,096 tokens).
 
 - 2 gloo ranks (one per core), wall clock: step time = the slowest rank's, barrier to optimizer
   step. Predicted by a cost file calibrated here with `mixlen calibrate --nproc 2` (wall clock).
@@ -385,7 +385,7 @@ def main() -> int:
     ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
     ap.add_argument("--steps", type=int, default=3, help="batches per kind")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch and policy")
-    ap.add_argument("--gbt", type=int, default=16384, help="global batch tokens (the demo's)")
+    ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens (the demo's)")
     ap.add_argument("--capacity", type=int, default=8192, help="capacity C (the demo's)")
     ap.add_argument("--cost2", default=None, help="cost file for 2 ranks (default: calibrate)")
     ap.add_argument("--cost4", default=None, help="cost file for 4 ranks (default: calibrate)")
@@ -411,7 +411,7 @@ def main() -> int:
     kinds = {
         "mixed": _batches(args.data, args.gbt, args.steps, lambda s: s > 0, seed=0),
         "short": _batches(args.data, 16384, args.steps, lambda s: (s > 0) & (s <= SHORT_MAX), 1),
-        "long": _batches(args.data, 2 * args.gbt, args.steps, lambda s: s > LONG_MIN, 2),
+        "long": _batches(args.data, args.gbt, args.steps, lambda s: s > LONG_MIN, 2),
     }
     tok_path = os.path.join(work, "batches.npz")
     result["batches"] = _save(tok_path, args.data, kinds)

@@ -11,7 +11,15 @@ import pytest
 
 from datapipe.plan import cost as C
 from datapipe.plan.common import group_times
-from datapipe.plan.costfit import CalibrationError, Terms, Timing, fit_local, fit_terms, predict
+from datapipe.plan.costfit import (
+    UNRESOLVED_LINK,
+    CalibrationError,
+    Terms,
+    Timing,
+    fit_local,
+    fit_terms,
+    predict,
+)
 
 TRUE = {"a": 3.4e-8, "b": 4.1e-5, "c": 6e-3, "h": 180.0, "lat": 2.5e-4, "bw": 6e8, "ov": 0.6}
 KV, LAYERS = 2048.0, 2
@@ -127,9 +135,14 @@ def test_fit_errors() -> None:
         fit_terms([m for m in good if m.kind != "local"] + good[:2], KV, LAYERS)
     with pytest.raises(CalibrationError, match="at least two message sizes"):
         fit_terms([m for m in good if m.kind != "hop" or m.nbytes == 4096], KV, LAYERS)
+    # hop times that do not grow with the size: latency only, the link left unresolved (noted)
     flat = [dataclasses.replace(m, seconds=1e-3) if m.kind == "hop" else m for m in good]
-    with pytest.raises(CalibrationError, match="too fast to time"):
-        fit_terms(flat, KV, LAYERS)
+    fit = fit_terms(flat, KV, LAYERS)
+    assert fit.terms.hop_latency_s == pytest.approx(1e-3)
+    assert (
+        fit.terms.link_bytes_per_s == UNRESOLVED_LINK and "link_bytes_per_s" not in fit.fitted_terms
+    )
+    assert len(fit.notes) == 1 and "do not grow with the message size" in fit.notes[0]
     with pytest.raises(CalibrationError, match="positive number of seconds"):
         fit_terms([*good, Timing("local", 1, (5,), 0.0, 0.0)], KV, LAYERS)
     assert Timing.from_dict(good[-1].to_dict()) == good[-1]

@@ -159,6 +159,7 @@ def render(cal) -> str:
             for k, v in cal.fit.summary().items()
         )
     )
+    lines += [f"note: {n}" for n in cal.fit.notes]
     c = cal.cost
     lines.append(
         f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, attn_n_half = "

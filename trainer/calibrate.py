@@ -71,6 +71,7 @@ class Calibration:
         return {
             **self.meta,
             "fitted_terms": self.fit.fitted_terms,
+            "notes": self.fit.notes,
             "residuals": self.fit.summary(),
             "timings": rows,
         }

@@ -31,6 +31,7 @@ import numpy as np
 from datapipe.errors import MixlenError
 
 KINDS = ("local", "hop", "ring")
+UNRESOLVED_LINK = 1e15  # bytes/s taken when hop times do not grow with the message size
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FitResult:
     timings: list[Timing]
     fitted_s: np.ndarray
     fitted_terms: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the data could not resolve
 
     @property
     def rel_residuals(self) -> np.ndarray:
@@ -165,8 +167,10 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_hops(timings: Sequence[Timing]) -> tuple[float, float]:
-    """(hop latency s, link bytes/s) from hop timings: t = L + nbytes / link."""
+def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
+    """(hop latency s, link bytes/s, note) from hop timings: t = L + nbytes / link. When the
+    times do not grow with the size (a link faster than the timings resolve, or a CPU clock that
+    does not see the copies), the link is UNRESOLVED_LINK and the note says so."""
     hs = [m for m in timings if m.kind == "hop"]
     nb = np.array([m.nbytes for m in hs], dtype=np.float64)
     t = np.array([m.seconds for m in hs], dtype=np.float64)
@@ -174,11 +178,14 @@ def fit_hops(timings: Sequence[Timing]) -> tuple[float, float]:
         raise CalibrationError("hop timings need at least two message sizes")
     lat, inv_bw = _nonneg_lstsq(np.stack([np.ones_like(nb), nb], axis=1), t)
     if not inv_bw > 0:
-        raise CalibrationError(
-            "hop times do not grow with the message size: the link is too fast to time with "
-            "these sizes (give larger --hop-bytes)"
+        lat = float(np.exp(np.mean(np.log(t))))  # geometric mean: the sizes do not matter
+        note = (
+            "hop times do not grow with the message size: the link is faster than these "
+            f"timings resolve (link taken as {UNRESOLVED_LINK:g} B/s; larger --hop-bytes, or "
+            "the wall clock, would measure it)"
         )
-    return float(lat), float(1.0 / inv_bw)
+        return lat, UNRESOLVED_LINK, note
+    return float(lat), float(1.0 / inv_bw), None
 
 
 def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float]:
@@ -260,10 +267,12 @@ def fit_terms(
     if any(not (m.seconds > 0 and math.isfinite(m.seconds)) for m in timings):
         raise CalibrationError("every timing must be a positive number of seconds")
     fitted = ["a", "b", "c"]
+    notes = []
     lat, bw = 0.0, link_bytes_per_s
     if "hop" in kinds:
-        lat, bw = fit_hops(timings)
-        fitted += ["hop_latency_s", "link_bytes_per_s"]
+        lat, bw, note = fit_hops(timings)
+        fitted += ["hop_latency_s"] + ([] if note else ["link_bytes_per_s"])
+        notes += [note] if note else []
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
     a, b1, c = fit_local(timings)
@@ -273,7 +282,7 @@ def fit_terms(
         fitted += ["attn_n_half", "overlap"]
     terms = Terms(a, b1 - a * h, c, h, lat, bw, ov)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
-    return FitResult(terms, list(timings), fit_s, fitted)
+    return FitResult(terms, list(timings), fit_s, fitted, notes)
 
 
 def predict(
