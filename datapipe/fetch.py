@@ -234,7 +234,7 @@ class Fetcher:
         uniq = np.unique(rows)
         tokens = self.reader.read_rows(uniq)
         flat = np.concatenate(tokens) if tokens else np.zeros(0, self.reader.dtype)
-        row_len = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
+        row_len = np.fromiter(map(len, tokens), np.int64, len(tokens))
         self._check_rows(allp, j0, count, rows, uniq, row_len)
         row_off = np.zeros(len(tokens) + 1, np.int64)
         np.cumsum(row_len, out=row_off[1:])

@@ -132,3 +132,21 @@ def test_model_takes_narrow_ids() -> None:
         model.zero_grad(set_to_none=True)
     assert out[0][0] == out[1][0]
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_token_column_before_a_fixed_column() -> None:
+    """The values end where the column's size says when another column follows them."""
+    toks = np.arange(300, dtype=np.uint16)
+    row = mds_row(
+        {"chunk": ("int32", 1), "tokens": ("ndarray:uint16", toks), "z": ("int64", 2**40)}
+    )
+    size = int.from_bytes(row[:4], "little")
+    layout = (["chunk", "tokens", "z"], ["int32", "ndarray:uint16", "int64"], [4, None, 8])
+
+    def lib(r: bytes) -> np.ndarray:
+        from streaming.base.format.mds.encodings import mds_decode
+
+        return mds_decode("ndarray:uint16", r[8 : 8 + size])  # u32 size, chunk, then tokens
+
+    dec = token_decoder(*layout, np.dtype(np.uint16), lib)
+    assert np.array_equal(dec(row), toks) and verified(dec, lib, row) is dec

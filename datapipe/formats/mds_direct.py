@@ -44,12 +44,15 @@ def token_decoder(
     off = 4 + sum(int(s) for s in column_sizes[:i])  # one u32 size, then the fixed columns
     dt = np.dtype(dtype)
     item = dt.itemsize
+    last = i == len(names) - 1  # the values run to the row's end
 
     def decode(data: bytes | memoryview) -> np.ndarray:
         code = data[off]
         if code >> 2 != 1:  # not 1-D: whatever the library makes of it
             return library(data)
         start = off + 1 + (1 << (code & 3))
+        if last:
+            return np.frombuffer(data, dt, offset=start)
         size = int.from_bytes(data[0:4], "little")  # the token column's bytes
         return np.frombuffer(data, dt, count=(size - (start - off)) // item, offset=start)
 
