@@ -32,9 +32,9 @@ from datapipe.errors import ConfigError, InputError, UserKeys
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
+from datapipe.pack_kernel import pack_kernel
 
 IGNORE_INDEX = -100
-VECTORIZE_BELOW_MEAN_PIECE = 32  # pack with index arithmetic when pieces average fewer tokens
 MDS_ACCESS = ("reader", "dataset")
 
 
@@ -85,52 +85,21 @@ def as_pieces(pieces: Any) -> np.ndarray:
 
 
 def pack_microbatch(
-    pieces: np.ndarray,
-    lengths: np.ndarray,
-    flat: np.ndarray,
-    span_start: np.ndarray,
-    vectorized: bool | None = None,
+    pieces: np.ndarray, lengths: np.ndarray, flat: np.ndarray, span_start: np.ndarray
 ) -> PackedMicroBatch:
-    """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]``.
-
-    Two equivalent paths: one slice copy per piece (3 passes over the output; best for pieces of
-    more than a few dozen tokens) or index arithmetic over all tokens (no per-piece Python; best
-    for many tiny pieces). ``vectorized=None`` picks by mean piece size.
-    """
+    """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]`` (one pass,
+    datapipe.pack_kernel)."""
     pieces = as_pieces(pieces)
-    s, a, b = pieces[:, 0], pieces[:, 1], pieces[:, 2]
-    sizes = b - a
+    s, a, b = (np.ascontiguousarray(pieces[:, i]) for i in range(3))
     cu = np.zeros(len(pieces) + 1, np.int64)
-    np.cumsum(sizes, out=cu[1:])
+    np.cumsum(b - a, out=cu[1:])
     total = int(cu[-1])
-    starts = np.asarray(span_start, np.int64)
-    if vectorized is None:
-        vectorized = total < VECTORIZE_BELOW_MEAN_PIECE * len(pieces)
+    input_ids = np.empty(total, flat.dtype)
     labels = np.full(total, IGNORE_INDEX, np.int32)
-    if vectorized:
-        pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - a, sizes)
-        src = pos + np.repeat(starts - a, sizes)  # index into flat of each input token
-        input_ids = flat.take(src)
-        has_label = pos + 1 < np.repeat(lengths[s], sizes)
-        labels[has_label] = flat.take(src[has_label] + 1)
-        position_ids = pos.astype(np.int32)
-    else:
-        input_ids = np.empty(total, flat.dtype)
-        position_ids = np.empty(total, np.int32)
-        ramp = np.arange(int(b.max()) if len(b) else 0, dtype=np.int32)
-        nlab = np.minimum(b + 1, lengths[s]) - a - 1  # labelled positions of each piece
-        for lo, hi, st, ai, bi, nl in zip(
-            cu[:-1].tolist(),
-            cu[1:].tolist(),
-            starts.tolist(),
-            a.tolist(),
-            b.tolist(),
-            nlab.tolist(),
-            strict=True,
-        ):
-            input_ids[lo:hi] = flat[st : st + hi - lo]
-            labels[lo : lo + nl] = flat[st + 1 : st + 1 + nl]
-            position_ids[lo:hi] = ramp[ai:bi]
+    position_ids = np.empty(total, np.int32)
+    starts = np.ascontiguousarray(span_start, np.int64)
+    sample_len = np.ascontiguousarray(lengths[s], np.int64)
+    pack_kernel(flat, starts, a, b, sample_len, cu, input_ids, labels, position_ids)
     return PackedMicroBatch(input_ids, labels, position_ids, cu.astype(np.int32), pieces)
 
 
