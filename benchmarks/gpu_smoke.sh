@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test of the trainer's CUDA paths, which cannot run on the CPU-only dev box:
 # NCCL with eager device_id initialisation and batched P2P ring hops, flash-attn varlen (if
-# installed), bfloat16 compute with float32 master weights.
+# installed), bfloat16 compute with float32 master weights, activation offload on side streams.
 #
 #   bash benchmarks/gpu_smoke.sh            # on a machine with >= 2 GPUs (uses all of them)
 #
@@ -19,6 +19,8 @@ $PY -c "import flash_attn" 2>/dev/null && echo "flash-attn: installed" || echo "
 OUT=$(mktemp -d)
 echo "== CUDA tests (threaded fake ranks on one GPU, float32 + bfloat16)"
 $PY -m pytest -q -p no:cacheprovider tests/test_executor.py -k cuda
+echo "== activation offload (side-stream copies, pinned pool): gradients of r = 0.5 equal r = 0"
+$PY -m pytest -q -s -p no:cacheprovider tests/test_offload.py -k cuda
 for dtype in float32 bfloat16; do
   echo "== mixlen train: $NGPU ranks, nccl, $dtype, hdp"
   "$MIXLEN" train configs/debug.toml --nproc "$NGPU" \
@@ -33,6 +35,20 @@ assert recs[-1]["loss"] < recs[0]["loss"], "loss did not fall"
 print("ok:", [round(r["loss"], 3) for r in recs])
 PYEOF
 done
+echo "== mixlen train with offload r = 0.5 (side streams, pinned pool) and checkpointing every:2, bf16"
+"$MIXLEN" train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+  --set train.device='"cuda"' --set train.dtype='"bfloat16"' --set train.steps=4 \
+  --set train.eval_interval=0 --set parallel.capacity=$CAP --set model.n_layers=4 \
+  --set offload.enabled=true --set offload.force_ratio=0.5 \
+  --set train.activation_checkpoint='"every:2"' \
+  --set metrics.dir="\"$OUT/offload\"" --set checkpoint.dir="\"$OUT/offload/ckpt\"" --set metrics.progress=false
+$PY - "$OUT/offload/metrics.jsonl" <<'PYEOF'
+import json, math, sys
+recs = [json.loads(x) for x in open(sys.argv[1])]
+assert len(recs) == 4 and all(math.isfinite(r["loss"]) for r in recs), recs
+assert all(sum(r["offload_bytes_per_rank"]) > 0 for r in recs), "nothing moved to host"
+print("ok: moved MiB per step", [round(sum(r["offload_bytes_per_rank"]) / 2**20, 1) for r in recs])
+PYEOF
 echo "== resume on GPU (3 more steps from the step-6 checkpoint)"
 "$MIXLEN" train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
   --set train.device='"cuda"' --set train.steps=9 --set checkpoint.resume=true \

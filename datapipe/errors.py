@@ -17,6 +17,11 @@ class ConfigError(MixlenError):
     """A bad configuration key or value; the message names the key."""
 
 
+class PeerError(MixlenError):
+    """Raised on the ranks that stop because another rank found an error and reported it: the
+    command line exits with code 2 without printing it again."""
+
+
 class UserKeys:
     """Mixin of the component config dataclasses (stream, fetch, planner): their errors name a
     setting the way the user wrote it. Each has a `keys` field mapping a field name to that

@@ -129,6 +129,7 @@ class FetchConfig(UserKeys):
     cache_dir: str | None = None  # local copy of a remote dataset (one per process)
     mds_access: str = "reader"  # "reader" (MDSReader + pread) | "dataset" (StreamingDataset[i])
     prefetch_depth: int = 1  # steps fetched ahead by Prefetcher
+    verify: bool = True  # check each shard's XXH3-64 against the manifest when first opened
     keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def validate(self) -> None:
@@ -149,6 +150,12 @@ class FetchConfig(UserKeys):
         local, remote = resolve_dataset(self.path, self.cache_dir, self.key("path"))
         index = read_index(local)
         reader = open_reader(local, remote, index.manifest, self.cache_dir, self.mds_access)
+        try:
+            reader.verify = self.verify
+            reader.check_present()  # a missing or truncated local shard stops us here
+        except BaseException:
+            reader.close()
+            raise
         return Fetcher(self, index, reader)
 
 
@@ -162,11 +169,16 @@ class Fetcher:
     lengths: np.ndarray = field(init=False)
     global_first_row: np.ndarray = field(init=False)
     chunk: int = field(init=False)
+    # token ids must be below this (the manifest's vocab_size; the trainer may set the model's)
+    vocab_size: int | None = field(init=False)
+    vocab_source: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.lengths = np.asarray(self.index.num_tokens, np.int64)
         self.global_first_row = np.asarray(self.index.global_first_row, np.int64)
         self.chunk = int(self.index.manifest["chunk_tokens"])
+        self.vocab_size = self.index.manifest.get("vocab_size")
+        self.vocab_source = "manifest.json vocab_size"
 
     def _check(self, pieces: np.ndarray) -> None:
         s, a, b = pieces[:, 0], pieces[:, 1], pieces[:, 2]
@@ -194,6 +206,21 @@ class Fetcher:
                 f"chunk {int(j[k])}) holds {int(got[k])} tokens, the index implies {int(want[k])}"
             )
 
+    def _out_of_vocab(self, flat: np.ndarray, uniq: np.ndarray, row_off: np.ndarray) -> None:
+        """InputError naming the shard, sample and position of the first out-of-vocabulary id."""
+        assert self.vocab_size is not None
+        k = int(np.argmax(flat >= self.vocab_size))
+        i = int(np.searchsorted(row_off, k, side="right") - 1)
+        row = int(uniq[i])
+        sample = int(np.searchsorted(self.global_first_row, row, side="right") - 1)
+        pos = (row - int(self.global_first_row[sample])) * self.chunk + k - int(row_off[i])
+        shard = self.reader.shard_names[self.reader.shard_of_row(row)]
+        raise InputError(
+            f"{self.index.root}/{shard}: sample {sample}, token {pos} has id {int(flat[k])}, "
+            f"outside the vocabulary ({self.vocab_source} = {self.vocab_size}); the data does "
+            "not match its tokenizer or the model"
+        )
+
     def fetch_step(self, microbatches: Sequence[Any]) -> list[PackedMicroBatch]:
         """Micro-batches for a list of piece arrays ([P, 3] each); rows shared are read once."""
         plist = [as_pieces(p) for p in microbatches]
@@ -207,6 +234,8 @@ class Fetcher:
         self._check_rows(allp, j0, count, rows, uniq, row_len)
         row_off = np.zeros(len(tokens) + 1, np.int64)
         np.cumsum(row_len, out=row_off[1:])
+        if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
+            self._out_of_vocab(flat, uniq, row_off)
         # a piece's rows are consecutive global rows, hence adjacent in `uniq`: its span is
         # contiguous in `flat`, starting inside its first row
         first = np.searchsorted(uniq, self.global_first_row[allp[:, 0]] + j0)

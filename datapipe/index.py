@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datapipe.errors import ConfigError, InputError
+from datapipe.integrity import INDEX_CHECKSUM_KEY, check_index, check_manifest, checksum_file
 
 INDEX_FILE = "index.parquet"
 MANIFEST_FILE = "manifest.json"
@@ -90,11 +91,12 @@ def write_index(
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
-    """manifest.json of a dataset directory, with a clear error if missing or broken."""
+    """manifest.json of a dataset directory; InputError naming the file and field if it is
+    missing or malformed (datapipe.integrity.check_manifest)."""
     mpath = os.path.join(os.fspath(path), MANIFEST_FILE)
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise InputError(
             f"{mpath}: not found; is {path} a dataset written by 'mixlen preprocess' "
@@ -102,20 +104,35 @@ def read_manifest(path: str | os.PathLike) -> dict:
         ) from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{mpath}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-    for key in ("format", "num_samples", "shards", "chunk_tokens"):
-        if key not in manifest:
-            raise InputError(f"{mpath}: missing key {key!r}")
+    except (UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise InputError(f"{mpath}: not a JSON manifest ({type(exc).__name__})") from None
+    check_manifest(manifest, mpath)
     return manifest
 
 
 def _read_table(path: str | os.PathLike, columns: list[str]) -> pa.Table:
     ipath = os.path.join(os.fspath(path), INDEX_FILE)
     try:
-        return pq.read_table(ipath, columns=columns)
+        table = pq.read_table(ipath, columns=columns)
     except FileNotFoundError:
         raise InputError(f"{ipath}: not found; build it with 'mixlen index {path}'") from None
-    except (pa.ArrowInvalid, KeyError) as exc:
+    except (pa.ArrowException, KeyError, OSError) as exc:
         raise InputError(f"{ipath}: not a valid index ({exc})") from None
+    for name in columns:
+        want = _SCHEMA.field(name).type
+        if name in table.column_names and not _compatible(table.schema.field(name).type, want):
+            raise InputError(
+                f"{ipath}: column {name!r} has type {table.schema.field(name).type}, expected {want}"
+            )
+        if name in table.column_names and name != "source" and table.column(name).null_count:
+            raise InputError(f"{ipath}: column {name!r} has null values")
+    return table
+
+
+def _compatible(got: pa.DataType, want: pa.DataType) -> bool:
+    if pa.types.is_string(want):
+        return pa.types.is_string(got) or pa.types.is_large_string(got)
+    return pa.types.is_integer(got)
 
 
 def read_lengths(path: str | os.PathLike) -> np.ndarray:
@@ -125,24 +142,31 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
 
 
 def read_index(path: str | os.PathLike, with_source: bool = False) -> DatasetIndex:
-    """manifest.json and the numeric columns of index.parquet (add `source` on request)."""
+    """manifest.json and the numeric columns of index.parquet (add `source` on request). The
+    index must match the manifest's checksum of it (when recorded) and agree with its shards
+    (datapipe.integrity.check_index); else InputError naming the file and row."""
     manifest = read_manifest(path)
+    ipath = os.path.join(os.fspath(path), INDEX_FILE)
+    digest = manifest.get(INDEX_CHECKSUM_KEY)
+    if digest and os.path.isfile(ipath) and checksum_file(ipath) != digest:
+        raise InputError(
+            f"{ipath}: XXH3-64 checksum differs from manifest.json's {INDEX_CHECKSUM_KEY} "
+            "(the index was edited or is corrupt; run `mixlen verify`)"
+        )
     cols = [c for c in INDEX_COLUMNS if c != "source" or with_source]
     table = _read_table(path, cols)
-    arrays = {c: table.column(c).to_numpy() for c in cols if c != "source"}
-    if len(arrays["num_tokens"]) != manifest["num_samples"]:
-        raise InputError(
-            f"{os.path.join(os.fspath(path), INDEX_FILE)}: {len(arrays['num_tokens'])} rows but the "
-            f"manifest says {manifest['num_samples']} samples"
-        )
+    arrays = {c: table.column(c).to_numpy().astype(np.int64) for c in cols if c != "source"}
+    problems = check_index(arrays, manifest, ipath)
+    if problems:
+        raise InputError(problems[0])
     return DatasetIndex(
         root=os.fspath(path),
         manifest=manifest,
-        sample_id=arrays["sample_id"].astype(np.int64, copy=False),
-        num_tokens=arrays["num_tokens"].astype(np.int64, copy=False),
-        shard=arrays["shard"].astype(np.int32, copy=False),
-        first_row=arrays["first_row"].astype(np.int64, copy=False),
-        num_rows=arrays["num_rows"].astype(np.int32, copy=False),
+        sample_id=arrays["sample_id"],
+        num_tokens=arrays["num_tokens"],
+        shard=arrays["shard"].astype(np.int32),
+        first_row=arrays["first_row"],
+        num_rows=arrays["num_rows"].astype(np.int32),
         source=table.column("source").to_pylist() if with_source else None,
     )
 

@@ -71,9 +71,20 @@ class ModelConfig:
         return 2.0 * self.n_kv_heads * self.head_dim * dtype_bytes * self.n_layers
 
     def act_bytes_per_token_layer(self, dtype_bytes: int) -> float:
-        """Saved activation bytes per position per layer (flash attention, no recompute): ~34*h
-        at 16 bit."""
-        return 17.0 * self.dim * dtype_bytes
+        """Saved activation bytes per position per layer of trainer.model's block (flash-style
+        attention keeping only its output and log-sum-exp, no recompute), with compute dtype of
+        `dtype_bytes` bytes; the norms and the log-sum-exp keep at least float32 (4 bytes).
+
+        In the compute dtype: per RMSNorm its normalised input and its output (2 x 2 dim), the
+        rotated Q, K and V and the attention output (2 dim + 2 KV dim), and the SwiGLU's w1 and w3
+        outputs, the SiLU and the product (4 ffn_dim). At >= float32: per RMSNorm its float input
+        and reciprocal RMS (2 x (dim + 1)), the log-sum-exp per query head. The rope tables are
+        shared by all layers and not counted. `tests/test_offload.py` checks this against a count
+        of the saved tensors."""
+        kv = self.n_kv_heads * self.head_dim
+        acc = max(int(dtype_bytes), 4)
+        low = 6 * self.dim + 2 * kv + 4 * self.ffn_dim
+        return float(dtype_bytes * low + acc * (2 * self.dim + self.n_heads + 2))
 
 
 def _llama_ffn(dim: int, multiple_of: int, multiplier: float = 1.0) -> int:

@@ -28,13 +28,14 @@ def _leftovers() -> tuple[set[str], set[str]]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _streaming_cleanup():
-    """mosaicml-streaming leaves shared memory and /tmp file locks (its #781, #893): remove ours."""
+    """mosaicml-streaming leaves shared memory and /tmp file locks (its #781, #893): remove ours
+    (the library's own clean_stale_shared_memory would also unlink other running jobs' memory)."""
     shm0, tmp0 = _leftovers()
     yield
-    if "streaming" in sys.modules:
-        from streaming.base.util import clean_stale_shared_memory
+    if "streaming" in sys.modules:  # dead processes' segments only, never a live job's
+        from datapipe.formats.mds import clean_stale_streaming
 
-        clean_stale_shared_memory()
+        clean_stale_streaming()
     shm1, tmp1 = _leftovers()
     for n in shm1 - shm0:
         with contextlib.suppress(OSError):
@@ -48,15 +49,17 @@ def _streaming_cleanup():
 def open_streaming_dataset(local: str):
     """A StreamingDataset over a local MDS dir, cleaned up (shared memory) on exit."""
     from streaming import StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
-    clean_stale_shared_memory()
+    from datapipe.formats.mds import clean_stale_streaming, release_streaming_prefix
+
+    clean_stale_streaming()
     ds = StreamingDataset(local=local, batch_size=1, shuffle=False)
+    prefix = int(ds._shm_prefix_int)
     try:
         yield ds
     finally:
         del ds
-        clean_stale_shared_memory()
+        release_streaming_prefix(prefix)
 
 
 DOCS = [

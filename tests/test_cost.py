@@ -197,9 +197,32 @@ def test_max_offload_layers_hides_under_forward(s: int, k: int) -> None:
     n = s / k
     fwd = (m.a * s * s + m.b * s) / k / 3
 
-    def copy_time(jj: int) -> float:
-        return jj * m.act_bytes_per_token_layer * n / m.offload_bytes_per_s
+    def copy_time(jj: int) -> float:  # r = jj/l of the l - 2 layers Eq. 3 can move
+        l_ = m.num_layers
+        return jj / l_ * (l_ - 2) * m.act_bytes_per_token_layer * n / m.offload_bytes_per_s
 
     assert copy_time(j) <= fwd * (1 + 1e-9)
     if j < m.num_layers:
         assert copy_time(j + 1) > fwd * (1 - 1e-9)
+
+
+def test_offload_bytes_are_a_share_of_the_l_minus_2_movable_layers() -> None:
+    """Eq. 3 keeps two layers on the device whatever r is: r*(l-2)*Act per position moves, and
+    nothing for l <= 2 (plain arithmetic, not the model's code)."""
+    n = np.array([1000.0, 37.0, 0.0])
+    r = np.array([1.0, 0.25, 0.5])
+    for layers in (1, 2, 3, 8, 32):
+        m = C.CostModel(1e-9, 1e-5, 1e-3, 1.0, 1e9, layers, 100.0, 2e9)
+        want = [ri * max(layers - 2, 0) * 100.0 * ni for ri, ni in zip(r, n)]
+        assert m.offload_bytes(n, r).tolist() == want
+        assert m.offload_ns(n, r).tolist() == [round(w / 2e9 * 1e9) for w in want]
+
+
+def test_max_offload_layers_counts_a_tie_as_hidden() -> None:
+    """s = 65: 7 of 8 layers' copies, 7/8*6*2000*65/5e8 s, take exactly the forward's
+    (2e-7*65^2 + 5e-5*65)/3 s (0.001365 s both); rounding must not drop j to 6."""
+    m = C.CostModel(2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8)
+    copy = Fraction(7, 8) * 6 * Fraction(2000.0) * 65 / Fraction(5e8)
+    fwd = (Fraction(2e-7) * 65 * 65 + Fraction(5e-5) * 65) / 3
+    assert abs(copy - fwd) <= Fraction(1, 10**15) * fwd  # a tie, up to the inputs' float values
+    assert int(m.max_offload_layers(np.array([65]))[0]) == 7

@@ -53,11 +53,19 @@ def check_dataset(root: str, expected_tokens: list[np.ndarray], chunk: int) -> N
     g = idx.global_first_row
     for sid in range(len(idx)):
         assert rows[g[sid]][:2] == (sid, 0)
+    check_shard_checksums(root, m)
     for i, s in enumerate(m["shards"]):
-        path = os.path.join(root, s["name"])
-        assert os.path.getsize(path) == s["bytes"]
-        assert xxhash.xxh3_64(Path(path).read_bytes()).hexdigest() == s["xxh3_64"]
         assert np.sum(idx.shard == i) == s["samples"]
+
+
+def check_shard_checksums(root: str, manifest: dict) -> None:
+    """Every shard entry of the manifest records its file's size and XXH3-64 (FORMAT.md)."""
+    assert manifest["shards"], "no shards"
+    for s in manifest["shards"]:
+        assert "bytes" in s and "xxh3_64" in s, s
+        data = Path(root, s["name"]).read_bytes()
+        assert s["bytes"] == len(data)
+        assert s["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()
 
 
 @pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
@@ -76,6 +84,11 @@ def test_round_trip_all_formats(corpus: dict, fmt: str) -> None:
     )
     expected = [ref_tokens(t) for t in corpus["expected"] if t]
     check_dataset(str(out), expected, chunk)
+    # the bytes tokenizer's ids: 0..255 for bytes, BOS 256, EOS 257, 258 ids in all
+    written = json.loads((out / "manifest.json").read_text())
+    assert written == res.manifest
+    assert (written["bos_id"], written["eos_id"], written["vocab_size"]) == (256, 257, 258)
+    assert written["tokenizer"] == {"kind": "bytes"} and written["dtype"] == "uint16"
     c = res.manifest["counts"]
     assert c["documents"] == len(corpus["expected"])
     assert c["empty"] == sum(1 for t in corpus["expected"] if not t)
@@ -104,6 +117,16 @@ def test_hf_tokenizer_round_trip(corpus: dict) -> None:
     )
     assert res.manifest["dtype"] == "uint16" and res.manifest["vocab_size"] == tok.get_vocab_size()
     assert res.manifest["tokenizer"]["kind"] == "hf"
+    # the ids, read from the tokenizer file itself: <s> and </s> are its added tokens 0 and 1, and
+    # its ids run 0..vocab_size-1
+    spec = json.loads(asset.read_text())
+    added = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    ids = set(spec["model"]["vocab"].values()) | set(added.values())
+    assert (bos, eos) == (added["<s>"], added["</s>"]) == (0, 1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["bos_id"], manifest["eos_id"]) == (0, 1)
+    assert manifest["vocab_size"] == max(ids) + 1 == len(ids) == 4096
+    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(asset.read_bytes()).hexdigest()
     expected = [np.array([bos, *tok.encode(t).ids, eos]) for t in corpus["expected"] if t]
     check_dataset(str(out), expected, 16)
 

@@ -20,7 +20,7 @@ from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan import cost as C
 from datapipe.plan import widen as W
 from datapipe.plan.check import check_plan
-from datapipe.plan.common import group_times, lower_bound_ns
+from datapipe.plan.common import group_times, lower_bound_ns, lower_bound_terms
 from datapipe.plan.planner import PlannerConfig
 from datapipe.plan.static import static_cp_degree
 from datapipe.plan.zigzag import smallest_group
@@ -123,9 +123,9 @@ def _eq3_ranks(cost: C.CostModel, s: int, cap: int) -> int:
     best = None
     for j in range(l_ + 1):
         r = Fraction(j, l_)
-        copy = (
+        copy = (  # r of the l - 2 layers Eq. 3 can move (the last two stay on the device)
             r
-            * l_
+            * max(l_ - 2, 0)
             * Fraction(cost.act_bytes_per_token_layer)
             * s
             / Fraction(cost.offload_bytes_per_s)
@@ -138,6 +138,78 @@ def _eq3_ranks(cost: C.CostModel, s: int, cap: int) -> int:
             d += 1
         best = d if best is None else min(best, d)
     return best
+
+
+def reference_lower_bound(cost: C.CostModel, lengths, n: int, cap: int) -> tuple[int, int]:
+    """lower_bound_ns's rule, spelled out sample by sample in plain Python (the cost model's
+    documented terms, each rounded once to integer ns as the cost module states): a sample of
+    S > 0 tokens on its smallest group k = ceil(S / C) (whose largest zigzag pair is ceil(S / k)
+    <= C) has the member share a*S^2/k / eff(S/k) + b*S/k (eff(x) = x / (x + attn_n_half)) plus,
+    on a ring, its ring time (hops * latency + K/V bytes over the link: the node link when the
+    group fits in a node, the best case) not hidden under its attention. Work bound:
+    ceil((sum of k * share + c * ceil(tokens / C)) / N); share bound: the largest share + c."""
+    c_ns = round(cost.c * 1e9)
+    h = cost.attn_n_half
+    shares, ranks, tokens = [], [], 0
+    for s in (int(x) for x in lengths):
+        if s <= 0:
+            continue
+        k = -(-s // cap)
+        # a*S^2/k / eff(S/k) = a*S*(S + h*k)/k, in the cost module's order of operations
+        attn_s = cost.a * s * (s + h * k) / k
+        share = round((cost.a * s * (s + h * k) + cost.b * s) / k * 1e9)
+        if k > 1:
+            attn = round(attn_s * 1e9)
+            ring_bytes = cost.comm_passes * (k - 1) * (s / k) * cost.kv_bytes_per_token
+            inside = cost.ranks_per_node and k <= cost.ranks_per_node
+            link = cost.node_link_bytes_per_s if inside else cost.link_bytes_per_s
+            hops = cost.num_layers * (cost.comm_passes * (k - 1) + 1)
+            ring = round((ring_bytes / link + hops * cost.hop_latency_s) * 1e9)
+            hide = round(ring * cost.overlap)
+            share += ring - hide + max(hide - attn, 0)
+        shares.append(share)
+        ranks.append(k)
+        tokens += s
+    if not shares:
+        return 0, 0
+    total = sum(k * t for k, t in zip(ranks, shares)) + c_ns * -(-tokens // cap)
+    return -(-total // n), max(shares) + c_ns
+
+
+# slow links: rings expose most of their traffic
+SLOW_LINK = C.CostModel(1e-9, 2e-6, 3e-5, 4096.0, 1e8, 4, 2000.0, 5e8, name="slow-link")
+
+
+@given(
+    st.integers(1, 64),
+    st.sampled_from([1, 7, 64, 4096]),
+    st.lists(st.integers(0, 10**6), max_size=40),
+    st.sampled_from([DEBUG, C.preset("llama-7b"), OFFLOAD, SLOW_LINK]),
+)
+@settings(deadline=None, max_examples=150)
+def test_lower_bound_is_its_formula(n: int, cap: int, raw: list[int], cost) -> None:
+    lengths = np.array([x % (n * cap + 1) for x in raw], dtype=np.int64)
+    want = reference_lower_bound(cost, lengths, n, cap)
+    assert lower_bound_terms(cost, lengths, n, cap) == want
+    assert lower_bound_ns(cost, lengths, n, cap) == max(want)
+    for policy in ("hdp", "naive-hdp", "static"):  # what the plans record for reports
+        assert plan(policy, lengths, n, cap, cost).lower_bound_ns == max(want), policy
+
+
+def test_lower_bound_terms_each_decide() -> None:
+    """Hand-made cases where each term wins, with and without exposed ring traffic."""
+    # many short samples on few ranks: total work / N decides
+    short = np.full(40, 60, dtype=np.int64)
+    work, share = reference_lower_bound(DEBUG, short, 4, 64)
+    assert lower_bound_ns(DEBUG, short, 4, 64) == work > share
+    # one long sample on many ranks: its member share (plus c) decides; on a slow link its ring
+    # traffic shows
+    one = np.array([4000, 10], dtype=np.int64)
+    work, share = reference_lower_bound(SLOW_LINK, one, 64, 64)
+    assert lower_bound_ns(SLOW_LINK, one, 64, 64) == share > work
+    k = -(-4000 // 64)
+    hidden = round((SLOW_LINK.a * 4000 * 4000 + SLOW_LINK.b * 4000) / k * 1e9)
+    assert share > hidden + SLOW_LINK.c_ns  # the exposed traffic is part of the bound
 
 
 def test_offload_shrinks_groups_and_hdp_keeps_makespan() -> None:
@@ -285,13 +357,18 @@ def test_edge_cases(policy: str) -> None:
     zeros = plan(policy, [0, 0, 0], 4, 8, **kw)
     check_plan(zeros)
     assert zeros.num_microbatches == 0
-    full = plan(policy, [8] * 10, 4, 8, **kw)  # all samples exactly C
+    full = plan(policy, [8] * 10, 4, 8, **kw)  # all samples exactly C: one local mb each
     check_plan(full)
-    assert full.num_microbatches == 10 if policy != "static" else True
-    one_long = plan(policy, [32, 0, 3], 4, 8, **kw)  # exactly N*C
+    assert full.num_microbatches == 10 and set(full.group_sizes.tolist()) == {1}
+    assert sorted(full.microbatch_counts().tolist()) == [2, 2, 3, 3]  # equal times: 10 on 4
+    one_long = plan(policy, [32, 0, 3], 4, 8, **kw)  # exactly N*C: a ring of all 4 ranks
     check_plan(one_long)
+    assert one_long.group_sizes.max() == 4
     tiny = plan(policy, [8, 2, 1], 8, 1, **kw)  # C = 1: k = S already, nothing to widen
     check_plan(tiny)
+    # the static mesh runs every sample on its one CP-8 group
+    want = [8, 8, 8] if policy == "static" else [8, 2, 1]
+    assert sorted(tiny.group_sizes.tolist(), reverse=True) == want
     if policy != "static":
         with pytest.raises(MixlenError, match=r"sample 1 has 33 tokens, more than N \* C = 32"):
             plan(policy, [3, 33], 4, 8, **kw)

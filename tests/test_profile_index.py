@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,11 +132,14 @@ def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 3000, 50)
     root = tmp_path / "foreign"
+    max_token = 0
     with MDSWriter(
         out=str(root), columns={"ids": "ndarray:uint32", "meta": "str"}, size_limit=20000
     ) as w:
         for i, n in enumerate(lengths):
-            w.write({"ids": rng.integers(0, 70000, n).astype(np.uint32), "meta": f"doc{i}"})
+            ids = rng.integers(0, 70000, n).astype(np.uint32)
+            max_token = max(max_token, int(ids.max()))
+            w.write({"ids": ids, "meta": f"doc{i}"})
     with pytest.raises(InputError, match="no column 'tokens'"):
         index_mds(str(root))
     assert cli_main(["index", str(root), "--tokens-field", "ids"]) == 0
@@ -149,6 +153,14 @@ def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     m = idx.manifest
     assert m["rows_are_samples"] and m["tokens_field"] == "ids" and m["dtype"] == "uint32"
     assert m["chunk_tokens"] == int(lengths.max())
+    assert m["vocab_size"] == max_token + 1 and m["bos_id"] is None and m["eos_id"] is None
+    # one manifest entry per MDS shard, each with its file's size and XXH3-64 checksum
+    assert [s["name"] for s in m["shards"]] == [s["raw_data"]["basename"] for s in mds["shards"]]
+    for s in m["shards"]:
+        assert "bytes" in s and "xxh3_64" in s, s
+        data = (root / s["name"]).read_bytes()
+        assert s["bytes"] == len(data)
+        assert s["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()
     assert cli_main(["index", str(root), "--tokens-field", "ids"]) == 2  # exists: needs --overwrite
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(["profile", str(root), "--json"]) == 0

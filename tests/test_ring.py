@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_zigzag import reference_member
 
-from datapipe.plan.zigzag import member_ranges
 from trainer.attention import attend
 from trainer.comm import ThreadComm, free_port, run_threads, spawn
 from trainer.ring import RingAttention, ZigzagLayout, ring_attend
@@ -140,22 +140,30 @@ def test_ring_float32_and_bf16_merge_in_float32():
     torch.testing.assert_close(full["lse"].double(), ref["lse"], rtol=0, atol=4e-2)
 
 
-@pytest.mark.parametrize(("lengths", "k"), [([10, 3, 0, 25], 3), ([7], 1), ([5, 6], 4)])
-def test_layout_matches_zigzag_member_ranges(lengths, k):
+@pytest.mark.parametrize(
+    ("lengths", "k"), [([10, 3, 0, 25], 3), ([7], 1), ([5, 6], 4), ([155], 3), ([103, 9], 2)]
+)
+def test_layout_follows_the_documented_zigzag(lengths, k):
+    """Member p's local buffer holds, sample after sample, the sample's chunk p then its chunk
+    2k-1-p of the plain reference split (tests/test_zigzag.py), not merely some cover."""
     lay = ZigzagLayout(tuple(lengths), k)
     offsets = np.cumsum(lengths) - np.asarray(lengths)
     for p in range(k):
-        expect_pos, expect_glob = [], []
+        expect_pos, expect_glob, expect_front, expect_back, cu = [], [], [], [], [0]
         for n, off in zip(lengths, offsets, strict=True):
-            (a0, a1), (b0, b1) = member_ranges(n, k, p)
+            (a0, a1), (b0, b1) = reference_member(n, k, p)
+            row = cu[-1]
+            expect_front += range(row, row + a1 - a0)
+            expect_back += range(row + a1 - a0, row + a1 - a0 + b1 - b0)
             pos = [*range(a0, a1), *range(b0, b1)]
             expect_pos += pos
-            expect_glob += [off + x for x in pos]
+            expect_glob += [int(off) + x for x in pos]
+            cu.append(row + len(pos))
         assert lay.position_ids(p).tolist() == expect_pos
         assert lay.global_index(p).tolist() == expect_glob
-        assert lay.local_count(p) == len(expect_pos)
-        front, back = lay.front_rows(p), lay.back_rows(p)
-        assert sorted([*front.tolist(), *back.tolist()]) == list(range(len(expect_pos)))
+        assert lay.local_count(p) == len(expect_pos) and lay.local_cu(p) == cu
+        assert lay.front_rows(p).tolist() == expect_front
+        assert lay.back_rows(p).tolist() == expect_back
 
 
 def test_ring_rejects_wrong_membership():

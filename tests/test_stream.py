@@ -156,6 +156,77 @@ def test_lookahead_fill_matches_reference(lengths: list[int], budget: int, windo
         assert got == want if lengths else got == []
 
 
+def waits(positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Per position q of the fill's input: batches between the first batch that holds a position
+    beyond q (the fill has gone past q) and the batch that holds q; 0 if none went past first."""
+    n = positions.shape[0]
+    batch_of = np.empty(n, dtype=np.int64)
+    reach = np.full(n, -1, dtype=np.int64)  # reach[q]: the first batch holding a position > q
+    furthest = -1
+    for b in range(bounds.shape[0] - 1):
+        members = positions[bounds[b] : bounds[b + 1]]
+        batch_of[members] = b
+        top = int(members.max()) if members.size else -1
+        for q in range(furthest, top):  # positions q < top, first passed by batch b
+            if q >= 0 and reach[q] < 0:
+                reach[q] = b
+        furthest = max(furthest, top)
+    return np.where(reach >= 0, np.maximum(batch_of - reach, 0), 0)
+
+
+# Budgets of a few samples, n samples (n uniform up to 150: hypothesis' own list sizes stay short)
+# of lengths in [lo, budget + 3]: with lo near budget / 2 most samples are deferred and the window
+# fills up; a few are oversize.
+fill_cases = st.tuples(st.integers(2, 40), st.integers(0, 150)).flatmap(
+    lambda bn: st.integers(0, bn[0]).flatmap(
+        lambda lo: st.tuples(
+            st.lists(st.integers(lo, bn[0] + 3), min_size=bn[1], max_size=bn[1]),
+            st.just(bn[0]),
+            st.integers(0, 8),
+        )
+    )
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(fill_cases)
+@example(([2, 17, 17, 2, 17, 17, 0], 18, 2))  # a window that ignores the deferred makes 3 waits
+@example(([0, 7, 0, 0, 6, 6, 12, 0, 3], 10, 3))  # zero-length and oversize samples
+def test_lookahead_fill_property(case: tuple[list[int], int, int]) -> None:
+    """The documented guarantee itself (stream.py rule 2), not a re-implementation: every sample
+    once, no batch over the budget unless it is one oversize sample, and no sample waits more
+    than W batches after the fill went past it (none at all with W = 0)."""
+    lengths, budget, window = case
+    arr = np.asarray(lengths, np.int64)
+    pos, bounds = lookahead_fill(arr, budget, window)
+    assert sorted(pos.tolist()) == list(range(len(lengths)))
+    for b in range(len(bounds) - 1):
+        batch = arr[pos[bounds[b] : bounds[b + 1]]]
+        assert batch.sum() <= budget or int((batch > 0).sum()) == 1
+    if lengths:
+        assert int(waits(pos, bounds).max()) <= window
+    if window == 0:
+        assert pos.tolist() == list(range(len(lengths)))
+
+
+def test_lookahead_waits_are_bounded_in_the_stream() -> None:
+    """Through the stream: the epoch's batches hold the documented permutation's samples, each
+    at most W batches after the fill went past it, and some sample really is deferred."""
+    lengths = lognormal_lengths(2000, seed=6, median=1500)
+    for window in (4, 64):
+        s = _stream(lengths, 8000, seed=5, lookahead=window)
+        for epoch in range(2):
+            order = documented_order(len(lengths), 5, epoch)
+            rank = np.empty(len(lengths), dtype=np.int64)
+            rank[order] = np.arange(len(lengths))  # position of each sample in the epoch's order
+            batches = [s.batch(epoch, k).sample_ids for k in range(s.steps_in_epoch(epoch))]
+            pos = rank[np.concatenate(batches)]
+            bounds = np.cumsum([0] + [len(b) for b in batches])
+            assert sorted(pos.tolist()) == list(range(len(lengths)))
+            w = waits(pos, bounds)
+            assert 0 < int(w.max()) <= window
+
+
 def test_lookahead_fills_batches_nearly_full() -> None:
     """The demo's case: budget = the longest sample, so greedy leaves ragged batches."""
     lengths = np.minimum(lognormal_lengths(3000, seed=4, median=2000), 16384)
@@ -196,13 +267,44 @@ def test_one_island_epoch_covers_every_sample_once_within_budget(lookahead: int)
     assert next(s).epoch == 3
 
 
+def documented_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's permutation as datapipe/stream.py documents it (rule 1)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).permutation(
+        n
+    )
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(0, 0), (0, 1), (1, 0), (7, 3), (987654321, 12)])
+def test_epoch_order_is_the_documented_permutation(seed: int, epoch: int) -> None:
+    lengths = lognormal_lengths(700, seed=3)
+    want = documented_order(len(lengths), seed, epoch)
+    assert np.array_equal(epoch_order(len(lengths), seed, epoch), want)
+    # the greedy fill keeps the order: the epoch's batches, concatenated, are that permutation
+    s = _stream(lengths, 5000, seed=seed, lookahead=0)
+    got = np.concatenate([s.batch(epoch, k).sample_ids for k in range(s.steps_in_epoch(epoch))])
+    assert np.array_equal(got, want)
+
+
+def _epoch_ids(s: LengthAwareStream, epoch: int) -> np.ndarray:
+    return np.concatenate([s.batch(epoch, k).sample_ids for k in range(s.steps_in_epoch(epoch))])
+
+
 def test_epoch_orders_differ_by_seed_and_epoch() -> None:
+    """(seed, epoch) pairs are not folded into one number: (s, e + 1) and (s + 1, e) differ, as do
+    (s, e) and (e, s), besides (s, e) against (s, e + 1) and (s + 1, e)."""
     lengths = lognormal_lengths(500)
+    n = len(lengths)
+    for s, e in ((0, 0), (3, 5), (10, 1)):
+        assert not np.array_equal(epoch_order(n, s, e + 1), epoch_order(n, s + 1, e))
+        assert not np.array_equal(epoch_order(n, s, e), epoch_order(n, s, e + 1))
+        assert not np.array_equal(epoch_order(n, s, e), epoch_order(n, s + 1, e))
+        if s != e:
+            assert not np.array_equal(epoch_order(n, s, e), epoch_order(n, e, s))
+    # and through the stream's batches (look-ahead fill)
     a, b = _stream(lengths, 5000, seed=0), _stream(lengths, 5000, seed=1)
-    a0 = np.concatenate([a.batch(0, k).sample_ids for k in range(a.steps_in_epoch(0))])
-    a1 = np.concatenate([a.batch(1, k).sample_ids for k in range(a.steps_in_epoch(1))])
-    b0 = np.concatenate([b.batch(0, k).sample_ids for k in range(b.steps_in_epoch(0))])
-    assert not np.array_equal(a0, a1) and not np.array_equal(a0, b0)
+    assert not np.array_equal(_epoch_ids(a, 1), _epoch_ids(b, 0))
+    assert not np.array_equal(_epoch_ids(a, 0), _epoch_ids(a, 1))
+    assert not np.array_equal(_epoch_ids(a, 0), _epoch_ids(b, 0))
 
 
 @pytest.mark.parametrize("num_islands", [2, 3, 5])
@@ -279,6 +381,65 @@ def test_resume_in_process_matches_uninterrupted_run(tmp_path: Path) -> None:
     other = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=12).build()
     with pytest.raises(ConfigError, match="seed"):
         other.load_state_dict(state)
+
+
+# Every key load_state_dict checks, and a stream that differs from the saved one in that key only.
+# A dataset of the same number of samples with other lengths differs in lengths_digest alone.
+RESUME_KEYS = {
+    "seed": ({"seed": 12}, None),
+    "global_batch_tokens": ({"global_batch_tokens": 6001}, None),
+    "lookahead": ({"lookahead": 63}, None),
+    "island": ({"island": 0}, None),
+    "num_islands": ({"num_islands": 3}, None),
+    "num_samples": ({}, "fewer"),
+    "lengths_digest": ({}, "other lengths"),
+}
+
+
+@pytest.mark.parametrize("key", [*RESUME_KEYS, "version"])
+def test_resume_refuses_each_changed_key(key: str) -> None:
+    """A state saved under other settings is refused with an error naming the key that differs."""
+    lengths = lognormal_lengths(800, seed=4)
+    saved_cfg = {"global_batch_tokens": 6000, "seed": 11, "island": 1, "num_islands": 2}
+
+    def build(ls: np.ndarray, **changes) -> LengthAwareStream:
+        return LengthAwareStream(StreamConfig(path="mem", **{**saved_cfg, **changes}), ls)
+
+    s = build(lengths)
+    for _ in range(5):
+        next(s)
+    state = json.loads(json.dumps(s.state_dict()))
+    # the unchanged stream resumes
+    same = build(lengths)
+    same.load_state_dict(state)
+    assert next(same).digest() == next(s).digest()
+    if key == "version":
+        other, state = build(lengths), {**state, "version": 3}
+    else:
+        changes, data = RESUME_KEYS[key]
+        other_lengths = lengths
+        if data == "fewer":
+            other_lengths = lengths[:-1]
+        elif data == "other lengths":
+            other_lengths = lengths.copy()
+            other_lengths[[0, 1]] = other_lengths[[0, 1]] + np.array([1, -1])
+            assert other_lengths.sum() == lengths.sum() and len(other_lengths) == len(lengths)
+        other = build(other_lengths, **changes)
+    with pytest.raises(ConfigError, match=f"stream state: {key}=.* was saved, but this stream has"):
+        other.load_state_dict(state)
+    # and a state without the key is refused too
+    missing = {k: v for k, v in s.state_dict().items() if k != key}
+    with pytest.raises(ConfigError, match=f"missing key '{key}'"):
+        build(lengths).load_state_dict(missing)
+
+
+def test_resume_error_names_the_key_as_the_user_wrote_it() -> None:
+    lengths = lognormal_lengths(100)
+    keys = {"seed": "data.seed", "global_batch_tokens": "train.global_batch_tokens"}
+    a = LengthAwareStream(StreamConfig("mem", 3000, seed=1, keys=keys), lengths)
+    b = LengthAwareStream(StreamConfig("mem", 3000, seed=2, keys=keys), lengths)
+    with pytest.raises(ConfigError, match=r"data\.seed=1 was saved.*data\.seed=2 \(set it"):
+        b.load_state_dict(a.state_dict())
 
 
 def test_state_saved_before_lookahead_resumes_with_greedy_fill(tmp_path: Path) -> None:
@@ -414,9 +575,23 @@ def _fetch_digest(spec: dict) -> str:
 
 
 def test_global_batch_digest_covers_contents() -> None:
-    a = GlobalBatch(0, 0, np.array([1, 2], np.int64), np.array([5, 6], np.int64))
-    b = GlobalBatch(0, 0, np.array([2, 1], np.int64), np.array([6, 5], np.int64))
-    assert (
-        a.digest() != b.digest()
-        and a.digest() == GlobalBatch(0, 0, a.sample_ids, a.lengths).digest()
-    )
+    """Each of step, epoch, sample ids and lengths changes the digest on its own; equal contents
+    give equal digests whatever the arrays' dtype."""
+    ids, lens = np.array([1, 2], np.int64), np.array([5, 6], np.int64)
+    base = GlobalBatch(3, 1, ids, lens).digest()
+    assert len(base) == 16
+    assert GlobalBatch(3, 1, ids.astype(np.int32), lens.astype(np.uint16)).digest() == base
+    others = {
+        "step": GlobalBatch(4, 1, ids, lens),
+        "epoch": GlobalBatch(3, 2, ids, lens),
+        "step and epoch swapped": GlobalBatch(1, 3, ids, lens),
+        "ids": GlobalBatch(3, 1, np.array([1, 7], np.int64), lens),
+        "ids permuted": GlobalBatch(3, 1, ids[::-1], lens),
+        "lengths": GlobalBatch(3, 1, ids, np.array([5, 7], np.int64)),
+        "lengths permuted": GlobalBatch(3, 1, ids, lens[::-1]),
+        "one sample fewer": GlobalBatch(3, 1, ids[:1], lens[:1]),
+    }
+    digests = {name: b.digest() for name, b in others.items()}
+    for name, d in digests.items():
+        assert d != base, name
+    assert len(set(digests.values())) == len(digests)

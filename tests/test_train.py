@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _train_worker import make_dataset, train_config, train_main
+from test_reference_trainer import reference_run
 
 from datapipe.errors import ConfigError
 from trainer.comm import free_port, spawn
@@ -56,7 +57,7 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["parallel.widen=1"], "parallel.widen"),
         (['parallel.policy="static"', "parallel.widen=true"], "parallel.widen"),
         (["co2.tau=4"], "co2"),  # unknown section until CO2 lands
-        (["offload.enabled=true"], "offload"),
+        (["offload.bogus=1"], "offload.bogus"),
         (["train.global_batch_tokens=0"], "train.global_batch_tokens"),  # the stream's check
         (['data.oversize="drop"'], "data.oversize"),
         (["data.seed=-1"], "data.seed"),
@@ -105,19 +106,20 @@ def test_held_out_mask_matches_reference():
 
 
 def test_train_single_process_resume_metrics(dataset, tmp_path):
-    """`single` policy in-process: 6 steps straight == 3 (stop_after) + resume + 3, bit for bit;
-    metrics.jsonl has the required fields, val_loss at eval steps, and the checkpoint dir."""
+    """`single` policy in-process, float64: the loss curve, learning rates, gradient norms and
+    validation losses equal the reference trainer's (tests/test_reference_trainer.py) on the same
+    batches; 6 steps straight == 3 (stop_after) + resume + 3, bit for bit; metrics.jsonl has the
+    required fields, val_loss at eval steps, and the checkpoint dir."""
     torch.set_num_threads(1)
-    straight = run_training(
-        train_config(dataset, str(tmp_path / "a"), parallel={"policy": "single"})
-    )
+
+    def config(run: str, train: dict | None = None, **sections: dict):
+        train = {"dtype": "float64", **(train or {})}
+        return train_config(dataset, run, parallel={"policy": "single"}, train=train, **sections)
+
+    straight = run_training(config(str(tmp_path / "a")))
     part = str(tmp_path / "b")
-    first = run_training(
-        train_config(dataset, part, parallel={"policy": "single"}, train={"stop_after": 3})
-    )
-    second = run_training(
-        train_config(dataset, part, parallel={"policy": "single"}, checkpoint={"resume": True})
-    )
+    first = run_training(config(part, {"stop_after": 3}))
+    second = run_training(config(part, checkpoint={"resume": True}))
     assert len(straight["losses"]) == 6 and second["start_step"] == 3
     assert first["losses"] + second["losses"] == straight["losses"]
     recs = [json.loads(x) for x in open(straight["metrics"])]
@@ -137,32 +139,25 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
             assert key in r
         assert len(r["compute_time_s_per_rank"]) == 1
     assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
-    assert straight["losses"][-1] < straight["losses"][0]
+    # the absolute check: the reference trainer on the same batches
+    ref = reference_run(config(str(tmp_path / "unused")))
+    np.testing.assert_allclose(straight["losses"], ref["losses"], rtol=1e-9, atol=0)
+    np.testing.assert_allclose([r["lr"] for r in recs], ref["lrs"], rtol=1e-12, atol=0)
+    np.testing.assert_allclose([r["grad_norm"] for r in recs], ref["grad_norms"], rtol=1e-9)
+    assert [s for s, _ in straight["val_losses"]] == [s for s, _ in ref["val_losses"]] == [3, 6]
+    np.testing.assert_allclose(
+        [v for _, v in straight["val_losses"]], [v for _, v in ref["val_losses"]], rtol=1e-9
+    )
+    assert [r["tokens"] for r in recs] == ref["tokens"]
     assert os.path.isfile(straight["balance_report"])
     assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["step-00000003", "step-00000006"]
     assert [json.loads(x)["step"] for x in open(second["metrics"])] == [1, 2, 3, 4, 5, 6]
     # resuming with another learning rate would silently keep the saved one: refused
     with pytest.raises(ConfigError, match="train.lr: 0.003 -> 0.01"):
-        run_training(
-            train_config(
-                dataset,
-                part,
-                parallel={"policy": "single"},
-                train={"lr": 1e-2},
-                checkpoint={"resume": True},
-            )
-        )
+        run_training(config(part, {"lr": 1e-2}, checkpoint={"resume": True}))
     # resuming from an earlier checkpoint: the abandoned run's later one is not "latest" after it
     step3 = os.path.join(part, "ckpt", "step-00000003")
-    again = run_training(
-        train_config(
-            dataset,
-            part,
-            parallel={"policy": "single"},
-            train={"stop_after": 4},
-            checkpoint={"resume": step3},
-        )
-    )
+    again = run_training(config(part, {"stop_after": 4}, checkpoint={"resume": step3}))
     assert again["losses"] == straight["losses"][3:4]
     assert sorted(os.listdir(os.path.join(part, "ckpt"))) == ["step-00000003", "step-00000004"]
 
@@ -173,20 +168,18 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_train_two_gloo_ranks(dataset, tmp_path):
-    """2 gloo ranks: the hdp loss curve equals the single-process one (float32, same batches,
-    through stream, plan, fetch and executor); resume continues the curve exactly; static runs."""
+    """2 gloo ranks: the hdp loss curve and validation losses equal the reference trainer's
+    (float32, same batches, through stream, plan, fetch and executor); resume continues the curve
+    exactly; static's curve equals it too."""
     torch.set_num_threads(1)
-    ref = run_training(
-        train_config(
-            dataset, str(tmp_path / "ref"), parallel={"policy": "single"}, checkpoint={"dir": None}
-        )
-    )
+    ref = reference_run(train_config(dataset, str(tmp_path / "ref")))
     spawn(train_main, 2, (2, free_port(), dataset, str(tmp_path)), timeout=140)
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got["second_start"] == 3
     assert got["first"] + got["second"] == got["straight"]
     np.testing.assert_allclose(got["straight"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["static"], ref["losses"][:3], rtol=1e-5)
+    assert [s for s, _ in got["val"]] == [s for s, _ in ref["val_losses"]] == [3, 6]
     np.testing.assert_allclose(
         [v for _, v in got["val"]], [v for _, v in ref["val_losses"]], rtol=1e-5
     )

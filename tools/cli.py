@@ -10,13 +10,14 @@ import argparse
 import importlib
 import sys
 
-from datapipe.errors import MixlenError
+from datapipe.errors import MixlenError, PeerError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("tools.cmd_preprocess", "tokenize corpora into length-indexed shards"),
     "index": ("tools.cmd_index", "build index.parquet for an MDS dataset written elsewhere"),
     "profile": ("tools.cmd_profile", "length statistics of a preprocessed dataset"),
+    "verify": ("tools.cmd_verify", "check a dataset's shards, rows and index against its manifest"),
     "plan": ("tools.cmd_plan", "plan steps and print a balance report per policy"),
     "simulate": ("tools.cmd_simulate", "predict step times at scale on synthetic lengths"),
     "calibrate": ("tools.cmd_calibrate", "fit the cost model by timing the real model"),
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except PeerError:  # another rank printed the error
+        return 2
     except MixlenError as exc:
         print(f"mixlen {args.command}: error: {exc}", file=sys.stderr)
         return 2

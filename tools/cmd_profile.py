@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from datapipe.errors import InputError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="dataset directory (index.parquet + manifest.json)")
@@ -22,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.index import read_lengths, read_manifest
     from datapipe.profile import format_profile, length_profile
 
+    if args.capacity is not None and args.capacity < 1:
+        raise InputError(f"--capacity must be >= 1, got {args.capacity}")
     read_manifest(args.dir)
     lengths = read_lengths(args.dir)
     prof = length_profile(lengths, args.capacity)

@@ -31,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc", type=int, default=1, help="ranks to launch on this node through torchrun"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --nproc: restart every rank up to N times after a rank dies; the restarted "
+        "job resumes from the newest complete checkpoint by itself",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config")
 
 
@@ -48,6 +56,8 @@ def _launch(args: argparse.Namespace) -> int:
         "1",
         "--nproc-per-node",
         str(args.nproc),
+        "--max-restarts",
+        str(args.max_restarts),
         "--module",
         "tools.cli",
         "train",
@@ -58,8 +68,12 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         run(get_args_parser().parse_args(cmd))
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
-        print(f"mixlen train: a rank failed ({type(exc).__name__})", file=sys.stderr)
-        return 1
+        codes = sorted(
+            {f.exitcode for f in getattr(exc, "failures", {}).values()}, key=lambda c: c != 2
+        )
+        what = ", ".join(f"exit code {c}" for c in codes) or type(exc).__name__
+        print(f"mixlen train: stopped, a rank failed ({what})", file=sys.stderr)
+        return 2 if 2 in codes else 1
     return 0
 
 
@@ -74,10 +88,29 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc > 1 and not under_torchrun:
+        from trainer.train import preflight
+
+        preflight(cfg, args.nproc)  # what the ranks would refuse, refused once, here
         return _launch(args)
+    if args.max_restarts and not under_torchrun:
+        raise ConfigError("--max-restarts needs --nproc > 1 (torchrun restarts the ranks)")
+    from trainer.runtime import is_peer_failure
     from trainer.train import run_training
 
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    except RuntimeError as exc:
+        if not (under_torchrun and is_peer_failure(exc)):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"mixlen train: rank {os.environ.get('RANK')}: stopped, a collective failed; another "
+            f"rank probably died (see its message; torchrun names it): {first[:200]}",
+            file=sys.stderr,
+        )
+        return 1
     return 0

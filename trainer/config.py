@@ -33,10 +33,12 @@ __all__ = [
     "DataConfig",
     "MetricsConfig",
     "ModelSection",
+    "OffloadConfig",
     "ParallelConfig",
     "TrainConfig",
     "TrainerConfig",
     "apply_overrides",
+    "checkpoint_every",
     "load_config",
     "to_toml",
 ]
@@ -161,6 +163,9 @@ class TrainConfig:
     eval_interval: int = 0
     device: str = "auto"
     stop_after: int = 0  # end this invocation after this step, checkpointed (0: run to `steps`)
+    # recompute blocks' forward in backward: "none", "full" (every block) or "every:K" (blocks
+    # 0, K, 2K, ...); trainer.offload
+    activation_checkpoint: str = "none"
 
     def validate(self) -> None:
         _positive("train.steps", self.steps)
@@ -180,6 +185,21 @@ class TrainConfig:
         _nonneg("train.eval_interval", self.eval_interval)
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
         _nonneg("train.stop_after", self.stop_after)
+        checkpoint_every(self.activation_checkpoint)
+
+
+def checkpoint_every(spec: str) -> int:
+    """`train.activation_checkpoint` as a stride: 0 for "none", 1 for "full", K for "every:K"."""
+    if spec == "none":
+        return 0
+    if spec == "full":
+        return 1
+    head, _, k = spec.partition(":")
+    if head == "every" and k.isdigit() and int(k) >= 1:
+        return int(k)
+    raise ConfigError(
+        f'train.activation_checkpoint: expected "none", "full" or "every:K" (K >= 1), got {spec!r}'
+    )
 
 
 @dataclass
@@ -202,20 +222,23 @@ class ParallelConfig:
         "max_context": "parallel.max_context",
         "widen": "parallel.widen",
         "num_ranks": "the number of ranks (--nproc)",
-        "offload": "offload",
+        "offload": "offload.enabled",
     }
 
     def validate(self) -> None:
         self.planner_config(num_ranks=1, max_len=1, seed=0).validate()
         self.cost_model()
 
-    def planner_config(self, num_ranks: int, max_len: int, seed: int) -> PlannerConfig:
+    def planner_config(
+        self, num_ranks: int, max_len: int, seed: int, offload: bool = False
+    ) -> PlannerConfig:
         """The planner of an island of `num_ranks` ranks over a dataset whose longest sample
-        has `max_len` tokens (the static mesh's default context)."""
+        has `max_len` tokens (the static mesh's default context); `offload`: plan with Eq. 3."""
         return PlannerConfig(
             policy=self.policy,
             num_ranks=num_ranks,
             capacity=self.capacity,
+            offload=offload,
             max_context=(self.max_context or max_len) if self.policy == "static" else None,
             widen=self.widen,
             seed=seed,
@@ -228,6 +251,65 @@ class ParallelConfig:
             return load(self.cost) if self.cost.endswith(".json") else preset(self.cost)
         except (MixlenError, OSError) as exc:
             raise ConfigError(f"parallel.cost: {exc}") from None
+
+
+@dataclass
+class OffloadConfig:
+    """`[offload]`: selective activation offload (ByteScale Eq. 3, trainer.offload).
+
+    `enabled`: hdp and naive-hdp plan with offload and every micro-batch keeps the first blocks'
+    saved activations in host memory as its plan's `offload_ratio` says. `force_ratio` runs every
+    micro-batch at that ratio instead, on plans made without offload (tests, experiments).
+    `host_bytes_per_s` replaces the cost model's `offload_bytes_per_s` (the host link the planner
+    assumes). A rank refuses a plan whose host store would exceed `host_budget_bytes` before the
+    step (0: no limit). Saved storages under `min_bytes` stay on the device; `pool_bytes` bounds the
+    (pinned, on CUDA) host buffer pool, default twice the budget or 4 GiB without one.
+    """
+
+    enabled: bool = False
+    force_ratio: float | None = None
+    host_bytes_per_s: float | None = None
+    host_budget_bytes: int = 0
+    min_bytes: int = 4096
+    pool_bytes: int | None = None
+
+    DEFAULT_POOL_BYTES: typing.ClassVar[int] = 4 << 30
+
+    def validate(self) -> None:
+        if self.force_ratio is not None:
+            if not self.enabled:
+                raise ConfigError("offload.force_ratio: needs offload.enabled = true")
+            if not 0.0 <= self.force_ratio <= 1.0:
+                raise ConfigError(f"offload.force_ratio: must be in [0, 1], got {self.force_ratio}")
+        if self.host_bytes_per_s is not None and not self.host_bytes_per_s > 0:
+            raise ConfigError(f"offload.host_bytes_per_s: must be > 0, got {self.host_bytes_per_s}")
+        _nonneg("offload.host_budget_bytes", self.host_budget_bytes)
+        _nonneg("offload.min_bytes", self.min_bytes)
+        if self.pool_bytes is not None:
+            _nonneg("offload.pool_bytes", self.pool_bytes)
+
+    @property
+    def planned(self) -> bool:
+        """Does the planner plan with offload (enabled, no force_ratio)?"""
+        return self.enabled and self.force_ratio is None
+
+    @property
+    def pool_bound(self) -> int:
+        """Bytes the host buffer pool may own."""
+        if self.pool_bytes is not None:
+            return self.pool_bytes
+        return 2 * self.host_budget_bytes if self.host_budget_bytes else self.DEFAULT_POOL_BYTES
+
+    def ratio(self, planned: float) -> float:
+        """The ratio a micro-batch runs with: `force_ratio`, else its plan's."""
+        if self.force_ratio is not None:
+            return float(self.force_ratio)
+        if planned > 0 and not self.enabled:
+            raise MixlenError(
+                f"the plan offloads activations (offload_ratio {planned:g}) but "
+                "offload.enabled = false"
+            )
+        return float(planned)
 
 
 @dataclass
@@ -275,6 +357,7 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -283,16 +366,55 @@ class TrainerConfig:
             getattr(self, f.name).validate()
         self.data.stream_config(self.train.global_batch_tokens).validate()
         self.data.fetch_config().validate()
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        """A planned offload needs a policy that offloads and the model's layer count in the cost
+        model (Eq. 3's capacity depends on it)."""
+        if not self.offload.planned:
+            return
+        if self.parallel.policy not in ("hdp", "naive-hdp"):
+            raise ConfigError(
+                f"offload.enabled: the {self.parallel.policy} policy never offloads "
+                "(parallel.policy); use hdp or naive-hdp, or set offload.force_ratio"
+            )
+        layers, planned = self.model.shape().n_layers, self.parallel.cost_model().num_layers
+        if layers != planned:
+            raise ConfigError(
+                f"parallel.cost: its num_layers is {planned} but the model has {layers} "
+                "(model.n_layers); offload plans Eq. 3 with the model's layer count: use a cost "
+                "file for this model (`mixlen calibrate`) or the preset of its shape"
+            )
+
+    def cost_model(self) -> CostModel:
+        """The planner's cost model (`parallel.cost`), with `offload.host_bytes_per_s` if set."""
+        cost = self.parallel.cost_model()
+        if self.offload.host_bytes_per_s is not None:
+            cost = cost.with_offload_bandwidth(self.offload.host_bytes_per_s)
+        return cost
+
+    def planner_config(self, num_ranks: int, max_len: int) -> PlannerConfig:
+        """The island's planner (`[parallel]`, with offload when `offload.planned`)."""
+        return self.parallel.planner_config(
+            num_ranks, max_len, self.data.seed, offload=self.offload.planned
+        )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
 
-# Settings a resumed run may change: how long it runs and where it logs. Everything else (model,
-# data order, optimisation, parallelism) must match the checkpoint's run.
+# Settings a resumed run may change: how long it runs, where it logs, and how (not what) a step
+# computes: the planner's settings (and the number of ranks, not a config key) change which rank
+# computes which tokens, not the loss or the gradients (docs/ARCHITECTURE.md, "Loss and
+# exactness"). Everything else (model, data order, optimisation) must match the checkpoint's run.
 RESUME_MAY_CHANGE = frozenset(
     {"train.steps", "train.stop_after", "train.eval_interval", "train.device"}
     | {"data.path", "data.cache_dir", "data.prefetch_depth"}
+    # memory only: the same plans and the same gradients
+    | {"train.activation_checkpoint", "offload.host_budget_bytes", "offload.min_bytes"}
+    | {"offload.pool_bytes"}
+    | {"parallel.policy", "parallel.capacity", "parallel.widen", "parallel.cost"}
+    | {"parallel.max_context"}
 )
 RESUME_FREE_SECTIONS = frozenset({"checkpoint", "metrics"})
 
@@ -416,7 +538,20 @@ def load_config(
             raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-    return from_dict(apply_overrides(d, overrides or []))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text (TOML) file") from None
+    try:
+        return from_dict(apply_overrides(d, overrides or []))
+    except ConfigError as exc:
+        # say where the bad value was written: the file, or a --set override
+        msg = str(exc)
+        key = msg.split(":", 1)[0]
+        given = {o.partition("=")[0].strip() for o in overrides or []}
+        if key in given or msg.startswith("--set"):
+            raise ConfigError(msg if msg.startswith("--set") else f"--set {msg}") from None
+        if path is not None:
+            raise ConfigError(f"{path}: {msg}") from None
+        raise
 
 
 def _toml_value(v: Any) -> str:

@@ -75,10 +75,17 @@ class Validation:
 
 
 class TrainData:
-    """Fetch, split, stream and planner of one run; `close()` releases the readers."""
+    """Fetch, split, stream and planner of one run (the validation set planned and fetched unless
+    `validation` is False); `stack` releases the readers."""
 
     def __init__(
-        self, cfg: TrainerConfig, rank: int, world: int, vocab_size: int, stack: ExitStack
+        self,
+        cfg: TrainerConfig,
+        rank: int,
+        world: int,
+        vocab_size: int,
+        stack: ExitStack,
+        validation: bool = True,
     ) -> None:
         self.rank = rank
         # the training set's fetch; the model must cover its vocabulary
@@ -89,6 +96,11 @@ class TrainData:
             raise ConfigError(
                 f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
                 f"({cfg.data.path}/manifest.json vocab_size)"
+            )
+        if not manifest_vocab:  # the fetch refuses token ids the model has no embedding for
+            self.fetcher.vocab_size, self.fetcher.vocab_source = (
+                vocab_size,
+                "the model's vocab_size",
             )
         all_lengths = np.asarray(self.fetcher.lengths, dtype=np.int64)
         all_ids = np.arange(all_lengths.shape[0], dtype=np.int64)
@@ -110,13 +122,16 @@ class TrainData:
         self.stream = LengthAwareStream(
             cfg.data.stream_config(cfg.train.global_batch_tokens), all_lengths[self.train_ids]
         )
-        cost = cfg.parallel.cost_model()
-        self.planner = cfg.parallel.planner_config(
-            world, int(all_lengths.max()), cfg.data.seed
-        ).build(cost)
+        cost = cfg.cost_model()
+        self.planner = cfg.planner_config(world, int(all_lengths.max())).build(cost)
         self.planner.check_fits(all_lengths, f"data.path {cfg.data.path}")
         self.validation: Validation | None = None
-        if cfg.train.eval_interval and self.val_fetcher is not None and self.val_ids.size:
+        if (
+            validation
+            and cfg.train.eval_interval
+            and self.val_fetcher is not None
+            and self.val_ids.size
+        ):
             val_lengths = np.asarray(self.val_fetcher.lengths)[self.val_ids]
             self.validation = Validation(
                 cfg, rank, self.val_fetcher, self.val_ids, val_lengths, self.planner

@@ -13,6 +13,7 @@ The same code runs every policy's plans (datapipe.plan.planner): hdp, naive-hdp,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from datapipe.fetch import PackedMicroBatch
 from datapipe.plan.stepplan import PlannedMicroBatch, StepPlan
 from trainer.attention import LocalAttention, accum_dtype
 from trainer.comm import Communicator, CountingComm
+from trainer.offload import ActivationManager, MicrobatchStats
+from trainer.offload_plan import PlanOffload
 from trainer.ring import RingAttention
 
 __all__ = ["HDPExecutor", "StepResult", "labelled_positions"]
@@ -55,6 +58,10 @@ class StepResult:
     rank_p2p_bytes: int = 0  # this rank's ring bytes sent
     rank_comm_s: float = 0.0  # this rank's time in ring waits and the all-reduce
     reduce_bytes: int = 0  # payload of the coalesced all-reduce
+    # per rank, with an activation manager (offload or checkpointing; else empty): bytes moved to
+    # host, and the accounted peak of saved-activation bytes on the device (trainer.offload)
+    offload_bytes: list[int] = field(default_factory=list)
+    act_peak_bytes: list[int] = field(default_factory=list)
 
 
 class HDPExecutor:
@@ -62,7 +69,8 @@ class HDPExecutor:
 
     `model` computes (its dtype is the compute dtype); `master` holds the weights the optimizer
     updates (the same module for float32/float64; a float32 copy for bfloat16, copied back into
-    `model` after each step).
+    `model` after each step). `activations` (trainer.offload) runs each micro-batch's forward and
+    backward with its plan's offload ratio and the checkpointing policy; None: plain.
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class HDPExecutor:
         grad_clip: float = 0.0,
         device: torch.device | str = "cpu",
         check_agreement: bool = True,
+        activations: ActivationManager | None = None,
     ) -> None:
         self.model = model
         self.master = master if master is not None else model
@@ -96,6 +105,9 @@ class HDPExecutor:
         self.numel = sum(p.numel() for p in self.params)
         # (slot, wall s, this thread's CPU s) of each micro-batch of the last step, for benchmarks
         self.mb_log: list[tuple[int, float, float]] = []
+        self.activations = activations
+        self.act_stats: list[MicrobatchStats] = []  # this rank's micro-batches of the last step
+        self.plan_offload: PlanOffload | None = None  # every rank's, of the last checked plan
 
     @property
     def rank(self) -> int:
@@ -120,11 +132,12 @@ class HDPExecutor:
             raise MixlenError(
                 f"step {step}: plan for {plan.num_ranks} ranks, but the island has {self.comm.size}"
             )
-        if plan.mb_offload.size and float(plan.mb_offload.max()) > 0.0:
+        if self.activations is not None:  # host budget of every rank's micro-batches
+            self.plan_offload = self.activations.check_plan(plan, step)
+        elif plan.mb_offload.size and float(plan.mb_offload.max()) > 0.0:
             raise MixlenError(
                 f"step {step}: the plan offloads activations (offload_ratio up to "
-                f"{float(plan.mb_offload.max()):.2f}); selective offload is not implemented yet "
-                "(it lands in a later issue): set [offload] enabled = false"
+                f"{float(plan.mb_offload.max()):.2f}) but offload.enabled = false"
             )
 
     # -- micro-batches -----------------------------------------------------------------------------
@@ -164,10 +177,16 @@ class HDPExecutor:
                     f"slot {pm.slot}: the fetched positions are not this member's zigzag share "
                     "(the fetcher and the plan disagree)"
                 )
-        with torch.set_grad_enabled(grad):
+        # offload / checkpointing of the blocks (a context yielding None: plain)
+        acts: contextlib.AbstractContextManager[MicrobatchStats | None] = contextlib.nullcontext()
+        if grad and self.activations is not None:
+            acts = self.activations.microbatch(self.model, pm.offload_ratio)
+        with torch.set_grad_enabled(grad), acts as stats:
             loss_sum, _ = self.model(ids, pos, labels=labels, attn=attn)
             if grad:
                 loss_sum.backward()
+        if stats is not None:
+            self.act_stats.append(stats)
         return loss_sum.detach().to(self.acc_dtype)
 
     def _drain(self, buf: torch.Tensor) -> None:
@@ -198,6 +217,7 @@ class HDPExecutor:
         loss = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         t0 = time.perf_counter()
         self.mb_log = []
+        self.act_stats = []
         for pm, mb in zip(mine, fetched):
             w0, c0 = time.perf_counter(), time.thread_time()
             loss += self._run_microbatch(pm, mb, lengths_by_id, grad)
@@ -219,8 +239,9 @@ class HDPExecutor:
         self.comm.reset()
         self.check_plan(plan, step)
         n, size = self.numel, self.comm.size
-        # [grads | loss sum | per rank: busy seconds, micro-batches, ring wait s, ring bytes sent]
-        buf = torch.zeros(n + 1 + 4 * size, dtype=self.acc_dtype, device=self.device)
+        # [grads | loss sum | per rank: busy seconds, micro-batches, ring wait s, ring bytes sent,
+        #  offload bytes moved, activation peak bytes]
+        buf = torch.zeros(n + 1 + 6 * size, dtype=self.acc_dtype, device=self.device)
         for p in self.params:
             p.grad = None
         loss, busy, count = self._run_rank(plan, fetched, True, buf)
@@ -231,6 +252,8 @@ class HDPExecutor:
         buf[n + 1 + size + self.rank] = count
         buf[n + 1 + 2 * size + self.rank] = self.comm.wait_s
         buf[n + 1 + 3 * size + self.rank] = self.comm.p2p_bytes
+        buf[n + 1 + 4 * size + self.rank] = sum(s.moved_bytes for s in self.act_stats)
+        buf[n + 1 + 5 * size + self.rank] = max((s.peak_bytes for s in self.act_stats), default=0)
         t0 = time.perf_counter()
         self.comm.all_reduce(buf)
         reduce_s = time.perf_counter() - t0
@@ -247,6 +270,7 @@ class HDPExecutor:
             for p in self.params:
                 p.grad = None
         stats = buf[n:].tolist()
+        managed = self.activations is not None
         return StepResult(
             loss=stats[0] * scale,
             n_labels=n_labels,
@@ -255,10 +279,12 @@ class HDPExecutor:
             compute_s=stats[1 : 1 + size],
             microbatches=[int(x) for x in stats[1 + size : 1 + 2 * size]],
             ring_wait_s=stats[1 + 2 * size : 1 + 3 * size],
-            p2p_bytes=[int(x) for x in stats[1 + 3 * size :]],
+            p2p_bytes=[int(x) for x in stats[1 + 3 * size : 1 + 4 * size]],
             rank_p2p_bytes=self.comm.p2p_bytes,
             rank_comm_s=self.comm.wait_s + reduce_s,
             reduce_bytes=buf.numel() * buf.element_size(),
+            offload_bytes=[int(x) for x in stats[1 + 4 * size : 1 + 5 * size]] if managed else [],
+            act_peak_bytes=[int(x) for x in stats[1 + 5 * size :]] if managed else [],
         )
 
     def update(self, result: StepResult) -> None:

@@ -75,6 +75,7 @@ class BalanceSummary:
     steps: int = 0
     step_time_s: float = 0.0
     tokens: int = 0
+    offload: Any = None  # trainer.offload_plan.OffloadSummary when offload/checkpointing is on
 
     def add(
         self,
@@ -117,7 +118,8 @@ class BalanceSummary:
             f"imbalance (max/mean of run totals): measured {imbalance(self.measured_s):.3f}, "
             f"planned {imbalance(self.planned_s):.3f}",
         ]
-        return "\n".join(lines) + "\n"
+        extra = self.offload.render() if self.offload is not None else ""
+        return "\n".join(lines) + "\n" + extra
 
 
 def _truncate_after(path: str, step: int) -> None:

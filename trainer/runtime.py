@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from datapipe.errors import ConfigError
 from trainer.comm import Communicator, SoloComm, TorchComm
+from trainer.faults import restart_count
 
-__all__ = ["TIMEOUT_ENV", "Runtime", "setup_runtime"]
+__all__ = ["TIMEOUT_ENV", "Runtime", "is_peer_failure", "setup_runtime"]
 
 TIMEOUT_ENV = "MIXLEN_DIST_TIMEOUT"  # seconds a collective may wait (default 600)
 
@@ -60,13 +61,29 @@ def setup_runtime(device: str = "auto") -> Runtime:
     owns = False
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
-        if use_cuda:
-            dist.init_process_group("nccl", timeout=timeout, device_id=dev)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+        # torchrun's agent may hand every restart the same store: without a prefix per restart
+        # a rank that starts early reads the dead ranks' addresses and fails to connect
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"mixlen/restart-{restart_count()}", store)
+        backend = "nccl" if use_cuda else "gloo"
+        extra = {"device_id": dev} if use_cuda else {}
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=timeout, **extra
+        )
         owns = True
     if dist.is_initialized() and dist.get_world_size() > 1:
         comm: Communicator = TorchComm()
         dist.barrier()
         return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, comm, owns)
     return Runtime(0, 1, 0, dev, SoloComm(), owns)
+
+
+_PEER_FAILURE = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Did a collective fail because another rank died or hung (not a bug on this rank)?"""
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_FAILURE)

@@ -6,13 +6,30 @@ one process.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from trainer.config import TrainerConfig
 from trainer.runtime import Runtime, setup_runtime
 from trainer.trainer import Trainer
 
-__all__ = ["run_training"]
+__all__ = ["preflight", "run_training"]
+
+
+def preflight(cfg: TrainerConfig, world: int) -> None:
+    """Check, without starting it, that a run of `world` ranks can start: the config, the dataset
+    (manifest, index, shard sizes), the plan fitting its longest sample on `world` ranks, the
+    model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
+    run. The launcher calls it before torchrun, so such an error is printed once."""
+    from trainer.checkpoint import check_run_matches, resume_candidates
+    from trainer.data import TrainData
+
+    cfg.validate()
+    with ExitStack() as stack:
+        data = TrainData(cfg, 0, world, cfg.model.shape().vocab_size, stack, validation=False)
+        paths, _ = resume_candidates(cfg.checkpoint)
+        if paths:
+            check_run_matches(paths[0], cfg, data.stream)
 
 
 def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any]:

@@ -24,8 +24,12 @@ from trainer.compare import PolicyComparison
 from trainer.config import TrainerConfig, to_toml
 from trainer.data import TrainData
 from trainer.executor import HDPExecutor
+from trainer.faults import FaultInjector
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
 from trainer.model import build_model, torch_dtype
+from trainer.offload import activation_manager
+from trainer.offload_plan import OffloadSummary
+from trainer.rng import seed_all
 from trainer.runtime import Runtime
 
 __all__ = ["Trainer", "lr_lambda"]
@@ -62,8 +66,8 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, rt = self.cfg, self.rt
-        # model, optimizer, schedule, executor
-        torch.manual_seed(cfg.train.seed)
+        # model, optimizer, schedule, executor; every generator seeded (and checkpointed)
+        seed_all(cfg.train.seed)
         shape = cfg.model.shape()
         self.model, self.master = build_model(
             shape, torch_dtype(cfg.train.dtype), rt.device, seed=cfg.train.seed
@@ -75,6 +79,8 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        # offload and activation checkpointing (None: neither)
+        self.activations = activation_manager(cfg, rt.device, torch_dtype(cfg.train.dtype))
         self.executor = HDPExecutor(
             self.model,
             self.optimizer,
@@ -83,7 +89,11 @@ class Trainer:
             scheduler=self.scheduler,
             grad_clip=cfg.train.grad_clip,
             device=rt.device,
+            activations=self.activations,
         )
+        # test-only fault injection (MIXLEN_FAULT); nothing armed in a normal run
+        self.faults = FaultInjector(rt.rank)
+        self.faults.attach(self.model)
         # data: fetch, held-out split, stream, planner, validation set
         self.data = TrainData(cfg, rt.rank, rt.world, shape.vocab_size, self._stack)
         # resume before the first step
@@ -94,7 +104,9 @@ class Trainer:
             self.master,
             self.optimizer,
             self.scheduler,
-            rt.rank,
+            rt.comm,
+            rt.device,
+            self.faults,
         )
         self.start_step = self.checkpointer.resume(self.data.stream)
         # metrics (rank 0 writes)
@@ -105,13 +117,16 @@ class Trainer:
             tensorboard=cfg.metrics.tensorboard,
             progress=cfg.metrics.progress,
             console_interval=cfg.metrics.console_interval,
-            resume_step=self.start_step if cfg.checkpoint.resume else None,
+            resume_step=self.start_step if self.checkpointer.resumed else None,
         )
         self._stack.callback(self.metrics.close)
         if rt.rank == 0:
             write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
         self.metrics.set_start(self.start_step)
         self.balance = BalanceSummary()
+        if self.activations is not None:
+            cost = self.data.planner.cost
+            self.balance.offload = OffloadSummary(shape.n_layers, cost.act_bytes_per_token_layer)
         self.compare = None
         if cfg.metrics.compare:  # another policy on the same batches, for the report
             self.compare = PolicyComparison(
@@ -122,6 +137,7 @@ class Trainer:
         """One optimizer step of the prefetched `item` = (batch, plan, stream state); returns the
         metrics record (also written)."""
         t0 = time.perf_counter()
+        self.faults.begin_step(step)
         batch, plan, _ = item
         lr = self.optimizer.param_groups[0]["lr"]
         res = self.executor.step(plan, fetched, step)
@@ -129,6 +145,9 @@ class Trainer:
         planned = (plan.rank_time_ns / 1e9).tolist()
         self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
         rec = step_record(step, batch, plan, res, lr, wait_s, step_s)
+        if self.balance.offload is not None and self.executor.plan_offload is not None:
+            po = self.executor.plan_offload
+            rec.update(self.balance.offload.add(po, res.offload_bytes, res.act_peak_bytes))
         if self.compare is not None and (row := self.compare.after_step(step, batch, plan, res)):
             rec["compare"] = row
         val = self.data.validation

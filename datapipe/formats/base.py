@@ -14,21 +14,14 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from datapipe.errors import InputError
 from datapipe.index import download
+from datapipe.integrity import check_shard_file, checksum_file
 
 TOKENS = "tokens"  # the token column (MDS, parquet) and member name (webdataset `tokens.npy`)
 
-
-def checksum_file(path: str) -> str:
-    """Hex XXH3-64 of a file's bytes (the manifest's per-shard checksum: fast, not cryptographic)."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+__all__ = ["TOKENS", "RowReader", "ShardInfo", "ShardWriter", "checksum_file"]
 
 
 @dataclass
@@ -76,6 +69,10 @@ class ShardWriter:
         """Close the last shard; return all shards with sizes and checksums."""
         raise NotImplementedError
 
+    def abort(self) -> None:
+        """After a failure (disk full, interrupt): release open files without finishing them
+        (the caller deletes the directory)."""
+
     @property
     def shards_completed(self) -> int:
         """Shards fully written so far (for progress and the test pause hook)."""
@@ -112,6 +109,14 @@ class OwnShardWriter(ShardWriter):
 
     def _write_rows(self, sample_id: int, rows: list[np.ndarray]) -> int:
         raise NotImplementedError
+
+    def _abort(self) -> None:
+        """Drop the open shard's file objects without flushing them."""
+
+    def abort(self) -> None:
+        if self._is_open:
+            self._is_open = False
+            self._abort()
 
     def _name(self, i: int) -> str:
         return f"shard-{i:05d}{self.suffix}"
@@ -157,10 +162,15 @@ class ReadStats:
     bytes: int = 0  # bytes read from shard files (payload + per-row/row-group overhead)
     index_bytes: int = 0  # one-off bytes to locate rows (MDS offset tables, tar header scans)
     seconds: float = 0.0  # time spent in read_rows
+    verify_seconds: float = 0.0  # of which checking shards against the manifest (first opens)
 
 
 class RowReader:
-    """Random access to storage rows by global row; subclasses implement `_read_shard`."""
+    """Random access to storage rows by global row; subclasses implement `_read_shard`.
+
+    With `verify` (the default) a shard's size and XXH3-64 are checked against the manifest the
+    first time this reader opens it (`shard_path`), before any of its bytes are decoded; a
+    mismatch is an InputError naming the shard."""
 
     def __init__(self, local: str, remote: str | None, manifest: dict) -> None:
         self.local, self.remote, self.manifest = local, remote, manifest
@@ -169,16 +179,37 @@ class RowReader:
         rows = np.array([s["rows"] for s in manifest["shards"]], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(rows)])
         self.stats = ReadStats()
+        self.verify = True
+        self._verified: set[int] = set()
+
+    def check_present(self) -> None:
+        """A local dataset's shards all exist with the manifest's sizes (a stat each, no read)."""
+        if self.remote is None:
+            for i, name in enumerate(self.shard_names):
+                check_shard_file(os.path.join(self.local, name), self.manifest["shards"][i], False)
 
     def shard_path(self, shard: int) -> str:
-        """Local path of a shard, downloading it first for a remote dataset."""
+        """Local path of a shard, downloading it first for a remote dataset; verified against
+        the manifest the first time (see the class docstring)."""
         name = self.shard_names[shard]
         path = os.path.join(self.local, name)
         if self.remote is not None and not os.path.exists(path):
             download(self.remote.rstrip("/") + "/" + name, path)
-        elif not os.path.exists(path):
-            raise InputError(f"{path}: shard listed in manifest.json is missing")
+        self.verify_shard(shard, path)
         return path
+
+    def verify_shard(self, shard: int, path: str) -> None:
+        """Check `path` (shard `shard`'s local file) once per reader; see the class docstring."""
+        if shard in self._verified:
+            return
+        t0 = time.perf_counter()
+        check_shard_file(path, self.manifest["shards"][shard], hash_bytes=self.verify)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        self._verified.add(shard)
+
+    def shard_of_row(self, row: int) -> int:
+        """The shard holding global row `row`."""
+        return int(np.searchsorted(self.shard_starts, row, side="right") - 1)
 
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Token arrays of the given global rows (sorted, unique), in that order."""
@@ -192,10 +223,19 @@ class RowReader:
             for g in np.split(np.arange(len(rows)), cuts)
             if len(g)
         ]
-        for shard, local_rows in parts:  # announce every read of the step first
-            self._announce(shard, local_rows)
-        for shard, local_rows in parts:
-            out.extend(self._read_shard(shard, local_rows))
+        shard = parts[0][0] if parts else 0
+        try:
+            for shard, local_rows in parts:  # announce every read of the step first
+                self._announce(shard, local_rows)
+            for shard, local_rows in parts:
+                out.extend(self._read_shard(shard, local_rows))
+        except InputError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
+            path = os.path.join(self.local, self.shard_names[shard])
+            raise InputError(
+                f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
+            ) from None
         self.stats.rows += len(rows)
         self.stats.token_bytes += sum(int(t.nbytes) for t in out)
         self.stats.seconds += time.perf_counter() - t0
@@ -229,12 +269,16 @@ def willneed(fd: int, begin: np.ndarray, end: np.ndarray) -> None:
 
 def read_ranges(fd: int, begin: np.ndarray, end: np.ndarray, stats: ReadStats) -> list:
     """Bytes [begin[k], end[k]) of each row (ascending), one pread per run of back-to-back rows.
-    Returns memoryviews."""
+    Returns memoryviews; a short read (the file shrank) raises EOFError."""
     b, e = begin.tolist(), end.tolist()
     out = []
     for i, j in run_groups(begin, end):
         base = b[i]
         data = memoryview(os.pread(fd, e[j - 1] - base, base))
+        if len(data) != e[j - 1] - base:
+            raise EOFError(
+                f"bytes {base}..{e[j - 1]} requested, the file ends at {base + len(data)}"
+            )
         stats.bytes += len(data)
         out.extend(data[b[k] - base : e[k] - base] for k in range(i, j))
     return out

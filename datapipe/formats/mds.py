@@ -10,8 +10,10 @@ shared memory and /tmp filelocks; `release_streaming_prefix` removes what one da
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -85,6 +87,47 @@ class Writer(ShardWriter):
         return self.shards
 
 
+UNSAFE_ENCODINGS = ("pkl",)  # MDS column encodings that unpickle on decode: never read
+
+
+def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
+    """MDS's own index.json (downloaded first for a remote dataset), checked against the
+    manifest: the same shards in the same order with the same row counts, no compression, and no
+    column that would be unpickled when decoded."""
+    path = os.path.join(local, "index.json")
+    if remote is not None and not os.path.exists(path):
+        download(remote.rstrip("/") + "/index.json", path)
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+        shards = obj["shards"]
+        names = [s["raw_data"]["basename"] for s in shards]
+        rows = [s["samples"] for s in shards]
+        encodings = [e for s in shards for e in s.get("column_encodings", [])]
+        compressed = any(s.get("compression") for s in shards)
+    except FileNotFoundError:
+        raise InputError(f"{path}: not found (an MDS dataset needs MDS's index.json)") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise InputError(f"{path}: not a valid MDS index ({type(exc).__name__}: {exc})") from None
+    if names != [s["name"] for s in manifest["shards"]]:
+        raise InputError(f"{path}: shard names or order differ from manifest.json")
+    want = [s["rows"] for s in manifest["shards"]]
+    if rows != want:
+        i = next(k for k, (a, b) in enumerate(zip(rows, want)) if a != b)
+        raise InputError(
+            f"{path}: shard {names[i]} has {rows[i]} rows, manifest.json says {want[i]}"
+        )
+    if compressed:
+        raise InputError(f"{path}: compressed MDS shards are not supported")
+    unsafe = [e for e in encodings if str(e).split(":")[0] in UNSAFE_ENCODINGS]
+    if unsafe:
+        raise InputError(
+            f"{path}: column encoding {unsafe[0]!r} would unpickle data; mixlen never reads "
+            "pickled columns"
+        )
+    return obj
+
+
 class Reader(RowReader):
     """MDS rows through the library's MDSReader: offset table + pread; the token column decoded
     directly where the shard's layout allows and a first row checked it (datapipe.formats.
@@ -96,17 +139,8 @@ class Reader(RowReader):
         super().__init__(local, remote, manifest)
         from streaming.base.format import reader_from_json
 
-        index_json = os.path.join(local, "index.json")
-        if remote is not None:
-            download(remote.rstrip("/") + "/index.json", index_json)
-        with open(index_json) as f:
-            obj = json.load(f)
+        obj = read_mds_index(local, remote, manifest)
         self.readers = [reader_from_json(local, None, s) for s in obj["shards"]]
-        names = [r.raw_data.basename for r in self.readers]
-        if names != self.shard_names:
-            raise InputError(f"{index_json}: shard order differs from manifest.json")
-        if any(r.compression for r in self.readers):
-            raise InputError(f"{index_json}: compressed MDS shards are not supported")
         self._fds: dict[int, tuple[int, np.ndarray]] = {}
         self._decoders: dict[int, Callable] = {}
 
@@ -116,6 +150,9 @@ class Reader(RowReader):
             n = self.readers[shard].samples
             head = os.pread(fd, 4 * (n + 2), 0)
             offsets = np.frombuffer(head, dtype="<u4")[1:].astype(np.int64)
+            if len(offsets) != n + 1 or np.any(np.diff(offsets) < 0):
+                os.close(fd)
+                raise EOFError("the shard's offset table is truncated or corrupt")
             self.stats.index_bytes += len(head)
             self._fds[shard] = (fd, offsets)
         return self._fds[shard]
@@ -162,9 +199,9 @@ class DatasetReader(RowReader):
     ) -> None:
         super().__init__(local, remote, manifest)
         from streaming import StreamingDataset
-        from streaming.base.util import clean_stale_shared_memory
 
-        clean_stale_shared_memory()  # leftovers of killed runs (streaming issues #781, #893)
+        read_mds_index(local, remote, manifest)
+        clean_stale_streaming()  # leftovers of killed runs (streaming issues #781, #893)
         if remote is None:
             ds_local, ds_remote = local, None
         else:  # a unique local directory per dataset object: no sharing of cache state
@@ -182,7 +219,15 @@ class DatasetReader(RowReader):
 
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         t0 = time.perf_counter()
-        out = [self.ds.get_item(int(r))[TOKENS] for r in np.asarray(rows, np.int64)]
+        rows = np.asarray(rows, np.int64)
+        shards = np.unique(np.searchsorted(self.shard_starts, rows, side="right") - 1).tolist()
+        if self.remote is None:  # verified before the library reads them
+            for shard in shards:
+                self.shard_path(shard)
+        out = [self.ds.get_item(int(r))[TOKENS] for r in rows]
+        if self._own_local is not None:  # downloaded by the library: verified before use
+            for shard in shards:
+                self.verify_shard(shard, os.path.join(self._own_local, self.shard_names[shard]))
         nbytes = sum(int(t.nbytes) for t in out)
         self.stats.rows += len(out)
         self.stats.token_bytes += nbytes
@@ -200,6 +245,74 @@ class DatasetReader(RowReader):
             import shutil
 
             shutil.rmtree(self._own_local, ignore_errors=True)
+
+
+_SHM_NAME = re.compile(r"^(\d{6})_([a-z_]+)$")
+_LOCK_NAME = re.compile(r"^(\d{6})_(barrier|cache)_filelock$")
+STALE_LOCK_AGE_S = 60.0  # a filelock without shared memory older than this is a dead run's
+
+
+def _mapped_shm_inodes() -> set[int] | None:
+    """Inodes of /dev/shm files that some live process has mapped (from /proc/*/maps), or None
+    where /proc cannot tell (not Linux). By inode, not name: a process may still map a segment
+    that was unlinked and whose name a new segment now has."""
+    if not os.path.isfile("/proc/self/maps"):
+        return None
+    used: set[int] = set()
+    pattern = re.compile(rb"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/", re.MULTILINE)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps", "rb") as f:
+                    used.update(int(i) for i in pattern.findall(f.read()))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return used
+
+
+def clean_stale_streaming() -> list[str]:
+    """Remove the StreamingDataset shared memory and /tmp filelocks that dead processes left (the
+    library leaves them after a crash: its issues #781, #893). A prefix is dead when no live
+    process maps any of its segments; its filelocks go with it, as do filelocks of prefixes that
+    have no segment at all once they are STALE_LOCK_AGE_S old (a stale one there would also stop
+    the library's own `clean_stale_shared_memory`, which gives up at the first empty prefix).
+    Unlike that function it never unlinks a live job's memory. Returns the names removed."""
+    from streaming.base.constant import SHM_TO_CLEAN
+
+    used = _mapped_shm_inodes()
+    if used is None or not os.path.isdir("/dev/shm"):
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        return []
+    segments: dict[str, list[str]] = {}
+    live: set[str] = set()
+    for name in os.listdir("/dev/shm"):
+        m = _SHM_NAME.match(name)
+        if m and m.group(2) in SHM_TO_CLEAN:
+            segments.setdefault(m.group(1), []).append(name)
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join("/dev/shm", name)).st_ino in used:
+                    live.add(m.group(1))
+    removed: list[str] = []
+    tmp = tempfile.gettempdir()
+    for prefix, names in segments.items():
+        if prefix not in live:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
+                    removed.append(name)
+    now = time.time()
+    for name in os.listdir(tmp):
+        m = _LOCK_NAME.match(name)
+        if not m or m.group(1) in live:
+            continue
+        path = os.path.join(tmp, name)
+        with contextlib.suppress(OSError):
+            if m.group(1) in segments or now - os.path.getmtime(path) > STALE_LOCK_AGE_S:
+                os.unlink(path)
+                removed.append(name)
+    return removed
 
 
 def release_streaming_prefix(prefix: int) -> None:

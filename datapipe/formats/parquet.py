@@ -5,11 +5,13 @@ at most about one storage chunk of other rows (`ParquetFile.read_row_group`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
 import numpy as np
 
+from datapipe.errors import InputError
 from datapipe.formats.base import TOKENS, OwnShardWriter, RowReader
 
 
@@ -65,6 +67,10 @@ class Writer(OwnShardWriter):
         self._flush_group()
         self._pq.close()
 
+    def _abort(self) -> None:
+        with contextlib.suppress(Exception):  # the footer may not fit either
+            self._pq.close()
+
     def _write_rows(self, sample_id: int, rows: list[np.ndarray]) -> int:
         for j, row in enumerate(rows):
             if self._pending and self._pending_tokens + len(row) > self.chunk_tokens:
@@ -85,8 +91,12 @@ class Reader(RowReader):
         if shard not in self._files:
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(self.shard_path(shard))
+            path = self.shard_path(shard)
+            pf = pq.ParquetFile(path)
             md = pf.metadata
+            want = int(self.shard_starts[shard + 1] - self.shard_starts[shard])
+            if md.num_rows != want:
+                raise InputError(f"{path}: {md.num_rows} rows, manifest.json says {want}")
             starts = np.zeros(md.num_row_groups + 1, np.int64)
             np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)], out=starts[1:])
             self._files[shard] = (pf, starts)

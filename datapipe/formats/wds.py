@@ -6,6 +6,7 @@ reader builds one by a single tar header scan per shard on first use (512 B per 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tarfile
@@ -33,6 +34,13 @@ class Writer(OwnShardWriter):
         self._tar.close()
         self._f.close()
 
+    def _abort(self) -> None:
+        ts = self._tar.tarstream
+        ts.closed = True  # neither the TarFile nor its stream may flush into the failed file
+        with contextlib.suppress(AttributeError):
+            ts.fileobj.closed = True
+        self._f.close()
+
     def _write_rows(self, sample_id: int, rows: list[np.ndarray]) -> int:
         total = 0
         for j, row in enumerate(rows):
@@ -55,11 +63,14 @@ class Reader(RowReader):
         if shard not in self._shards:
             path = self.shard_path(shard)
             offs, sizes = [], []
-            with tarfile.open(path, "r:") as tf:
-                for m in tf:
-                    if m.isfile() and m.name.endswith("." + MEMBER):
-                        offs.append(m.offset_data)
-                        sizes.append(m.size)
+            try:
+                with tarfile.open(path, "r:") as tf:
+                    for m in tf:
+                        if m.isfile() and m.name.endswith("." + MEMBER):
+                            offs.append(m.offset_data)
+                            sizes.append(m.size)
+            except tarfile.TarError as exc:
+                raise InputError(f"{path}: not a readable tar shard ({exc})") from None
             want = int(self.shard_starts[shard + 1] - self.shard_starts[shard])
             if len(offs) != want:
                 raise InputError(f"{path}: {len(offs)} .{MEMBER} members, manifest says {want}")

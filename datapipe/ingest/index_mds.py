@@ -13,8 +13,9 @@ import numpy as np
 
 from datapipe import __version__
 from datapipe.errors import InputError
-from datapipe.formats.base import checksum_file
+from datapipe.formats.mds import UNSAFE_ENCODINGS
 from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
+from datapipe.integrity import INDEX_CHECKSUM_KEY, checksum_file, shard_name_problem
 
 
 def _read_mds_index(root: str) -> dict:
@@ -28,6 +29,17 @@ def _read_mds_index(root: str) -> dict:
         raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
     if obj.get("version") != 2 or not isinstance(obj.get("shards"), list):
         raise InputError(f"{path}: expected an MDS index (version 2 with a 'shards' list)")
+    for si, sh in enumerate(obj["shards"]):
+        for col, enc in zip(sh.get("column_names", []), sh.get("column_encodings", [])):
+            if str(enc).split(":")[0] in UNSAFE_ENCODINGS:
+                raise InputError(
+                    f"{path}: shard {si} column {col!r} has encoding {enc!r}, which would "
+                    "unpickle data; mixlen never reads pickled columns"
+                )
+        name = sh.get("raw_data", {}).get("basename") if isinstance(sh, dict) else None
+        problem = shard_name_problem(name)
+        if problem:
+            raise InputError(f"{path}: shard {si} raw_data.basename: {problem}")
     return obj
 
 
@@ -112,6 +124,7 @@ def index_mds(root: str, tokens_field: str = "tokens", overwrite: bool = False) 
         "num_rows": len(lengths),
         "counts": {"documents": len(lengths)},
         "shards": shards,
+        INDEX_CHECKSUM_KEY: checksum_file(tmp_index),
         "args": {"command": "index", "tokens_field": tokens_field},
     }
     tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")

@@ -6,6 +6,7 @@ the end, so an interrupted run leaves no output directory a reader could take fo
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -22,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from datapipe import __version__
-from datapipe.errors import InputError
+from datapipe.errors import InputError, MixlenError
 from datapipe.formats import FORMATS, build_writer
 from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
+from datapipe.ingest.output import OutputLock, check_out_path, clean_stale, commit, partial_dir
 from datapipe.ingest.sources import (
     BlockResult,
     TokenizeSettings,
@@ -34,9 +36,11 @@ from datapipe.ingest.sources import (
     process_block,
 )
 from datapipe.ingest.tokenizer import TokenizerSpec
+from datapipe.integrity import INDEX_CHECKSUM_KEY, checksum_file
 
 PAUSE_HOOK_ENV = "MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD"  # test-only: marker path, then sleep
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 @dataclass
@@ -93,27 +97,6 @@ class PreprocessResult:
     input_bytes: int
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _clean_stale_partials(parent: Path, name: str) -> None:
-    """Remove temporary directories of earlier runs that were killed."""
-    for p in parent.glob(f".{name}.partial-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def _results(blocks: Iterator, settings: TokenizeSettings, workers: int) -> Iterator[BlockResult]:
     """Tokenized blocks in input order, from `workers` processes (inline for 1)."""
     if workers == 1:
@@ -133,9 +116,10 @@ def _results(blocks: Iterator, settings: TokenizeSettings, workers: int) -> Iter
 
 
 def _pause_for_test(marker: str) -> None:
+    """Test hook: write `marker`, then wait until it is removed (at most 600 s)."""
     Path(marker).write_text(str(os.getpid()))
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and os.path.exists(marker):
         time.sleep(0.05)
 
 
@@ -163,6 +147,7 @@ def preprocess(
     cfg.validate()
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     out = Path(cfg.out).absolute()
+    check_out_path(out, cfg.out, cfg.inputs)
     if out.exists() and not cfg.overwrite:
         raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
     files = find_inputs(cfg.inputs, cfg.globs, tuple(cfg.excludes))
@@ -175,27 +160,32 @@ def preprocess(
     settings = TokenizeSettings(tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_partials(out.parent, out.name)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    t0 = time.perf_counter()
-    pause_marker = os.environ.get(PAUSE_HOOK_ENV)
-    try:
-        with _SigtermAsInterrupt():
-            manifest, bad_examples, nbytes = _write_dataset(
-                cfg, files, tokenizer, settings, str(tmp), warn, pause_marker
-            )
-        if out.exists():
-            aside = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, aside)
-            os.rename(tmp, out)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
+    with OutputLock(out, cfg.out):
+        clean_stale(out, warn)
+        if out.exists() and not cfg.overwrite:  # restored, or made while we waited
+            raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
+        tmp = partial_dir(out)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp.mkdir()
+        t0 = time.perf_counter()
+        pause_marker = os.environ.get(PAUSE_HOOK_ENV)
+        try:
+            with _SigtermAsInterrupt():
+                manifest, bad_examples, nbytes = _write_dataset(
+                    cfg, files, tokenizer, settings, str(tmp), warn, pause_marker
+                )
+            commit(tmp, out, cfg.out, cfg.overwrite)
+        except OSError as exc:  # disk full, file size limit, permissions, ... while writing
+            shutil.rmtree(tmp, ignore_errors=True)
+            full = " (disk full or file size limit)" if exc.errno in _FULL_ERRNOS else ""
+            raise MixlenError(
+                f"--out {cfg.out}: writing failed{full}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename else "")
+                + "; nothing was written there, and what was there before is untouched"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return PreprocessResult(str(out), manifest, bad_examples, time.perf_counter() - t0, nbytes)
 
 
@@ -244,8 +234,18 @@ def _write_dataset(
                 paused = True
                 _pause_for_test(pause_marker)
         shards = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
     finally:
         bar.close()
+    if not lengths:
+        first = f" (first: {bad_examples[0][0]}: {bad_examples[0][1]})" if bad_examples else ""
+        raise InputError(
+            f"no samples: {counts['documents']:,} documents read ({counts['empty']:,} empty, "
+            f"{counts['dropped']:,} dropped), {counts['bad']:,} bad inputs{first}; "
+            "nothing was written"
+        )
     num_tokens = np.asarray(lengths, dtype=np.int64)
     num_rows = np.maximum(1, -(-num_tokens // cfg.chunk_tokens))
     write_index(
@@ -273,6 +273,7 @@ def _write_dataset(
         "num_rows": int(num_rows.sum()),
         "counts": counts,
         "shards": [s.to_dict() for s in shards],
+        INDEX_CHECKSUM_KEY: checksum_file(os.path.join(root, INDEX_FILE)),
         "args": asdict(cfg),
     }
     tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")

@@ -147,6 +147,49 @@ class BlockResult:
     nbytes: int = 0
 
 
+class _ZstdStream(io.RawIOBase):
+    """Decompressed bytes of a `.zst` file, frame after frame; unlike `stream_reader`, a file that
+    ends inside a frame raises EOFError (a truncated file is bad input, not a shorter one), and
+    corrupt data raises ValueError."""
+
+    def __init__(self, path: Path, zstandard) -> None:
+        self._z = zstandard
+        self._f = open(path, "rb")
+        self._d = zstandard.ZstdDecompressor().decompressobj()
+        self._pending = b""  # compressed bytes not fed yet (the start of the next frame)
+        self._in_frame = False
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._out:
+            chunk = self._pending or self._f.read(1 << 16)
+            self._pending = b""
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("truncated zstd stream: the file ends inside a frame")
+                return 0
+            try:
+                data = self._d.decompress(chunk)
+            except self._z.ZstdError as exc:
+                raise ValueError(f"corrupt zstd data ({exc})") from None
+            self._in_frame = not self._d.eof
+            if self._d.eof:  # a frame ended: what follows starts the next one
+                self._pending = self._d.unused_data
+                self._d = self._z.ZstdDecompressor().decompressobj()
+            self._out = memoryview(data)
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
 def _open_text_stream(path: Path):
     name = path.name.lower()
     if name.endswith(".gz"):
@@ -158,8 +201,7 @@ def _open_text_stream(path: Path):
             raise InputError(
                 f"{path}: reading .zst input needs the 'zstandard' package: pip install 'mixlen[zst]'"
             ) from exc
-        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.BufferedReader(reader)
+        return io.BufferedReader(_ZstdStream(path, zstandard), 1 << 20)
     return open(path, "rb")
 
 
@@ -280,7 +322,12 @@ def _add_doc(
     if not text:
         res.empty += 1
         return
-    ids = tok.encode(text)
+    try:
+        ids = tok.encode(text)
+    except UnicodeEncodeError as exc:  # lone surrogates ("\ud800" in JSON) are not UTF-8
+        res.documents -= 1
+        res.bad.append((source, f"text is not valid Unicode ({exc.reason} at {exc.start})"))
+        return
     n = len(ids)
     if n == 0:
         res.empty += 1
@@ -335,6 +382,12 @@ def process_block(block: Block) -> BlockResult:
                 continue
             except json.JSONDecodeError as exc:
                 res.bad.append((where, f"invalid JSON: {exc.msg} (column {exc.colno})"))
+                continue
+            except RecursionError:
+                res.bad.append((where, "invalid JSON: nested too deeply"))
+                continue
+            except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+                res.bad.append((where, f"invalid JSON: {exc}"))
                 continue
             if not isinstance(obj, dict):
                 res.bad.append((where, f"expected a JSON object, got {type(obj).__name__}"))

@@ -40,7 +40,7 @@ Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
       "overlap": 0.9,                    # fraction of ring time that can hide under attention
       "comm_passes": 3,                  # ring passes per layer: fwd K/V, bwd K/V, bwd dK/dV
       "num_layers": 32,                  # l in ByteScale's Eq. 3; also the ring's hops per pass
-      "act_bytes_per_token_layer": 139264, # saved activation bytes per position per layer
+      "act_bytes_per_token_layer": 186504, # saved activation bytes per position per layer
       "offload_bytes_per_s": 3.2e10      # host link (PCIe) bandwidth, one direction
     }
 
@@ -269,10 +269,14 @@ class CostModel:
         return np.rint(t * NS).astype(np.int64)
 
     def offload_bytes(self, member_tokens: np.ndarray, ratio: np.ndarray | float) -> np.ndarray:
-        """Bytes moved to host (and the same back) for r of the layers' saved activations."""
+        """Bytes moved to host (and the same back) at offload ratio r: r*(l-2)*Act per position.
+
+        Eq. 3 keeps two layers' activations on the device whatever r is (the block computing and
+        the one whose copy is in transit), so r is a fraction of the other l-2; nothing moves for
+        l <= 2."""
         n = np.asarray(member_tokens, dtype=np.float64)
         r = np.asarray(ratio, dtype=np.float64)
-        return r * self.num_layers * self.act_bytes_per_token_layer * n
+        return r * max(self.num_layers - 2, 0) * self.act_bytes_per_token_layer * n
 
     def offload_ns(self, member_tokens: np.ndarray, ratio: np.ndarray | float) -> np.ndarray:
         b = self.offload_bytes(member_tokens, ratio)
@@ -321,19 +325,23 @@ class CostModel:
         return (l_ * l_ * int(capacity)) // (2 * l_ + (l_ - j) * (l_ - 2))
 
     def max_offload_layers(self, lengths: np.ndarray) -> np.ndarray:
-        """Largest j (of l layers) whose offload hides under the forward compute: r*Act(s)/B <= T(s).
+        """Largest j (of l layers, r = j/l) whose offload hides under the forward compute.
 
-        For a member of any group size k holding S/k positions, the D2H bytes r*l*act*S/k and the
-        forward time (a*S^2 + b*S)/(3k) scale alike in k, so the bound depends on S only.
+        For a member of any group size k holding S/k positions, the D2H bytes
+        (j/l)*(l-2)*act*S/k (`offload_bytes`) and the forward time (a*S^2 + b*S)/(3k) scale alike
+        in k, so the bound depends on S only. With l <= 2 nothing moves and every j hides. A copy
+        exactly as long as the forward hides; so that float rounding of the ratio cannot decide a
+        tie, the ratio is taken 1e-9 larger (same arithmetic on every rank).
         """
         s = np.asarray(lengths, dtype=np.float64)
         l_ = self.num_layers
+        # seconds per position per unit of j
         per_layer_s = (
-            self.act_bytes_per_token_layer / self.offload_bytes_per_s
-        )  # s per pos per layer
+            max(l_ - 2, 0) / l_ * self.act_bytes_per_token_layer / self.offload_bytes_per_s
+        )
         fwd_per_pos = (self.a * s + self.b) / 3.0
         with np.errstate(divide="ignore", invalid="ignore"):
-            j = np.floor(fwd_per_pos / per_layer_s)
+            j = np.floor(fwd_per_pos / per_layer_s * (1.0 + 1e-9))
         j = np.where(np.isfinite(j), j, l_)
         return np.clip(j, 0, l_).astype(np.int64)
 

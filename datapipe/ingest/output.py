@@ -1,0 +1,160 @@
+"""Where `mixlen preprocess` writes: checks of `--out` before any work, one writer per output at a
+time, and the final rename.
+
+- `check_out_path`: `--out` must not sit under a file, and must not overlap an input (equal to an
+  input directory, inside one, or holding an input): `--overwrite` would delete the corpus, and a
+  rerun would read its own output.
+- `OutputLock`: an exclusive `flock` on `.NAME.lock` next to `--out`, held for the whole run; a
+  second run into the same `--out` fails at once naming the first one's process id. The kernel
+  drops the lock when a process dies, so a killed run never blocks the next one.
+- `commit`: renames the temporary directory into place, re-checking under the lock that nothing
+  appeared at `--out` meanwhile (without `--overwrite`); an old output (directory or file) is
+  moved aside and deleted only once the new one is in place.
+- `clean_stale`: temporaries of killed runs are removed; an old output a killed run had moved
+  aside but not yet replaced is put back.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from datapipe.errors import InputError
+
+__all__ = ["OutputLock", "check_out_path", "clean_stale", "commit", "partial_dir"]
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_out_path(out: Path, out_arg: str, inputs: list[str]) -> None:
+    """InputError naming `--out` if it lies under a file or overlaps an input."""
+    anc = out.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if anc.exists() and not anc.is_dir():
+        raise InputError(f"--out {out_arg}: {anc} is a file, not a directory")
+    real_out = os.path.realpath(out)
+    for item in inputs:
+        real_in = os.path.realpath(item)
+        if os.path.isdir(real_in) and _inside(real_out, real_in):
+            where = "is" if real_out == real_in else "is inside"
+            raise InputError(
+                f"--out {out_arg}: {where} the input directory {item}; choose an output outside "
+                "the inputs (--overwrite would delete them, and a rerun would read the output)"
+            )
+        if _inside(real_in, real_out):
+            raise InputError(
+                f"--out {out_arg}: holds the input {item}; choose an output that holds no input "
+                "(--overwrite would delete it)"
+            )
+
+
+def partial_dir(out: Path) -> Path:
+    """This process's temporary directory for `out`."""
+    return out.parent / f".{out.name}.partial-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dead_runs(parent: Path, pattern: str) -> list[Path]:
+    out = []
+    for p in parent.glob(pattern):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            out.append(p)
+    return out
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def clean_stale(out: Path, warn) -> None:
+    """Remove killed runs' temporaries; put back an old output a killed run had moved aside
+    (call with the lock held)."""
+    for p in _dead_runs(out.parent, f".{out.name}.partial-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in _dead_runs(out.parent, f".{out.name}.old-*"):
+        if not out.exists() and not out.is_symlink():
+            os.rename(p, out)
+            warn(f"restored {out} from {p.name} (a killed run had moved it aside)")
+        else:
+            _remove(p)
+
+
+class OutputLock:
+    """Exclusive lock on `.NAME.lock` next to `out` (see the module docstring)."""
+
+    def __init__(self, out: Path, out_arg: str) -> None:
+        self.path = out.parent / f".{out.name}.lock"
+        self.out_arg = out_arg
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                os.close(fd)
+                raise InputError(
+                    f"--out {self.out_arg}: another mixlen preprocess (pid {holder}) is writing "
+                    "it; wait for it to finish or choose another --out"
+                ) from None
+            # the holder before us may have unlinked the file after we opened it: retry then
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            try:
+                os.unlink(self.path)  # while still holding it: see __enter__'s inode check
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+
+
+def commit(tmp: Path, out: Path, out_arg: str, overwrite: bool) -> None:
+    """Rename `tmp` to `out` (with the lock held); see the module docstring."""
+    exists = out.exists() or out.is_symlink()
+    if exists and not overwrite:
+        raise InputError(
+            f"--out {out_arg}: appeared while this run was writing (made by another program?); "
+            "left as it is, nothing written; pass --overwrite to replace it"
+        )
+    if not exists:
+        os.rename(tmp, out)
+        return
+    aside = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.rename(out, aside)
+    os.rename(tmp, out)
+    _remove(aside)

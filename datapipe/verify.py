@@ -1,0 +1,133 @@
+"""`mixlen verify DIR`: check a whole local dataset against its manifest and index.
+
+In order: manifest.json's fields and shard names; index.parquet's checksum (as recorded in the
+manifest) and its agreement with the shards (datapipe.integrity.check_index); every shard's
+presence, size and XXH3-64; every shard's row count as its format stores it; and every storage
+row, read through the format's reader: its token count against the index and its token ids
+against the vocabulary. Problems are collected (one per shard at most for the row checks), not
+raised, so one run lists everything that is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from datapipe.errors import InputError
+from datapipe.index import INDEX_FILE, MANIFEST_FILE, read_index, read_manifest
+from datapipe.integrity import check_shard_file, expected_row_lengths
+
+__all__ = ["VerifyReport", "verify_dataset"]
+
+ROWS_PER_READ = 4096
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_dataset` checked and the problems it found (empty: the dataset is sound)."""
+
+    root: str
+    problems: list[str] = field(default_factory=list)
+    shards: int = 0
+    samples: int = 0
+    rows: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_dataset(root: str) -> VerifyReport:
+    """Check the dataset in directory `root`; see the module docstring."""
+    rep = VerifyReport(root)
+    if not os.path.isdir(root):
+        raise InputError(f"{root}: not a directory (mixlen verify checks a local dataset)")
+    try:
+        manifest = read_manifest(root)
+    except InputError as exc:
+        rep.problems.append(str(exc))
+        return rep
+    entries = manifest["shards"]
+    rep.shards = len(entries)
+    try:
+        index = read_index(root)
+    except InputError as exc:
+        rep.problems.append(str(exc))
+        index = None
+    # every shard's bytes against the manifest
+    sound: list[int] = []
+    for i, entry in enumerate(entries):
+        path = os.path.join(root, entry["name"])
+        try:
+            check_shard_file(path, entry)
+        except InputError as exc:
+            rep.problems.append(str(exc))
+            continue
+        if not entry.get("xxh3_64"):
+            rep.problems.append(f"{path}: manifest.json records no xxh3_64 checksum for it")
+        rep.bytes += os.path.getsize(path)
+        sound.append(i)
+    if index is None:
+        return rep
+    rep.samples = len(index)
+    rep.tokens = int(index.num_tokens.sum())
+    _check_rows(rep, index, sound)
+    return rep
+
+
+def _check_rows(rep: VerifyReport, index, sound: list[int]) -> None:
+    """Read every row of the sound shards through the format's reader; compare token counts with
+    the index and ids with the vocabulary."""
+    from datapipe.formats import open_reader
+
+    manifest = index.manifest
+    try:
+        reader = open_reader(rep.root, None, manifest)
+    except InputError as exc:
+        rep.problems.append(str(exc))
+        return
+    reader.verify = False  # the checksums were checked above (sizes are checked again)
+    want = expected_row_lengths(index.num_tokens, index.num_rows, int(manifest["chunk_tokens"]))
+    vocab = manifest.get("vocab_size")
+    starts = reader.shard_starts
+    try:
+        for i in sound:
+            path = os.path.join(rep.root, manifest["shards"][i]["name"])
+            try:
+                problem = _check_shard_rows(reader, int(starts[i]), int(starts[i + 1]), want, vocab)
+            except InputError as exc:
+                problem = str(exc)
+            if problem:
+                rep.problems.append(f"{path}: {problem}")
+            else:
+                rep.rows += int(starts[i + 1] - starts[i])
+    finally:
+        reader.close()
+
+
+def _check_shard_rows(reader, lo: int, hi: int, want: np.ndarray, vocab: int | None) -> str | None:
+    """The first problem among global rows [lo, hi), or None."""
+    for a in range(lo, hi, ROWS_PER_READ):
+        rows = np.arange(a, min(hi, a + ROWS_PER_READ), dtype=np.int64)
+        got = reader.read_rows(rows)
+        lens = np.fromiter((len(t) for t in got), np.int64, len(got))
+        bad = np.flatnonzero(lens != want[rows])
+        if bad.size:
+            k = int(bad[0])
+            return (
+                f"row {int(rows[k]) - lo} holds {int(lens[k])} tokens, {INDEX_FILE} implies "
+                f"{int(want[rows[k]])}"
+            )
+        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+        if vocab is not None and flat.size and int(flat.max()) >= vocab:
+            k = int(np.argmax(flat >= vocab))
+            r = int(np.searchsorted(np.cumsum(lens), k, side="right"))
+            return (
+                f"row {int(rows[r]) - lo} holds token id {int(flat[k])}, outside the vocabulary "
+                f"({MANIFEST_FILE} vocab_size = {vocab})"
+            )
+    return None

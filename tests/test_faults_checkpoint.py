@@ -1,0 +1,306 @@
+"""Checkpoints under faults, in one process: damaged, truncated, half-written and hostile
+checkpoints, resuming what is not there, a full disk while saving, every generator restored.
+The reference is always an uninterrupted run of the same config (bitwise equal losses)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _faults import file_size_limit, flip_byte, truncate
+from _train_worker import make_dataset, train_config
+
+import trainer.checkpoint as ckpt
+from datapipe.errors import ConfigError, MixlenError
+from trainer.checkpoint_files import CHECKSUMS_FILE, SafePlanner, SafeReader, write_checksums
+from trainer.rng import capture_rng, restore_rng, seed_all
+from trainer.train import run_training
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"))
+
+
+def cfg(data: str, run: Path, **sections: dict):
+    """8 steps of `single` policy, checkpoints every 2 steps, no validation (fast)."""
+    base = {
+        "parallel": {"policy": "single"},
+        "train": {"steps": STEPS, "eval_interval": 0},
+        "checkpoint": {"dir": str(run / "ckpt"), "interval": 2, "keep": 3},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return train_config(data, str(run), **base)
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory) -> list[float]:
+    """The uninterrupted run's loss curve."""
+    torch.set_num_threads(1)
+    run = tmp_path_factory.mktemp("ref")
+    return run_training(cfg(dataset, run, checkpoint={"dir": None}))["losses"]
+
+
+def _first_part(dataset: str, run: Path, stop: int = 6) -> None:
+    run_training(cfg(dataset, run, train={"stop_after": stop}))
+
+
+def test_every_generator_is_restored(tmp_path) -> None:
+    """torch, numpy and python generators drawn after a save equal those drawn after a load into
+    a process whose generators were moved elsewhere (the reference: the draws themselves)."""
+    seed_all(3)
+    torch.rand(5), np.random.rand(5), random.random()
+    state = json.loads(json.dumps(capture_rng()))  # what a checkpoint stores
+    want = (torch.rand(7), np.random.rand(7), [random.random() for _ in range(7)])
+    seed_all(99)
+    torch.rand(11), np.random.normal(size=3), random.gauss(0, 1)
+    restore_rng(state)
+    got = (torch.rand(7), np.random.rand(7), [random.random() for _ in range(7)])
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_checkpoint_files_and_rng_per_rank(dataset, tmp_path) -> None:
+    """The checkpoint's files, and loading it puts every generator where the saving process had
+    it (the reference: what that process draws next, the save being the run's last act)."""
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=2)
+    want = (torch.rand(6), np.random.rand(6), [random.random() for _ in range(6)])
+    seed_all(4321)
+    c = cfg(dataset, run)
+    from trainer.comm import SoloComm
+    from trainer.model import build_model, torch_dtype
+
+    model, master = build_model(c.model.shape(), torch_dtype(c.train.dtype), "cpu", seed=5)
+    opt = torch.optim.AdamW(master.parameters(), lr=1.0)
+    ckpt.load_checkpoint(
+        str(run / "ckpt" / "step-00000002"), master, opt, None, SoloComm(), torch.device("cpu")
+    )
+    got = (torch.rand(6), np.random.rand(6), [random.random() for _ in range(6)])
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+    d = run / "ckpt" / "step-00000002"
+    names = sorted(os.listdir(d))
+    assert names == sorted(
+        [".metadata", "__0_0.distcp", "run.json", "rng-00000.json", CHECKSUMS_FILE]
+    )
+    listed = json.loads((d / CHECKSUMS_FILE).read_text())["files"]
+    assert sorted(listed) == sorted(n for n in names if n != CHECKSUMS_FILE)
+    saved = json.loads((d / "run.json").read_text())
+    assert saved["step"] == 2 and saved["world"] == 1 and saved["stream"]["step"] == 2
+    assert saved["config"]["train"]["steps"] == STEPS and saved["scheduler"]["last_epoch"] == 2
+    rng = json.loads((d / "rng-00000.json").read_text())
+    assert set(rng) >= {"torch", "numpy", "python"}
+
+
+def test_damaged_newest_checkpoint_falls_back(dataset, reference, tmp_path, capsys) -> None:
+    """A flipped byte in the newest .distcp, then a truncated one: reported naming the file and
+    the previous complete checkpoint is used; the curve continues exactly."""
+    run = tmp_path / "r"
+    _first_part(dataset, run)
+    flip_byte(run / "ckpt" / "step-00000006" / "__0_0.distcp")
+    capsys.readouterr()
+    out = run_training(cfg(dataset, run, checkpoint={"resume": True}, train={"stop_after": 6}))
+    err = capsys.readouterr().err
+    assert "step-00000006 is damaged: __0_0.distcp: XXH3-64 checksum differs" in err
+    assert "previous complete checkpoint" in err and "step-00000004" in err
+    assert out["start_step"] == 4 and out["losses"] == reference[4:6]
+    # the run saved a new step 6; now truncate it and its metadata
+    truncate(run / "ckpt" / "step-00000006" / "__0_0.distcp")
+    truncate(run / "ckpt" / "step-00000006" / ".metadata", 0.1)
+    out = run_training(cfg(dataset, run, checkpoint={"resume": True}))
+    err = capsys.readouterr().err
+    assert "step-00000006 is damaged" in err and "truncated?" in err and "Traceback" not in err
+    assert out["start_step"] == 4 and out["losses"] == reference[4:]
+    recs = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in recs] == reference
+
+
+def test_explicitly_named_damaged_checkpoint_is_refused(dataset, tmp_path) -> None:
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=4)
+    step4 = run / "ckpt" / "step-00000004"
+    flip_byte(step4 / "rng-00000.json", 2)
+    with pytest.raises(
+        ConfigError, match=f"checkpoint.resume: {step4} is damaged \\(rng-00000.json"
+    ):
+        run_training(cfg(dataset, run, checkpoint={"resume": str(step4)}))
+    (step4 / CHECKSUMS_FILE).unlink()
+    with pytest.raises(
+        ConfigError, match="checksums.json is missing: the checkpoint is incomplete"
+    ):
+        run_training(cfg(dataset, run, checkpoint={"resume": str(step4)}))
+
+
+def test_incomplete_checkpoints_are_never_chosen(dataset, reference, tmp_path, capsys) -> None:
+    """A `.tmp` directory (a save killed mid-way) and a step directory without checksums.json
+    (renamed by hand, or from an older mixlen) are not resumed from; the newest complete is."""
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=4)
+    root = run / "ckpt"
+    shutil.copytree(root / "step-00000004", root / "step-00000008.tmp")
+    shutil.copytree(root / "step-00000004", root / "step-00000006")
+    (root / "step-00000006" / CHECKSUMS_FILE).unlink()
+    out = run_training(cfg(dataset, run, checkpoint={"resume": True}))
+    assert out["start_step"] == 4 and out["losses"] == reference[4:]
+    assert sorted(os.listdir(root)) == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+def test_resume_from_nothing_is_an_error(dataset, tmp_path, capsys, monkeypatch) -> None:
+    """`checkpoint.resume = true` with a mistyped or empty checkpoint.dir: an error naming it,
+    not a quiet start from step 0. After a torchrun restart with no checkpoint yet: step 0."""
+    run = tmp_path / "r"
+    for dir_, phrase in [
+        (str(tmp_path / "typo"), "does not exist"),
+        (str(tmp_path), "holds no complete"),
+    ]:
+        with pytest.raises(
+            ConfigError, match=f"checkpoint.resume = true, but checkpoint.dir '{dir_}' {phrase}"
+        ):
+            run_training(cfg(dataset, run, checkpoint={"resume": True, "dir": dir_}))
+    with pytest.raises(ConfigError, match="checkpoint.resume: .*nope.* is not a directory"):
+        run_training(cfg(dataset, run, checkpoint={"resume": str(tmp_path / "nope")}))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    out = run_training(cfg(dataset, run, train={"stop_after": 2}))
+    assert out["start_step"] == 0 and "restart 1: no checkpoint yet" in capsys.readouterr().err
+
+
+def test_restart_resumes_by_itself(dataset, reference, tmp_path, monkeypatch) -> None:
+    """torchrun restarts every worker with the same arguments: the restarted run continues from
+    the newest complete checkpoint this job wrote, even over an explicitly named older one."""
+    run = tmp_path / "r"
+    _first_part(dataset, run)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    step2 = str(run / "ckpt" / "step-00000002")
+    out = run_training(cfg(dataset, run, checkpoint={"resume": step2}, train={"stop_after": 7}))
+    assert out["start_step"] == 6 and out["losses"] == reference[6:7]
+    # checkpoints another job left in checkpoint.dir are not this job's to continue: a fresh run
+    # (resume unset) restarted before its first save starts again from step 0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+    out = run_training(cfg(dataset, run, train={"stop_after": 1}))
+    assert out["start_step"] == 0 and out["losses"] == reference[:1]
+
+
+def test_resume_refuses_what_changes_the_run(dataset, tmp_path) -> None:
+    """A changed global batch is refused naming train.global_batch_tokens; another dataset naming
+    data.path; the planner's settings (how a step is computed, not what) may change."""
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=2)
+    with pytest.raises(ConfigError, match="train.global_batch_tokens: 1024 -> 2048"):
+        run_training(
+            cfg(dataset, run, checkpoint={"resume": True}, train={"global_batch_tokens": 2048})
+        )
+    other = make_dataset(str(tmp_path / "other"), n_docs=50, seed=7)
+    with pytest.raises(ConfigError, match="saved on another dataset \\(data.path"):
+        run_training(cfg(other, run, checkpoint={"resume": True}))
+    out = run_training(
+        cfg(
+            dataset,
+            run,
+            checkpoint={"resume": True},
+            train={"stop_after": 3},
+            parallel={"policy": "hdp", "capacity": 600},
+        )
+    )
+    assert out["start_step"] == 2 and len(out["losses"]) == 1
+
+
+def test_full_disk_while_saving(dataset, reference, tmp_path, monkeypatch, capsys) -> None:
+    """The checkpoint of step 4 cannot be written (RLIMIT_FSIZE): the run stops with a message
+    naming checkpoint.dir and the intact step 2; nothing of step 4 is left; resuming continues
+    the reference curve exactly."""
+    run = tmp_path / "r"
+    real = ckpt.Checkpointer.save
+
+    def save(self, step, stream_state):
+        if step != 4:
+            return real(self, step, stream_state)
+        with file_size_limit(4096):
+            return real(self, step, stream_state)
+
+    monkeypatch.setattr(ckpt.Checkpointer, "save", save)
+    with pytest.raises(MixlenError) as exc:
+        run_training(cfg(dataset, run))
+    msg = str(exc.value)
+    assert f"checkpoint.dir {run / 'ckpt'}: saving the checkpoint of step 4 failed" in msg
+    assert "File too large" in msg and "step-00000002 is intact" in msg
+    assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]
+    monkeypatch.setattr(ckpt.Checkpointer, "save", real)
+    out = run_training(cfg(dataset, run, checkpoint={"resume": True}))
+    assert out["start_step"] == 2 and out["losses"] == reference[2:]
+
+
+class _Payload:
+    """What a hostile checkpoint would carry: unpickling it creates the file it names."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_hostile_pickles_in_a_checkpoint_are_refused(dataset, tmp_path) -> None:
+    """A .metadata rewritten to run code (with checksums recomputed, as an attacker would) and a
+    non-tensor value that would run code: refused by the restricted reader and weights_only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    marker = tmp_path / "pwned"
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=2)
+    step2 = run / "ckpt" / "step-00000002"
+    (step2 / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    write_checksums(str(step2))
+    with pytest.raises(
+        ConfigError, match="cannot be loaded \\(UnpicklingError: refusing to unpickle io.open"
+    ):
+        run_training(cfg(dataset, run, checkpoint={"resume": True}))
+    assert not marker.exists()
+    # a non-tensor value: plain DCP would unpickle it (weights_only=False); ours refuses
+    d = tmp_path / "dcp"
+    dcp.save({"x": _Payload(str(marker)), "t": torch.ones(2)}, checkpoint_id=str(d))
+    state = {"x": None, "t": torch.zeros(2)}
+    with pytest.raises(CheckpointException, match="Weights only load failed"):
+        dcp.load(state, storage_reader=SafeReader(str(d)), planner=SafePlanner())
+    assert not marker.exists()
+
+
+def test_no_unsafe_unpickling_in_the_code() -> None:
+    """Every torch.load passes weights_only=True; pickle.load(s) appears only in the restricted
+    metadata reader (a source scan of datapipe/, trainer/, tools/)."""
+    offenders = []
+    for pkg in ("datapipe", "trainer", "tools"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                    continue
+                owner = node.func.value
+                name = f"{getattr(owner, 'id', '?')}.{node.func.attr}"
+                if name == "torch.load":
+                    ok = any(
+                        k.arg == "weights_only" and getattr(k.value, "value", None) is True
+                        for k in node.keywords
+                    )
+                    if not ok:
+                        offenders.append(f"{path}:{node.lineno} {name}")
+                if name in ("pickle.load", "pickle.loads", "np.load", "numpy.load"):
+                    ok = name.endswith("np.load") and any(
+                        k.arg == "allow_pickle" and getattr(k.value, "value", None) is False
+                        for k in node.keywords
+                    )
+                    if not ok:
+                        offenders.append(f"{path}:{node.lineno} {name}")
+    assert offenders == []

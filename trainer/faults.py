@@ -1,0 +1,114 @@
+"""Process restarts and test-only fault injection.
+
+`restart_count()` is torchrun's TORCHELASTIC_RESTART_COUNT: after `--max-restarts` restarted
+every worker with the same arguments it is > 0, and the Checkpointer resumes from the newest
+complete checkpoint this job (`job_id()`, torchrun's run id) wrote, by itself.
+
+`MIXLEN_FAULT` (TEST ONLY; never set it in a real run) makes a rank SIGKILL itself, to test
+recovery from crashes: a comma-separated list of
+
+    kill:rank=R:step=S[:at=step|save][:attempt=A]
+
+`at=step` (default) kills rank R inside step S, at its first micro-batch's forward (the other
+ranks are then inside step S too, waiting for it); `at=save` kills it while the checkpoint of
+step S is being written (after its files, before the checkpoint is complete). A fault fires only
+in restart `attempt` A (default 0, the first run), so the restarted job runs through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from datapipe.errors import ConfigError
+
+__all__ = ["FAULT_ENV", "Fault", "FaultInjector", "job_id", "parse_faults", "restart_count"]
+
+FAULT_ENV = "MIXLEN_FAULT"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+_AT = ("step", "save")
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0: first run)."""
+    value = os.environ.get(RESTART_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def job_id() -> str | None:
+    """torchrun's id of this job (the same across its restarts; random per `--standalone` launch),
+    or None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Kill `rank` at `step` (`at` = step or save) in restart `attempt`."""
+
+    rank: int
+    step: int
+    at: str = "step"
+    attempt: int = 0
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Faults from a MIXLEN_FAULT value; ConfigError naming the variable if malformed."""
+    faults = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        action, *fields = item.split(":")
+        try:
+            kv = dict(f.split("=", 1) for f in fields)
+            if (
+                action != "kill"
+                or not {"rank", "step"} <= set(kv)
+                or not set(kv)
+                <= {
+                    "rank",
+                    "step",
+                    "at",
+                    "attempt",
+                }
+            ):
+                raise ValueError
+            fault = Fault(
+                int(kv["rank"]), int(kv["step"]), kv.get("at", "step"), int(kv.get("attempt", 0))
+            )
+            if fault.at not in _AT:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f"{FAULT_ENV}={text!r}: expected kill:rank=R:step=S[:at=step|save][:attempt=A], "
+                "comma-separated (a test-only setting)"
+            ) from None
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """This rank's faults of MIXLEN_FAULT for this restart attempt (none in a normal run)."""
+
+    def __init__(self, rank: int, text: str | None = None, attempt: int | None = None) -> None:
+        text = os.environ.get(FAULT_ENV, "") if text is None else text
+        attempt = restart_count() if attempt is None else attempt
+        self.faults = [f for f in parse_faults(text) if f.rank == rank and f.attempt == attempt]
+        self.step = 0
+
+    def attach(self, model: nn.Module) -> None:
+        """Arm the `at=step` faults: a forward pre-hook fires inside the step."""
+        if any(f.at == "step" for f in self.faults):
+            model.register_forward_pre_hook(lambda module, args: self.point("step", self.step))
+
+    def begin_step(self, step: int) -> None:
+        """The trainer is starting optimizer step `step`."""
+        self.step = step
+
+    def point(self, at: str, step: int) -> None:
+        """Fire if a fault is set for (`at`, `step`) on this rank."""
+        if any(f.at == at and f.step == step for f in self.faults):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
