@@ -228,11 +228,9 @@ class Fetcher:
         self._check(allp)
         rows, j0, count = rows_of_pieces(allp, self.lengths, self.global_first_row, self.chunk)
         uniq = np.unique(rows)
-        tokens = self.reader.read_rows(uniq)
-        flat = np.concatenate(tokens) if tokens else np.zeros(0, self.reader.dtype)
-        row_len = np.fromiter(map(len, tokens), np.int64, len(tokens))
+        flat, row_len = self.reader.read_rows_flat(uniq)
         self._check_rows(allp, j0, count, rows, uniq, row_len)
-        row_off = np.zeros(len(tokens) + 1, np.int64)
+        row_off = np.zeros(len(row_len) + 1, np.int64)
         np.cumsum(row_len, out=row_off[1:])
         if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
             self._out_of_vocab(flat, uniq, row_off)

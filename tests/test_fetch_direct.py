@@ -150,3 +150,46 @@ def test_token_column_before_a_fixed_column() -> None:
 
     dec = token_decoder(*layout, np.dtype(np.uint16), lib)
     assert np.array_equal(dec(row), toks) and verified(dec, lib, row) is dec
+
+
+def test_decode_rows_in_bulk() -> None:
+    """Rows back to back in one buffer: the token columns cut out by array operations equal each
+    row's own decode, for the last-column and the sized-column layouts; a 2-D row -> None."""
+    from datapipe.formats.mds_direct import decode_rows, token_layout
+
+    rng = np.random.default_rng(3)
+    toks = [rng.integers(0, 65536, int(n)).astype(np.uint16) for n in (1, 300, 255, 70000, 9)]
+    for last in (True, False):
+        cols = {"chunk": ("int32", 0)}
+        if last:
+            names, encs, sizes = LAYOUT
+        else:
+            names, encs, sizes = (
+                ["chunk", "tokens", "z"],
+                ["int32", "ndarray:uint16", "int64"],
+                [4, None, 8],
+            )
+        rows = []
+        for t in toks:
+            c = (
+                {**cols, "sample_id": ("int64", 1), "tokens": ("ndarray:uint16", t)}
+                if last
+                else {**cols, "tokens": ("ndarray:uint16", t), "z": ("int64", 7)}
+            )
+            rows.append(mds_row(c))
+        buf = np.frombuffer(b"".join(rows), np.uint8)
+        starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
+        ends = starts + np.array([len(r) for r in rows])
+        layout = token_layout(names, encs, sizes, np.dtype(np.uint16))
+        flat, counts = decode_rows(layout, buf, starts, ends)
+        assert counts.tolist() == [len(t) for t in toks]
+        assert np.array_equal(flat, np.concatenate(toks)) and flat.dtype == np.uint16
+    grid = mds_row(
+        {
+            "chunk": ("int32", 0),
+            "sample_id": ("int64", 0),
+            "tokens": ("ndarray:uint16", np.zeros((2, 3), np.uint16)),
+        }
+    )
+    b2 = np.frombuffer(grid, np.uint8)
+    assert decode_rows(token_layout(*LAYOUT, np.dtype(np.uint16)), b2, [0], [len(grid)]) is None

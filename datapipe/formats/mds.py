@@ -28,9 +28,10 @@ from datapipe.formats.base import (
     ShardInfo,
     ShardWriter,
     read_ranges,
+    read_ranges_into,
     willneed,
 )
-from datapipe.formats.mds_direct import token_decoder, verified
+from datapipe.formats.mds_direct import decode_rows, token_decoder, verified
 from datapipe.index import download
 
 SUFFIX = ".mds"
@@ -184,6 +185,25 @@ class Reader(RowReader):
             return []
         decode = self._decoder(shard, raw[0])
         return [decode(d) for d in raw]
+
+    def _read_shard_flat(
+        self, shard: int, local_rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A shard whose direct decoder is chosen: all rows read into one buffer and their token
+        columns cut out with array operations (mds_direct.decode_rows); else None."""
+        layout = getattr(self._decoders.get(shard), "layout", None)
+        if layout is None or not len(local_rows):
+            return None  # not yet chosen (the first read chooses it) or the library decodes
+        fd, offs = self._open(shard)
+        begin, end = offs[local_rows], offs[local_rows + 1]
+        buf, starts = read_ranges_into(fd, begin, end, self.stats)
+        got = decode_rows(layout, buf, starts, starts + (end - begin))
+        if got is None:  # a row that is not 1-D: the per-row path decides
+            sizes = (end - begin).tolist()
+            rows = [memoryview(buf)[a : a + n] for a, n in zip(starts.tolist(), sizes)]
+            arrays = [self._decoders[shard](r) for r in rows]
+            return np.concatenate(arrays), np.fromiter(map(len, arrays), np.int64, len(arrays))
+        return got
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
