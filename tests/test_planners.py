@@ -262,7 +262,7 @@ def test_widen_never_worse_than_hdp(cost) -> None:
         check_plan(w)
         assert w.makespan_ns <= h.makespan_ns
         assert w.lower_bound_ns == h.lower_bound_ns  # same reference bound in reports
-        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS
+        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS + 1
         better += w.makespan_ns < h.makespan_ns
     assert better > 0
 
@@ -520,3 +520,20 @@ def test_config_errors() -> None:
         PlannerConfig(capacity=0).build(DEBUG)
     with pytest.raises(MixlenError, match=">= 0"):
         plan("hdp", [3, -1], 2, 8)
+
+
+def test_widen_spreads_short_work_over_idle_ranks() -> None:
+    """24 samples of 600 tokens on 4 ranks with C = 8192: packing to C makes two micro-batches and
+    leaves two ranks idle; widen re-packs them 6 per micro-batch, one per rank (the step takes
+    c + 6 samples' compute instead of c + 13's)."""
+    lengths = [600] * 24
+    h = plan("hdp", lengths, 4, 8192)
+    w = plan("hdp", lengths, 4, 8192, widen=True)
+    check_plan(w)
+    assert h.num_microbatches == 2 and (h.rank_time_ns == 0).sum() == 2
+    assert w.num_microbatches == 4 and sorted(w.group_ranks.tolist()) == [0, 1, 2, 3]
+    one = DEBUG.a * 600 * 600 + DEBUG.b * 600  # seconds, a whole 600-token sample (n_half 0)
+    assert DEBUG.attn_n_half == 0
+    assert w.makespan_ns == pytest.approx((DEBUG.c + 6 * one) * 1e9, abs=8)
+    assert h.makespan_ns == pytest.approx((DEBUG.c + 13 * one) * 1e9, abs=8)  # 13 + 11
+    assert w.meta["spread"] == 2
