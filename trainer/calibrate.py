@@ -43,7 +43,7 @@ class CalibrationGrid:
 
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
     packed: tuple[tuple[int, int], ...] = ((8, 256), (4, 1024))  # (samples, length) per mb
-    ring_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    ring_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
     ring_sizes: tuple[int, ...] = ()  # default: 2..K
     hop_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20)
     hops_per_timing: int = 20

@@ -12,12 +12,15 @@ Three kinds of timings, each a micro-batch's (or a hop's) seconds on one rank:
   ``R = hops(k)*L + comm_passes*(k-1)*n*kv / link``, n the member's positions and A its attention
   (datapipe.plan.cost's module docstring).
 
-The fit runs in three least-squares stages, each on relative residuals ((fit - measured) /
-measured: lengths span orders of magnitude): L and link from the hops; a, b + a*h and c from the
-local timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest
-refitted); then h (which splits b + a*h into b and a*h: only split samples tell them apart) and
-overlap from the rings, by a grid over both and Levenberg-Marquardt from the best point. Without
-hops the link terms are left as given; without rings h = 0 and overlap = 1 (the /1 model).
+The fit runs in three least-squares stages: L and link from the hops (relative residuals,
+(fit - measured) / measured: sizes span orders of magnitude); a, b + a*h and c from the local
+timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted);
+then h (which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from
+the rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages
+weigh residuals by 1/sqrt(measured) (between relative and absolute error), so that the long
+micro-batches that dominate a step's time count for more than the many short ones where the
+model's few terms cannot fit every length. Without hops the link terms are left as given; without
+rings h = 0 and overlap = 1 (the /1 model). Reported residuals are relative.
 """
 
 from __future__ import annotations
@@ -152,12 +155,15 @@ def ring_seconds(
     return terms.c + attn + lin + (ring - hide) + np.maximum(hide - attn, 0.0)
 
 
-def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Coefficients >= 0 minimising sum(((cols @ x) - t) / t)^2 (active set: a negative
+WEIGHT_POWER = 0.5  # compute stages minimise sum(((fit - t) / t**WEIGHT_POWER)^2)
+
+
+def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray, power: float = 1.0) -> np.ndarray:
+    """Coefficients >= 0 minimising sum(((cols @ x) - t) / t**power)^2 (active set: a negative
     coefficient is fixed at 0 and the rest refitted)."""
     active = list(range(cols.shape[1]))
     coef = np.zeros(cols.shape[1])
-    w = 1.0 / t
+    w = 1.0 / t**power
     while active:
         sol, *_ = np.linalg.lstsq(cols[:, active] * w[:, None], t * w, rcond=None)
         if (sol >= 0).all():
@@ -196,7 +202,7 @@ def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float]:
     t = np.array([m.seconds for m in ls], dtype=np.float64)
     if len(ls) < 3 or len(set(s1.tolist())) < 3:
         raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
-    a, b1, c = _nonneg_lstsq(np.stack([s2, s1, np.ones_like(s1)], axis=1), t)
+    a, b1, c = _nonneg_lstsq(np.stack([s2, s1, np.ones_like(s1)], axis=1), t, WEIGHT_POWER)
     return float(a), float(b1), float(c)
 
 
@@ -221,7 +227,7 @@ def fit_rings(
         h = float(x[0]) * scale
         terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]))
         f = ring_seconds(terms, r.k, r.s2, r.s1, kv_bytes_per_token, num_layers, comm_passes)
-        return (f - r.t) / r.t
+        return (f - r.t) / r.t**WEIGHT_POWER
 
     lo, hi = np.zeros(2), np.array([h_max / scale, 1.0])
     grid = [np.array([h, o]) for h in np.linspace(0, hi[0], 101) for o in np.linspace(0, 1, 51)]
