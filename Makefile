@@ -20,21 +20,28 @@ $(STAMP)-$(HASH):
 	rm -f $(STAMP)-*
 	touch $@
 
-# preprocess the standard library, profile it, plan its first steps, train `debug` on 4 ranks
+# preprocess the standard library (BPE tokens), profile it, calibrate the cost model on this machine,
+# plan its first steps, train `debug` on 4 ranks comparing hdp+widen with the static mesh
 demo: demo-data demo-train
+
+DEMO_PLAN := --ranks 4 --capacity 8192 --global-batch-tokens 32768
 
 demo-data: install
 	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '**/*.py' --exclude 'site-packages/*' \
-		--max-len 16384 --out $(DEMO_DIR)/stdlib --overwrite
-	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 4096 --plot $(DEMO_DIR)/stdlib-lengths.png
-	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib --ranks 4 --capacity 4096 --global-batch-tokens 16384 \
-		--policy all --widen --steps 8 --model debug --html $(DEMO_DIR)/plan.html
+		--tokenizer tests/assets/bpe-stdlib.json --workers 2 --max-len 16384 \
+		--out $(DEMO_DIR)/stdlib --overwrite
+	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 8192 --plot $(DEMO_DIR)/stdlib-lengths.png
+	$(VENV)/bin/mixlen calibrate --model debug --vocab-size 4096 --nproc 4 --repeats 1 \
+		--lengths 256,1024,2048,4096 --ring-lengths 1024,4096 --ring-sizes 2,4 \
+		--out $(DEMO_DIR)/cost.json
+	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib $(DEMO_PLAN) --policy all --widen --steps 8 \
+		--cost $(DEMO_DIR)/cost.json --html $(DEMO_DIR)/plan.html
 
 demo-train: install
-	test -f $(DEMO_DIR)/stdlib/index.parquet || $(MAKE) demo-data
+	test -f $(DEMO_DIR)/stdlib/index.parquet -a -f $(DEMO_DIR)/cost.json || $(MAKE) demo-data
 	$(VENV)/bin/mixlen train configs/demo.toml --nproc 4 \
 		--set data.path='"$(DEMO_DIR)/stdlib"' --set metrics.dir='"$(DEMO_DIR)/run"' \
-		--set checkpoint.dir='"$(DEMO_DIR)/run/ckpt"'
+		--set checkpoint.dir='"$(DEMO_DIR)/run/ckpt"' --set parallel.cost='"$(DEMO_DIR)/cost.json"'
 	@echo "plan report (4 ranks: hdp, hdp+widen, static, naive-hdp): $(DEMO_DIR)/plan.html"
 
 test: install

@@ -1,17 +1,20 @@
-"""Training-step benchmark: hdp vs hdp+widen vs static vs naive-hdp on the same global batches of
-the standard-library corpus (`make demo` builds .demo/stdlib), plus, on batches of short sequences
-only, hdp against plain torch DistributedDataParallel and against static.
+"""Training-step benchmark: hdp, hdp+widen and static on the same global batches of the demo corpus
+(`make demo` builds .demo/stdlib), measured beside the planner's prediction, for three kinds of
+batches: `mixed` (the demo's stream batches: 32,768 tokens, capacity 8,192), `short` (samples of at most
+1,024 tokens, 16,384-token batches) and `long` (samples over 4,096 tokens).
 
-- Wall clock, 2 gloo ranks (one per core): every policy runs every batch (interleaved, so machine
-  noise hits all alike); step time is the slowest rank's, from a barrier to the optimizer step.
-- 4 ranks on 2 cores would hide imbalance in wall time (total work / 2), so for 4 ranks each
-  micro-batch's CPU time (thread time, one torch thread per rank) is measured and replayed through
-  the plan's slot order (a group waits for its slowest member; datapipe.plan.replay_kernel).
-- Prediction: the planner's makespan for the same batches from a cost model calibrated here
-  (tools.cmd_calibrate, one thread) unless --cost is given.
-- Communication: ring bytes sent per step (all ranks) and the coalesced all-reduce payload.
+- 2 gloo ranks (one per core), wall clock: step time = the slowest rank's, barrier to optimizer
+  step. Predicted by a cost file calibrated here with `mixlen calibrate --nproc 2` (wall clock).
+- 4 ranks on 2 cores would measure the time sharing, so each micro-batch's thread CPU time (max
+  over its group's members: a group waits for its slowest) is replayed through the plan's slot
+  order (datapipe.plan.stepplan.replay_kernel). Predicted by `mixlen calibrate --nproc 4 --clock
+  cpu` (the same clock).
+- Every (kind, batch, policy) runs `--repeats` times, policies interleaved with a rotating order so
+  drift hits all alike; the minimum is kept. Noise floor: the spread (max / min - 1) of the repeats
+  of each configuration, median and 90th percentile over all configurations of a world size.
+- Optional: hdp against torch DistributedDataParallel on the short batches (`overhead`).
 
-    .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 4]
+    .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 3] [--repeats 3]
 
 Prints tables and writes benchmarks/out/bench_train.json.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +34,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-POLICIES = ("hdp", "hdp+widen", "static", "naive-hdp")  # "+widen": PlannerConfig(widen=True)
+POLICIES = ("hdp", "hdp+widen", "static")  # "+widen": PlannerConfig(widen=True)
+KINDS = ("mixed", "short", "long")
+SHORT_MAX, LONG_MIN = 1024, 4096
 
 
 # --- workers -------------------------------------------------------------------------------------
@@ -39,38 +45,39 @@ POLICIES = ("hdp", "hdp+widen", "static", "naive-hdp")  # "+widen": PlannerConfi
 def _init(rank: int, world: int, port: int) -> None:
     from trainer.comm import init_local_gloo
 
-    init_local_gloo(rank, world, port, timeout_s=300)
+    init_local_gloo(rank, world, port, timeout_s=600)
 
 
-def _executor(comm, lr: float = 1e-3):
+def _executor(comm, shape: dict, lr: float = 1e-3):
     import torch
 
-    from trainer.executor import HDPExecutor, build_model
-    from trainer.model import get_config
+    from datapipe.shapes import ModelConfig
+    from trainer.executor import HDPExecutor
+    from trainer.model import build_model
     from trainer.zero import ZeroOptimizer
 
-    model, master = build_model(get_config("debug"), torch.float32, seed=0)
+    model, master = build_model(ModelConfig(**shape), torch.float32, seed=0)
     opt = ZeroOptimizer.for_model(model, comm, master=master, level=0, lr=lr, grad_clip=1.0)
     return HDPExecutor(model, opt, comm)
 
 
 def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
-    """Every policy on every batch; rank 0 writes per-step records to job['out']."""
+    """Every policy on every batch of every kind, `repeats` times; rank 0 writes the records."""
     import torch
     import torch.distributed as dist
 
+    from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
     from datapipe.plan.planner import PlannerConfig
     from datapipe.plan.stepplan import replay_kernel
     from trainer.comm import TorchComm
-    from trainer.executor import MemoryFetcher
 
     _init(rank, world, port)
     try:
         comm = TorchComm()
         data = np.load(job["tokens"], allow_pickle=True)
         fetcher = MemoryFetcher(list(data["tokens"]))
-        batches = [np.asarray(b) for b in data["batches"]]
+        batches = {k: [np.asarray(b) for b in data[k]] for k in KINDS}
         cost = load(job["cost"])
         planners = {
             p: PlannerConfig(
@@ -78,110 +85,96 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
                 widen=p.endswith("+widen"),
                 num_ranks=world,
                 capacity=job["capacity"],
-                max_context=int(fetcher.lengths.max()),
+                max_context=job["max_context"],
             ).build(cost)
             for p in POLICIES
         }
-        execs = {p: _executor(comm) for p in POLICIES}
+        execs = {p: _executor(comm, job["shape"]) for p in POLICIES}
+        cases = {}  # (kind, batch, policy) -> (plan, fetched)
+        for kind in KINDS:
+            for i, ids in enumerate(batches[kind]):
+                for p in POLICIES:
+                    plan = planners[p].plan(fetcher.lengths[ids], ids)
+                    fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])
+                    cases[kind, i, p] = (plan, fetched)
+
+        def run(kind: str, i: int, policy: str) -> dict:
+            plan, fetched = cases[kind, i, policy]
+            ex = execs[policy]
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = ex.step(plan, fetched, i)
+            wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            log = torch.zeros(plan.num_microbatches, dtype=torch.float64)
+            for slot, _, cpu in ex.mb_log:
+                log[slot] = cpu
+            dist.all_reduce(log, op=dist.ReduceOp.MAX)  # a group waits for its slowest member
+            rep = replay_kernel(
+                plan.mb_group_offsets,
+                plan.group_ranks.astype(np.int64),
+                (log.numpy() * 1e9).astype(np.int64),
+                world,
+            )
+            return {
+                "kind": kind,
+                "batch": i,
+                "policy": policy,
+                "wall_s": float(wall.item()),
+                "replayed_cpu_s": float(rep.max()) / 1e9,
+                "predicted_s": plan.makespan_ns / 1e9,
+                "digest": plan.digest().hex(),
+                "tokens": res.tokens,
+                "samples": int(plan.lengths.shape[0]),
+                "ring_bytes": int(sum(res.p2p_bytes)),
+                "group_sizes": sorted({int(k) for k in plan.group_sizes}),
+                "microbatches": res.microbatches,
+            }
+
+        for kind in KINDS:  # warm-up: every policy once on each kind's first batch
+            for p in POLICIES:
+                run(kind, 0, p)
         records = []
-        todo = [] if job.get("skip_policies") else [batches[0], *batches]
-        for i, ids in enumerate(todo):  # batch 0 once more as warm-up
-            for j in range(len(POLICIES)):  # rotate the order: drift hits every policy alike
-                policy = POLICIES[(i + j) % len(POLICIES)]
-                plan = planners[policy].plan(fetcher.lengths[ids], ids)
-                ex = execs[policy]
-                fetched = fetcher.fetch_step(
-                    [np.array(m.pieces, dtype=np.int64) for m in plan.microbatches(rank)]
-                )
-                best_wall, replayed = float("inf"), None
-                for _ in range(job["repeats"] if i else 1):  # min over repeats: less noise
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    res = ex.step(plan, fetched, i)
-                    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-                    best_wall = min(best_wall, float(wall.item()))
-                    log = torch.zeros(plan.num_microbatches, dtype=torch.float64)
-                    for slot, _, cpu in ex.mb_log:
-                        log[slot] = cpu
-                    dist.all_reduce(log, op=dist.ReduceOp.MAX)  # a group waits for its slowest
-                    rep = replay_kernel(
-                        plan.mb_group_offsets,
-                        plan.group_ranks.astype(np.int64),
-                        (log.numpy() * 1e9).astype(np.int64),
-                        world,
-                    )
-                    if replayed is None or rep.max() < replayed.max():
-                        replayed = rep
-                if i == 0:
-                    continue
-                records.append(
-                    {
-                        "batch": i - 1,
-                        "policy": policy,
-                        "tokens": res.tokens,
-                        "samples": int(len(ids)),
-                        "wall_s": best_wall,
-                        "replayed_cpu_s": float(replayed.max()) / 1e9,
-                        "cpu_s_per_rank": (replayed / 1e9).tolist(),
-                        "predicted_s": plan.makespan_ns / 1e9,
-                        "ring_bytes": int(sum(res.p2p_bytes)),
-                        "allreduce_bytes_per_rank": res.reduce_bytes,
-                        "group_sizes": sorted({int(k) for k in plan.group_sizes}),
-                        "microbatches": res.microbatches,
-                        "loss": res.loss,
-                    }
-                )
-        if rank == 0 and todo:
+        for rep in range(job["repeats"]):
+            for kind in KINDS:
+                for i in range(len(batches[kind])):
+                    for j in range(len(POLICIES)):  # rotate the order: drift hits all alike
+                        p = POLICIES[(rep + i + j) % len(POLICIES)]
+                        records.append({**run(kind, i, p), "repeat": rep})
+        if rank == 0:
             with open(job["out"], "w") as f:
                 json.dump(records, f)
         if job.get("overhead"):
-            _overhead(rank, world, comm, job["overhead"])
+            _overhead(rank, world, comm, job)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def _overhead(rank: int, world: int, comm, job: dict) -> None:
-    """hdp executor vs torch DDP (no_sync accumulation) on the same packed micro-batches, and vs
-    the static mesh a run over this dataset needs (CP sized for its longest sample) on the same
-    short batches."""
+    """hdp executor vs torch DDP (no_sync accumulation) on the same packed micro-batches of the
+    short batches (every sample local)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
     from datapipe.plan.planner import PlannerConfig
+    from datapipe.shapes import ModelConfig
     from trainer.attention import LocalAttention
-    from trainer.executor import MemoryFetcher, build_model, labelled_positions
-    from trainer.model import get_config
+    from trainer.executor import labelled_positions
+    from trainer.model import build_model
 
     data = np.load(job["tokens"], allow_pickle=True)
     fetcher = MemoryFetcher(list(data["tokens"]))
-    batches = [np.asarray(b) for b in data["batches"]]
-    planner = PlannerConfig(policy="hdp", num_ranks=world, capacity=job["capacity"]).build(
-        load(job["cost"])
-    )
+    batches = [np.asarray(b) for b in data["short"]]
+    planner = PlannerConfig(policy="hdp", num_ranks=world, capacity=4096).build(load(job["cost"]))
     plans = [planner.plan(fetcher.lengths[ids], ids) for ids in batches]
-    fetched = [
-        fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in p.microbatches(rank)])
-        for p in plans
-    ]
+    fetched = [fetcher.fetch_step([m.pieces for m in p.microbatches(rank)]) for p in plans]
     assert all(len(f) > 0 for f in fetched), "every rank needs a micro-batch for DDP"
-    static = PlannerConfig(
-        policy="static",
-        num_ranks=world,
-        capacity=job["static_capacity"],
-        max_context=job["max_context"],
-    ).build(load(job["cost"]))
-    s_plans = [static.plan(fetcher.lengths[ids], ids) for ids in batches]
-    s_fetched = [
-        fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in p.microbatches(rank)])
-        for p in s_plans
-    ]
-    ex = _executor(comm)
-    ex_static = _executor(comm)
-    model, _ = build_model(get_config("debug"), torch.float32, seed=0)
+    ex = _executor(comm, job["shape"])
+    model, _ = build_model(ModelConfig(**job["shape"]), torch.float32, seed=0)
     ddp = DDP(model)  # the model has no buffers
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
@@ -201,19 +194,17 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    names = ("hdp", "ddp", "static")
+    names = ("hdp", "ddp")
     times = dict.fromkeys(names, 0.0)
     tokens = 0
     for rep in range(job["repeats"] + 1):
         for i, (plan, mbs) in enumerate(zip(plans, fetched)):
-            for j in range(len(names)):  # rotate the order: drift hits every run alike
+            for j in range(len(names)):
                 name = names[(rep + i + j) % len(names)]
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "hdp":
                     ex.step(plan, mbs, i)
-                elif name == "static":
-                    ex_static.step(s_plans[i], s_fetched[i], i)
                 else:
                     ddp_step(plan, mbs)
                 dist.barrier()
@@ -222,7 +213,7 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
             if rep:
                 tokens += int(plan.lengths.sum())
     if rank == 0:
-        with open(job["out"], "w") as f:
+        with open(job["overhead_out"], "w") as f:
             json.dump({"tokens": tokens, "seconds": times}, f)
 
 
@@ -235,198 +226,252 @@ def _spawn(fn, world: int, job: dict, timeout: float) -> None:
 # --- driver --------------------------------------------------------------------------------------
 
 
-def _batches(data: str, gbt: int, steps: int, max_len: int | None, seed: int):
-    """(sample ids of the first `steps` stream batches, token arrays of those samples)."""
-    from datapipe.fetch import FetchConfig
+def _batches(data: str, gbt: int, steps: int, keep, seed: int, lookahead: int = 64):
+    """Sample ids of the first `steps` stream batches over the samples `keep(lengths)` selects."""
+    from datapipe.index import read_index
     from datapipe.stream import LengthAwareStream, StreamConfig
 
+    lengths = np.asarray(read_index(data).num_tokens, dtype=np.int64)
+    pool = np.flatnonzero(keep(lengths))
+    stream = LengthAwareStream(
+        StreamConfig(data, gbt, seed=seed, lookahead=lookahead), lengths[pool]
+    )
+    return [pool[next(stream).sample_ids] for _ in range(steps)]
+
+
+def _save(path: str, data: str, kinds: dict[str, list[np.ndarray]]) -> dict[str, list[list[int]]]:
+    """Tokens of every sample the batches use (renumbered 0..n-1) and the batches, as one npz;
+    returns each batch's lengths."""
+    from datapipe.fetch import FetchConfig
+
+    used = np.unique(np.concatenate([b for bs in kinds.values() for b in bs]))
     fetcher = FetchConfig(data).build()
     lengths = np.asarray(fetcher.lengths)
-    pool = np.flatnonzero(lengths <= max_len) if max_len else np.arange(len(lengths))
-    stream = LengthAwareStream(StreamConfig(data, gbt, seed=seed), lengths[pool])
-    batches = [pool[next(stream).sample_ids] for _ in range(steps)]
-    used = np.unique(np.concatenate(batches))
     mbs = fetcher.fetch_step([np.array([[s, 0, lengths[s]]]) for s in used])
     fetcher.close()
-    remap = {int(s): i for i, s in enumerate(used)}
     tokens = np.empty(len(used), dtype=object)
     for i, mb in enumerate(mbs):
-        tokens[i] = mb.input_ids
-    return [np.array([remap[int(s)] for s in b]) for b in batches], tokens
+        tokens[i] = mb.input_ids.astype(np.int64)
+    remap = {int(s): i for i, s in enumerate(used)}
+    arrays = {}
+    for k, bs in kinds.items():
+        arr = np.empty(len(bs), dtype=object)
+        for i, b in enumerate(bs):
+            arr[i] = np.array([remap[int(s)] for s in b])
+        arrays[k] = arr
+    np.savez(path, tokens=tokens, **arrays)
+    return {
+        k: [sorted((int(lengths[s]) for s in b), reverse=True) for b in bs]
+        for k, bs in kinds.items()
+    }
 
 
-def _save(path: str, batches, tokens) -> None:
-    b = np.empty(len(batches), dtype=object)
-    for i, x in enumerate(batches):
-        b[i] = x
-    np.savez(path, tokens=tokens, batches=b)
-
-
-def _summary(records: list[dict], key: str) -> dict:
-    out = {}
-    for p in POLICIES:
-        rs = [r for r in records if r["policy"] == p]
-        out[p] = {
-            "measured_s": sum(r[key] for r in rs),
-            "predicted_s": sum(r["predicted_s"] for r in rs),
-            "ring_bytes_per_step": float(np.mean([r["ring_bytes"] for r in rs])),
-            "allreduce_bytes_per_rank": rs[0]["allreduce_bytes_per_rank"],
-            "tokens": sum(r["tokens"] for r in rs),
+def summarise(records: list[dict], key: str) -> dict:
+    """Per kind and policy: measured (sum over batches of the min over repeats) and predicted
+    seconds; the noise floor; ratios to static and whether the measurement ranks as predicted."""
+    best: dict[tuple, float] = {}
+    spread = []
+    by_cfg: dict[tuple, list[float]] = {}
+    for r in records:
+        by_cfg.setdefault((r["kind"], r["batch"], r["policy"]), []).append(r[key])
+    pred = {(r["kind"], r["batch"], r["policy"]): r["predicted_s"] for r in records}
+    digest = {(r["kind"], r["batch"], r["policy"]): r["digest"] for r in records}
+    for cfg, vals in by_cfg.items():
+        best[cfg] = min(vals)
+        if len(vals) > 1:
+            spread.append(max(vals) / min(vals) - 1)
+    noise = {
+        "median_spread": float(np.median(spread)) if spread else 0.0,
+        "p90_spread": float(np.percentile(spread, 90)) if spread else 0.0,
+    }
+    # identical plans under two policies: their difference is noise too
+    same = []
+    for (kind, i, p), d in digest.items():
+        for q in POLICIES:
+            if q > p and digest.get((kind, i, q)) == d:
+                same.append(abs(best[kind, i, p] / best[kind, i, q] - 1))
+    noise["identical_plan_diff_max"] = float(max(same)) if same else None
+    floor = noise["p90_spread"]
+    out: dict = {"noise": noise, "kinds": {}}
+    for kind in KINDS:
+        n_b = 1 + max(i for (k, i, _) in best if k == kind)
+        rows = {}
+        for p in POLICIES:
+            m = sum(best[kind, i, p] for i in range(n_b))
+            q = sum(pred[kind, i, p] for i in range(n_b))
+            per_batch = [best[kind, i, p] / pred[kind, i, p] - 1 for i in range(n_b)]
+            rows[p] = {
+                "measured_s": m,
+                "predicted_s": q,
+                "deviation": m / q - 1,
+                "worst_batch_deviation": max(per_batch, key=abs),
+            }
+        ranks = []
+        for a in POLICIES:
+            for b in POLICIES:
+                if a >= b:
+                    continue
+                pr = rows[a]["predicted_s"] / rows[b]["predicted_s"]
+                mr = rows[a]["measured_s"] / rows[b]["measured_s"]
+                decided = abs(pr - 1) > floor
+                agree = (pr > 1) == (mr > 1) if decided else abs(mr - 1) <= floor
+                ranks.append(
+                    {
+                        "pair": f"{a}/{b}",
+                        "predicted": pr,
+                        "measured": mr,
+                        "model_ranks": decided,
+                        "agree": bool(agree),
+                    }
+                )
+        w, s = rows["hdp+widen"], rows["static"]
+        out["kinds"][kind] = {
+            "batches": n_b,
+            "policies": rows,
+            "ranking": ranks,
+            "static_over_widen": {
+                "measured": s["measured_s"] / w["measured_s"],
+                "predicted": s["predicted_s"] / w["predicted_s"],
+            },
         }
-    h, s = out["hdp"], out["static"]
-    out["hdp_over_static"] = {
-        "measured": h["measured_s"] / s["measured_s"],
-        "predicted": h["predicted_s"] / s["predicted_s"],
-    }
-    out["hdp_over_static"]["deviation"] = (
-        out["hdp_over_static"]["measured"] / out["hdp_over_static"]["predicted"] - 1
-    )
-    w = out["hdp+widen"]
-    out["widen_over_static"] = {
-        "measured": w["measured_s"] / s["measured_s"],
-        "predicted": w["predicted_s"] / s["predicted_s"],
-    }
     return out
 
 
-def _print_table(title: str, summ: dict, unit: str) -> None:
+def print_summary(title: str, summ: dict, unit: str) -> None:
+    n = summ["noise"]
     print(f"\n{title}")
-    print(f"| policy | {unit} | predicted s | ring MB/step | all-reduce MB/rank | tokens |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for p in POLICIES:
-        r = summ[p]
-        print(
-            f"| {p} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | "
-            f"{r['ring_bytes_per_step'] / 1e6:.2f} | {r['allreduce_bytes_per_rank'] / 1e6:.2f} | "
-            f"{r['tokens']} |"
-        )
-    q = summ["hdp_over_static"]
     print(
-        f"hdp/static: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} "
-        f"(deviation {q['deviation']:+.1%})"
+        f"noise floor: repeats spread median {n['median_spread']:.1%}, p90 {n['p90_spread']:.1%}"
+        + (
+            f"; identical plans differ by up to {n['identical_plan_diff_max']:.1%}"
+            if n["identical_plan_diff_max"] is not None
+            else ""
+        )
     )
-    q = summ["widen_over_static"]
-    print(f"hdp+widen/static: measured {q['measured']:.3f}, predicted {q['predicted']:.3f}")
+    print(f"| kind | policy | {unit} | predicted s | deviation | worst batch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for kind, k in summ["kinds"].items():
+        for p, r in k["policies"].items():
+            print(
+                f"| {kind} ({k['batches']}) | {p} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} "
+                f"| {r['deviation']:+.1%} | {r['worst_batch_deviation']:+.1%} |"
+            )
+    for kind, k in summ["kinds"].items():
+        q = k["static_over_widen"]
+        agree = all(r["agree"] for r in k["ranking"])
+        print(
+            f"{kind}: static / hdp+widen measured {q['measured']:.3f}, predicted "
+            f"{q['predicted']:.3f}; rankings agree: {agree} "
+            + ", ".join(
+                f"{r['pair']} {r['measured']:.3f} ({r['predicted']:.3f}"
+                f"{'' if r['model_ranks'] else ', tie'})"
+                for r in k["ranking"]
+            )
+        )
+
+
+def _calibrate(nproc: int, clock: str, shape, path: str) -> dict:
+    from datapipe.files import write_text_atomic
+    from tools.cmd_calibrate import render
+    from trainer.calibrate import calibrate
+
+    cal = calibrate("debug", nproc, clock=clock, shape=shape)
+    write_text_atomic(path, cal.to_json())
+    print(f"\ncalibration, {nproc} processes, {clock} clock:\n{render(cal)}")
+    return cal.report()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per batch and policy")
-    ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens")
-    ap.add_argument("--cost", default=None, help="cost file (default: calibrate here)")
+    ap.add_argument("--steps", type=int, default=3, help="batches per kind")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch and policy")
+    ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens (the demo's)")
+    ap.add_argument("--capacity", type=int, default=8192, help="capacity C (the demo's)")
+    ap.add_argument("--cost2", default=None, help="cost file for 2 ranks (default: calibrate)")
+    ap.add_argument("--cost4", default=None, help="cost file for 4 ranks (default: calibrate)")
     ap.add_argument("--skip", default="", help="comma list of: wall2,replay4,overhead")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "bench_train.json"))
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.data, "index.parquet")):
         print(f"{args.data}: no dataset; run `make demo` first", file=sys.stderr)
         return 2
+    from datapipe.index import read_index
+    from datapipe.shapes import get_config
+
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     work = os.path.join(os.path.dirname(args.out), "bench_train")
     os.makedirs(work, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    result: dict = {"args": vars(args)}
+    result: dict = {"args": vars(args), "load_before": os.getloadavg()}
+    index = read_index(args.data)
+    vocab = int(index.manifest.get("vocab_size") or 258)
+    shape = get_config("debug", vocab_size=max(258, vocab))
+    max_context = int(np.max(index.num_tokens))
 
-    cost_path = args.cost
-    if cost_path is None:
-        from datapipe.files import write_text_atomic
-        from tools.cmd_calibrate import calibrate
-
-        lens = [256, 1024, 2048, 4096, 8192]
-        model, t = calibrate("debug", lens, repeats=1)
-        a, b, c = model.a, model.b, model.c
-        cost_path = os.path.join(work, "cost.json")
-        write_text_atomic(cost_path, model.to_json())
-        result["calibration"] = {"lengths": lens, "seconds": t, "a": a, "b": b, "c": c}
-        print(
-            f"calibrated: a={a:.3g} b={b:.3g} c={c:.3g}  (lengths {lens}, s {[round(x, 3) for x in t]})"
-        )
-    result["cost"] = cost_path
-
-    batches, tokens = _batches(args.data, args.gbt, args.steps, None, seed=0)
+    kinds = {
+        "mixed": _batches(args.data, args.gbt, args.steps, lambda s: s > 0, seed=0),
+        "short": _batches(args.data, 16384, args.steps, lambda s: (s > 0) & (s <= SHORT_MAX), 1),
+        "long": _batches(args.data, args.gbt, args.steps, lambda s: s > LONG_MIN, 2),
+    }
     tok_path = os.path.join(work, "batches.npz")
-    _save(tok_path, batches, tokens)
-    short_b, short_t = _batches(args.data, 16384, 6, 1024, seed=1)
-    short_path = os.path.join(work, "short.npz")
-    _save(short_path, short_b, short_t)
-    result["batches"] = [sorted((int(len(tokens[i])) for i in b), reverse=True) for b in batches]
-
-    if "wall2" not in skip or "overhead" not in skip:
-        job = {
-            "tokens": tok_path,
-            "cost": cost_path,
-            "capacity": 8192,
-            "repeats": args.repeats,
-            "out": os.path.join(work, "wall2.json"),
-            "skip_policies": "wall2" in skip,
-        }
-        if "overhead" not in skip:
-            job["overhead"] = {
-                "tokens": short_path,
-                "cost": cost_path,
-                "capacity": 4096,
-                # static over this dataset on 2 ranks: CP 2 x 8192 holds its longest sample
-                "static_capacity": 8192,
-                "max_context": int(max(len(t) for t in tokens)),
-                "repeats": 2,
-                "out": os.path.join(work, "overhead.json"),
-            }
-        t0 = time.perf_counter()
-        _spawn(_policies_main, 2, job, timeout=1800)
-    if "wall2" not in skip:
-        recs = json.load(open(job["out"]))
-        result["wall_2_ranks"] = {
-            "capacity": 8192,
-            "records": recs,
-            "summary": _summary(recs, "wall_s"),
-            "summary_replayed_cpu": _summary(recs, "replayed_cpu_s"),
-        }
-        _print_table(
-            "2 ranks (one per core), capacity 8192: wall clock, sum over batches",
-            result["wall_2_ranks"]["summary"],
-            "wall s",
-        )
-        print(f"(took {time.perf_counter() - t0:.0f} s)")
-    if "overhead" not in skip:
-        o = json.load(open(job["overhead"]["out"]))
-        tps = {k: o["tokens"] / v for k, v in o["seconds"].items()}
-        result["overhead"] = {
-            **o,
-            "tokens_per_s": tps,
-            "hdp_over_ddp": tps["hdp"] / tps["ddp"],
-            "hdp_over_static": tps["hdp"] / tps["static"],
-        }
+    result["batches"] = _save(tok_path, args.data, kinds)
+    for k, bs in result["batches"].items():
         print(
-            f"\nshort sequences only (<= 1024 tokens), 2 ranks: hdp {tps['hdp']:.0f} tok/s, "
-            f"DDP {tps['ddp']:.0f} tok/s (hdp/DDP {tps['hdp'] / tps['ddp']:.3f}), static (CP 2) "
-            f"{tps['static']:.0f} tok/s (hdp/static {tps['hdp'] / tps['static']:.3f})"
+            f"{k}: " + "; ".join(f"{len(b)} samples, longest {b[0]}, {sum(b)} tokens" for b in bs)
         )
-    if "replay4" not in skip:
+
+    cap = args.capacity
+    for world, clock, key, flag in (
+        (2, "wall", "wall_s", "wall2"),
+        (4, "cpu", "replayed_cpu_s", "replay4"),
+    ):
+        if flag in skip:
+            continue
+        cost = getattr(args, f"cost{world}")
+        if cost is None:
+            cost = os.path.join(work, f"cost{world}.json")
+            result[f"calibration{world}"] = _calibrate(world, clock, shape, cost)
         job = {
             "tokens": tok_path,
-            "cost": cost_path,
-            "capacity": 4096,
+            "cost": cost,
+            "capacity": cap,
+            "max_context": max_context,
             "repeats": args.repeats,
-            "out": os.path.join(work, "replay4.json"),
+            "shape": dataclasses.asdict(shape),
+            "out": os.path.join(work, f"records{world}.json"),
+            "overhead": world == 2 and "overhead" not in skip,
+            "overhead_out": os.path.join(work, "overhead.json"),
         }
         t0 = time.perf_counter()
-        _spawn(_policies_main, 4, job, timeout=2400)
+        _spawn(_policies_main, world, job, timeout=7200)
         recs = json.load(open(job["out"]))
-        result["replay_4_ranks"] = {
-            "capacity": 4096,
+        summ = summarise(recs, key)
+        result[f"ranks{world}"] = {
+            "capacity": cap,
+            "clock": clock,
             "records": recs,
-            "summary": _summary(recs, "replayed_cpu_s"),
+            "summary": summ,
         }
-        _print_table(
-            "4 ranks, capacity 4096: per-rank CPU time replayed in slot order, sum over batches",
-            result["replay_4_ranks"]["summary"],
-            "replayed CPU s",
+        print_summary(
+            f"{world} ranks, capacity {cap}, {'wall clock' if world == 2 else 'replayed CPU'}"
+            f" (took {time.perf_counter() - t0:.0f} s)",
+            summ,
+            "measured s",
         )
-        print(f"(took {time.perf_counter() - t0:.0f} s)")
+        if job["overhead"]:
+            o = json.load(open(job["overhead_out"]))
+            tps = {k: o["tokens"] / v for k, v in o["seconds"].items()}
+            result["overhead"] = {**o, "tokens_per_s": tps, "hdp_over_ddp": tps["hdp"] / tps["ddp"]}
+            print(
+                f"short batches, 2 ranks: hdp {tps['hdp']:.0f} tok/s, DDP {tps['ddp']:.0f} tok/s "
+                f"(hdp/DDP {tps['hdp'] / tps['ddp']:.3f})"
+            )
+    result["load_after"] = os.getloadavg()
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
+        json.dump(result, f, indent=1)
+    print(f"\nload average before {result['load_before']}, after {result['load_after']}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -32,9 +32,9 @@ from datapipe.errors import ConfigError, InputError, UserKeys
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
+from datapipe.pack_kernel import pack_kernel
 
 IGNORE_INDEX = -100
-VECTORIZE_BELOW_MEAN_PIECE = 32  # pack with index arithmetic when pieces average fewer tokens
 MDS_ACCESS = ("reader", "dataset")
 
 
@@ -43,11 +43,13 @@ MDS_ACCESS = ("reader", "dataset")
 
 @dataclass
 class PackedMicroBatch:
-    """One packed micro-batch of one rank; every array is 1-D over its T positions."""
+    """One packed micro-batch of one rank; every array is 1-D over its T positions. Token ids keep
+    the dataset's dtype (uint16 below 65,536 ids: 2 bytes per position where int64 took 8), labels
+    and positions are int32; the model widens them on its device (trainer.model)."""
 
-    input_ids: np.ndarray  # int64 [T]
-    labels: np.ndarray  # int64 [T], IGNORE_INDEX at a sample's last position
-    position_ids: np.ndarray  # int64 [T], absolute position within the sample
+    input_ids: np.ndarray  # [T], the token dtype (uint16, uint32; int64 from MemoryFetcher)
+    labels: np.ndarray  # int32 [T], IGNORE_INDEX at a sample's last position
+    position_ids: np.ndarray  # int32 [T], absolute position within the sample
     cu_seqlens: np.ndarray  # int32 [P+1], piece boundaries for document-masked attention
     pieces: np.ndarray  # int64 [P, 3] (sample_id, token_start, token_end)
 
@@ -61,7 +63,7 @@ class PackedMicroBatch:
         return int(np.count_nonzero(self.labels != IGNORE_INDEX))
 
     def to_torch(self) -> dict[str, Any]:
-        """The arrays as torch tensors (int64; cu_seqlens int32), sharing memory where possible."""
+        """The arrays as torch tensors (same dtypes), sharing memory."""
         import torch
 
         return {
@@ -83,51 +85,21 @@ def as_pieces(pieces: Any) -> np.ndarray:
 
 
 def pack_microbatch(
-    pieces: np.ndarray,
-    lengths: np.ndarray,
-    flat: np.ndarray,
-    span_start: np.ndarray,
-    vectorized: bool | None = None,
+    pieces: np.ndarray, lengths: np.ndarray, flat: np.ndarray, span_start: np.ndarray
 ) -> PackedMicroBatch:
-    """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]``.
-
-    Two equivalent paths: one slice copy per piece (3 passes over the output; best for pieces of
-    more than a few dozen tokens) or index arithmetic over all tokens (no per-piece Python; best
-    for many tiny pieces). ``vectorized=None`` picks by mean piece size.
-    """
+    """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]`` (one pass,
+    datapipe.pack_kernel)."""
     pieces = as_pieces(pieces)
-    s, a, b = pieces[:, 0], pieces[:, 1], pieces[:, 2]
-    sizes = b - a
+    s, a, b = (np.ascontiguousarray(pieces[:, i]) for i in range(3))
     cu = np.zeros(len(pieces) + 1, np.int64)
-    np.cumsum(sizes, out=cu[1:])
+    np.cumsum(b - a, out=cu[1:])
     total = int(cu[-1])
-    starts = np.asarray(span_start, np.int64)
-    if vectorized is None:
-        vectorized = total < VECTORIZE_BELOW_MEAN_PIECE * len(pieces)
-    labels = np.full(total, IGNORE_INDEX, np.int64)
-    if vectorized:
-        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - a, sizes)
-        src = position_ids + np.repeat(starts - a, sizes)  # index into flat of each input token
-        input_ids = flat.take(src).astype(np.int64, copy=False)
-        has_label = position_ids + 1 < np.repeat(lengths[s], sizes)
-        labels[has_label] = flat.take(src[has_label] + 1)
-    else:
-        input_ids = np.empty(total, np.int64)
-        position_ids = np.empty(total, np.int64)
-        ramp = np.arange(int(b.max()) if len(b) else 0, dtype=np.int64)
-        nlab = np.minimum(b + 1, lengths[s]) - a - 1  # labelled positions of each piece
-        for lo, hi, st, ai, bi, nl in zip(
-            cu[:-1].tolist(),
-            cu[1:].tolist(),
-            starts.tolist(),
-            a.tolist(),
-            b.tolist(),
-            nlab.tolist(),
-            strict=True,
-        ):
-            input_ids[lo:hi] = flat[st : st + hi - lo]
-            labels[lo : lo + nl] = flat[st + 1 : st + 1 + nl]
-            position_ids[lo:hi] = ramp[ai:bi]
+    input_ids = np.empty(total, flat.dtype)
+    labels = np.full(total, IGNORE_INDEX, np.int32)
+    position_ids = np.empty(total, np.int32)
+    starts = np.ascontiguousarray(span_start, np.int64)
+    sample_len = np.ascontiguousarray(lengths[s], np.int64)
+    pack_kernel(flat, starts, a, b, sample_len, cu, input_ids, labels, position_ids)
     return PackedMicroBatch(input_ids, labels, position_ids, cu.astype(np.int32), pieces)
 
 
@@ -256,11 +228,9 @@ class Fetcher:
         self._check(allp)
         rows, j0, count = rows_of_pieces(allp, self.lengths, self.global_first_row, self.chunk)
         uniq = np.unique(rows)
-        tokens = self.reader.read_rows(uniq)
-        flat = np.concatenate(tokens) if tokens else np.zeros(0, self.reader.dtype)
-        row_len = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
+        flat, row_len = self.reader.read_rows_flat(uniq)
         self._check_rows(allp, j0, count, rows, uniq, row_len)
-        row_off = np.zeros(len(tokens) + 1, np.int64)
+        row_off = np.zeros(len(row_len) + 1, np.int64)
         np.cumsum(row_len, out=row_off[1:])
         if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
             self._out_of_vocab(flat, uniq, row_off)

@@ -412,8 +412,9 @@ def train_config(data: str, run: str, **sections: dict):
 
 
 def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
-    """2 ranks: hdp straight for 6 steps; 3 steps then resume to 6 (checkpoint at 3); static for
-    3 steps. Rank 0 writes the loss curves to out_dir/losses.json."""
+    """2 ranks: hdp straight for 6 steps (comparing with static every 2nd step); 3 steps then
+    resume to 6 (checkpoint at 3); static for 3 steps. Rank 0 writes the loss curves to
+    out_dir/losses.json."""
     import json
 
     from trainer.runtime import setup_runtime
@@ -424,7 +425,16 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> Non
         rt = setup_runtime("cpu")
         torch.set_num_threads(1)
         out = {}
-        straight = run_training(train_config(data, os.path.join(out_dir, "straight")), rt)
+        # the straight run also runs every 2nd batch under static (no update): it must not change
+        # the loss curve (first + second below run without it)
+        straight = run_training(
+            train_config(
+                data,
+                os.path.join(out_dir, "straight"),
+                metrics={"compare": "static", "compare_interval": 2},
+            ),
+            rt,
+        )
         out["straight"] = straight["losses"]
         out["val"] = straight["val_losses"]
         part = os.path.join(out_dir, "part")

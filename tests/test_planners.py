@@ -144,21 +144,29 @@ def reference_lower_bound(cost: C.CostModel, lengths, n: int, cap: int) -> tuple
     """lower_bound_ns's rule, spelled out sample by sample in plain Python (the cost model's
     documented terms, each rounded once to integer ns as the cost module states): a sample of
     S > 0 tokens on its smallest group k = ceil(S / C) (whose largest zigzag pair is ceil(S / k)
-    <= C) has the member share a*S^2/k + b*S/k plus, on a ring, its K/V traffic not hidden under
-    its attention. Work bound: ceil((sum of k * share + c * ceil(tokens / C)) / N); share bound:
-    the largest share + c."""
+    <= C) has the member share a*S^2/k / eff(S/k) + b*S/k (eff(x) = x / (x + attn_n_half)) plus,
+    on a ring, its ring time (hops * latency + K/V bytes over the link: the node link when the
+    group fits in a node, the best case) not hidden under its attention. Work bound:
+    ceil((sum of k * share + c * ceil(tokens / C)) / N); share bound: the largest share + c."""
     c_ns = round(cost.c * 1e9)
+    h = cost.attn_n_half
     shares, ranks, tokens = [], [], 0
     for s in (int(x) for x in lengths):
         if s <= 0:
             continue
         k = -(-s // cap)
-        share = round((cost.a * s * s + cost.b * s) / k * 1e9)
+        # a*S^2/k / eff(S/k) = a*S*(S + h*k)/k, in the cost module's order of operations
+        attn_s = cost.a * s * (s + h * k) / k
+        share = round((cost.a * s * (s + h * k) + cost.b * s) / k * 1e9)
         if k > 1:
-            attn = round(cost.a * s * s / k * 1e9)
+            attn = round(attn_s * 1e9)
             ring_bytes = cost.comm_passes * (k - 1) * (s / k) * cost.kv_bytes_per_token
-            ring = round(ring_bytes / cost.link_bytes_per_s * 1e9)
-            share += max(ring - attn, 0)
+            inside = cost.ranks_per_node and k <= cost.ranks_per_node
+            link = cost.node_link_bytes_per_s if inside else cost.link_bytes_per_s
+            hops = cost.num_layers * (cost.comm_passes * (k - 1) + 1)
+            ring = round((ring_bytes / link + hops * cost.hop_latency_s) * 1e9)
+            hide = round(ring * cost.overlap)
+            share += ring - hide + max(hide - attn, 0)
         shares.append(share)
         ranks.append(k)
         tokens += s
@@ -254,7 +262,7 @@ def test_widen_never_worse_than_hdp(cost) -> None:
         check_plan(w)
         assert w.makespan_ns <= h.makespan_ns
         assert w.lower_bound_ns == h.lower_bound_ns  # same reference bound in reports
-        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS
+        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS + 1
         better += w.makespan_ns < h.makespan_ns
     assert better > 0
 
@@ -512,3 +520,20 @@ def test_config_errors() -> None:
         PlannerConfig(capacity=0).build(DEBUG)
     with pytest.raises(MixlenError, match=">= 0"):
         plan("hdp", [3, -1], 2, 8)
+
+
+def test_widen_spreads_short_work_over_idle_ranks() -> None:
+    """24 samples of 600 tokens on 4 ranks with C = 8192: packing to C makes two micro-batches and
+    leaves two ranks idle; widen re-packs them 6 per micro-batch, one per rank (the step takes
+    c + 6 samples' compute instead of c + 13's)."""
+    lengths = [600] * 24
+    h = plan("hdp", lengths, 4, 8192)
+    w = plan("hdp", lengths, 4, 8192, widen=True)
+    check_plan(w)
+    assert h.num_microbatches == 2 and (h.rank_time_ns == 0).sum() == 2
+    assert w.num_microbatches == 4 and sorted(w.group_ranks.tolist()) == [0, 1, 2, 3]
+    one = DEBUG.a * 600 * 600 + DEBUG.b * 600  # seconds, a whole 600-token sample (n_half 0)
+    assert DEBUG.attn_n_half == 0
+    assert w.makespan_ns == pytest.approx((DEBUG.c + 6 * one) * 1e9, abs=8)
+    assert h.makespan_ns == pytest.approx((DEBUG.c + 13 * one) * 1e9, abs=8)  # 13 + 11
+    assert w.meta["spread"] == 2

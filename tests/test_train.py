@@ -253,6 +253,15 @@ def test_train_two_gloo_ranks(dataset, tmp_path):
     np.testing.assert_allclose(
         [v for _, v in got["val"]], [v for _, v in ref["val_losses"]], rtol=1e-5
     )
+    # the straight run compared hdp with static on steps 2, 4, 6 (a second pass, no update)
+    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    rows = [r["compare"] for r in recs if "compare" in r]
+    assert [r["step"] for r in recs if "compare" in r] == [2, 4, 6]
+    assert all(r["other_policy"] == "static" and r["other_groups"] == [2] for r in rows)
+    assert all(r["predicted_s"] > 0 and r["other_measured_s"] > 0 for r in rows)
+    report = (tmp_path / "straight" / "balance.md").read_text()
+    total = sum(r["other_predicted_s"] for r in rows)
+    assert f"| static | {total:.2f} |" in report and "on the same 3 global batches" in report
 
 
 @pytest.mark.slow
@@ -297,43 +306,40 @@ def test_cli_nproc_launch(dataset, tmp_path):
 # --- calibrate -----------------------------------------------------------------------------------
 
 
-def test_fit_cost_recovers_coefficients():
-    from tools.cmd_calibrate import fit_cost
-
-    s = np.array([128, 256, 512, 1024, 4096, 16384])
-    a, b, c = 3e-8, 8e-5, 2e-3
-    got = fit_cost(s, a * s * s + b * s + c)
-    np.testing.assert_allclose(got, (a, b, c), rtol=1e-8)
-    # concave data would fit a negative quadratic term: it is clamped to zero
-    ga, gb, gc = fit_cost(s, 1e-4 * s - 1e-10 * s * s + 1e-3)
-    assert ga == 0 and gb > 0 and gc >= 0
-
-
 def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     from datapipe.plan.cost import load
     from tools.cli import main
 
     out = tmp_path / "cost.json"
-    assert (
-        main(
-            [
-                "calibrate",
-                "--model",
-                "debug",
-                "--out",
-                str(out),
-                "--lengths",
-                "16,32,64",
-                "--repeats",
-                "1",
-            ]
-        )
-        == 0
-    )
+    args = ["calibrate", "--model", "debug", "--out", str(out), "--lengths", "16,32,64"]
+    assert main([*args, "--repeats", "1"]) == 0
     cost = load(out)
     assert cost.num_layers == 2 and min(cost.a, cost.b, cost.c) >= 0
     assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
-    assert json.loads(out.read_text())["calibration"]["lengths"] == [16, 32, 64]
+    assert (cost.attn_n_half, cost.hop_latency_s, cost.overlap) == (0.0, 0.0, 1.0)  # no rings
+    cal = json.loads(out.read_text())["calibration"]
+    assert [t["lengths"] for t in cal["timings"]][:3] == [[16], [32], [64]]
+    assert cal["fitted_terms"] == ["a", "b", "c"] and "local" in cal["residuals"]
+    assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
+
+
+@pytest.mark.slow
+def test_calibrate_two_processes_fits_ring_terms(tmp_path):
+    """Two gloo processes: hops and rings are timed and every ring term is fitted."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["calibrate", "--out", str(out), "--nproc", "2", "--repeats", "1"]
+    args += ["--lengths", "64,128,256", "--ring-lengths", "128,256", "--hop-bytes", "1024,262144"]
+    assert main(args) == 0
+    cost = load(out)
+    cal = json.loads(out.read_text())["calibration"]
+    assert set(cal["fitted_terms"]) >= {"hop_latency_s", "link_bytes_per_s", "overlap"}
+    kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
+    assert kinds == {("local", 1), ("hop", 2), ("ring", 2)}
+    assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
+    assert cal["nproc"] == 2 and cal["clock"] == "wall"
 
 
 def test_print_config_and_tensorboard_message(tmp_path, capsys):

@@ -1,181 +1,169 @@
-"""`mixlen calibrate --model debug --out cost.json`: fit the cost model by timing the real model.
+"""`mixlen calibrate --model debug --nproc 2 --out cost.json`: fit the cost model by timing the real
+model and real ring attention on this machine (trainer/calibrate.py measures, datapipe/plan/costfit.py
+fits by least squares) and write a `mixlen-cost/2` file (datapipe.plan.cost) that `mixlen train`
+(`[parallel] cost`) and `mixlen plan --cost` read.
 
-Times forward + backward of one whole sample at several lengths on this machine (one thread per
-rank by default, as training runs), fits ``T(S) = a*S^2 + b*S + c`` by least squares weighted by
-1/T (relative error: lengths span orders of magnitude), and writes a `mixlen-cost/1` file
-(datapipe.plan.cost). Byte sizes (K/V per token, activations) come from the model shape; link and host
-bandwidths are given (defaults: the `cpu` device preset).
+With `--nproc 1` only local micro-batches are timed (a, b, c; the ring terms stay neutral and the
+link is `--link-bytes-per-s`). With K >= 2 processes (one per core, or one per GPU) rings of 2..K
+ranks are timed too, and the hop latency, link bandwidth, attention chunk efficiency and overlap
+are fitted. The fit's residuals are printed and stored in the file's `calibration` section.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
-
-import numpy as np
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from trainer.config import DTYPES
 
-DEFAULT_LENGTHS = "128,256,512,1024,2048,4096"
+DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
+DEFAULT_RING_LENGTHS = "512,1024,2048,4096,8192,16384"
+DEFAULT_HOP_BYTES = "4096,65536,1048576,4194304"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="debug", help="trainer model config name")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="the model's vocabulary (default: its own)"
+    )
     parser.add_argument("--out", required=True, help="cost file to write (JSON)")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated lengths")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per length (min kept)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (as one rank)")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="processes (ranks) to time rings with (default 1)"
+    )
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="wall clock (default), or each rank's thread CPU time (more ranks than cores)",
+    )
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="local sample lengths")
+    parser.add_argument("--ring-lengths", default=DEFAULT_RING_LENGTHS, help="ring sample lengths")
+    parser.add_argument("--ring-sizes", default="", help="ring sizes (default 2..nproc)")
+    parser.add_argument("--hop-bytes", default=DEFAULT_HOP_BYTES, help="ring hop message sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (min kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--link-bytes-per-s",
         type=float,
         default=None,
-        help="ring link bandwidth (default: the cpu device preset)",
+        help="ring link bandwidth when no rings are timed (--nproc 1; default: the cpu preset)",
     )
     parser.add_argument(
         "--offload-bytes-per-s",
         type=float,
         default=None,
-        help="host link bandwidth (default: the cpu device preset)",
+        help="host link bandwidth (default: the device preset's)",
     )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=0,
+        help="with --inter-node-bytes-per-s: the measured link is the node link, groups that "
+        "span nodes use the given one",
+    )
+    parser.add_argument("--inter-node-bytes-per-s", type=float, default=None)
 
 
-def fit_cost(lengths: np.ndarray, times: np.ndarray) -> tuple[float, float, float]:
-    """(a, b, c) >= 0 minimising sum(((a S^2 + b S + c) - T) / T)^2; a coefficient that comes
-    out negative is fixed at 0 and the rest refitted."""
-    s = np.asarray(lengths, dtype=np.float64)
-    t = np.asarray(times, dtype=np.float64)
-    cols = np.stack([s * s, s, np.ones_like(s)], axis=1)
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    while active:
-        w = 1.0 / t
-        sol, *_ = np.linalg.lstsq(cols[:, active] * w[:, None], t * w, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return float(coef[0]), float(coef[1]), float(coef[2])
-
-
-def time_model(cfg, lengths: list[int], repeats: int, dtype: str, device: str) -> list[float]:
-    """Min over `repeats` of one forward+backward of a whole random sample per length (s), for a
-    datapipe.shapes.ModelConfig."""
-    import torch
-
-    from trainer.model import build_model, torch_dtype
-
-    model, _ = build_model(cfg, torch_dtype(dtype), device, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen).to(device)
-        pos = torch.arange(n, device=device)
-        best = float("inf")
-        for i in range(repeats + 1):  # the first run warms up
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss, _ = model(ids, pos, labels=ids)
-            loss.backward()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            if i:
-                best = min(best, time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-        out.append(best)
-    return out
-
-
-def calibrate(
-    model_name: str,
-    lengths: list[int],
-    repeats: int = 3,
-    dtype: str = "float32",
-    device: str = "cpu",
-    threads: int = 1,
-    link_bytes_per_s: float | None = None,
-    offload_bytes_per_s: float | None = None,
-):  # -> (datapipe.plan.cost.CostModel, measured seconds per length)
-    """Time the trainer's model and fit a, b, c; byte sizes come from the model's shape and the
-    bandwidths from the `cpu` device preset unless given."""
-    import dataclasses
-
-    import torch
-
-    from datapipe.plan.cost import DEVICES, build_cost_model
-    from datapipe.shapes import get_config
-
+def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
     try:
-        cfg = get_config(model_name)
-    except ValueError as exc:
-        raise ConfigError(f"--model: {exc}") from None
-    torch.set_num_threads(threads)
-    times = time_model(cfg, lengths, repeats, dtype, device)
-    a, b, c = fit_cost(np.array(lengths), np.array(times))
-    itemsize = getattr(torch, dtype).itemsize
-    base = build_cost_model(model_name, cfg, DEVICES["cpu"], dtype_bytes=itemsize)
-    model = dataclasses.replace(
-        base,
-        a=a,
-        b=b,
-        c=c,
-        link_bytes_per_s=link_bytes_per_s or base.link_bytes_per_s,
-        offload_bytes_per_s=offload_bytes_per_s or base.offload_bytes_per_s,
-        name=f"{model_name}@calibrated-{device}-{threads}t",
-    )
-    return model, times
+        vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if vals and vals[0] < minimum:
+        raise ConfigError(f"{flag}: values must be >= {minimum}, got {vals[0]}")
+    return vals
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
-    except ValueError:
-        raise ConfigError(
-            f"--lengths: expected comma-separated integers, got {args.lengths!r}"
-        ) from None
-    if len(lengths) < 3 or lengths[0] < 1:
+    from trainer.calibrate import CalibrationGrid, calibrate
+
+    lengths = _ints("--lengths", args.lengths)
+    if len(lengths) < 3:
         raise ConfigError("--lengths: need at least 3 distinct positive lengths to fit a, b, c")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    sizes = _ints("--ring-sizes", args.ring_sizes, 2)
+    if sizes and sizes[-1] > args.nproc:
+        raise ConfigError(f"--ring-sizes: {sizes[-1]} is more than --nproc {args.nproc}")
+    hop_bytes = _ints("--hop-bytes", args.hop_bytes)
+    if args.nproc > 1 and len(hop_bytes) < 2:
+        raise ConfigError("--hop-bytes: need at least 2 sizes to fit latency and bandwidth")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-    for key in ("link_bytes_per_s", "offload_bytes_per_s"):
+    for key in ("link_bytes_per_s", "offload_bytes_per_s", "inter_node_bytes_per_s"):
         v = getattr(args, key)
         if v is not None and not v > 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
-    model, times = calibrate(
+    if args.ranks_per_node < 0:
+        raise ConfigError(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
+    shape = None
+    if args.vocab_size is not None:
+        from datapipe.shapes import get_config
+
+        if args.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+        try:
+            shape = get_config(args.model, vocab_size=args.vocab_size)
+        except ValueError as exc:
+            raise ConfigError(f"--model: {exc}") from None
+    grid = CalibrationGrid(
+        lengths=lengths,
+        ring_lengths=_ints("--ring-lengths", args.ring_lengths),
+        ring_sizes=sizes,
+        hop_bytes=hop_bytes,
+        repeats=args.repeats,
+    )
+    cal = calibrate(
         args.model,
-        lengths,
-        args.repeats,
+        args.nproc,
+        grid,
         args.dtype,
         args.device,
         args.threads,
+        args.clock,
         args.link_bytes_per_s,
         args.offload_bytes_per_s,
+        args.ranks_per_node,
+        args.inter_node_bytes_per_s,
+        shape=shape,
     )
-    d = model.to_dict()
-    pred = [model.a * n * n + model.b * n + model.c for n in lengths]
-    d["calibration"] = {
-        "lengths": lengths,
-        "seconds": times,
-        "fit_seconds": pred,
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "device": args.device,
-    }
-    write_text_atomic(args.out, json.dumps(d, indent=2, sort_keys=True) + "\n")
-    print(f"{'length':>8} {'measured s':>11} {'fit s':>9}")
-    for n, t, p in zip(lengths, times, pred):
-        print(f"{n:>8} {t:>11.4f} {p:>9.4f}")
-    print(
-        f"a = {model.a:.4g} s/S^2, b = {model.b:.4g} s/token, c = {model.c:.4g} s  ->  {args.out}"
-    )
+    write_text_atomic(args.out, cal.to_json())
+    print(render(cal))
+    print(f"-> {args.out}")
     return 0
+
+
+def render(cal) -> str:
+    """Timings beside the fit, the residual summary and the fitted terms (a trainer.calibrate
+    Calibration)."""
+    lines = [f"{'kind':<6} {'k':>2} {'case':<16} {'measured s':>11} {'fit s':>10} {'resid':>7}"]
+    for m, f, r in zip(cal.fit.timings, cal.fit.fitted_s, cal.fit.rel_residuals):
+        if m.kind == "hop":
+            case = f"{int(m.nbytes)} B"
+        elif len(set(m.lengths)) == 1 and len(m.lengths) > 1:
+            case = f"{len(m.lengths)} x {m.lengths[0]}"
+        else:
+            case = ",".join(map(str, m.lengths))
+        lines.append(f"{m.kind:<6} {m.k:>2} {case:<16} {m.seconds:>11.5f} {f:>10.5f} {r:>+7.1%}")
+    lines.append(
+        "residuals (relative): "
+        + "; ".join(
+            f"{k} n={v['n']} rms {v['rms_rel']:.1%} max {v['max_abs_rel']:.1%}"
+            for k, v in cal.fit.summary().items()
+        )
+    )
+    lines += [f"note: {n}" for n in cal.fit.notes]
+    c = cal.cost
+    lines.append(
+        f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, attn_n_half = "
+        f"{c.attn_n_half:.4g}, hop_latency_s = {c.hop_latency_s:.4g}, link = "
+        f"{c.link_bytes_per_s:.4g} B/s, overlap = {c.overlap:.3f}  ({cal.meta['seconds']:.0f} s)"
+    )
+    return "\n".join(lines)

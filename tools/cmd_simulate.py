@@ -10,9 +10,11 @@ import json
 from tools.cmd_plan import add_planner_arguments, model_name, resolve_cost
 
 ASSUMPTIONS = """assumptions:
-  - per-rank time = cost model (a*S^2/k + b*S/k + c per micro-batch); ring K/V traffic over the
-    link hides under attention compute, only the excess counts; offload copies hide under
-    forward/backward compute, only the excess counts; no pipeline/tensor parallelism
+  - per-rank time = cost model (a*S^2/k at the chunk efficiency eff(S/k) + b*S/k, c per
+    micro-batch); a ring hop costs a latency plus its K/V bytes over the node link (groups inside
+    one node) or the link between nodes; `overlap` of that hides under attention compute, the
+    rest shows; offload copies hide under forward/backward compute, only the excess counts; no
+    pipeline/tensor parallelism
   - gradient all-reduce, optimizer step and data loading are the same for every policy and left out
   - samples longer than --context are truncated to it; batches follow the stream's fill rule
   - static: CP = smallest divisor of N holding --context, micro-batches token-balanced over DP

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datapipe.plan.common import mb_spans_nodes
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
 
@@ -49,10 +50,11 @@ def mb_components(plan: StepPlan, cost: CostModel) -> np.ndarray:
     attn = np.bincount(piece_mb, cost.attn_ns(s, kp), minlength=m)
     lin = np.bincount(piece_mb, cost.linear_ns(s, kp), minlength=m)
     member_tokens = np.bincount(piece_mb, s / kp, minlength=m)
-    ring = cost.ring_ns(member_tokens, k).astype(np.float64)
+    spans = mb_spans_nodes(cost, plan.mb_group_offsets, plan.group_ranks)
+    ring = cost.ring_ns(member_tokens, k, spans)
     off = cost.offload_ns(member_tokens, plan.mb_offload).astype(np.float64)
     comp = attn + lin
-    comm_exp = np.maximum(ring - attn, 0)
+    comm_exp = cost.ring_exposed_ns(attn.astype(np.int64), ring).astype(np.float64)
     fwd = np.floor(comp / 3)
     off_exp = np.maximum(off - fwd, 0) + np.maximum(off - (comp - fwd), 0)
     return np.stack([attn, lin, comm_exp, off_exp, np.full(m, float(cost.c_ns))], axis=1) / 1e9

@@ -54,6 +54,7 @@ class ModelSection:
     """`[model]`: a named shape (datapipe.shapes.MODEL_CONFIGS), optionally with fields replaced."""
 
     name: str = "debug"
+    vocab_size: int | None = None  # e.g. a BPE tokenizer's (the dataset's manifest vocab_size)
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -366,9 +367,16 @@ class MetricsConfig:
     tensorboard: bool = False
     progress: bool = True
     console_interval: int = 1
+    # another policy run on every `compare_interval`-th step's batch too (no update), reported
+    # beside the run's policy at the end (trainer/compare.py); "" = off
+    compare: str = ""
+    compare_interval: int = 4
 
     def validate(self) -> None:
         _positive("metrics.console_interval", self.console_interval)
+        _positive("metrics.compare_interval", self.compare_interval)
+        if self.compare:
+            _choice("metrics.compare", self.compare, ("static", "hdp", "naive-hdp"))
 
 
 @dataclass

@@ -2,7 +2,8 @@
 grouped-query attention, tied or untied embeddings.
 
 Shapes (`ModelConfig`, `MODEL_CONFIGS`) are defined once in datapipe.shapes, where the planner's
-cost presets read them too. The forward takes one packed micro-batch: ``input_ids`` [T], ``position_ids`` [T] (position within
+cost presets read them too. The forward takes one packed micro-batch: ``input_ids`` [T] (any integer dtype: the fetch keeps the
+dataset's uint16/uint32, widened on the device), ``position_ids`` [T] (position within
 its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
 (`trainer.attention.AttentionContext`, e.g. `trainer.ring.RingAttention`) that decides how the
 layers attend. Given ``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the
@@ -166,6 +167,8 @@ class Transformer(nn.Module):
             if cu_seqlens is None:
                 cu_seqlens = [0, input_ids.shape[0]]
             attn = LocalAttention(cu_seqlens)
+        if input_ids.dtype not in (torch.int32, torch.int64):  # narrow token dtypes (uint16)
+            input_ids = input_ids.to(torch.int32)  # widened here, on the model's device
         h = self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers:
@@ -179,7 +182,7 @@ class Transformer(nn.Module):
             raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
         loss_sum = F.cross_entropy(
             logits.float() if logits.dtype != torch.float64 else logits,
-            labels,
+            labels.long(),  # int32 from the fetch; the loss takes int64 targets
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )

@@ -24,6 +24,7 @@ import torch
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from trainer.checkpoint import Checkpointer
+from trainer.compare import PolicyComparison
 from trainer.config import TrainerConfig, to_toml
 from trainer.data import TrainData
 from trainer.executor import HDPExecutor
@@ -146,6 +147,11 @@ class Trainer:
         if self.activations is not None:
             cost = self.data.planner.cost
             self.balance.offload = OffloadSummary(shape.n_layers, cost.act_bytes_per_token_layer)
+        self.compare = None
+        if cfg.metrics.compare:  # another policy on the same batches, for the report
+            self.compare = PolicyComparison(
+                cfg.metrics.compare, cfg.metrics.compare_interval, self.data, self.executor, rt.rank
+            )
 
     def memory_record(self) -> dict[str, Any]:
         """This rank's model-state bytes (datapipe.plan.memory's formula counts the same)."""
@@ -180,6 +186,8 @@ class Trainer:
         if self.balance.offload is not None and self.executor.plan_offload is not None:
             po = self.executor.plan_offload
             rec.update(self.balance.offload.add(po, res.offload_bytes, res.act_peak_bytes))
+        if self.compare is not None and (row := self.compare.after_step(step, batch, plan, res)):
+            rec["compare"] = row
         val = self.data.validation
         if val is not None and step % self.cfg.train.eval_interval == 0:
             rec["val_loss"] = val.run(self.executor)
@@ -241,6 +249,8 @@ class Trainer:
         }
         if self.rt.global_rank == 0:
             report = self.balance.render(label)
+            if self.compare is not None:
+                report += "\n" + self.compare.render()
             write_text_atomic(summary["balance_report"], report)
             log = get_logger()
             log.info(report.rstrip("\n"))

@@ -213,9 +213,21 @@ class RowReader:
 
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Token arrays of the given global rows (sorted, unique), in that order."""
+        return self._read(rows, flat=False)
+
+    def read_rows_flat(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of the given global rows (sorted, unique) back to back, and each row's token
+        count (what the fetch packs from; a reader with `_read_shard_flat` builds it without
+        per-row arrays)."""
+        if type(self)._read_shard_flat is RowReader._read_shard_flat:
+            return _concat(self.read_rows(rows), self.dtype)
+        return self._read(rows, flat=True)
+
+    def _read(self, rows: np.ndarray, flat: bool):
         t0 = time.perf_counter()
         rows = np.asarray(rows, np.int64)
         out: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
         shard_of = np.searchsorted(self.shard_starts, rows, side="right") - 1
         cuts = np.flatnonzero(np.diff(shard_of)) + 1
         parts = [
@@ -228,7 +240,15 @@ class RowReader:
             for shard, local_rows in parts:  # announce every read of the step first
                 self._announce(shard, local_rows)
             for shard, local_rows in parts:
-                out.extend(self._read_shard(shard, local_rows))
+                got = self._read_shard_flat(shard, local_rows) if flat else None
+                if got is None:
+                    arrays = self._read_shard(shard, local_rows)
+                    if not flat:
+                        out.extend(arrays)
+                        continue
+                    got = _concat(arrays, self.dtype)
+                out.append(got[0])
+                lens.append(got[1])
         except MixlenError:  # named already (a bad shard, an object store that refused)
             raise
         except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
@@ -239,7 +259,16 @@ class RowReader:
         self.stats.rows += len(rows)
         self.stats.token_bytes += sum(int(t.nbytes) for t in out)
         self.stats.seconds += time.perf_counter() - t0
-        return out
+        if not flat:
+            return out
+        tokens, counts = _concat(out, self.dtype)[0], np.concatenate(lens) if lens else None
+        return tokens, counts if counts is not None else np.zeros(0, np.int64)
+
+    def _read_shard_flat(
+        self, shard: int, local_rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(tokens back to back, count per row) of a shard's rows, or None: use _read_shard."""
+        return None
 
     def _announce(self, shard: int, local_rows: np.ndarray) -> None:
         """Tell the OS which rows will be read next (optional)."""
@@ -249,6 +278,12 @@ class RowReader:
 
     def close(self) -> None:
         """Release files (and shared memory for the StreamingDataset access)."""
+
+
+def _concat(arrays: list[np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(arrays back to back, their lengths)."""
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+    return flat, np.fromiter(map(len, arrays), np.int64, len(arrays))
 
 
 def run_groups(begin: np.ndarray, end: np.ndarray) -> list[tuple[int, int]]:
@@ -265,6 +300,27 @@ def willneed(fd: int, begin: np.ndarray, end: np.ndarray) -> None:
         b, e = begin.tolist(), end.tolist()
         for i, j in run_groups(begin, end):
             os.posix_fadvise(fd, b[i], e[j - 1] - b[i], os.POSIX_FADV_WILLNEED)
+
+
+def read_ranges_into(
+    fd: int, begin: np.ndarray, end: np.ndarray, stats: ReadStats
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes [begin[k], end[k]) of each row (ascending) back to back in one uint8 array, read
+    with one preadv per run of back-to-back rows; returns (buffer, each row's start in it). A
+    short read (the file shrank) raises EOFError."""
+    sizes = end - begin
+    starts = np.zeros(len(begin), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    buf = np.empty(int(sizes.sum()), np.uint8)
+    view = memoryview(buf)
+    b, e, s = begin.tolist(), end.tolist(), starts.tolist()
+    for i, j in run_groups(begin, end):
+        n = e[j - 1] - b[i]
+        got = os.preadv(fd, [view[s[i] : s[i] + n]], b[i])
+        if got != n:
+            raise EOFError(f"bytes {b[i]}..{e[j - 1]} requested, the file ends at {b[i] + got}")
+        stats.bytes += n
+    return buf, starts
 
 
 def read_ranges(fd: int, begin: np.ndarray, end: np.ndarray, stats: ReadStats) -> list:

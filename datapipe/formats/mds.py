@@ -17,6 +17,7 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,8 +28,10 @@ from datapipe.formats.base import (
     ShardInfo,
     ShardWriter,
     read_ranges,
+    read_ranges_into,
     willneed,
 )
+from datapipe.formats.mds_direct import decode_rows, token_decoder, verified
 from datapipe.index import download
 
 SUFFIX = ".mds"
@@ -127,7 +130,11 @@ def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
 
 
 class Reader(RowReader):
-    """MDS rows through the library's MDSReader: offset table + pread, decode_sample."""
+    """MDS rows through the library's MDSReader: offset table + pread; the token column decoded
+    directly where the shard's layout allows and a first row checked it (datapipe.formats.
+    mds_direct), else by `decode_sample`. `direct = False` forces the library's decode."""
+
+    direct = True
 
     def __init__(self, local: str, remote: str | None, manifest: dict) -> None:
         super().__init__(local, remote, manifest)
@@ -136,6 +143,7 @@ class Reader(RowReader):
         obj = read_mds_index(local, remote, manifest)
         self.readers = [reader_from_json(local, None, s) for s in obj["shards"]]
         self._fds: dict[int, tuple[int, np.ndarray]] = {}
+        self._decoders: dict[int, Callable] = {}
 
     def _open(self, shard: int) -> tuple[int, np.ndarray]:
         if shard not in self._fds:
@@ -154,11 +162,48 @@ class Reader(RowReader):
         fd, offs = self._open(shard)
         willneed(fd, offs[local_rows], offs[local_rows + 1])
 
+    def _decoder(self, shard: int, row: memoryview) -> Callable:
+        """The token decoder of a shard, chosen at its first read (mds_direct.verified)."""
+        if shard not in self._decoders:
+            rd = self.readers[shard]
+
+            def library(data, _decode=rd.decode_sample):
+                return _decode(data)[TOKENS]
+
+            direct = None
+            if self.direct:
+                direct = token_decoder(
+                    rd.column_names, rd.column_encodings, rd.column_sizes, self.dtype, library
+                )
+            self._decoders[shard] = verified(direct, library, row)
+        return self._decoders[shard]
+
     def _read_shard(self, shard: int, local_rows: np.ndarray) -> list[np.ndarray]:
         fd, offs = self._open(shard)
-        decode = self.readers[shard].decode_sample
         raw = read_ranges(fd, offs[local_rows], offs[local_rows + 1], self.stats)
-        return [decode(d)[TOKENS] for d in raw]
+        if not raw:
+            return []
+        decode = self._decoder(shard, raw[0])
+        return [decode(d) for d in raw]
+
+    def _read_shard_flat(
+        self, shard: int, local_rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A shard whose direct decoder is chosen: all rows read into one buffer and their token
+        columns cut out with array operations (mds_direct.decode_rows); else None."""
+        layout = getattr(self._decoders.get(shard), "layout", None)
+        if layout is None or not len(local_rows):
+            return None  # not yet chosen (the first read chooses it) or the library decodes
+        fd, offs = self._open(shard)
+        begin, end = offs[local_rows], offs[local_rows + 1]
+        buf, starts = read_ranges_into(fd, begin, end, self.stats)
+        got = decode_rows(layout, buf, starts, starts + (end - begin))
+        if got is None:  # a row that is not 1-D: the per-row path decides
+            sizes = (end - begin).tolist()
+            rows = [memoryview(buf)[a : a + n] for a, n in zip(starts.tolist(), sizes)]
+            arrays = [self._decoders[shard](r) for r in rows]
+            return np.concatenate(arrays), np.fromiter(map(len, arrays), np.int64, len(arrays))
+        return got
 
     def close(self) -> None:
         for fd, _ in self._fds.values():

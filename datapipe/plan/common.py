@@ -6,6 +6,7 @@ Times are int64 nanoseconds from datapipe.plan.cost; rank times come from the sl
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -58,13 +59,17 @@ def lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacit
 
 
 def lower_bound_terms(
-    cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int
+    cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int, best_case: bool = True
 ) -> tuple[int, int]:
     """(ceil(total work / N), largest member share) of lower_bound_ns. The first term also bounds
-    widened plans (a wider group adds exposed traffic and overhead in total, never removes work)."""
+    widened plans (a wider group adds exposed traffic and overhead in total, never removes work).
+    `best_case`: groups that fit in a node on the node link (a bound whatever the placement);
+    else timed as the planners time them before placement (cost.spans_nodes)."""
     s = lengths[lengths > 0]
     if s.size == 0:
         return 0, 0
+    if best_case:
+        cost = dataclasses.replace(cost, island_ranks=0)
     k = np.maximum(1, -(-s // capacity))
     shares = cost.work_ns(s, 1)
     long_ = np.flatnonzero(k > 1)
@@ -106,7 +111,8 @@ def assemble(
     meta: dict,
     lower_bound: int,
 ) -> StepPlan:
-    """Order micro-batches by key (the slot order), replay, and build the StepPlan."""
+    """Order micro-batches by key (the slot order), re-time groups placed across nodes, replay,
+    and build the StepPlan."""
     n_mb = mb_k.shape[0]
     order = np.argsort(mb_key, kind="stable")
     k = mb_k[order]
@@ -122,8 +128,10 @@ def assemble(
     pidx = gather(mb_items_off, order, poff)
     item = items[pidx]
     times = mb_time[order].astype(np.int64)
+    offload_layers = mb_offload_layers[order].astype(np.int64)
+    times = retime_spanning(cost, lengths, goff, ranks, poff, item, offload_layers, times)
     finish = replay_kernel(goff, ranks.astype(np.int64), times, config.num_ranks)
-    offload = mb_offload_layers[order].astype(np.float64) / cost.num_layers
+    offload = offload_layers.astype(np.float64) / cost.num_layers
     return StepPlan(
         policy=policy,
         num_ranks=config.num_ranks,
@@ -244,10 +252,12 @@ def group_times(
     g_items: np.ndarray,
     kg: np.ndarray,
     jg: np.ndarray,
+    spans: np.ndarray | None = None,
 ) -> np.ndarray:
     """Member time of group micro-batches holding one or more samples (each split zigzag over the
-    group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares + exposed ring/offload of the
-    member's total positions."""
+    group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares (attention at its chunk
+    efficiency) + exposed ring/offload of the member's total positions. `spans` (per group): the
+    group's ranks are in more than one node (default: cost.spans_nodes(k))."""
     if kg.shape[0] == 0:
         return np.zeros(0, np.int64)
     per = np.repeat(kg, np.diff(g_off))
@@ -256,9 +266,54 @@ def group_times(
     lin = np.add.reduceat(cost.linear_ns(s, per), g_off[:-1])
     work = np.add.reduceat(cost.work_ns(s, per), g_off[:-1])
     n = np.add.reduceat(s, g_off[:-1]).astype(np.float64) / kg
-    ring = cost.ring_ns(n, kg)
+    ring = cost.ring_ns(n, kg, spans)
     off = cost.offload_ns(n, jg.astype(np.float64) / cost.num_layers)
     return (cost.c_ns + work + cost.exposed_ns(attn, lin, ring, off)).astype(np.int64)
+
+
+def mb_spans_nodes(cost: CostModel, mb_group_offsets: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Per placed micro-batch (in table order): do its group's ranks sit in more than one node,
+    i.e. use the link between nodes (all True with one link class, ranks_per_node = 0)?"""
+    n_mb = mb_group_offsets.shape[0] - 1
+    if not cost.ranks_per_node:
+        return np.ones(n_mb, dtype=bool)
+    if n_mb == 0:
+        return np.zeros(0, dtype=bool)
+    node = np.asarray(ranks, dtype=np.int64) // cost.ranks_per_node
+    lo = np.minimum.reduceat(node, mb_group_offsets[:-1])
+    hi = np.maximum.reduceat(node, mb_group_offsets[:-1])
+    return lo != hi
+
+
+def retime_spanning(
+    cost: CostModel,
+    lengths: np.ndarray,
+    goff: np.ndarray,
+    ranks: np.ndarray,
+    poff: np.ndarray,
+    item: np.ndarray,
+    offload_layers: np.ndarray,
+    times: np.ndarray,
+) -> np.ndarray:
+    """Times of placed micro-batches (table order) on the link their ranks really use: groups
+    were timed before placement (cost.spans_nodes: in an island of several nodes every group on
+    the link between nodes); a group placed inside one node is re-timed on the node link."""
+    if not cost.ranks_per_node:
+        return times
+    k = np.diff(goff)
+    actual = mb_spans_nodes(cost, goff, ranks)
+    fix = np.flatnonzero((k > 1) & (actual != cost.spans_nodes(k)))
+    if fix.size == 0:
+        return times
+    cnt = np.diff(poff)[fix]
+    sub_off = np.zeros(fix.shape[0] + 1, dtype=np.int64)
+    np.cumsum(cnt, out=sub_off[1:])
+    sub_items = item[gather(poff, fix.astype(np.int64), sub_off)]
+    out = times.copy()
+    out[fix] = group_times(
+        cost, lengths, sub_off, sub_items, k[fix], offload_layers[fix], actual[fix]
+    )
+    return out
 
 
 def dynamic_layout(

@@ -1,35 +1,55 @@
 """Cost model of one rank's work in a step: what the HDP planner balances.
 
-A sample of length S computed whole on one rank costs ``a*S^2 + b*S`` seconds (forward + backward,
-all layers: causal attention is quadratic, the linear layers are linear). Split zigzag over a group of
-k ranks, each member's share is ``a*S^2/k + b*S/k`` (its queries still see up to all S keys). Every
-micro-batch adds a fixed ``c``. A ring of k >= 2 members moves ``k-1`` hops of each member's K/V bytes
-(KV heads, not query heads) per pass over the link; that traffic overlaps the attention compute and
-only the excess is exposed. Offloading a fraction r of a micro-batch's layers moves their saved
-activations to host during the forward and back during the backward; each direction hides under the
-compute of its own pass and only the excess is exposed.
+A sample of length S computed whole on one rank costs ``a*S^2/eff(S) + b*S`` seconds (forward +
+backward, all layers: causal attention is quadratic, the linear layers are linear). Split zigzag over
+a group of k ranks, each member computes ``a*S^2/k / eff(S/k) + b*S/k``: its queries still see up to
+all S keys, in chunks of about S/k positions. ``eff(n) = n / (n + attn_n_half)`` is the attention
+kernel's efficiency on a chunk of n positions (short chunks run below the long-sequence rate), so a
+member's attention is ``a*S^2/k + a*attn_n_half*S``: splitting a sample over k ranks adds
+``(k-1)*a*attn_n_half*S`` of attention work in total. Every micro-batch adds a fixed ``c``.
+
+A ring of k >= 2 members: per layer, each member makes ``comm_passes*(k-1) + 1`` hops (k-1 K/V hops
+forward, k-1 backward, and k for the dK/dV accumulators, which travel home), and sends
+``comm_passes*(k-1)`` times its K/V bytes (KV heads, not query heads). Its ring time is
+``hops * hop_latency_s + bytes / link``, where the link is ``node_link_bytes_per_s`` for a group
+inside one node (``ranks_per_node`` > 0 and the group's ranks in one node) and
+``link_bytes_per_s`` otherwise. A fraction ``overlap`` of the ring time can hide under the member's
+attention compute (each hop is posted before the previous block is computed); the rest is always
+exposed, and so is whatever of the hidden part the attention does not cover:
+``exposed = (1 - overlap)*ring + max(overlap*ring - attention, 0)``. Offloading a fraction r of a
+micro-batch's layers moves their saved activations to host during the forward and back during the
+backward; each direction hides under the compute of its own pass and only the excess is exposed.
 
 Decisions use integer nanoseconds (int64). Float arithmetic is plain IEEE float64 on numpy arrays
 (no fast-math, no fused multiply-add), rounded once per term, so every rank computes the same integers.
 
-Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/1"``)::
+Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
 
     {
-      "schema": "mixlen-cost/1",
+      "schema": "mixlen-cost/2",
       "name": "llama-7b@h100",          # free text
       "a": 2.2e-09,                      # seconds per S^2 of one sample (fwd+bwd, all layers)
       "b": 9.1e-05,                      # seconds per position (fwd+bwd, all layers, incl. LM head)
       "c": 0.002,                        # seconds per micro-batch (launch, optimizer-free overheads)
+      "attn_n_half": 512,                # positions at which a chunk's attention runs at half rate
       "kv_bytes_per_token": 524288,      # K+V bytes one position contributes over all layers
-      "link_bytes_per_s": 5.0e10,        # ring link bandwidth per rank (bytes/s, one direction)
-      "comm_passes": 3,                  # ring passes per step: fwd K/V, bwd K/V, bwd dK/dV
-      "num_layers": 32,                  # l in ByteScale's Eq. 3
+      "link_bytes_per_s": 5.0e10,        # ring link per rank (bytes/s, one direction; across nodes)
+      "node_link_bytes_per_s": 3.0e11,   # ring link inside a node (used when ranks_per_node > 0)
+      "ranks_per_node": 8,               # 0: one link for every group
+      "hop_latency_s": 2.0e-05,          # fixed time of one ring hop (one layer, one pass)
+      "overlap": 0.9,                    # fraction of ring time that can hide under attention
+      "comm_passes": 3,                  # ring passes per layer: fwd K/V, bwd K/V, bwd dK/dV
+      "num_layers": 32,                  # l in ByteScale's Eq. 3; also the ring's hops per pass
       "act_bytes_per_token_layer": 186504, # saved activation bytes per position per layer
       "offload_bytes_per_s": 3.2e10      # host link (PCIe) bandwidth, one direction
     }
 
-Every key but ``schema`` and ``name`` is required. ``mixlen calibrate`` writes this file; presets
-(:func:`preset`) build the same object from a model shape and a device rate.
+Required: a, b, c, kv_bytes_per_token, link_bytes_per_s, num_layers, act_bytes_per_token_layer,
+offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap. ``mixlen-cost/1`` files
+(written before the ring terms existed) still load: they have none of the new keys, which then take
+the values that reproduce their costs exactly (attn_n_half 0, hop_latency_s 0, overlap 1, one link).
+``mixlen calibrate`` writes /2 files; presets (:func:`preset`) build the same object from a model
+shape and a device's rates.
 """
 
 from __future__ import annotations
@@ -46,13 +66,15 @@ import numpy as np
 from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig
 
-SCHEMA = "mixlen-cost/1"
+SCHEMA = "mixlen-cost/2"
+SCHEMA_V1 = "mixlen-cost/1"  # still read (defaults reproduce its costs)
 NS = 1e9  # integer cost unit: nanoseconds
 
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Achieved rates of one rank: matmul and attention-kernel FLOP/s, links, per-micro-batch overhead."""
+    """Achieved rates of one rank: matmul and attention-kernel FLOP/s, links, per-micro-batch
+    overhead, and the ring terms (see the module docstring)."""
 
     name: str
     matmul_flops: float
@@ -62,17 +84,52 @@ class DeviceRates:
     microbatch_overhead_s: float
     dtype_bytes: int = 2  # compute dtype of a rank (bf16 on GPUs, float32 on CPUs)
     bwd_factor: float = 2.0  # backward = 2x forward
+    hop_latency_s: float = 0.0
+    attn_n_half: float = 0.0
+    overlap: float = 1.0
+    ranks_per_node: int = 0
+    node_link_bytes_per_s: float = 0.0
 
 
 DEVICES: dict[str, DeviceRates] = {
-    # ~45% of 989 TFLOP/s dense bf16 for GEMMs, half that for the attention kernel; 400 Gbit/s
-    # inter-node link per GPU; PCIe Gen5 ~32 GB/s effective per direction.
-    "h100": DeviceRates("h100", 4.5e14, 2.25e14, 5.0e10, 3.2e10, 2e-3),
-    # A laptop-class CPU core pair; gloo over loopback.
+    # Assumptions, not measurements: ~45% of 989 TFLOP/s dense bf16 for GEMMs, half that for the
+    # attention kernel, whose rate halves on chunks of 512 positions (flash-attention kernels'
+    # published throughput falls to about half at a few hundred tokens); 8 GPUs per node on NVLink
+    # 4 (450 GB/s per direction, ~2/3 achieved by point-to-point copies: 3e11), 400 Gbit/s
+    # InfiniBand per GPU between nodes (5e10); 20 us per ring hop (NCCL send/recv latency plus
+    # launch); 90% of a hop hides under the attention (NCCL on its own stream, sharing the SMs);
+    # PCIe Gen5 ~32 GB/s effective per direction; 2 ms per micro-batch.
+    "h100": DeviceRates(
+        "h100",
+        4.5e14,
+        2.25e14,
+        5.0e10,
+        3.2e10,
+        2e-3,
+        hop_latency_s=2e-5,
+        attn_n_half=512.0,
+        overlap=0.9,
+        ranks_per_node=8,
+        node_link_bytes_per_s=3.0e11,
+    ),
+    # The development box's cores (2 cores, torch 2.x CPU kernels, float32), one rank per core,
+    # gloo over loopback: rates and ring terms as `mixlen calibrate --model debug --nproc 2`
+    # measured them there (benchmarks/RESULTS.md, "Calibration"); FLOP rates are derived from the
+    # debug model's fitted a and b.
     "cpu": DeviceRates("cpu", 5.0e10, 2.5e10, 1.25e9, 5.0e9, 1e-3, dtype_bytes=4),
 }
 
 DEFAULT_DEVICE = {"debug": "cpu"}
+
+
+def _finite(key: str, v: object, lo: float, lo_open: bool, hi: float | None = None) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        if hi is not None:
+            rng = f"in [{lo:g}, {hi:g}]"
+        raise ConfigError(f"cost model: '{key}' must be a finite number {rng}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -88,27 +145,48 @@ class CostModel:
     act_bytes_per_token_layer: float
     offload_bytes_per_s: float
     comm_passes: float = 3.0
+    hop_latency_s: float = 0.0
+    attn_n_half: float = 0.0
+    overlap: float = 1.0
+    ranks_per_node: int = 0
+    node_link_bytes_per_s: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
+    # ranks of the island being planned (for_island; 0: not known), not part of the file
+    island_ranks: int = dataclasses.field(default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for key in ("a", "b", "c", "kv_bytes_per_token", "act_bytes_per_token_layer"):
-            v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ConfigError(f"cost model: '{key}' must be a finite number >= 0, got {v!r}")
+        for key in (
+            "a",
+            "b",
+            "c",
+            "kv_bytes_per_token",
+            "act_bytes_per_token_layer",
+            "hop_latency_s",
+            "attn_n_half",
+            "node_link_bytes_per_s",
+        ):
+            _finite(key, getattr(self, key), 0.0, False)
         for key in ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes"):
-            v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"cost model: '{key}' must be a finite number > 0, got {v!r}")
+            _finite(key, getattr(self, key), 0.0, True)
+        _finite("overlap", self.overlap, 0.0, False, 1.0)
         if not (isinstance(self.num_layers, int) and self.num_layers >= 1):
             raise ConfigError(
                 f"cost model: 'num_layers' must be an int >= 1, got {self.num_layers!r}"
+            )
+        if not (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 0):
+            raise ConfigError(
+                f"cost model: 'ranks_per_node' must be an int >= 0, got {self.ranks_per_node!r}"
+            )
+        if self.ranks_per_node and not self.node_link_bytes_per_s > 0:
+            raise ConfigError(
+                "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"
             )
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        del d["file_hash"]
+        del d["file_hash"], d["island_ranks"]
         d["schema"] = SCHEMA
         return d
 
@@ -128,15 +206,22 @@ class CostModel:
     def c_ns(self) -> int:
         return int(round(self.c * NS))
 
+    def _attn_s(self, s: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """a*S^2/k / eff(S/k) = a*S*(S + n_half*k)/k, float seconds (a*S*S/k when n_half = 0)."""
+        return self.a * s * (s + self.attn_n_half * k) / k
+
     def work_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
-        """Compute share (a*S^2 + b*S)/k of one member, int64 ns (no c, no exposed comm)."""
+        """Compute share of one member: attention (with its chunk efficiency) + b*S/k, int64 ns
+        (no c, no exposed comm)."""
         s = np.asarray(lengths, dtype=np.float64)
         k = np.asarray(k, dtype=np.float64)
-        return np.rint((self.a * s * s + self.b * s) / k * NS).astype(np.int64)
+        return np.rint((self.a * s * (s + self.attn_n_half * k) + self.b * s) / k * NS).astype(
+            np.int64
+        )
 
     def attn_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
-        return np.rint(self.a * s * s / np.asarray(k, dtype=np.float64) * NS).astype(np.int64)
+        return np.rint(self._attn_s(s, np.asarray(k, dtype=np.float64)) * NS).astype(np.int64)
 
     def linear_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
@@ -148,10 +233,40 @@ class CostModel:
         hops = np.maximum(np.asarray(k, dtype=np.float64) - 1.0, 0.0)
         return self.comm_passes * hops * n * self.kv_bytes_per_token
 
-    def ring_ns(self, member_tokens: np.ndarray, k: np.ndarray | int) -> np.ndarray:
-        return np.rint(self.ring_bytes(member_tokens, k) / self.link_bytes_per_s * NS).astype(
-            np.int64
-        )
+    def ring_hops(self, k: np.ndarray | int) -> np.ndarray:
+        """Hops one member makes in a ring of k over all layers: num_layers*(comm_passes*(k-1)+1)
+        (0 for k = 1)."""
+        k = np.asarray(k, dtype=np.float64)
+        return np.where(k > 1, self.num_layers * (self.comm_passes * (k - 1.0) + 1.0), 0.0)
+
+    def for_island(self, num_ranks: int) -> CostModel:
+        """This model as the planners of an island of `num_ranks` use it (same hash)."""
+        return dataclasses.replace(self, island_ranks=int(num_ranks), file_hash=self.hash)
+
+    def spans_nodes(self, k: np.ndarray | int) -> np.ndarray:
+        """Whether a group of k ranks is timed on the link between nodes before it is placed:
+        always with one link class (ranks_per_node = 0); never in an island that fits in one node;
+        always in a larger island (the schedulers do not keep small groups inside a node, so a
+        group is re-timed on the node link once placed inside one: datapipe.plan.common); and,
+        with the island unknown, when the group cannot fit in one node."""
+        k = np.asarray(k, dtype=np.int64)
+        rpn, n = self.ranks_per_node, self.island_ranks
+        if not rpn:
+            return np.ones(k.shape, dtype=bool)
+        if n:
+            return np.full(k.shape, n > rpn, dtype=bool)
+        return k > rpn
+
+    def ring_ns(
+        self, member_tokens: np.ndarray, k: np.ndarray | int, spans: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Ring time of one member (int64 ns): hops * hop_latency_s + bytes / link, the link
+        between nodes where `spans` (default: spans_nodes(k)), else the node link."""
+        if spans is None:
+            spans = self.spans_nodes(k)
+        bw = np.where(spans, self.link_bytes_per_s, self.node_link_bytes_per_s or 1.0)
+        t = self.ring_bytes(member_tokens, k) / bw + self.ring_hops(k) * self.hop_latency_s
+        return np.rint(t * NS).astype(np.int64)
 
     def offload_bytes(self, member_tokens: np.ndarray, ratio: np.ndarray | float) -> np.ndarray:
         """Bytes moved to host (and the same back) at offload ratio r: r*(l-2)*Act per position.
@@ -167,6 +282,13 @@ class CostModel:
         b = self.offload_bytes(member_tokens, ratio)
         return np.rint(b / self.offload_bytes_per_s * NS).astype(np.int64)
 
+    def ring_exposed_ns(self, attn_ns: np.ndarray, ring_ns: np.ndarray) -> np.ndarray:
+        """Ring time not hidden under attention (int64 ns): the part that cannot overlap,
+        (1 - overlap) * ring, plus what of the rest exceeds the attention compute."""
+        ring = np.asarray(ring_ns, dtype=np.int64)
+        hideable = np.rint(ring.astype(np.float64) * self.overlap).astype(np.int64)
+        return ring - hideable + np.maximum(hideable - np.asarray(attn_ns, dtype=np.int64), 0)
+
     def exposed_ns(
         self,
         attn_ns: np.ndarray,
@@ -176,15 +298,18 @@ class CostModel:
     ) -> np.ndarray:
         """Communication and offload time not hidden under compute (int64 ns).
 
-        Ring traffic hides under attention compute; offload's host copies (one per direction) hide
-        under the forward (1/3 of compute) and the backward (2/3).
+        Ring traffic hides (up to `overlap` of it) under attention compute; offload's host copies
+        (one per direction) hide under the forward (1/3 of compute) and the backward (2/3).
         """
         attn = np.asarray(attn_ns, dtype=np.int64)
         comp = attn + np.asarray(linear_ns, dtype=np.int64)
         off = np.asarray(offload_ns, dtype=np.int64)
-        ring = np.maximum(np.asarray(ring_ns, dtype=np.int64) - attn, 0)
         fwd = comp // 3
-        return ring + np.maximum(off - fwd, 0) + np.maximum(off - (comp - fwd), 0)
+        return (
+            self.ring_exposed_ns(attn, ring_ns)
+            + np.maximum(off - fwd, 0)
+            + np.maximum(off - (comp - fwd), 0)
+        )
 
     # --- ByteScale Eq. 3 ------------------------------------------------------------------------
     def offload_capacity(self, capacity: int, offload_layers: np.ndarray | int) -> np.ndarray:
@@ -242,15 +367,21 @@ def build_cost_model(
         act_bytes_per_token_layer=shape.act_bytes_per_token_layer(nbytes),
         offload_bytes_per_s=device.offload_bytes_per_s,
         comm_passes=3.0,
+        hop_latency_s=device.hop_latency_s,
+        attn_n_half=device.attn_n_half,
+        overlap=device.overlap,
+        ranks_per_node=device.ranks_per_node,
+        node_link_bytes_per_s=device.node_link_bytes_per_s,
         name=f"{name}@{device.name}",
     )
 
 
 def layer_forward_ms(shape: ModelConfig, device: DeviceRates, length: int) -> tuple[float, float]:
-    """One layer's forward time (ms) at one length: (attention incl. projections, MLP)."""
+    """One layer's forward time (ms) at one length, a whole sample: (attention incl. projections,
+    MLP); the attention core runs at the kernel's efficiency on that length."""
     s = float(length)
     attn = shape.attn_proj_flops_per_token() * s / device.matmul_flops
-    attn += shape.attn_core_flops_per_s2() * s * s / device.attn_flops
+    attn += shape.attn_core_flops_per_s2() * s * (s + device.attn_n_half) / device.attn_flops
     mlp = shape.mlp_flops_per_token() * s / device.matmul_flops
     return attn * 1e3, mlp * 1e3
 
@@ -269,7 +400,7 @@ def preset(name: str) -> CostModel:
     return build_cost_model(model, MODEL_CONFIGS[model], DEVICES[dev])
 
 
-_REQUIRED = (
+_REQUIRED_V1 = (
     "a",
     "b",
     "c",
@@ -279,30 +410,47 @@ _REQUIRED = (
     "act_bytes_per_token_layer",
     "offload_bytes_per_s",
 )
+_REQUIRED_V2 = ("attn_n_half", "hop_latency_s", "overlap")
+_OPTIONAL = ("comm_passes", "ranks_per_node", "node_link_bytes_per_s")  # both versions: defaults
 
 
 def from_dict(d: dict, source: str = "cost model") -> CostModel:
-    """Validate a cost dict (schema above) into a CostModel; errors name the key and source."""
+    """Validate a cost dict (schema above) into a CostModel; errors name the key and source.
+    A /1 dict (or one without 'schema' and without any /2 key) gets the /2 terms' neutral values,
+    which reproduce its costs exactly."""
     if not isinstance(d, dict):
         raise InputError(f"{source}: expected a JSON object")
-    if d.get("schema", SCHEMA) != SCHEMA:
-        raise InputError(f"{source}: 'schema' is {d.get('schema')!r}, expected {SCHEMA!r}")
-    missing = [k for k in _REQUIRED if k not in d]
+    schema = d.get("schema")
+    if schema is None:
+        schema = SCHEMA if any(k in d for k in _REQUIRED_V2) else SCHEMA_V1
+    if schema not in (SCHEMA, SCHEMA_V1):
+        raise InputError(
+            f"{source}: 'schema' is {schema!r}, expected {SCHEMA!r} (or the older {SCHEMA_V1!r})"
+        )
+    if schema == SCHEMA_V1:
+        newer = [k for k in _REQUIRED_V2 if k in d]
+        if newer:
+            raise InputError(
+                f"{source}: key(s) {', '.join(newer)} need 'schema' {SCHEMA!r}, not {SCHEMA_V1!r}"
+            )
+        required = _REQUIRED_V1
+    else:
+        required = _REQUIRED_V1 + _REQUIRED_V2
+    missing = [k for k in required if k not in d]
     if missing:
         raise InputError(f"{source}: missing key(s) {', '.join(missing)}")
-    unknown = set(d) - set(_REQUIRED) - {"schema", "name", "comm_passes"}
-    kwargs = {k: d[k] for k in _REQUIRED}
+    kwargs = {k: d[k] for k in required}
+    kwargs.update({k: d[k] for k in _OPTIONAL if k in d})
     kwargs["name"] = str(d.get("name", os.path.basename(source)))
-    if "comm_passes" in d:
-        kwargs["comm_passes"] = d["comm_passes"]
-    if isinstance(kwargs["num_layers"], float) and kwargs["num_layers"].is_integer():
-        kwargs["num_layers"] = int(kwargs["num_layers"])
+    for key in ("num_layers", "ranks_per_node"):
+        v = kwargs.get(key)
+        if isinstance(v, float) and v.is_integer():
+            kwargs[key] = int(v)
     try:
         model = CostModel(**kwargs)
     except ConfigError as exc:
         raise InputError(f"{source}: {exc}") from None
-    del unknown  # extra keys (e.g. calibration metadata) are allowed and ignored
-    return model
+    return model  # extra keys (e.g. calibration metadata) are allowed and ignored
 
 
 def load(path: str | os.PathLike) -> CostModel:

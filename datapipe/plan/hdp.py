@@ -43,8 +43,10 @@ def plan(
     sched = hdp_schedule(layout.kg, layout.g_time, layout.b_time, n_ranks, budget)
     meta: dict = {}
     if config.widen:
+        # widen compares candidates timed as placed groups are planned: its work bound likewise
+        planned_bound = lower_bound_terms(cost, lengths, n_ranks, cap, best_case=False)[0]
         layout, sched, meta = widen(
-            cost, lengths, caps, cap, n_ranks, budget, work_bound, layout, sched
+            cost, lengths, caps, cap, n_ranks, budget, planned_bound, layout, sched
         )
     # slot keys: group g (in placement order) at 2g+1, gap fillers at 2g, tails after all groups
     kg, g_order = layout.kg, sched.g_order

@@ -84,7 +84,7 @@ class Planner:
 
     def __init__(self, config: PlannerConfig, cost: CostModel) -> None:
         self.config = config
-        self.cost = cost
+        self.cost = cost.for_island(config.num_ranks)
         self._policy = POLICIES[config.policy]
         self._plan: Callable[..., StepPlan] = self._policy.plan
 

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from datapipe.errors import MixlenError
-from datapipe.plan.common import assemble, lower_bound_ns, pack_local, too_long
+from datapipe.plan.common import assemble, group_times, lower_bound_ns, pack_local, too_long
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
 
@@ -58,13 +58,9 @@ def plan(
     b_items = live[b_pos]
     n_bins = b_off.shape[0] - 1
     if n_bins:
-        s = lengths[b_items]
-        attn = np.add.reduceat(cost.attn_ns(s, cp), b_off[:-1])
-        lin = np.add.reduceat(cost.linear_ns(s, cp), b_off[:-1])
-        work = np.add.reduceat(cost.work_ns(s, cp), b_off[:-1])
-        toks = np.add.reduceat(s, b_off[:-1])
-        ring = cost.ring_ns(toks.astype(np.float64) / cp, cp)
-        b_time = cost.c_ns + work + cost.exposed_ns(attn, lin, ring, np.zeros_like(ring))
+        toks = np.add.reduceat(lengths[b_items], b_off[:-1])
+        cps = np.full(n_bins, cp, dtype=np.int64)
+        b_time = group_times(cost, lengths, b_off, b_items, cps, np.zeros_like(cps))
     else:
         toks = np.zeros(0, dtype=np.int64)
         b_time = np.zeros(0, dtype=np.int64)

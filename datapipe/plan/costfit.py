@@ -1,0 +1,317 @@
+"""Fit the cost model's terms (datapipe.plan.cost, mixlen-cost/2) to timings: what `mixlen
+calibrate` does with the measurements it takes. Pure numpy; the timing itself is in
+trainer/calibrate.py.
+
+Three kinds of timings, each a micro-batch's (or a hop's) seconds on one rank:
+
+- ``local``: forward + backward of whole samples on one rank: ``c + sum(a*S^2 + (b + a*h)*S)``
+  (h = attn_n_half; a whole sample's attention is ``a*S^2/eff(S) = a*S^2 + a*h*S``);
+- ``hop``: one ring hop of ``nbytes`` with nothing to overlap: ``L + nbytes / link``;
+- ``ring``: forward + backward of a member of a ring of k, each sample split zigzag:
+  ``c + sum(a*S^2/k + a*h*S + b*S/k) + (1 - overlap)*R + max(overlap*R - A, 0)`` with
+  ``R = hops(k)*L + comm_passes*(k-1)*n*kv / link``, n the member's positions and A its attention
+  (datapipe.plan.cost's module docstring).
+
+The fit runs in three least-squares stages: L and link from the hops (relative residuals,
+(fit - measured) / measured: sizes span orders of magnitude); a, b + a*h and c from the local
+timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted);
+then h (which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from
+the rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages
+weigh residuals by 1/sqrt(measured) (between relative and absolute error), so that the long
+micro-batches that dominate a step's time count for more than the many short ones where the
+model's few terms cannot fit every length. Without hops the link terms are left as given; without
+rings h = 0 and overlap = 1 (the /1 model). Reported residuals are relative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from datapipe.errors import MixlenError
+
+KINDS = ("local", "hop", "ring")
+UNRESOLVED_LINK = 1e15  # bytes/s taken when hop times do not grow with the message size
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measurement: `kind` (KINDS), ring size k (1 for local), the micro-batch's sample
+    lengths (empty for a hop), bytes per hop (hops only) and seconds."""
+
+    kind: str
+    k: int
+    lengths: tuple[int, ...]
+    nbytes: float
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "k": self.k,
+            "lengths": list(self.lengths),
+            "nbytes": self.nbytes,
+            "seconds": self.seconds,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> Timing:
+        return Timing(
+            str(d["kind"]),
+            int(d["k"]),
+            tuple(int(x) for x in d["lengths"]),
+            float(d["nbytes"]),
+            float(d["seconds"]),
+        )
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Fitted values of the cost model's time terms (the byte sizes come from the model shape)."""
+
+    a: float
+    b: float
+    c: float
+    attn_n_half: float
+    hop_latency_s: float
+    link_bytes_per_s: float
+    overlap: float
+
+
+@dataclass
+class FitResult:
+    """Fitted terms, the fitted time of every timing, and which terms the data determined."""
+
+    terms: Terms
+    timings: list[Timing]
+    fitted_s: np.ndarray
+    fitted_terms: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the data could not resolve
+
+    @property
+    def rel_residuals(self) -> np.ndarray:
+        t = np.array([m.seconds for m in self.timings])
+        return (self.fitted_s - t) / t
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind: count, RMS and largest relative residual."""
+        r = self.rel_residuals
+        out = {}
+        for kind in KINDS:
+            m = np.array([t.kind == kind for t in self.timings], dtype=bool)
+            if m.any():
+                out[kind] = {
+                    "n": int(m.sum()),
+                    "rms_rel": float(np.sqrt(np.mean(r[m] ** 2))),
+                    "max_abs_rel": float(np.abs(r[m]).max()),
+                }
+        return out
+
+
+class CalibrationError(MixlenError):
+    """The timings cannot determine a term (e.g. a link too fast to time)."""
+
+
+@dataclass(frozen=True)
+class _Rings:
+    """Ring timings as arrays: k, sum S^2, sum S, member positions, seconds."""
+
+    k: np.ndarray
+    s2: np.ndarray
+    s1: np.ndarray
+    n: np.ndarray
+    t: np.ndarray
+
+
+def _rings(timings: Sequence[Timing]) -> _Rings:
+    rs = [m for m in timings if m.kind == "ring"]
+    k = np.array([m.k for m in rs], dtype=np.float64)
+    s2 = np.array([sum(x * x for x in m.lengths) for m in rs], dtype=np.float64)
+    s1 = np.array([sum(m.lengths) for m in rs], dtype=np.float64)
+    t = np.array([m.seconds for m in rs], dtype=np.float64)
+    return _Rings(k, s2, s1, s1 / np.maximum(k, 1), t)
+
+
+def ring_seconds(
+    terms: Terms,
+    k: np.ndarray,
+    s2: np.ndarray,
+    s1: np.ndarray,
+    kv_bytes_per_token: float,
+    num_layers: int,
+    comm_passes: float = 3.0,
+) -> np.ndarray:
+    """Member time (float seconds) of ring micro-batches: k, sum of S^2 and of S of their samples."""
+    k = np.asarray(k, dtype=np.float64)
+    attn = terms.a * s2 / k + terms.a * terms.attn_n_half * s1
+    lin = terms.b * s1 / k
+    hops = np.where(k > 1, num_layers * (comm_passes * (k - 1) + 1), 0.0)
+    nbytes = comm_passes * np.maximum(k - 1, 0) * (s1 / k) * kv_bytes_per_token
+    ring = hops * terms.hop_latency_s + nbytes / terms.link_bytes_per_s
+    hide = terms.overlap * ring
+    return terms.c + attn + lin + (ring - hide) + np.maximum(hide - attn, 0.0)
+
+
+WEIGHT_POWER = 0.5  # compute stages minimise sum(((fit - t) / t**WEIGHT_POWER)^2)
+
+
+def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray, power: float = 1.0) -> np.ndarray:
+    """Coefficients >= 0 minimising sum(((cols @ x) - t) / t**power)^2 (active set: a negative
+    coefficient is fixed at 0 and the rest refitted)."""
+    active = list(range(cols.shape[1]))
+    coef = np.zeros(cols.shape[1])
+    w = 1.0 / t**power
+    while active:
+        sol, *_ = np.linalg.lstsq(cols[:, active] * w[:, None], t * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
+    """(hop latency s, link bytes/s, note) from hop timings: t = L + nbytes / link. When the
+    times do not grow with the size (a link faster than the timings resolve, or a CPU clock that
+    does not see the copies), the link is UNRESOLVED_LINK and the note says so."""
+    hs = [m for m in timings if m.kind == "hop"]
+    nb = np.array([m.nbytes for m in hs], dtype=np.float64)
+    t = np.array([m.seconds for m in hs], dtype=np.float64)
+    if len(set(nb.tolist())) < 2:
+        raise CalibrationError("hop timings need at least two message sizes")
+    lat, inv_bw = _nonneg_lstsq(np.stack([np.ones_like(nb), nb], axis=1), t)
+    if not inv_bw > 0:
+        lat = float(np.exp(np.mean(np.log(t))))  # geometric mean: the sizes do not matter
+        note = (
+            "hop times do not grow with the message size: the link is faster than these "
+            f"timings resolve (link taken as {UNRESOLVED_LINK:g} B/s; larger --hop-bytes, or "
+            "the wall clock, would measure it)"
+        )
+        return lat, UNRESOLVED_LINK, note
+    return float(lat), float(1.0 / inv_bw), None
+
+
+def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float]:
+    """(a, b + a*h, c) from local timings: t = c + sum(a*S^2 + b'*S)."""
+    ls = [m for m in timings if m.kind == "local"]
+    s2 = np.array([sum(x * x for x in m.lengths) for m in ls], dtype=np.float64)
+    s1 = np.array([sum(m.lengths) for m in ls], dtype=np.float64)
+    t = np.array([m.seconds for m in ls], dtype=np.float64)
+    if len(ls) < 3 or len(set(s1.tolist())) < 3:
+        raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
+    a, b1, c = _nonneg_lstsq(np.stack([s2, s1, np.ones_like(s1)], axis=1), t, WEIGHT_POWER)
+    return float(a), float(b1), float(c)
+
+
+def fit_rings(
+    timings: Sequence[Timing],
+    a: float,
+    b1: float,
+    c: float,
+    hop_latency_s: float,
+    link_bytes_per_s: float,
+    kv_bytes_per_token: float,
+    num_layers: int,
+    comm_passes: float = 3.0,
+) -> tuple[float, float]:
+    """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h and c from the local fit:
+    a grid over h in [0, b'/a] (b >= 0) and overlap in [0, 1], then Levenberg-Marquardt."""
+    r = _rings(timings)
+    h_max = b1 / a if a > 0 else 0.0
+    scale = max(h_max, 1.0)
+
+    def resid(x: np.ndarray) -> np.ndarray:  # x = (h / scale, overlap)
+        h = float(x[0]) * scale
+        terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]))
+        f = ring_seconds(terms, r.k, r.s2, r.s1, kv_bytes_per_token, num_layers, comm_passes)
+        return (f - r.t) / r.t**WEIGHT_POWER
+
+    lo, hi = np.zeros(2), np.array([h_max / scale, 1.0])
+    grid = [np.array([h, o]) for h in np.linspace(0, hi[0], 101) for o in np.linspace(0, 1, 51)]
+    x = min(grid, key=lambda g: float(np.sum(resid(g) ** 2)))
+    # Levenberg-Marquardt from the best grid point (finite-difference Jacobian, box bounds)
+    f0, lam = float(np.sum(resid(x) ** 2)), 1e-3
+    for _ in range(200):
+        r0 = resid(x)
+        jac = np.empty((r0.shape[0], 2))
+        for i in range(2):
+            d = np.zeros(2)
+            d[i] = 1e-7 if x[i] + 1e-7 <= hi[i] else -1e-7
+            jac[:, i] = (resid(x + d) - r0) / d[i]
+        jtj, jtr = jac.T @ jac, jac.T @ r0
+        step = np.linalg.lstsq(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -jtr, rcond=None)[0]
+        xn = np.clip(x + step, lo, hi)
+        fn = float(np.sum(resid(xn) ** 2))
+        if fn < f0:
+            done = f0 - fn <= 1e-15 * max(f0, 1e-30) or np.abs(xn - x).max() < 1e-12
+            x, f0, lam = xn, fn, max(lam / 10, 1e-12)
+            if done:
+                break
+        else:
+            lam *= 10
+            if lam > 1e12:
+                break
+    return float(x[0] * scale), float(x[1])
+
+
+def fit_terms(
+    timings: Sequence[Timing],
+    kv_bytes_per_token: float,
+    num_layers: int,
+    comm_passes: float = 3.0,
+    link_bytes_per_s: float | None = None,
+) -> FitResult:
+    """Fit every term the timings determine (module docstring); `link_bytes_per_s` is used when
+    there are no hop timings."""
+    kinds = {m.kind for m in timings}
+    bad = kinds - set(KINDS)
+    if bad:
+        raise CalibrationError(f"unknown timing kind(s) {sorted(bad)} (known: {KINDS})")
+    if any(not (m.seconds > 0 and math.isfinite(m.seconds)) for m in timings):
+        raise CalibrationError("every timing must be a positive number of seconds")
+    fitted = ["a", "b", "c"]
+    notes = []
+    lat, bw = 0.0, link_bytes_per_s
+    if "hop" in kinds:
+        lat, bw, note = fit_hops(timings)
+        fitted += ["hop_latency_s"] + ([] if note else ["link_bytes_per_s"])
+        notes += [note] if note else []
+    if bw is None:
+        raise CalibrationError("no hop timings and no link bandwidth given")
+    a, b1, c = fit_local(timings)
+    h, ov = 0.0, 1.0
+    if "ring" in kinds:
+        h, ov = fit_rings(timings, a, b1, c, lat, bw, kv_bytes_per_token, num_layers, comm_passes)
+        fitted += ["attn_n_half", "overlap"]
+    terms = Terms(a, b1 - a * h, c, h, lat, bw, ov)
+    fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
+    return FitResult(terms, list(timings), fit_s, fitted, notes)
+
+
+def predict(
+    terms: Terms,
+    timings: Sequence[Timing],
+    kv_bytes_per_token: float,
+    num_layers: int,
+    comm_passes: float = 3.0,
+) -> np.ndarray:
+    """The model's seconds for each timing (local, hop or ring)."""
+    out = np.empty(len(timings))
+    for i, m in enumerate(timings):
+        if m.kind == "hop":
+            out[i] = terms.hop_latency_s + m.nbytes / terms.link_bytes_per_s
+            continue
+        s = np.asarray(m.lengths, dtype=np.float64)
+        out[i] = ring_seconds(
+            terms,
+            np.array([float(m.k)]),
+            np.array([float((s * s).sum())]),
+            np.array([float(s.sum())]),
+            kv_bytes_per_token,
+            num_layers,
+            comm_passes,
+        )[0]
+    return out

@@ -1,0 +1,159 @@
+"""`mixlen calibrate`'s fit (datapipe.plan.costfit): timings generated from known terms by a plain
+formula written here are fitted back within 2%; the fit's model is the planner's; what the data
+cannot determine keeps the /1 model's neutral values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from datapipe.plan import cost as C
+from datapipe.plan.common import group_times
+from datapipe.plan.costfit import (
+    UNRESOLVED_LINK,
+    CalibrationError,
+    Terms,
+    Timing,
+    fit_local,
+    fit_terms,
+    predict,
+)
+
+TRUE = {"a": 3.4e-8, "b": 4.1e-5, "c": 6e-3, "h": 180.0, "lat": 2.5e-4, "bw": 6e8, "ov": 0.6}
+KV, LAYERS = 2048.0, 2
+
+
+def local_s(p: dict, lengths: list[int]) -> float:
+    # a whole sample's attention at eff(S) = S / (S + h)
+    return p["c"] + sum(p["a"] * s * s / (s / (s + p["h"])) + p["b"] * s for s in lengths)
+
+
+def ring_s(p: dict, lengths: list[int], k: int) -> float:
+    attn = sum(p["a"] * s * s / k / ((s / k) / (s / k + p["h"])) for s in lengths)
+    lin = sum(p["b"] * s / k for s in lengths)
+    hops = LAYERS * (3 * (k - 1) + 1)  # per layer: k-1 fwd, k-1 bwd K/V, k dK/dV
+    ring = hops * p["lat"] + 3 * (k - 1) * (sum(lengths) / k) * KV / p["bw"]
+    return p["c"] + attn + lin + (1 - p["ov"]) * ring + max(p["ov"] * ring - attn, 0.0)
+
+
+def synthetic(p: dict, ring_sizes=(2, 3, 4)) -> list[Timing]:
+    out = [Timing("local", 1, (s,), 0.0, local_s(p, [s])) for s in (128, 512, 2048, 8192)]
+    out.append(Timing("local", 1, (256,) * 8, 0.0, local_s(p, [256] * 8)))
+    for nb in (4096, 1 << 16, 1 << 20, 4 << 20):
+        out.append(Timing("hop", 2, (), float(nb), p["lat"] + nb / p["bw"]))
+    for k in ring_sizes:
+        for s in (512, 1024, 2048, 4096, 8192):
+            out.append(Timing("ring", k, (s,), 0.0, ring_s(p, [s], k)))
+        out.append(Timing("ring", k, (1024,) * 4, 0.0, ring_s(p, [1024] * 4, k)))
+    return out
+
+
+def as_dict(t: Terms) -> dict:
+    return {
+        "a": t.a,
+        "b": t.b,
+        "c": t.c,
+        "h": t.attn_n_half,
+        "lat": t.hop_latency_s,
+        "bw": t.link_bytes_per_s,
+        "ov": t.overlap,
+    }
+
+
+@pytest.mark.parametrize("ring_sizes", [(2,), (2, 3, 4)])
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"ov": 0.0}, {"ov": 1.0, "h": 0.0}, {"lat": 2e-5, "bw": 5e9, "h": 600.0}],
+    ids=["base", "no-overlap", "full-overlap", "fast-link"],
+)
+def test_fit_recovers_known_terms(ring_sizes, change) -> None:
+    p = {**TRUE, **change}
+    fit = fit_terms(synthetic(p, ring_sizes), KV, LAYERS)
+    got = as_dict(fit.terms)
+    for key, want in p.items():
+        if want == 0.0:
+            assert abs(got[key]) < (1e-3 if key == "ov" else 1e-3 * TRUE[key]), key
+        else:
+            assert got[key] == pytest.approx(want, rel=0.02), key
+    assert np.abs(fit.rel_residuals).max() < 1e-3
+    assert set(fit.summary()) == {"local", "hop", "ring"}
+    assert set(fit.fitted_terms) == {"a", "b", "c", "hop_latency_s", "link_bytes_per_s"} | {
+        "attn_n_half",
+        "overlap",
+    }
+
+
+def test_fit_model_is_the_planners() -> None:
+    """costfit's ring formula and the planner's integer group times agree (same terms)."""
+    t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7)
+    cost = C.CostModel(
+        a=t.a,
+        b=t.b,
+        c=t.c,
+        kv_bytes_per_token=KV,
+        link_bytes_per_s=t.link_bytes_per_s,
+        num_layers=LAYERS,
+        act_bytes_per_token_layer=1.0,
+        offload_bytes_per_s=1e9,
+        hop_latency_s=t.hop_latency_s,
+        attn_n_half=t.attn_n_half,
+        overlap=t.overlap,
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        k = int(rng.integers(1, 7))
+        s = tuple(int(x) for x in rng.integers(k, 20000, int(rng.integers(1, 5))))
+        f = predict(t, [Timing("ring" if k > 1 else "local", k, s, 0.0, 1.0)], KV, LAYERS)[0]
+        g = group_times(
+            cost,
+            np.array(s),
+            np.array([0, len(s)]),
+            np.arange(len(s)),
+            np.array([k]),
+            np.array([0]),
+        )[0]
+        assert g == pytest.approx(f * 1e9, abs=4)
+
+
+def test_fit_without_rings_or_hops_is_the_v1_model() -> None:
+    p = {**TRUE, "h": 0.0}
+    local = [m for m in synthetic(p) if m.kind == "local"]
+    fit = fit_terms(local, KV, LAYERS, link_bytes_per_s=1.25e9)
+    assert (fit.terms.attn_n_half, fit.terms.overlap, fit.terms.hop_latency_s) == (0.0, 1.0, 0.0)
+    assert fit.terms.link_bytes_per_s == 1.25e9
+    assert fit.terms.a == pytest.approx(p["a"], rel=1e-6)
+    assert fit.fitted_terms == ["a", "b", "c"]
+    with pytest.raises(CalibrationError, match="no hop timings and no link bandwidth"):
+        fit_terms(local, KV, LAYERS)
+
+
+def test_fit_errors() -> None:
+    good = synthetic(TRUE)
+    with pytest.raises(CalibrationError, match="at least 3 distinct lengths"):
+        fit_terms([m for m in good if m.kind != "local"] + good[:2], KV, LAYERS)
+    with pytest.raises(CalibrationError, match="at least two message sizes"):
+        fit_terms([m for m in good if m.kind != "hop" or m.nbytes == 4096], KV, LAYERS)
+    # hop times that do not grow with the size: latency only, the link left unresolved (noted)
+    flat = [dataclasses.replace(m, seconds=1e-3) if m.kind == "hop" else m for m in good]
+    fit = fit_terms(flat, KV, LAYERS)
+    assert fit.terms.hop_latency_s == pytest.approx(1e-3)
+    assert (
+        fit.terms.link_bytes_per_s == UNRESOLVED_LINK and "link_bytes_per_s" not in fit.fitted_terms
+    )
+    assert len(fit.notes) == 1 and "do not grow with the message size" in fit.notes[0]
+    with pytest.raises(CalibrationError, match="positive number of seconds"):
+        fit_terms([*good, Timing("local", 1, (5,), 0.0, 0.0)], KV, LAYERS)
+    assert Timing.from_dict(good[-1].to_dict()) == good[-1]
+
+
+def test_local_fit_clamps_negative_terms() -> None:
+    """Concave local timings would fit a negative quadratic term: it is fixed at 0 and b, c
+    refitted."""
+    s = [128, 256, 512, 1024, 4096, 16384]
+    exact = [Timing("local", 1, (x,), 0.0, 3e-8 * x * x + 8e-5 * x + 2e-3) for x in s]
+    assert fit_local(exact) == pytest.approx((3e-8, 8e-5, 2e-3), rel=1e-8)
+    concave = [Timing("local", 1, (x,), 0.0, 1e-4 * x - 1e-10 * x * x + 1e-3) for x in s]
+    a, b, c = fit_local(concave)
+    assert a == 0 and b > 0 and c >= 0

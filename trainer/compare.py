@@ -1,0 +1,112 @@
+"""`[metrics] compare = "static"`: run every `compare_interval`-th step's global batch a second time
+under another policy's plan and report, at the end of the run, both policies' predicted and
+measured times on the same batches.
+
+The second pass is forward, backward and the gradient all-reduce (`HDPExecutor.accumulate`), with
+no optimizer update: the next step's accumulate overwrites the gradients it leaves, so training
+follows the configured policy exactly as without the comparison. Measured time of a pass: the
+slowest rank's compute span (first micro-batch start to last micro-batch end, wall clock, ring
+waits included), for both passes alike; predicted: the plan's estimated makespan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from datapipe.plan.planner import Planner
+from datapipe.plan.stepplan import StepPlan
+from trainer.data import TrainData, rank_pieces
+from trainer.executor import HDPExecutor, StepResult
+
+__all__ = ["PolicyComparison"]
+
+
+class PolicyComparison:
+    """The second policy's planner, its passes' times beside the run's, and the report."""
+
+    def __init__(
+        self, policy: str, interval: int, data: TrainData, executor: HDPExecutor, rank: int
+    ) -> None:
+        cfg = data.planner.config
+        max_len = int(np.max(data.fetcher.lengths)) if len(data.fetcher.lengths) else 1
+        other = dataclasses.replace(
+            cfg,
+            policy=policy,
+            widen=False,
+            max_context=(cfg.max_context or max_len) if policy == "static" else None,
+        )
+        self.planner: Planner = other.build(data.planner.cost)
+        self.policy, self.interval = policy, interval
+        self.data, self.executor, self.rank = data, executor, rank
+        self.rows: list[dict[str, Any]] = []
+        self.label = ""
+        self.other_label = policy
+
+    def after_step(self, step: int, batch: Any, plan: StepPlan, res: StepResult) -> dict | None:
+        """On every `interval`-th step: plan the same batch with the other policy, run it (no
+        update) and record both; returns the record (None on other steps)."""
+        if step % self.interval:
+            return None
+        other = self.planner.plan(batch.lengths, self.data.train_ids[batch.sample_ids])
+        fetched = self.data.fetcher.fetch_step(rank_pieces(other, self.rank))
+        res2 = self.executor.accumulate(other, fetched, step)
+        self.label, self.other_label = plan.label, other.label
+        row = {
+            "policy": plan.label,
+            "predicted_s": plan.makespan_ns / 1e9,
+            "measured_s": max(res.compute_s),
+            "other_policy": other.label,
+            "other_predicted_s": other.makespan_ns / 1e9,
+            "other_measured_s": max(res2.compute_s),
+            "other_groups": sorted({int(k) for k in other.group_sizes}),
+            "local_samples": _local_share(plan),
+            "other_meta": {k: v for k, v in other.meta.items() if k in ("cp", "dp")},
+        }
+        self.rows.append(row)
+        return row
+
+    def render(self) -> str:
+        """A few lines for the end of the run (also in balance.md)."""
+        if not self.rows:
+            return ""
+        a, b = self.label, self.other_label
+        pa = sum(r["predicted_s"] for r in self.rows)
+        ma = sum(r["measured_s"] for r in self.rows)
+        pb = sum(r["other_predicted_s"] for r in self.rows)
+        mb = sum(r["other_measured_s"] for r in self.rows)
+        local = float(np.mean([r["local_samples"] for r in self.rows]))
+        meta = self.rows[0]["other_meta"]
+        mesh = f" (CP {meta['cp']} x DP {meta['dp']}: every sample split over {meta['cp']} ranks)"
+        every = "every step" if self.interval == 1 else f"every {_nth(self.interval)} step"
+        lines = [
+            f"{a} vs {b} on the same {len(self.rows)} global batches ({every}; {b} runs them a "
+            "second time without updating the model):",
+            f"  {a}: each sample on as few ranks as it needs ({local:.0%} of the samples computed "
+            "whole on one rank, no ring)",
+            f"  {b}{mesh if 'cp' in meta else ''}",
+            "",
+            "| policy | predicted s | measured s |",
+            "| --- | ---: | ---: |",
+            f"| {a} | {pa:.2f} | {ma:.2f} |",
+            f"| {b} | {pb:.2f} | {mb:.2f} |",
+            "",
+            f"{a} is {mb / ma:.2f}x as fast as {b} on these batches (the planner predicted "
+            f"{pb / pa:.2f}x). Measured: the slowest rank's compute time per step, summed.",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _local_share(plan: StepPlan) -> float:
+    """Fraction of the plan's samples computed whole by one rank."""
+    k = plan.group_sizes
+    items = np.repeat(k, np.diff(plan.mb_piece_offsets))
+    n = plan.lengths[plan.lengths > 0].shape[0]
+    return float((items == 1).sum() / n) if n else 1.0
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
