@@ -3,7 +3,7 @@ under another policy's plan and report, at the end of the run, both policies' pr
 measured times on the same batches.
 
 The second pass is forward, backward and the gradient all-reduce (`HDPExecutor.accumulate`), with
-no optimizer update: the next step's accumulate overwrites the gradients it leaves, so training
+no optimizer update: its reduced gradient is discarded, so training
 follows the configured policy exactly as without the comparison. Measured time of a pass: the
 slowest rank's compute span (first micro-batch start to last micro-batch end, wall clock, ring
 waits included), for both passes alike; predicted: the plan's estimated makespan.
@@ -53,6 +53,7 @@ class PolicyComparison:
         other = self.planner.plan(batch.lengths, self.data.train_ids[batch.sample_ids])
         fetched = self.data.fetcher.fetch_step(rank_pieces(other, self.rank))
         res2 = self.executor.accumulate(other, fetched, step)
+        self.executor.zero.discard()  # the run's next step starts from a clean gradient
         self.label, self.other_label = plan.label, other.label
         row = {
             "policy": plan.label,

@@ -396,6 +396,15 @@ class ZeroOptimizer:
             self.wait_weights()
 
     @torch.no_grad()
+    def discard(self) -> None:
+        """Drop a reduced gradient without a step (a pass run only to be measured)."""
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        else:
+            self.grad.zero_()
+        self._tmp.clear()
+
+    @torch.no_grad()
     def gather_master(self) -> torch.Tensor:
         """The whole accumulation-dtype master weights on every rank: a copy (collective at
         zero 1/2; for tests and debugging)."""
