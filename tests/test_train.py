@@ -68,6 +68,7 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["co2.outer_lr=0"], "co2.outer_lr"),
         (["co2.staleness_lambda=-1"], "co2.staleness_lambda"),
         (['co2.mode="diloco"', "co2.overlap=true"], "co2.overlap"),
+        (['metrics.compare_clock="gpu"'], "metrics.compare_clock"),
         (["co2.link_gbps=-1"], "co2.link_gbps"),
         (["co2.bogus=1"], "co2.bogus"),
         (["offload.bogus=1"], "offload.bogus"),
@@ -388,7 +389,19 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
     rows = [r["compare"] for r in recs if "compare" in r]
     assert [r["step"] for r in recs if "compare" in r] == [2, 4]
     for row in rows:
-        assert row["predicted_s"] > 0 and row["measured_s"] > 0
-        assert row["other_predicted_s"] > 0 and row["other_measured_s"] > 0
+        assert row["predicted_s"] > 0 and row["other_predicted_s"] > 0
+        assert row["measured_s"] == row["measured_wall_s"] > 0  # the default clock
+        assert row["other_measured_s"] == row["other_measured_wall_s"] > 0
+        # one rank: the replay is the sum of its micro-batches' CPU times, within its wall span
+        for who in ("", "other_"):
+            assert 0 < row[f"{who}measured_cpu_s"] <= row[f"{who}measured_wall_s"] * 1.05 + 1e-3
     report = open(both["balance_report"]).read()
-    assert "static" in report
+    assert "hdp vs static on the same 2 global batches" in report
+    assert "measured s, CPU replayed" in report
+    cpu = run_training(
+        config(str(tmp_path / "cpu"), compare="static", compare_interval=2, compare_clock="cpu")
+    )
+    assert cpu["losses"] == plain["losses"]
+    rows = [json.loads(x)["compare"] for x in open(cpu["metrics"]) if '"compare"' in x]
+    assert all(r["measured_s"] == r["measured_cpu_s"] for r in rows)
+    assert "CPU time replayed" in open(cpu["balance_report"]).read()

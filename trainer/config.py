@@ -371,10 +371,15 @@ class MetricsConfig:
     # beside the run's policy at the end (trainer/compare.py); "" = off
     compare: str = ""
     compare_interval: int = 4
+    # the comparison's headline clock: "wall" (ranks on their own cores or GPUs) or "cpu" (each
+    # micro-batch's thread CPU time replayed in the plan's slot order: more ranks than cores, with
+    # a cost file from `mixlen calibrate --clock cpu`); both are recorded
+    compare_clock: str = "wall"
 
     def validate(self) -> None:
         _positive("metrics.console_interval", self.console_interval)
         _positive("metrics.compare_interval", self.compare_interval)
+        _choice("metrics.compare_clock", self.compare_clock, ("wall", "cpu"))
         if self.compare:
             _choice("metrics.compare", self.compare, ("static", "hdp", "naive-hdp"))
 

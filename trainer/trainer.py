@@ -150,7 +150,12 @@ class Trainer:
         self.compare = None
         if cfg.metrics.compare:  # another policy on the same batches, for the report
             self.compare = PolicyComparison(
-                cfg.metrics.compare, cfg.metrics.compare_interval, self.data, self.executor, rt.rank
+                cfg.metrics.compare,
+                cfg.metrics.compare_interval,
+                self.data,
+                self.executor,
+                rt.rank,
+                clock=cfg.metrics.compare_clock,
             )
 
     def memory_record(self) -> dict[str, Any]:
