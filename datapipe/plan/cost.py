@@ -113,9 +113,10 @@ DEVICES: dict[str, DeviceRates] = {
         node_link_bytes_per_s=3.0e11,
     ),
     # The development box's cores (2 cores, torch 2.x CPU kernels, float32), one rank per core,
-    # gloo over loopback: rates and ring terms as `mixlen calibrate --model debug --nproc 2`
-    # measured them there (benchmarks/RESULTS.md, "Calibration"); FLOP rates are derived from the
-    # debug model's fitted a and b.
+    # gloo over loopback: round figures of the rates `mixlen calibrate --model debug` measured
+    # there (FLOP rates derived from the fitted a and b); the ring terms stay neutral (no hop
+    # latency, full chunk efficiency, full overlap): calibrate a file with --nproc K for them
+    # (benchmarks/RESULTS.md, "Calibration residuals").
     "cpu": DeviceRates("cpu", 5.0e10, 2.5e10, 1.25e9, 5.0e9, 1e-3, dtype_bytes=4),
 }
 
