@@ -104,3 +104,14 @@ def corpus(tmp_path: Path) -> dict:
         str(texts)
     ]
     return {"inputs": inputs, "expected": expected, "tmp": tmp_path}
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread during the test (as each rank runs), the previous count restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

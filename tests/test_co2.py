@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dcp_join import save_as_ranks
 
 from datapipe.plan.memory import outer_state_bytes
 from trainer.co2 import LinkEmulator, OuterConfig, OuterSync
@@ -264,24 +265,6 @@ def test_resume_neither_loses_nor_repeats_a_round(stop_at):
         assert all(torch.equal(x, y) for x, y in zip(a["xs"][stop_at:], b["xs"]))
 
 
-def _save_as_ranks(path, sds):
-    merged = {}
-    for k in sds[0]:
-        if not hasattr(sds[0][k], "global_offsets"):
-            merged[k] = sds[0][k]
-            continue
-        parts = [sd[k] for sd in sds if sd[k].numel()]
-        t = torch.cat(parts)
-        t.global_shape = parts[0].global_shape
-        t.global_offsets = tuple(p.global_offsets[0] for p in parts)
-        t.local_offsets = tuple((sum(q.numel() for q in parts[:i]),) for i in range(len(parts)))
-        t.local_sizes = tuple((p.numel(),) for p in parts)
-        merged[k] = t
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(merged, checkpoint_id=path)
-
-
 def _load_rank(path, cfg, rank, ranks, align):
     sync = OuterSync(cfg, layout(ranks, align), _Rank(rank, ranks), _Rank(0, 2), dtype=F64)
     sd = sync.state_dict()
@@ -305,7 +288,7 @@ def test_outer_state_reshards_4_to_2_to_1(tmp_path):
 
     def save(ranks, stop_at, load, path):
         got = _resumable(cfg, islands, ranks, total, stop_at, load, align=1)
-        _save_as_ranks(path, [g["outer"] for g in got[:ranks]])  # island 0's ranks
+        save_as_ranks(path, [g["outer"] for g in got[:ranks]])  # island 0's ranks
         for j in range(islands):
             x_full[j] = torch.cat([g["x"] for g in got[j * ranks : (j + 1) * ranks]])
         return got[0]["step"]

@@ -27,12 +27,7 @@ from trainer.zero import ZeroOptimizer
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def test_labelled_positions():

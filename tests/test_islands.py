@@ -23,12 +23,7 @@ from trainer.zero import ZeroOptimizer
 SC = {name: (mode, c) for name, mode, c in SCENARIOS}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

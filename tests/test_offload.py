@@ -22,12 +22,7 @@ F64 = torch.float64
 T = 512  # positions of the one-process micro-batch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def build(n_layers: int = 4, seed: int = 1):

@@ -42,13 +42,7 @@ from trainer.offload_plan import (
     plan_offload,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 # --- plan-level figures -----------------------------------------------------------------------------

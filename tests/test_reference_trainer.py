@@ -192,12 +192,7 @@ def offload_reference() -> dict:
     return reference_train(tokens, batches, TRAIN, offload_model_config(), F64, MODEL_SEED)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 # --- the scenario exercises what it claims --------------------------------------------------------

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dcp_join import save_as_ranks
 from _zero_worker import (
     CLIP,
     LR,
@@ -24,13 +25,7 @@ from datapipe.plan.memory import model_state_bytes
 from trainer.comm import Done, free_port, run_threads, spawn
 from trainer.zero import ZeroOptimizer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 class _Rank:
@@ -209,33 +204,6 @@ def _keep(sd: dict) -> dict:
     return out
 
 
-def _save_as_ranks(path: str, sds: list[dict]) -> None:
-    """Write the state dicts of several ranks as ONE checkpoint with one chunk per rank, as
-    their joint DCP save would (one process: each key is the ranks' chunks side by side)."""
-    merged = {}
-    for k in sds[0]:
-        if not hasattr(sds[0][k], "global_offsets"):
-            merged[k] = sds[0][k]
-            continue
-        parts = [sd[k] for sd in sds if sd[k].numel()]
-        t = torch.cat(parts)
-        t.global_shape = parts[0].global_shape
-        t.global_offsets = tuple(p.global_offsets[0] for p in parts)
-        starts = [0]
-        for p in parts[:-1]:
-            starts.append(starts[-1] + p.numel())
-        t.local_offsets = tuple((s,) for s in starts)
-        t.local_sizes = tuple((p.numel(),) for p in parts)
-        merged[k] = t
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(merged, checkpoint_id=path)
-    meta = dcp.FileSystemReader(path).read_metadata()
-    assert len(meta.state_dict_metadata["exp_avg"].chunks) == len(
-        [sd for sd in sds if sd["exp_avg"].numel()]
-    )
-
-
 def _load_rank(path: str, net, rank: int, size: int, level: int) -> dict:
     zero = _zero(net, _Rank(rank, size), level)
     sd = zero.state_dict()
@@ -260,7 +228,7 @@ def test_state_reshards_4_to_2_to_1(tmp_path):
 
     out4 = run_threads(4, first, timeout=30)
     net_state = {k: v.clone() for k, v in out4[0][1].items()}
-    _save_as_ranks(str(tmp_path / "c4"), [sd for sd, _ in out4])
+    save_as_ranks(str(tmp_path / "c4"), [sd for sd, _ in out4])
 
     loaded2 = [_load_rank(str(tmp_path / "c4"), fresh_net(), r, 2, 2) for r in range(2)]
     for key in ("exp_avg", "exp_avg_sq"):
@@ -280,7 +248,7 @@ def test_state_reshards_4_to_2_to_1(tmp_path):
     net2 = fresh_net()
     net2.load_state_dict(out2[0][1])
     assert_params_close(net2, want)
-    _save_as_ranks(str(tmp_path / "c2"), [sd for sd, _ in out2])
+    save_as_ranks(str(tmp_path / "c2"), [sd for sd, _ in out2])
 
     net1 = fresh_net()
     net1.load_state_dict(out2[0][1])
