@@ -128,6 +128,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
                 "samples": int(plan.lengths.shape[0]),
                 "ring_bytes": int(sum(res.p2p_bytes)),
                 "group_sizes": sorted({int(k) for k in plan.group_sizes}),
+                "static_mesh": "static_mesh" in plan.meta,  # widen took the batch's static mesh
                 "microbatches": res.microbatches,
             }
 

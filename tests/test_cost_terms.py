@@ -1,6 +1,6 @@
 """The ring terms of the cost model (mixlen-cost/2) as the planners use them: per-hop latency, link
-bandwidth (inside and between nodes), chunk efficiency of attention, and the part of a hop that
-overlaps compute. Each is checked against a plain formula written here, for plan times and for
+bandwidth (inside and between nodes), chunk efficiency of attention, the part of a hop that
+overlaps compute, and the micro-batch size term d*T^2. Each is checked against a plain formula written here, for plan times and for
 one decision it moves; /1 cost files load with the costs they always had."""
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def member_s(cost: C.CostModel, lengths: list[int], k: int, spans: bool = True) 
         eff = chunk / (chunk + cost.attn_n_half)
         attn += cost.a * s * s / k / eff
         lin += cost.b * s / k
+    lin += cost.d * (sum(lengths) / k) ** 2  # the micro-batch's size term, T = member positions
     ring = 0.0
     if k > 1:
         n = sum(lengths) / k
@@ -171,6 +172,35 @@ def test_overlap() -> None:
         cost = dataclasses.replace(BASE, overlap=ov, link_bytes_per_s=5e7)
         picked.append(check_lone_ring(cost, 6000, 8, 4096))
     assert len(set(picked)) > 1
+
+
+def test_micro_batch_size_term() -> None:
+    # time: d*T^2, T the positions one rank computes in the micro-batch, local and in a ring
+    cost = dataclasses.replace(BASE, d=2e-9, overlap=0.0, hop_latency_s=1e-4)
+    local = plan(cost, "single", [3000, 2000, 500], 1, 8192)
+    assert local.num_microbatches == 1
+    assert_close(local.makespan_ns, member_s(cost, [3000, 2000, 500], 1))
+    ring = plan(cost, "static", [6000, 1000], 2, 4096, max_context=8192)
+    assert ring.group_sizes.tolist() == [2]
+    assert_close(ring.makespan_ns, member_s(cost, [6000, 1000], 2))
+    hd = plan(cost, "hdp", [6000, 1000, 900], 2, 4096)
+    for m in range(hd.num_microbatches):
+        items = hd.piece_item[hd.mb_piece_offsets[m] : hd.mb_piece_offsets[m + 1]]
+        want = member_s(cost, [[6000, 1000, 900][i] for i in items], int(hd.group_sizes[m]))
+        assert_close(int(hd.mb_time_ns[m]), want)
+    # decision: a lone sample's ring widens as large micro-batches get dearer
+    picked = [
+        check_lone_ring(
+            dataclasses.replace(BASE, hop_latency_s=1e-2, overlap=0.0, d=d), 6000, 8, 4096
+        )
+        for d in (0.0, 1e-7, 1e-6)
+    ]
+    assert picked[0] < picked[1] <= picked[2]
+    # the file: written only when set (older files keep their bytes and hashes), read back
+    assert "d" not in BASE.to_dict()
+    assert C.from_dict(dataclasses.replace(BASE, d=1e-9).to_dict()).d == 1e-9
+    with pytest.raises(InputError, match="'d' must be a finite number >= 0"):
+        C.from_dict({**dataclasses.replace(BASE, d=1e-9).to_dict(), "d": -1.0})
 
 
 def test_v1_cost_files_keep_their_costs(tmp_path) -> None:

@@ -21,18 +21,32 @@ from datapipe.plan.costfit import (
     predict,
 )
 
-TRUE = {"a": 3.4e-8, "b": 4.1e-5, "c": 6e-3, "h": 180.0, "lat": 2.5e-4, "bw": 6e8, "ov": 0.6}
+TRUE = {
+    "a": 3.4e-8,
+    "b": 4.1e-5,
+    "c": 6e-3,
+    "d": 1.5e-9,
+    "h": 180.0,
+    "lat": 2.5e-4,
+    "bw": 6e8,
+    "ov": 0.6,
+}
 KV, LAYERS = 2048.0, 2
 
 
 def local_s(p: dict, lengths: list[int]) -> float:
-    # a whole sample's attention at eff(S) = S / (S + h)
-    return p["c"] + sum(p["a"] * s * s / (s / (s + p["h"])) + p["b"] * s for s in lengths)
+    # a whole sample's attention at eff(S) = S / (S + h); d per squared micro-batch size
+    t = sum(lengths)
+    return (
+        p["c"]
+        + sum(p["a"] * s * s / (s / (s + p["h"])) + p["b"] * s for s in lengths)
+        + (p["d"] * t * t)
+    )
 
 
 def ring_s(p: dict, lengths: list[int], k: int) -> float:
     attn = sum(p["a"] * s * s / k / ((s / k) / (s / k + p["h"])) for s in lengths)
-    lin = sum(p["b"] * s / k for s in lengths)
+    lin = sum(p["b"] * s / k for s in lengths) + p["d"] * (sum(lengths) / k) ** 2
     hops = LAYERS * (3 * (k - 1) + 1)  # per layer: k-1 fwd, k-1 bwd K/V, k dK/dV
     ring = hops * p["lat"] + 3 * (k - 1) * (sum(lengths) / k) * KV / p["bw"]
     return p["c"] + attn + lin + (1 - p["ov"]) * ring + max(p["ov"] * ring - attn, 0.0)
@@ -40,7 +54,8 @@ def ring_s(p: dict, lengths: list[int], k: int) -> float:
 
 def synthetic(p: dict, ring_sizes=(2, 3, 4)) -> list[Timing]:
     out = [Timing("local", 1, (s,), 0.0, local_s(p, [s])) for s in (128, 512, 2048, 8192)]
-    out.append(Timing("local", 1, (256,) * 8, 0.0, local_s(p, [256] * 8)))
+    for m, s in ((8, 256), (32, 256)):
+        out.append(Timing("local", 1, (s,) * m, 0.0, local_s(p, [s] * m)))
     for nb in (4096, 1 << 16, 1 << 20, 4 << 20):
         out.append(Timing("hop", 2, (), float(nb), p["lat"] + nb / p["bw"]))
     for k in ring_sizes:
@@ -55,6 +70,7 @@ def as_dict(t: Terms) -> dict:
         "a": t.a,
         "b": t.b,
         "c": t.c,
+        "d": t.d,
         "h": t.attn_n_half,
         "lat": t.hop_latency_s,
         "bw": t.link_bytes_per_s,
@@ -65,8 +81,8 @@ def as_dict(t: Terms) -> dict:
 @pytest.mark.parametrize("ring_sizes", [(2,), (2, 3, 4)])
 @pytest.mark.parametrize(
     "change",
-    [{}, {"ov": 0.0}, {"ov": 1.0, "h": 0.0}, {"lat": 2e-5, "bw": 5e9, "h": 600.0}],
-    ids=["base", "no-overlap", "full-overlap", "fast-link"],
+    [{}, {"ov": 0.0}, {"ov": 1.0, "h": 0.0}, {"lat": 2e-5, "bw": 5e9, "h": 600.0}, {"d": 0.0}],
+    ids=["base", "no-overlap", "full-overlap", "fast-link", "no-size-term"],
 )
 def test_fit_recovers_known_terms(ring_sizes, change) -> None:
     p = {**TRUE, **change}
@@ -79,7 +95,7 @@ def test_fit_recovers_known_terms(ring_sizes, change) -> None:
             assert got[key] == pytest.approx(want, rel=0.02), key
     assert np.abs(fit.rel_residuals).max() < 1e-3
     assert set(fit.summary()) == {"local", "hop", "ring"}
-    assert set(fit.fitted_terms) == {"a", "b", "c", "hop_latency_s", "link_bytes_per_s"} | {
+    assert set(fit.fitted_terms) == {"a", "b", "c", "d", "hop_latency_s", "link_bytes_per_s"} | {
         "attn_n_half",
         "overlap",
     }
@@ -87,11 +103,12 @@ def test_fit_recovers_known_terms(ring_sizes, change) -> None:
 
 def test_fit_model_is_the_planners() -> None:
     """costfit's ring formula and the planner's integer group times agree (same terms)."""
-    t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7)
+    t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7, 2e-9)
     cost = C.CostModel(
         a=t.a,
         b=t.b,
         c=t.c,
+        d=t.d,
         kv_bytes_per_token=KV,
         link_bytes_per_s=t.link_bytes_per_s,
         num_layers=LAYERS,
@@ -120,11 +137,15 @@ def test_fit_model_is_the_planners() -> None:
 def test_fit_without_rings_or_hops_is_the_v1_model() -> None:
     p = {**TRUE, "h": 0.0}
     local = [m for m in synthetic(p) if m.kind == "local"]
+    singles = [m for m in local if len(m.lengths) == 1]
+    assert (
+        fit_terms(singles, KV, LAYERS, link_bytes_per_s=1.25e9).terms.d == 0.0
+    )  # d*S^2 is a*S^2 for one sample
     fit = fit_terms(local, KV, LAYERS, link_bytes_per_s=1.25e9)
     assert (fit.terms.attn_n_half, fit.terms.overlap, fit.terms.hop_latency_s) == (0.0, 1.0, 0.0)
     assert fit.terms.link_bytes_per_s == 1.25e9
     assert fit.terms.a == pytest.approx(p["a"], rel=1e-6)
-    assert fit.fitted_terms == ["a", "b", "c"]
+    assert fit.fitted_terms == ["a", "b", "c", "d"]
     with pytest.raises(CalibrationError, match="no hop timings and no link bandwidth"):
         fit_terms(local, KV, LAYERS)
 
@@ -153,7 +174,16 @@ def test_local_fit_clamps_negative_terms() -> None:
     refitted."""
     s = [128, 256, 512, 1024, 4096, 16384]
     exact = [Timing("local", 1, (x,), 0.0, 3e-8 * x * x + 8e-5 * x + 2e-3) for x in s]
-    assert fit_local(exact) == pytest.approx((3e-8, 8e-5, 2e-3), rel=1e-8)
+    assert fit_local(exact) == pytest.approx((3e-8, 8e-5, 2e-3, 0.0), rel=1e-8)
     concave = [Timing("local", 1, (x,), 0.0, 1e-4 * x - 1e-10 * x * x + 1e-3) for x in s]
-    a, b, c = fit_local(concave)
-    assert a == 0 and b > 0 and c >= 0
+    a, b, c, d = fit_local(concave)
+    assert a == 0 and b > 0 and c >= 0 and d == 0
+    # packs cheaper per position than their samples alone would fit a negative d: fixed at 0
+    packs = [
+        Timing(
+            "local", 1, (x,) * 4, 0.0, 2e-3 + 4 * (3e-8 * x * x + 8e-5 * x) - 2e-9 * (4 * x) ** 2
+        )
+        for x in (256, 1024)
+    ]
+    a, b, c, d = fit_local(exact + packs)
+    assert d == 0 and a > 0 and b > 0

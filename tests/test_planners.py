@@ -4,6 +4,7 @@ brute-force optimum on tiny cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -79,6 +80,8 @@ def test_invariants_all_policies(case) -> None:
             plain[offload] = p
         if widen:  # the plain plan is a candidate: widening never makes the estimate worse
             assert p.makespan_ns <= plain[offload].makespan_ns
+            if longest_fits_static(lengths, n, cap):  # nor slower than the batch's static mesh
+                assert p.makespan_ns <= plan("static", lengths, n, cap, cost).makespan_ns
         caps = cost.offload_capacity(cap, np.arange(cost.num_layers + 1))
         k = p.group_sizes
         for m in range(p.num_microbatches):
@@ -86,9 +89,9 @@ def test_invariants_all_policies(case) -> None:
             assert p.mb_capacity[m] == caps[j]
             if not offload:
                 assert j == 0
-        if policy == "static":
+        if policy == "static" or "static_mesh" in p.meta:  # widen's static-mesh candidate too
             assert len(set(k.tolist())) <= 1
-            cp = p.meta["cp"]
+            cp = p.meta["cp"] if policy == "static" else p.meta["static_mesh"]["cp"]
             assert all(cp * cap >= s for s in lengths)
             continue
         # One micro-batch per long sample, on exactly the group Eq. 3 / the zigzag rule allows
@@ -115,6 +118,12 @@ def test_invariants_all_policies(case) -> None:
                     assert k[m] == kmin
         if not offload and not widen:
             assert p.lower_bound_ns <= p.makespan_ns
+
+
+def longest_fits_static(lengths: np.ndarray, n: int, cap: int) -> bool:
+    """Some CP degree dividing n holds the batch's longest sample (a static mesh exists)."""
+    longest = int(np.max(lengths)) if len(lengths) else 0
+    return any(n % d == 0 and -(-longest // d) <= cap for d in range(1, n + 1))
 
 
 def _eq3_ranks(cost: C.CostModel, s: int, cap: int) -> int:
@@ -244,6 +253,34 @@ def test_widen_beats_static_where_short_work_is_scarce() -> None:
     assert plan("hdp", lengths, 4, 4096, widen=True).digest() == w.digest()
 
 
+def test_widen_takes_the_static_mesh_when_it_is_estimated_faster() -> None:
+    """2 ranks, the debug preset (its rings cost nothing): CP 2 x DP 1 splits the demo's first
+    batch evenly, which no dynamic candidate does; hdp+widen returns that plan (policy hdp). On a
+    slow link it keeps its own plan."""
+    lengths = [12818, 9024, 3878, 3813, 1494, 745, 695, 190, 49, 30, 24]
+    h = plan("hdp", lengths, 2, 8192)
+    w = plan("hdp", lengths, 2, 8192, widen=True)
+    st_ = plan("static", lengths, 2, 8192)
+    check_plan(w)
+    assert w.makespan_ns == st_.makespan_ns < h.makespan_ns
+    assert w.policy == "hdp" and w.label == "hdp+widen"
+    assert w.meta["static_mesh"] == {"cp": 2, "dp": 1}
+    for key in ("mb_group_offsets", "group_ranks", "mb_piece_offsets", "piece_item", "mb_time_ns"):
+        np.testing.assert_array_equal(getattr(w, key), getattr(st_, key))
+    # the run's mesh (max_context): CP 2 for a short batch too, which hdp+widen may take as well
+    short = [5000, 3000, 1000]
+    for ctx in (None, 16384):
+        ws = plan("hdp", short, 2, 8192, widen=True, max_context=ctx)
+        assert ws.makespan_ns <= plan("static", short, 2, 8192, max_context=ctx).makespan_ns
+    assert "static_mesh" in ws.meta and ws.meta["static_mesh"]["cp"] == 2  # 4500 | 4500 tokens
+    # a slow link: static's one ring carries every sample's K/V, widen's only the long one's
+    few = [12000, 3000, 1000]
+    dear = dataclasses.replace(DEBUG, link_bytes_per_s=1e7, overlap=0.0)
+    w2 = plan("hdp", few, 2, 8192, dear, widen=True)
+    assert "static_mesh" not in w2.meta and sorted(w2.group_sizes.tolist()) == [1, 1, 2]
+    assert w2.makespan_ns < plan("static", few, 2, 8192, dear).makespan_ns
+
+
 @pytest.mark.parametrize("cost", [DEBUG, C.preset("llama-7b"), OFFLOAD], ids=["debug", "7b", "off"])
 def test_widen_never_worse_than_hdp(cost) -> None:
     rng = np.random.default_rng(7)
@@ -262,7 +299,7 @@ def test_widen_never_worse_than_hdp(cost) -> None:
         check_plan(w)
         assert w.makespan_ns <= h.makespan_ns
         assert w.lower_bound_ns == h.lower_bound_ns  # same reference bound in reports
-        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS + 1
+        assert w.meta["widen_candidates"] <= W.WIDEN_EVALS + W.WIDEN_FILLS + 2  # + static mesh
         better += w.makespan_ns < h.makespan_ns
     assert better > 0
 

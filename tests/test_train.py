@@ -315,14 +315,16 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
 
     out = tmp_path / "cost.json"
     args = ["calibrate", "--model", "debug", "--out", str(out), "--lengths", "16,32,64"]
-    assert main([*args, "--repeats", "1"]) == 0
+    assert main([*args, "--repeats", "1", "--packs", "4x16,2x32"]) == 0
     cost = load(out)
     assert cost.num_layers == 2 and min(cost.a, cost.b, cost.c) >= 0
     assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
     assert (cost.attn_n_half, cost.hop_latency_s, cost.overlap) == (0.0, 0.0, 1.0)  # no rings
     cal = json.loads(out.read_text())["calibration"]
-    assert [t["lengths"] for t in cal["timings"]][:3] == [[16], [32], [64]]
-    assert cal["fitted_terms"] == ["a", "b", "c"] and "local" in cal["residuals"]
+    assert [t["lengths"] for t in cal["timings"]] == [[16], [32], [64], [16] * 4, [32] * 2]
+    assert cal["fitted_terms"] == ["a", "b", "c", "d"] and "local" in cal["residuals"]
+    assert cost.d >= 0
+    assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
     assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
 
 
@@ -336,6 +338,7 @@ def test_calibrate_two_processes_fits_ring_terms(tmp_path):
     out = tmp_path / "cost.json"
     args = ["calibrate", "--out", str(out), "--nproc", "2", "--repeats", "1"]
     args += ["--lengths", "64,128,256", "--ring-lengths", "128,256", "--hop-bytes", "1024,16777216"]
+    args += ["--packs", "4x32,2x64"]
     assert main(args) == 0
     cost = load(out)
     cal = json.loads(out.read_text())["calibration"]

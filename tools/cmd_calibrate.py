@@ -20,6 +20,7 @@ from trainer.config import DTYPES
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 DEFAULT_RING_LENGTHS = "512,1024,2048,4096,8192,16384"
 DEFAULT_HOP_BYTES = "4096,65536,1048576,4194304"
+DEFAULT_PACKS = "8x256,4x1024,32x256"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wall clock (default), or each rank's thread CPU time (more ranks than cores)",
     )
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="local sample lengths")
+    parser.add_argument(
+        "--packs",
+        default=DEFAULT_PACKS,
+        help="micro-batches of several equal samples, COUNTxLENGTH (at least one, so that the "
+        "size term d is fitted: include one as large as the trainer's capacity)",
+    )
     parser.add_argument("--ring-lengths", default=DEFAULT_RING_LENGTHS, help="ring sample lengths")
     parser.add_argument("--ring-sizes", default="", help="ring sizes (default 2..nproc)")
     parser.add_argument("--hop-bytes", default=DEFAULT_HOP_BYTES, help="ring hop message sizes")
@@ -75,6 +82,18 @@ def _ints(flag: str, text: str, minimum: int = 1) -> tuple[int, ...]:
     if vals and vals[0] < minimum:
         raise ConfigError(f"{flag}: values must be >= {minimum}, got {vals[0]}")
     return vals
+
+
+def _packs(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        count, _, length = item.partition("x")
+        if not (count.isdigit() and length.isdigit() and int(count) >= 2 and int(length) >= 1):
+            raise ConfigError(
+                f"--packs: expected COUNTxLENGTH items (COUNT >= 2, LENGTH >= 1), got {item!r}"
+            )
+        out.append((int(count), int(length)))
+    return tuple(dict.fromkeys(out))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--model: {exc}") from None
     grid = CalibrationGrid(
         lengths=lengths,
+        packed=_packs(args.packs),
         ring_lengths=_ints("--ring-lengths", args.ring_lengths),
         ring_sizes=sizes,
         hop_bytes=hop_bytes,
@@ -162,7 +182,8 @@ def render(cal) -> str:
     lines += [f"note: {n}" for n in cal.fit.notes]
     c = cal.cost
     lines.append(
-        f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, attn_n_half = "
+        f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, d = {c.d:.4g} s/T^2, "
+        f"attn_n_half = "
         f"{c.attn_n_half:.4g}, hop_latency_s = {c.hop_latency_s:.4g}, link = "
         f"{c.link_bytes_per_s:.4g} B/s, overlap = {c.overlap:.3f}  ({cal.meta['seconds']:.0f} s)"
     )

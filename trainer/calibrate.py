@@ -42,7 +42,9 @@ class CalibrationGrid:
     """What `mixlen calibrate` times (lengths in positions, hop sizes in bytes)."""
 
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
-    packed: tuple[tuple[int, int], ...] = ((8, 256), (4, 1024))  # (samples, length) per mb
+    # (samples, length) per micro-batch: packs of short samples, up to a full 8,192-position one,
+    # so that the fit sees how a position's cost grows with the micro-batch (the d term)
+    packed: tuple[tuple[int, int], ...] = ((8, 256), (4, 1024), (32, 256))
     ring_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
     ring_sizes: tuple[int, ...] = ()  # default: 2..K
     hop_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20)
@@ -357,6 +359,7 @@ def calibrate(
         a=t.a,
         b=t.b,
         c=t.c,
+        d=t.d,
         attn_n_half=t.attn_n_half,
         hop_latency_s=t.hop_latency_s,
         overlap=t.overlap,

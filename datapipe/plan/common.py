@@ -238,11 +238,14 @@ def dynamic_groups(
 def local_times(
     cost: CostModel, lengths: np.ndarray, b_off: np.ndarray, b_items: np.ndarray
 ) -> np.ndarray:
-    """Time of each local micro-batch: c + the whole compute of its samples."""
+    """Time of each local micro-batch: c + the whole compute of its samples + d*T^2."""
     if b_off.shape[0] <= 1:
         return np.zeros(0, np.int64)
-    w1 = cost.work_ns(lengths[b_items], 1)
-    return (cost.c_ns + np.add.reduceat(w1, b_off[:-1])).astype(np.int64)
+    s = lengths[b_items]
+    w1 = np.add.reduceat(cost.work_ns(s, 1), b_off[:-1])
+    if cost.d:
+        w1 += cost.size_ns(np.add.reduceat(s, b_off[:-1]))
+    return (cost.c_ns + w1).astype(np.int64)
 
 
 def group_times(
@@ -256,7 +259,7 @@ def group_times(
 ) -> np.ndarray:
     """Member time of group micro-batches holding one or more samples (each split zigzag over the
     group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares (attention at its chunk
-    efficiency) + exposed ring/offload of the member's total positions. `spans` (per group): the
+    efficiency) + d*n^2 + exposed ring/offload of the member's positions n. `spans` (per group): the
     group's ranks are in more than one node (default: cost.spans_nodes(k))."""
     if kg.shape[0] == 0:
         return np.zeros(0, np.int64)
@@ -268,6 +271,9 @@ def group_times(
     n = np.add.reduceat(s, g_off[:-1]).astype(np.float64) / kg
     ring = cost.ring_ns(n, kg, spans)
     off = cost.offload_ns(n, jg.astype(np.float64) / cost.num_layers)
+    if cost.d:
+        size = cost.size_ns(n)
+        work, lin = work + size, lin + size
     return (cost.c_ns + work + cost.exposed_ns(attn, lin, ring, off)).astype(np.int64)
 
 

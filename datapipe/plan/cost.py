@@ -6,7 +6,9 @@ a group of k ranks, each member computes ``a*S^2/k / eff(S/k) + b*S/k``: its que
 all S keys, in chunks of about S/k positions. ``eff(n) = n / (n + attn_n_half)`` is the attention
 kernel's efficiency on a chunk of n positions (short chunks run below the long-sequence rate), so a
 member's attention is ``a*S^2/k + a*attn_n_half*S``: splitting a sample over k ranks adds
-``(k-1)*a*attn_n_half*S`` of attention work in total. Every micro-batch adds a fixed ``c``.
+``(k-1)*a*attn_n_half*S`` of attention work in total. Every micro-batch adds a fixed ``c``, and
+``d*T^2`` for the T positions one rank computes in it: a per-position rate that grows with the
+micro-batch's size (on CPUs a full micro-batch's activations outgrow the caches; 0 in the presets).
 
 A ring of k >= 2 members: per layer, each member makes ``comm_passes*(k-1) + 1`` hops (k-1 K/V hops
 forward, k-1 backward, and k for the dK/dV accumulators, which travel home), and sends
@@ -31,6 +33,7 @@ Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
       "a": 2.2e-09,                      # seconds per S^2 of one sample (fwd+bwd, all layers)
       "b": 9.1e-05,                      # seconds per position (fwd+bwd, all layers, incl. LM head)
       "c": 0.002,                        # seconds per micro-batch (launch, optimizer-free overheads)
+      "d": 0.0,                          # seconds per T^2, T a rank's positions in one micro-batch
       "attn_n_half": 512,                # positions at which a chunk's attention runs at half rate
       "kv_bytes_per_token": 524288,      # K+V bytes one position contributes over all layers
       "link_bytes_per_s": 5.0e10,        # ring link per rank (bytes/s, one direction; across nodes)
@@ -45,7 +48,8 @@ Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
     }
 
 Required: a, b, c, kv_bytes_per_token, link_bytes_per_s, num_layers, act_bytes_per_token_layer,
-offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap. ``mixlen-cost/1`` files
+offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap (``d`` is optional, 0 when
+absent, and written only when it is not 0, so older files keep their hashes). ``mixlen-cost/1`` files
 (written before the ring terms existed) still load: they have none of the new keys, which then take
 the values that reproduce their costs exactly (attn_n_half 0, hop_latency_s 0, overlap 1, one link).
 ``mixlen calibrate`` writes /2 files; presets (:func:`preset`) build the same object from a model
@@ -151,6 +155,7 @@ class CostModel:
     overlap: float = 1.0
     ranks_per_node: int = 0
     node_link_bytes_per_s: float = 0.0
+    d: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
     # ranks of the island being planned (for_island; 0: not known), not part of the file
@@ -166,6 +171,7 @@ class CostModel:
             "hop_latency_s",
             "attn_n_half",
             "node_link_bytes_per_s",
+            "d",
         ):
             _finite(key, getattr(self, key), 0.0, False)
         for key in ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes"):
@@ -188,6 +194,8 @@ class CostModel:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         del d["file_hash"], d["island_ranks"]
+        if not d["d"]:
+            del d["d"]  # files without the term keep their bytes and hashes
         d["schema"] = SCHEMA
         return d
 
@@ -227,6 +235,11 @@ class CostModel:
     def linear_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
         return np.rint(self.b * s / np.asarray(k, dtype=np.float64) * NS).astype(np.int64)
+
+    def size_ns(self, member_tokens: np.ndarray) -> np.ndarray:
+        """d*T^2 of micro-batches whose one member computes T positions, int64 ns."""
+        t = np.asarray(member_tokens, dtype=np.float64)
+        return np.rint(self.d * t * t * NS).astype(np.int64)
 
     def ring_bytes(self, member_tokens: np.ndarray, k: np.ndarray | int) -> np.ndarray:
         """Bytes one member sends around a ring of k in one step (0 for k = 1)."""
@@ -412,7 +425,7 @@ _REQUIRED_V1 = (
     "offload_bytes_per_s",
 )
 _REQUIRED_V2 = ("attn_n_half", "hop_latency_s", "overlap")
-_OPTIONAL = ("comm_passes", "ranks_per_node", "node_link_bytes_per_s")  # both versions: defaults
+_OPTIONAL = ("comm_passes", "ranks_per_node", "node_link_bytes_per_s", "d")  # defaults if absent
 
 
 def from_dict(d: dict, source: str = "cost model") -> CostModel:

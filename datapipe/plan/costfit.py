@@ -4,17 +4,19 @@ trainer/calibrate.py.
 
 Three kinds of timings, each a micro-batch's (or a hop's) seconds on one rank:
 
-- ``local``: forward + backward of whole samples on one rank: ``c + sum(a*S^2 + (b + a*h)*S)``
-  (h = attn_n_half; a whole sample's attention is ``a*S^2/eff(S) = a*S^2 + a*h*S``);
+- ``local``: forward + backward of whole samples on one rank:
+  ``c + sum(a*S^2 + (b + a*h)*S) + d*T^2`` (h = attn_n_half; a whole sample's attention is
+  ``a*S^2/eff(S) = a*S^2 + a*h*S``; T = sum(S), the micro-batch's positions);
 - ``hop``: one ring hop of ``nbytes`` with nothing to overlap: ``L + nbytes / link``;
 - ``ring``: forward + backward of a member of a ring of k, each sample split zigzag:
-  ``c + sum(a*S^2/k + a*h*S + b*S/k) + (1 - overlap)*R + max(overlap*R - A, 0)`` with
+  ``c + sum(a*S^2/k + a*h*S + b*S/k) + d*n^2 + (1 - overlap)*R + max(overlap*R - A, 0)`` with
   ``R = hops(k)*L + comm_passes*(k-1)*n*kv / link``, n the member's positions and A its attention
   (datapipe.plan.cost's module docstring).
 
 The fit runs in three least-squares stages: L and link from the hops (relative residuals,
-(fit - measured) / measured: sizes span orders of magnitude); a, b + a*h and c from the local
-timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted);
+(fit - measured) / measured: sizes span orders of magnitude); a, b + a*h, c and d from the local
+timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted;
+d only when some local micro-batch packs several samples, since for one sample d*T^2 = d*S^2);
 then h (which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from
 the rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages
 weigh residuals by 1/sqrt(measured) (between relative and absolute error), so that the long
@@ -79,6 +81,7 @@ class Terms:
     hop_latency_s: float
     link_bytes_per_s: float
     overlap: float
+    d: float = 0.0  # seconds per T^2, T the positions of one rank's micro-batch
 
 
 @dataclass
@@ -147,7 +150,7 @@ def ring_seconds(
     """Member time (float seconds) of ring micro-batches: k, sum of S^2 and of S of their samples."""
     k = np.asarray(k, dtype=np.float64)
     attn = terms.a * s2 / k + terms.a * terms.attn_n_half * s1
-    lin = terms.b * s1 / k
+    lin = terms.b * s1 / k + terms.d * (s1 / k) ** 2
     hops = np.where(k > 1, num_layers * (comm_passes * (k - 1) + 1), 0.0)
     nbytes = comm_passes * np.maximum(k - 1, 0) * (s1 / k) * kv_bytes_per_token
     ring = hops * terms.hop_latency_s + nbytes / terms.link_bytes_per_s
@@ -194,16 +197,21 @@ def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
     return float(lat), float(1.0 / inv_bw), None
 
 
-def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float]:
-    """(a, b + a*h, c) from local timings: t = c + sum(a*S^2 + b'*S)."""
+def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float, float]:
+    """(a, b + a*h, c, d) from local timings: t = c + sum(a*S^2 + b'*S) + d*(sum S)^2; d = 0
+    when no timing packs several samples (then d*T^2 and a*S^2 cannot be told apart)."""
     ls = [m for m in timings if m.kind == "local"]
     s2 = np.array([sum(x * x for x in m.lengths) for m in ls], dtype=np.float64)
     s1 = np.array([sum(m.lengths) for m in ls], dtype=np.float64)
     t = np.array([m.seconds for m in ls], dtype=np.float64)
     if len(ls) < 3 or len(set(s1.tolist())) < 3:
         raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
-    a, b1, c = _nonneg_lstsq(np.stack([s2, s1, np.ones_like(s1)], axis=1), t, WEIGHT_POWER)
-    return float(a), float(b1), float(c)
+    cols = [s2, s1, np.ones_like(s1)]
+    packed = bool((s2 != s1 * s1).any())
+    if packed:
+        cols.append(s1 * s1)
+    a, b1, c, *d = _nonneg_lstsq(np.stack(cols, axis=1), t, WEIGHT_POWER)
+    return float(a), float(b1), float(c), float(d[0]) if packed else 0.0
 
 
 def fit_rings(
@@ -211,13 +219,14 @@ def fit_rings(
     a: float,
     b1: float,
     c: float,
+    d: float,
     hop_latency_s: float,
     link_bytes_per_s: float,
     kv_bytes_per_token: float,
     num_layers: int,
     comm_passes: float = 3.0,
 ) -> tuple[float, float]:
-    """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h and c from the local fit:
+    """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h, c, d from the local fit:
     a grid over h in [0, b'/a] (b >= 0) and overlap in [0, 1], then Levenberg-Marquardt."""
     r = _rings(timings)
     h_max = b1 / a if a > 0 else 0.0
@@ -225,7 +234,7 @@ def fit_rings(
 
     def resid(x: np.ndarray) -> np.ndarray:  # x = (h / scale, overlap)
         h = float(x[0]) * scale
-        terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]))
+        terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]), d)
         f = ring_seconds(terms, r.k, r.s2, r.s1, kv_bytes_per_token, num_layers, comm_passes)
         return (f - r.t) / r.t**WEIGHT_POWER
 
@@ -238,9 +247,9 @@ def fit_rings(
         r0 = resid(x)
         jac = np.empty((r0.shape[0], 2))
         for i in range(2):
-            d = np.zeros(2)
-            d[i] = 1e-7 if x[i] + 1e-7 <= hi[i] else -1e-7
-            jac[:, i] = (resid(x + d) - r0) / d[i]
+            dx = np.zeros(2)
+            dx[i] = 1e-7 if x[i] + 1e-7 <= hi[i] else -1e-7
+            jac[:, i] = (resid(x + dx) - r0) / dx[i]
         jtj, jtr = jac.T @ jac, jac.T @ r0
         step = np.linalg.lstsq(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -jtr, rcond=None)[0]
         xn = np.clip(x + step, lo, hi)
@@ -281,12 +290,16 @@ def fit_terms(
         notes += [note] if note else []
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
-    a, b1, c = fit_local(timings)
+    a, b1, c, d = fit_local(timings)
+    if any(m.kind == "local" and len(m.lengths) > 1 for m in timings):  # d was fitted
+        fitted.insert(3, "d")
     h, ov = 0.0, 1.0
     if "ring" in kinds:
-        h, ov = fit_rings(timings, a, b1, c, lat, bw, kv_bytes_per_token, num_layers, comm_passes)
+        h, ov = fit_rings(
+            timings, a, b1, c, d, lat, bw, kv_bytes_per_token, num_layers, comm_passes
+        )
         fitted += ["attn_n_half", "overlap"]
-    terms = Terms(a, b1 - a * h, c, h, lat, bw, ov)
+    terms = Terms(a, b1 - a * h, c, h, lat, bw, ov, d)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
     return FitResult(terms, list(timings), fit_s, fitted, notes)
 

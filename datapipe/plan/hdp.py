@@ -3,15 +3,19 @@ zigzag chunk pair fits the capacity (with offload, Eq. 3's ratio, then widened a
 member share exceeds the lower bound), short samples are packed best-fit into local micro-batches,
 and the balance scheduler (datapipe.plan.balance) places rings first and local work around them
 by estimated time. With `widen`, wider groups and ring spare-room fills are tried as well
-(datapipe.plan.widen).
+(datapipe.plan.widen), and the batch's static DP x CP mesh (datapipe.plan.static) is taken
+instead when it is estimated faster, so hdp+widen is never estimated slower than static.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from datapipe.errors import MixlenError
+from datapipe.plan import static
 from datapipe.plan.balance import hdp_schedule
 from datapipe.plan.common import (
     assemble_dynamic,
@@ -62,6 +66,34 @@ def plan(
     mb_key = np.concatenate([g_key, sched.b_key])
     mb_ranks = np.concatenate([g_ranks, sched.b_rank])
     meta = {"improve_moves": int(sched.moves), "gap_fills": int(sched.fills), **meta}
-    return assemble_dynamic(
+    out = assemble_dynamic(
         "hdp", config, cost, lengths, sample_ids, layout, caps, mb_key, mb_ranks, meta, lb
     )
+    if config.widen:  # static can go under the work bound (it may even balance more finely)
+        mesh = static_mesh(config, cost, lengths, sample_ids)
+        out.meta["widen_candidates"] += mesh is not None
+        if mesh is not None and mesh.makespan_ns < out.makespan_ns:
+            meta = {**out.meta, "widened": 0, "widen_filled": 0, "spread": 0}
+            meta["static_mesh"] = {"cp": mesh.meta["cp"], "dp": mesh.meta["dp"]}
+            return dataclasses.replace(mesh, policy="hdp", meta=meta)
+    return out
+
+
+def static_mesh(
+    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+) -> StepPlan | None:
+    """widen's last candidate: the batch on a static DP x CP mesh, the faster (by estimate) of the
+    mesh its longest sample needs and, with `max_context` set, the mesh static itself would use
+    (None when no CP degree dividing N holds the batch)."""
+    longest = max(int(lengths.max()) if lengths.size else 0, 1)
+    best = None
+    for ctx in dict.fromkeys((longest, max(config.max_context or longest, longest))):
+        try:
+            static.static_cp_degree(config.num_ranks, config.capacity, ctx)
+        except MixlenError:
+            continue
+        cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
+        p = static.plan(cfg, cost, lengths, sample_ids)
+        if best is None or p.makespan_ns < best.makespan_ns:
+            best = p
+    return best
