@@ -164,9 +164,10 @@ def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
     batches = [next(stream) for _ in range(2)]
     steps = [s for s in json.loads(dump.read_text())["steps"] if s["widen"]]
     assert len(steps) == 2 and all(s["policy"] == "hdp" for s in steps)
+    max_ctx = int(lengths.max())  # plan's default --max-context: static's mesh, widen's candidate
     for step in steps:
         b = batches[step["step"]]
-        cfg = PlannerConfig(num_ranks=4, capacity=8192, widen=True)
+        cfg = PlannerConfig(num_ranks=4, capacity=8192, widen=True, max_context=max_ctx)
         plan = cfg.build(C.preset("debug")).plan(b.lengths, b.sample_ids)
         assert step["digest"] == plan.digest().hex()
     assert main(args[:-2] + ["--policy", "static", "--widen"]) == 2

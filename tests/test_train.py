@@ -409,3 +409,14 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
     rows = [json.loads(x)["compare"] for x in open(cpu["metrics"]) if '"compare"' in x]
     assert all(r["measured_s"] == r["measured_cpu_s"] for r in rows)
     assert "CPU time replayed" in open(cpu["balance_report"]).read()
+
+
+def test_widen_plans_with_the_static_mesh_context():
+    """With widen, the trainer's hdp planner knows static's mesh (the dataset's longest sample, or
+    [parallel] max_context), so it may take that mesh for a batch; without widen hdp ignores it."""
+    base = {"data": {"path": "unused"}}
+    widen = from_dict({**base, "parallel": {"widen": True}}).parallel
+    assert widen.planner_config(4, 300, 0).max_context == 300
+    fixed = from_dict({**base, "parallel": {"widen": True, "max_context": 512}}).parallel
+    assert fixed.planner_config(4, 300, 0).max_context == 512
+    assert from_dict(base).parallel.planner_config(4, 300, 0).max_context is None

@@ -217,7 +217,8 @@ class ParallelConfig:
     """`[parallel]`: the planner (datapipe.plan.planner). `cost` is a cost file (`mixlen
     calibrate`) or a preset name (datapipe.plan.cost.preset); `max_context` fixes the static
     mesh's CP degree (default: the dataset's longest sample); `widen` lets hdp give long samples
-    more ranks than the smallest group (docs/PLAN.md).
+    more ranks than the smallest group, or take that static mesh for a batch when it is estimated
+    faster (docs/PLAN.md).
 
     `zero`: 0 every rank keeps the whole optimizer state; 1 each rank of an island keeps its
     slice of the master weights and AdamW moments; 2 also only its slice of the gradient between
@@ -269,7 +270,10 @@ class ParallelConfig:
             num_ranks=num_ranks,
             capacity=self.capacity,
             offload=offload,
-            max_context=(self.max_context or max_len) if self.policy == "static" else None,
+            # static's mesh; with widen, hdp also tries that mesh on every batch
+            max_context=(self.max_context or max_len)
+            if self.policy == "static" or self.widen
+            else None,
             widen=self.widen,
             seed=seed,
             keys=self.PLANNER_KEYS,
