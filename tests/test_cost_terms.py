@@ -277,3 +277,36 @@ def test_v2_roundtrip_and_checks(tmp_path) -> None:
     p.write_text(json.dumps({**m.to_dict(), "node_link_bytes_per_s": 0.0}))
     with pytest.raises(InputError, match="'node_link_bytes_per_s' must be > 0 when"):
         C.load(p)
+
+
+def test_report_components_add_up_to_plan_times() -> None:
+    """The report's per-micro-batch split (attention, linear incl. d*T^2, exposed communication,
+    exposed offload, overhead) sums to the time the planner gave each micro-batch, with every term
+    of the model switched on."""
+    from tools.report import mb_components
+
+    cost = dataclasses.replace(
+        BASE,
+        num_layers=8,  # offload moves some of l - 2 layers: none with BASE's 2
+        act_bytes_per_token_layer=2e4,
+        d=1e-9,
+        hop_latency_s=2e-4,
+        attn_n_half=64.0,
+        overlap=0.5,
+        link_bytes_per_s=5e8,
+    )
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(1, 4096, 40), rng.integers(4097, 20000, 5)])
+    for policy, kw in (
+        ("hdp", {}),
+        ("hdp+widen", {}),
+        ("static", {"max_context": 20000}),
+        ("naive-hdp", {}),
+        ("hdp", {"offload": True}),
+    ):
+        p = plan(cost, policy, lengths, 8, 4096, **kw)
+        assert (p.group_sizes > 1).any() and (policy == "static" or (p.group_sizes == 1).any())
+        assert (p.mb_offload > 0).any() == ("offload" in kw)
+        parts = mb_components(p, cost).sum(axis=1) * 1e9
+        per_mb = np.diff(p.mb_piece_offsets)
+        assert np.all(np.abs(parts - p.mb_time_ns) <= 2 * per_mb + 2), policy
