@@ -69,7 +69,7 @@ def plan(
     out = assemble_dynamic(
         "hdp", config, cost, lengths, sample_ids, layout, caps, mb_key, mb_ranks, meta, lb
     )
-    if config.widen:  # static can go under the work bound (it may even balance more finely)
+    if config.widen:  # also when widen stopped near the bound: static may still be a bit faster
         mesh = static_mesh(config, cost, lengths, sample_ids)
         out.meta["widen_candidates"] += mesh is not None
         if mesh is not None and mesh.makespan_ns < out.makespan_ns:
