@@ -69,8 +69,8 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
     from datapipe.plan.planner import PlannerConfig
-    from datapipe.plan.stepplan import replay_kernel
     from trainer.comm import TorchComm
+    from trainer.compare import replayed_cpu_s
 
     _init(rank, world, port)
     try:
@@ -106,22 +106,13 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
             res = ex.step(plan, fetched, i)
             wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            log = torch.zeros(plan.num_microbatches, dtype=torch.float64)
-            for slot, _, cpu in ex.mb_log:
-                log[slot] = cpu
-            dist.all_reduce(log, op=dist.ReduceOp.MAX)  # a group waits for its slowest member
-            rep = replay_kernel(
-                plan.mb_group_offsets,
-                plan.group_ranks.astype(np.int64),
-                (log.numpy() * 1e9).astype(np.int64),
-                world,
-            )
+            cpu = replayed_cpu_s(comm, ex.mb_log, plan, rank)  # slowest member, slot order
             return {
                 "kind": kind,
                 "batch": i,
                 "policy": policy,
                 "wall_s": float(wall.item()),
-                "replayed_cpu_s": float(rep.max()) / 1e9,
+                "replayed_cpu_s": cpu,
                 "predicted_s": plan.makespan_ns / 1e9,
                 "digest": plan.digest().hex(),
                 "tokens": res.tokens,

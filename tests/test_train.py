@@ -323,7 +323,6 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     cal = json.loads(out.read_text())["calibration"]
     assert [t["lengths"] for t in cal["timings"]] == [[16], [32], [64], [16] * 4, [32] * 2]
     assert cal["fitted_terms"] == ["a", "b", "c", "d"] and "local" in cal["residuals"]
-    assert cost.d >= 0
     assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
     assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
 

@@ -22,6 +22,7 @@ import torch
 
 from datapipe.plan.planner import Planner
 from datapipe.plan.stepplan import StepPlan, replay_kernel
+from trainer.comm import Communicator
 from trainer.data import TrainData, rank_pieces
 from trainer.executor import HDPExecutor, StepResult
 
@@ -60,11 +61,12 @@ class PolicyComparison:
         update) and record both; returns the record (None on other steps)."""
         if step % self.interval:
             return None
-        cpu = self._replayed_cpu_s(plan)  # the run's pass (its log is still the executor's)
+        ex = self.executor
+        cpu = replayed_cpu_s(ex.comm, ex.mb_log, plan, self.rank)  # the run's pass (its log)
         other = self.planner.plan(batch.lengths, self.data.train_ids[batch.sample_ids])
         fetched = self.data.fetcher.fetch_step(rank_pieces(other, self.rank))
         res2 = self.executor.accumulate(other, fetched, step)
-        cpu2 = self._replayed_cpu_s(other)
+        cpu2 = replayed_cpu_s(ex.comm, ex.mb_log, other, self.rank)
         self.executor.zero.discard()  # the run's next step starts from a clean gradient
         self.label, self.other_label = plan.label, other.label
         row = {
@@ -84,23 +86,6 @@ class PolicyComparison:
         row["other_measured_s"] = row[f"other_measured_{self.clock}_s"]
         self.rows.append(row)
         return row
-
-    def _replayed_cpu_s(self, plan: StepPlan) -> float:
-        """Makespan of the executor's last pass with each micro-batch's thread CPU time (the
-        slowest member of its group) replayed in slot order; one island all-reduce."""
-        size = self.executor.comm.size
-        log = torch.zeros(size, plan.num_microbatches, dtype=torch.float64)
-        for slot, _, cpu in self.executor.mb_log:
-            log[self.rank, slot] = cpu
-        self.executor.comm.all_reduce(log)
-        mb_ns = (log.amax(dim=0).numpy() * 1e9).astype(np.int64)
-        finish = replay_kernel(
-            plan.mb_group_offsets.astype(np.int64),
-            plan.group_ranks.astype(np.int64),
-            mb_ns,
-            size,
-        )
-        return float(finish.max()) / 1e9
 
     def render(self) -> str:
         """A few lines for the end of the run (also in balance.md)."""
@@ -138,6 +123,21 @@ CLOCKS = {
     "cpu": "each micro-batch's CPU time replayed in the plan's order (ranks share cores here; "
     "the cost file is calibrated with --clock cpu), summed over steps.",
 }
+
+
+def replayed_cpu_s(comm: Communicator, mb_log: list, plan: StepPlan, rank: int) -> float:
+    """Makespan of a pass of `plan` with each micro-batch's thread CPU time (from the executor's
+    `mb_log` of (slot, start, cpu s) on every rank; a group waits for its slowest member) replayed
+    in slot order; one all-reduce over `comm`, the plan's ranks."""
+    log = torch.zeros(comm.size, plan.num_microbatches, dtype=torch.float64)
+    for slot, _, cpu in mb_log:
+        log[rank, slot] = cpu
+    comm.all_reduce(log)
+    mb_ns = (log.amax(dim=0).numpy() * 1e9).astype(np.int64)
+    finish = replay_kernel(
+        plan.mb_group_offsets.astype(np.int64), plan.group_ranks.astype(np.int64), mb_ns, comm.size
+    )
+    return float(finish.max()) / 1e9 if finish.size else 0.0
 
 
 def _local_share(plan: StepPlan) -> float:

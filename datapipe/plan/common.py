@@ -243,9 +243,7 @@ def local_times(
         return np.zeros(0, np.int64)
     s = lengths[b_items]
     w1 = np.add.reduceat(cost.work_ns(s, 1), b_off[:-1])
-    if cost.d:
-        w1 += cost.size_ns(np.add.reduceat(s, b_off[:-1]))
-    return (cost.c_ns + w1).astype(np.int64)
+    return (cost.c_ns + w1 + cost.size_ns(np.add.reduceat(s, b_off[:-1]))).astype(np.int64)
 
 
 def group_times(
@@ -271,9 +269,8 @@ def group_times(
     n = np.add.reduceat(s, g_off[:-1]).astype(np.float64) / kg
     ring = cost.ring_ns(n, kg, spans)
     off = cost.offload_ns(n, jg.astype(np.float64) / cost.num_layers)
-    if cost.d:
-        size = cost.size_ns(n)
-        work, lin = work + size, lin + size
+    size = cost.size_ns(n)
+    work, lin = work + size, lin + size
     return (cost.c_ns + work + cost.exposed_ns(attn, lin, ring, off)).astype(np.int64)
 
 

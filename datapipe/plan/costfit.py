@@ -197,6 +197,11 @@ def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
     return float(lat), float(1.0 / inv_bw), None
 
 
+def has_packs(timings: Sequence[Timing]) -> bool:
+    """Does some local timing pack several samples (what separates d*T^2 from a*S^2)?"""
+    return any(m.kind == "local" and len(m.lengths) > 1 for m in timings)
+
+
 def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float, float]:
     """(a, b + a*h, c, d) from local timings: t = c + sum(a*S^2 + b'*S) + d*(sum S)^2; d = 0
     when no timing packs several samples (then d*T^2 and a*S^2 cannot be told apart)."""
@@ -207,7 +212,7 @@ def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float, float]:
     if len(ls) < 3 or len(set(s1.tolist())) < 3:
         raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
     cols = [s2, s1, np.ones_like(s1)]
-    packed = bool((s2 != s1 * s1).any())
+    packed = has_packs(timings)
     if packed:
         cols.append(s1 * s1)
     a, b1, c, *d = _nonneg_lstsq(np.stack(cols, axis=1), t, WEIGHT_POWER)
@@ -291,7 +296,7 @@ def fit_terms(
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
     a, b1, c, d = fit_local(timings)
-    if any(m.kind == "local" and len(m.lengths) > 1 for m in timings):  # d was fitted
+    if has_packs(timings):
         fitted.insert(3, "d")
     h, ov = 0.0, 1.0
     if "ring" in kinds:

@@ -88,12 +88,11 @@ def static_mesh(
     longest = max(int(lengths.max()) if lengths.size else 0, 1)
     best = None
     for ctx in dict.fromkeys((longest, max(config.max_context or longest, longest))):
-        try:
-            static.static_cp_degree(config.num_ranks, config.capacity, ctx)
-        except MixlenError:
-            continue
         cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
-        p = static.plan(cfg, cost, lengths, sample_ids)
+        try:
+            p = static.plan(cfg, cost, lengths, sample_ids)
+        except MixlenError:  # no CP degree dividing N holds ctx
+            continue
         if best is None or p.makespan_ns < best.makespan_ns:
             best = p
     return best
