@@ -26,7 +26,7 @@ from _train_worker import make_dataset
 
 from tools.cli import main as cli_main
 from trainer.comm import free_port, spawn
-from trainer.config import to_toml
+from trainer.config_toml import to_toml
 from trainer.train import run_training
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,7 +31,8 @@ from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan.cost import DEVICES, build_cost_model
 from datapipe.plan.planner import PlannerConfig
 from trainer.comm import run_threads
-from trainer.config import OffloadConfig, apply_overrides, from_dict, resume_conflicts
+from trainer.config import OffloadConfig, from_dict, resume_conflicts
+from trainer.config_toml import apply_overrides
 from trainer.offload import ActivationPolicy
 from trainer.offload_plan import (
     HostNeed,
@@ -306,7 +307,7 @@ def test_mixlen_train_offload_and_checkpointing(tmp_path):
     4-layer model: samples of 257..512 tokens only fit with r > 0) and checkpointing every:2:
     trains, writes the offload fields to metrics.jsonl and the offload tables to balance.md."""
     from tools.cli import main
-    from trainer.config import to_toml
+    from trainer.config_toml import to_toml
 
     data = make_dataset(str(tmp_path / "ds"), n_docs=80)
     run = tmp_path / "run"

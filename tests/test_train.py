@@ -15,7 +15,8 @@ from test_reference_trainer import reference_run
 
 from datapipe.errors import ConfigError
 from trainer.comm import free_port, spawn
-from trainer.config import apply_overrides, from_dict, load_config, to_toml
+from trainer.config import from_dict
+from trainer.config_toml import apply_overrides, load_config, to_toml
 from trainer.data import held_out_mask
 from trainer.train import run_training
 

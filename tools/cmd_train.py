@@ -91,7 +91,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config import load_config, ranks_per_island, to_toml
+    from trainer.config import ranks_per_island
+    from trainer.config_toml import load_config, to_toml
 
     if args.config is None and not args.print_config:
         raise ConfigError("a config file is required (e.g. configs/debug.toml)")

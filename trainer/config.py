@@ -1,4 +1,5 @@
-"""`mixlen train`'s TOML config: one dataclass per section, validation, `--set` overrides.
+"""`mixlen train`'s config: one dataclass per section and its validation (reading and writing
+the TOML file and `--set` overrides: trainer.config_toml).
 
 Unknown sections or keys and bad values raise `ConfigError` naming `section.key`. Every field has
 a default except `[data] path`. Settings that belong to a data-layer component are validated once,
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,11 +24,6 @@ from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
 from datapipe.stream import StreamConfig
 from trainer.config_co2 import CO2Config, ranks_per_island
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 __all__ = [
     "CO2Config",
     "CheckpointConfig",
@@ -39,11 +34,8 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "TrainerConfig",
-    "apply_overrides",
     "checkpoint_every",
-    "load_config",
     "ranks_per_island",
-    "to_toml",
 ]
 
 DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
@@ -542,75 +534,3 @@ def from_dict(d: dict[str, Any]) -> TrainerConfig:
     cfg = TrainerConfig(**{k: _section(k, hints[k], v) for k, v in d.items()})
     cfg.validate()
     return cfg
-
-
-def _parse_value(text: str) -> Any:
-    """A --set value: a TOML value (1e-3, true, "x", [1, 2]) or else the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` overrides to a parsed config dict (copied)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not section or not name:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        out.setdefault(section, {})
-        if not isinstance(out[section], dict):
-            raise ConfigError(f"--set {item!r}: {section} is not a section")
-        out[section][name] = _parse_value(value.strip())
-    return out
-
-
-def load_config(
-    path: str | os.PathLike | None, overrides: list[str] | None = None
-) -> TrainerConfig:
-    """Read a TOML file (None: defaults only), apply overrides, validate. Relative paths in
-    `[data]`, `[checkpoint]`, `[metrics]` and a `.json` cost stay relative to the working dir."""
-    d: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                d = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not a text (TOML) file") from None
-    try:
-        return from_dict(apply_overrides(d, overrides or []))
-    except ConfigError as exc:
-        # say where the bad value was written: the file, or a --set override
-        msg = str(exc)
-        key = msg.split(":", 1)[0]
-        given = {o.partition("=")[0].strip() for o in overrides or []}
-        if key in given or msg.startswith("--set"):
-            raise ConfigError(msg if msg.startswith("--set") else f"--set {msg}") from None
-        if path is not None:
-            raise ConfigError(f"{path}: {msg}") from None
-        raise
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
-
-
-def to_toml(cfg: TrainerConfig) -> str:
-    """The resolved config as TOML (keys left at None are shown as comments)."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for k, v in values.items():
-            lines.append(f"# {k} = (unset)" if v is None else f"{k} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)

@@ -25,7 +25,8 @@ from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from trainer.checkpoint import Checkpointer
 from trainer.compare import PolicyComparison
-from trainer.config import TrainerConfig, to_toml
+from trainer.config import TrainerConfig
+from trainer.config_toml import to_toml
 from trainer.data import TrainData
 from trainer.executor import HDPExecutor
 from trainer.faults import FaultInjector
