@@ -187,3 +187,17 @@ def test_local_fit_clamps_negative_terms() -> None:
     ]
     a, b, c, d = fit_local(exact + packs)
     assert d == 0 and a > 0 and b > 0
+
+
+
+def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
+    """h at its bound b'/a: b = b' - a*h rounds below 0 for some a, b' (seen in a calibration:
+    'b' must be >= 0, got -3.4e-21); the fit returns b = 0 and the cost model accepts it."""
+    import datapipe.plan.costfit as CF
+
+    a, b1 = 4.4350871771406636e-08, 5.008541189680322e-05  # b1 - a * (b1 / a) < 0 in floats
+    assert b1 - a * (b1 / a) < 0
+    monkeypatch.setattr(CF, "fit_local", lambda timings: (a, b1, 2e-3, 0.0))
+    monkeypatch.setattr(CF, "fit_rings", lambda timings, a, b1, *rest: (b1 / a, 0.5))
+    fit = fit_terms(synthetic(TRUE), KV, LAYERS)
+    assert fit.terms.b == 0.0 and fit.terms.attn_n_half == b1 / a

@@ -304,7 +304,8 @@ def fit_terms(
             timings, a, b1, c, d, lat, bw, kv_bytes_per_token, num_layers, comm_passes
         )
         fitted += ["attn_n_half", "overlap"]
-    terms = Terms(a, b1 - a * h, c, h, lat, bw, ov, d)
+    # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
+    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, d)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
     return FitResult(terms, list(timings), fit_s, fitted, notes)
 
