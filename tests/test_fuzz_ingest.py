@@ -69,10 +69,15 @@ def input_file(draw) -> tuple[str, bytes, list[str]]:
         else:  # a record whose bytes are in another encoding (ensure_ascii off)
             text, enc = value
             try:
-                lines.append(json.dumps({"text": text}, ensure_ascii=False).encode(enc))
+                line = json.dumps({"text": text}, ensure_ascii=False).encode(enc)
             except UnicodeEncodeError:
                 continue
+            lines.append(line)
             possible.append(text)
+            try:  # bytes of another encoding may also be valid UTF-8 (latin-1 "Â\x80" is U+0080)
+                possible.append(json.loads(line.decode("utf-8"))["text"])
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+                pass
     data = b"\n".join(lines) + (b"\n" if lines else b"")
     wrap = draw(st.sampled_from(["", ".gz", ".zst"]))
     if wrap == ".gz":
