@@ -2,13 +2,13 @@
 
 The debug model with 4 layers trains on the standard-library corpus (Python sources of this
 interpreter, preprocessed with --max-len 2048 into --data unless it exists) through the real
-Trainer (`mixlen train`'s code: stream dealt to islands, plans, fetch, executor, trainer.islands).
+Trainer (`mixlen train`'s code: stream dealt to islands, plans, fetch, executor, trainer.islands.cross).
 Every run trains the same token budget (--steps steps of --batch tokens per island).
 
 1. No link (gloo on localhost, ~free): each method's compute time per step, and the loss after the
    budget (held-out loss of the final weights), also for the `--sweep` settings that chose the
    `[co2]` defaults.
-2. Emulated links (`co2.link_gbps`, trainer.co2.LinkEmulator) scaled from phase 1 so that one
+2. Emulated links (`co2.link_gbps`, trainer.islands.co2.LinkEmulator) scaled from phase 1 so that one
    round's cross-island communication takes 0.5x, 1x and 4x the compute between two of them:
    tau steps for co2 and diloco (one average of each rank's slice per round), one step for sync
    (the gradient slice every step). Tokens/s in steady state (the first round and the last step,
@@ -97,9 +97,9 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.comm import init_local_gloo
-    from trainer.config import from_dict
-    from trainer.runtime import setup_runtime
+    from trainer.config.job import from_dict
+    from trainer.parallel.comm import init_local_gloo
+    from trainer.parallel.runtime import setup_runtime
     from trainer.train import run_training
 
     init_local_gloo(rank, world, port, timeout_s=1800)
@@ -122,7 +122,7 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
 
 
 def run_all(runs: list[tuple[str, dict]]) -> dict[str, list[dict]]:
-    from trainer.comm import free_port, spawn
+    from trainer.parallel.comm import free_port, spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
@@ -202,7 +202,7 @@ def main() -> None:
 
     from datapipe.plan.memory import slice_length
     from datapipe.shapes import get_config
-    from trainer.config_co2 import CO2Config
+    from trainer.islands.config import CO2Config
 
     default = CO2Config()
     tau = default.tau

@@ -1,7 +1,7 @@
 """Activation offload and checkpointing on one long sequence, and what offload does to the
 planner's group sizes.
 
-Part 1 (the mechanism, trainer.offload): peak kept activation bytes and step time, side by side in
+Part 1 (the mechanism, trainer.offload.manager): peak kept activation bytes and step time, side by side in
 one run, for
 
     plain        the model's own forward/backward (no manager)
@@ -52,9 +52,9 @@ import torch  # noqa: E402
 from datapipe.files import write_text_atomic  # noqa: E402
 from datapipe.plan.cost import DEVICES, build_cost_model, preset  # noqa: E402
 from datapipe.plan.planner import PlannerConfig  # noqa: E402
-from trainer.config import OffloadConfig  # noqa: E402
-from trainer.model import build, get_config  # noqa: E402
-from trainer.offload import ActivationPolicy  # noqa: E402
+from trainer.config.job import OffloadConfig  # noqa: E402
+from trainer.model.transformer import build, get_config  # noqa: E402
+from trainer.offload.manager import ActivationPolicy  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, float] | None] = {
     "plain": None,

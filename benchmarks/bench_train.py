@@ -43,7 +43,7 @@ SHORT_MAX, LONG_MIN = 1024, 4096
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    from trainer.comm import init_local_gloo
+    from trainer.parallel.comm import init_local_gloo
 
     init_local_gloo(rank, world, port, timeout_s=600)
 
@@ -52,9 +52,9 @@ def _executor(comm, shape: dict, lr: float = 1e-3):
     import torch
 
     from datapipe.shapes import ModelConfig
-    from trainer.executor import HDPExecutor
-    from trainer.model import build_model
-    from trainer.zero import ZeroOptimizer
+    from trainer.model.transformer import build_model
+    from trainer.parallel.executor import HDPExecutor
+    from trainer.parallel.zero import ZeroOptimizer
 
     model, master = build_model(ModelConfig(**shape), torch.float32, seed=0)
     opt = ZeroOptimizer.for_model(model, comm, master=master, level=0, lr=lr, grad_clip=1.0)
@@ -69,8 +69,8 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
     from datapipe.plan.planner import PlannerConfig
-    from trainer.comm import TorchComm
     from trainer.compare import replayed_cpu_s
+    from trainer.parallel.comm import TorchComm
 
     _init(rank, world, port)
     try:
@@ -152,11 +152,11 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
 
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
+    from datapipe.plan.loss import labelled_positions
     from datapipe.plan.planner import PlannerConfig
     from datapipe.shapes import ModelConfig
-    from trainer.attention import LocalAttention
-    from trainer.executor import labelled_positions
-    from trainer.model import build_model
+    from trainer.attention.local import LocalAttention
+    from trainer.model.transformer import build_model
 
     data = np.load(job["tokens"], allow_pickle=True)
     fetcher = MemoryFetcher(list(data["tokens"]))
@@ -210,7 +210,7 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
 
 
 def _spawn(fn, world: int, job: dict, timeout: float) -> None:
-    from trainer.comm import free_port, spawn
+    from trainer.parallel.comm import free_port, spawn
 
     spawn(fn, world, (world, free_port(), job), timeout)
 

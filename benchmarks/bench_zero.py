@@ -1,4 +1,4 @@
-"""Sharded optimizer benchmark (trainer.zero through the HDP executor).
+"""Sharded optimizer benchmark (trainer.parallel.zero through the HDP executor).
 
 - Memory per rank: the debug and small models measured through ZeroOptimizer (bfloat16 compute,
   fake ranks in threads) against datapipe.plan.memory's formula, and the llama presets computed,
@@ -34,9 +34,9 @@ def memory_table() -> list[dict]:
 
     from datapipe.plan.memory import model_state_bytes
     from datapipe.shapes import get_config
-    from trainer.comm import run_threads
-    from trainer.model import build
-    from trainer.zero import ZeroOptimizer
+    from trainer.model.transformer import build
+    from trainer.parallel.zero import ZeroOptimizer
+    from trainer.testing.threads import run_threads
 
     rows = []
     for name in ("debug", "small"):
@@ -104,10 +104,10 @@ def _step_main(rank: int, world: int, port: int, job: dict) -> None:
     from datapipe.plan.cost import preset
     from datapipe.plan.planner import PlannerConfig
     from datapipe.shapes import get_config
-    from trainer.comm import TorchComm, init_local_gloo
-    from trainer.executor import HDPExecutor
-    from trainer.model import build_model
-    from trainer.zero import ZeroOptimizer
+    from trainer.model.transformer import build_model
+    from trainer.parallel.comm import TorchComm, init_local_gloo
+    from trainer.parallel.executor import HDPExecutor
+    from trainer.parallel.zero import ZeroOptimizer
 
     init_local_gloo(rank, world, port, timeout_s=900)
     try:
@@ -175,7 +175,7 @@ def step_times(world: int, job: dict) -> dict:
     """Run _step_main on `world` gloo processes; summary per level."""
     import statistics
 
-    from trainer.comm import free_port, spawn
+    from trainer.parallel.comm import free_port, spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         job = {**job, "out": os.path.join(tmp, "steps.json")}

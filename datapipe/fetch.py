@@ -33,8 +33,8 @@ from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
 from datapipe.pack_kernel import pack_kernel
+from datapipe.plan.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 MDS_ACCESS = ("reader", "dataset")
 
 
@@ -45,7 +45,7 @@ MDS_ACCESS = ("reader", "dataset")
 class PackedMicroBatch:
     """One packed micro-batch of one rank; every array is 1-D over its T positions. Token ids keep
     the dataset's dtype (uint16 below 65,536 ids: 2 bytes per position where int64 took 8), labels
-    and positions are int32; the model widens them on its device (trainer.model)."""
+    and positions are int32; the model widens them on its device (trainer.model.transformer)."""
 
     input_ids: np.ndarray  # [T], the token dtype (uint16, uint32; int64 from MemoryFetcher)
     labels: np.ndarray  # int32 [T], IGNORE_INDEX at a sample's last position

@@ -71,7 +71,7 @@ class ModelConfig:
         return 2.0 * self.n_kv_heads * self.head_dim * dtype_bytes * self.n_layers
 
     def act_bytes_per_token_layer(self, dtype_bytes: int) -> float:
-        """Saved activation bytes per position per layer of trainer.model's block (flash-style
+        """Saved activation bytes per position per layer of trainer.model.transformer's block (flash-style
         attention keeping only its output and log-sum-exp, no recompute), with compute dtype of
         `dtype_bytes` bytes; the norms and the log-sum-exp keep at least float32 (4 bytes).
 

@@ -1,5 +1,5 @@
 """2 islands x 2 ranks over gloo (tests/test_islands.py): co2, diloco and sync through the executor,
-the sharded optimizer and trainer.islands against references that rank 0 computes with plain
+the sharded optimizer and trainer.islands.cross against references that rank 0 computes with plain
 torch (whole samples, torch.optim.AdamW inside each island, torch.optim.SGD or the contract's
 formulas across islands); then the Trainer on a small dataset: resume mid-round and at a round
 boundary with a round in flight, diloco and sync runs."""
@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 from _train_worker import make_plan, model_config, train_config
 
-from datapipe.fetch import IGNORE_INDEX, MemoryFetcher
-from trainer.comm import init_local_gloo
-from trainer.config_co2 import CO2Config
-from trainer.executor import HDPExecutor, labelled_positions
-from trainer.islands import CrossIsland
-from trainer.model import build_model
-from trainer.zero import ZeroOptimizer
+from datapipe.fetch import MemoryFetcher
+from datapipe.plan.loss import IGNORE_INDEX, labelled_positions
+from trainer.islands.config import CO2Config
+from trainer.islands.cross import CrossIsland
+from trainer.model.transformer import build_model
+from trainer.parallel.comm import init_local_gloo
+from trainer.parallel.executor import HDPExecutor
+from trainer.parallel.zero import ZeroOptimizer
 
 ISLANDS, RANKS = 2, 2
 F64 = torch.float64
@@ -53,7 +54,7 @@ def data() -> tuple[MemoryFetcher, list[np.ndarray]]:
     return MemoryFetcher(tokens), batches
 
 
-# --- the code under test: executor + sharded optimizer + trainer.islands ---------------------------
+# --- the code under test: executor + sharded optimizer + trainer.islands.cross ---------------------------
 
 
 def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config) -> dict:
@@ -229,7 +230,7 @@ def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
 
 
 def main(rank: int, world: int, port: int, data_dir: str, out_dir: str) -> None:
-    from trainer.runtime import setup_runtime
+    from trainer.parallel.runtime import setup_runtime
 
     init_local_gloo(rank, world, port, timeout_s=90)
     try:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from _train_worker import train_config
 
-from trainer.comm import TorchComm, init_local_gloo
-from trainer.runtime import Runtime, setup_runtime
+from trainer.parallel.comm import TorchComm, init_local_gloo
+from trainer.parallel.runtime import Runtime, setup_runtime
 from trainer.train import run_training
 
 CRASH_STEPS = 6

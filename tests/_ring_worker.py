@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.attention import attend
-from trainer.comm import TorchComm, init_local_gloo
-from trainer.ring import RingAttention, ZigzagLayout, ring_attend
+from trainer.attention.local import attend
+from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+from trainer.parallel.comm import TorchComm, init_local_gloo
 
 # (island ranks or None for the world, ring group in island-local ranks, sample lengths, hq, hkv)
 SCENARIOS = [

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from datapipe.fetch import MemoryFetcher
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model, preset
 from datapipe.plan.planner import PlannerConfig
-from trainer.comm import Communicator, SoloComm, TorchComm, init_local_gloo
-from trainer.config import OffloadConfig
-from trainer.executor import HDPExecutor
-from trainer.model import build_model, get_config
-from trainer.offload import ActivationPolicy
-from trainer.offload_plan import HostNeed
-from trainer.zero import ZeroOptimizer
+from trainer.config.job import OffloadConfig
+from trainer.model.transformer import build_model, get_config
+from trainer.offload.manager import ActivationPolicy
+from trainer.offload.plan import HostNeed
+from trainer.parallel.comm import Communicator, SoloComm, TorchComm, init_local_gloo
+from trainer.parallel.executor import HDPExecutor
+from trainer.parallel.zero import ZeroOptimizer
 
 CAPACITY = 64
 WORLD = 4
@@ -104,7 +104,7 @@ def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int):
 def optimizer(model, master, comm: Communicator, **kwargs) -> tuple:
     """The island's optimizer and LR schedule as trainer.trainer.Trainer builds them from TRAIN
     (`kwargs` override ZeroOptimizer's arguments, e.g. `level`)."""
-    from trainer.config import from_dict
+    from trainer.config.job import from_dict
     from trainer.trainer import lr_lambda
 
     cfg = from_dict({"data": {"path": "unused"}, "train": TRAIN})
@@ -205,7 +205,7 @@ def describe_errors(ref: dict, got: dict) -> str:
     )
 
 
-# --- offload and activation checkpointing (trainer.offload) in the executor ---------------------------
+# --- offload and activation checkpointing (trainer.offload.manager) in the executor ---------------------------
 
 
 def offload_model_config():
@@ -352,7 +352,7 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
             everyone = comm.all_gather(got["grad"])
             assert all(torch.equal(x, got["grad"]) for x in everyone), "ranks' grads differ"
             results[(policy, str(dtype))] = got
-        offload = offload_cases(comm)  # hdp on the 4-layer model (trainer.offload)
+        offload = offload_cases(comm)  # hdp on the 4-layer model (trainer.offload.manager)
         if rank == 0:
             results["offload"] = offload
             results[("single", str(torch.bfloat16))] = run_policy(
@@ -393,7 +393,7 @@ def make_dataset(out: str, n_docs: int = 120, max_chars: int = 500, seed: int = 
 
 def train_config(data: str, run: str, **sections: dict):
     """A small TrainerConfig over `data` writing into `run` (section dicts override)."""
-    from trainer.config import from_dict
+    from trainer.config.job import from_dict
 
     d = {
         "model": {"name": "debug", "dim": 32, "ffn_dim": 64},
@@ -420,7 +420,7 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> Non
     out_dir/losses.json."""
     import json
 
-    from trainer.runtime import setup_runtime
+    from trainer.parallel.runtime import setup_runtime
     from trainer.train import run_training
 
     init_local_gloo(rank, world, port, timeout_s=60)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from trainer.comm import Communicator, TorchComm, init_local_gloo
-from trainer.zero import ZeroOptimizer
+from trainer.parallel.comm import Communicator, TorchComm, init_local_gloo
+from trainer.parallel.zero import ZeroOptimizer
 
 LR, WD, SCALE = 2e-2, 0.1, 0.25
 CLIP = 0.05  # below the scenario's gradient norms (~0.2-2): clipping is active
@@ -226,7 +226,7 @@ def executor_levels(comm: Communicator, grad_comm: Communicator) -> list[str]:
     single-process reference (compare(): the executor's exactness bounds). Rank 0 asserts."""
     from _train_worker import ZERO_LENGTHS, compare, run_policy
 
-    from trainer.comm import SoloComm
+    from trainer.parallel.comm import SoloComm
 
     f64, out = torch.float64, []
 
@@ -277,8 +277,8 @@ def trainer_resume(data_dir: str, out_dir: str) -> list[str]:
     of the straight run (HDP plans of 4, 2 and 1 ranks compute the same step)."""
     from _train_worker import train_config
 
-    from trainer.comm import SoloComm
-    from trainer.runtime import Runtime, setup_runtime
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.runtime import Runtime, setup_runtime
 
     rank = dist.get_rank()
     rt4 = setup_runtime("cpu")

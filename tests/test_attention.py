@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datapipe.plan.zigzag import chunk_bounds
-from trainer.attention import (
+from trainer.attention.local import (
     Visibility,
     attend,
     attend_block,

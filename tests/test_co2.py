@@ -1,4 +1,4 @@
-"""CO2's outer update (trainer.co2) against plain references written from the contract's
+"""CO2's outer update (trainer.islands.co2) against plain references written from the contract's
 formulas, DiLoCo (torch's SGD on the pseudo-gradient) and parameter averaging; resume and
 resharding of its state; the link emulator on an injected clock."""
 
@@ -13,10 +13,10 @@ import torch.distributed.checkpoint as dcp
 from _dcp_join import save_as_ranks
 
 from datapipe.plan.memory import outer_state_bytes
-from trainer.co2 import LinkEmulator, OuterConfig, OuterSync
-from trainer.comm import run_islands, run_threads
-from trainer.slices import FlatLayout
-from trainer.zero import ZeroOptimizer
+from trainer.islands.co2 import LinkEmulator, OuterConfig, OuterSync
+from trainer.parallel.slices import FlatLayout
+from trainer.parallel.zero import ZeroOptimizer
+from trainer.testing.threads import run_islands, run_threads
 
 F64 = torch.float64
 SHAPES = [(5, 3), (22,)]  # 37 elements; align 4: slices of 16, 16, 5 on 3 ranks
@@ -375,7 +375,7 @@ def test_overlap_hides_the_link_behind_local_steps():
 
 @pytest.mark.parametrize("compute", ["float32", "bfloat16", "float64"])
 def test_outer_state_bytes_equal_the_formula(compute):
-    from trainer.attention import accum_dtype
+    from trainer.attention.local import accum_dtype
 
     lay = FlatLayout(SHAPES, 3, 4)
     dtype = accum_dtype(getattr(torch, compute))

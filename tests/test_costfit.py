@@ -189,7 +189,6 @@ def test_local_fit_clamps_negative_terms() -> None:
     assert d == 0 and a > 0 and b > 0
 
 
-
 def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
     """h at its bound b'/a: b = b' - a*h rounds below 0 for some a, b' (seen in a calibration:
     'b' must be >= 0, got -3.4e-21); the fit returns b = 0 and the cost model accepts it."""

@@ -18,11 +18,13 @@ from _train_worker import (
 
 from datapipe.errors import MixlenError
 from datapipe.fetch import MemoryFetcher
+from datapipe.plan.loss import labelled_positions
 from datapipe.plan.zigzag import member_ranges
-from trainer.comm import SoloComm, run_threads
-from trainer.executor import HDPExecutor, labelled_positions
-from trainer.model import build_model
-from trainer.zero import ZeroOptimizer
+from trainer.model.transformer import build_model
+from trainer.parallel.comm import SoloComm
+from trainer.parallel.executor import HDPExecutor
+from trainer.parallel.zero import ZeroOptimizer
+from trainer.testing.threads import run_threads
 
 F64 = torch.float64
 

@@ -18,10 +18,10 @@ import torch
 from _faults import file_size_limit, flip_byte, truncate
 from _train_worker import make_dataset, train_config
 
-import trainer.checkpoint as ckpt
+import trainer.checkpoint.checkpointer as ckpt
 from datapipe.errors import ConfigError, MixlenError
-from trainer.checkpoint_files import CHECKSUMS_FILE, SafePlanner, SafeReader, write_checksums
-from trainer.rng import capture_rng, restore_rng, seed_all
+from trainer.checkpoint.files import CHECKSUMS_FILE, SafePlanner, SafeReader, write_checksums
+from trainer.checkpoint.rng import capture_rng, restore_rng, seed_all
 from trainer.train import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,10 +79,10 @@ def test_checkpoint_files_and_rng_per_rank(dataset, tmp_path) -> None:
     want = (torch.rand(6), np.random.rand(6), [random.random() for _ in range(6)])
     seed_all(4321)
     c = cfg(dataset, run)
-    from trainer.comm import SoloComm
-    from trainer.islands import ModelState
-    from trainer.model import build_model, torch_dtype
-    from trainer.zero import ZeroOptimizer
+    from trainer.checkpoint.state import ModelState
+    from trainer.model.transformer import build_model, torch_dtype
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.zero import ZeroOptimizer
 
     model, master = build_model(c.model.shape(), torch_dtype(c.train.dtype), "cpu", seed=5)
     state = ModelState(model, ZeroOptimizer.for_model(model, SoloComm(), master=master, level=0))

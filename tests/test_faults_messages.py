@@ -15,7 +15,7 @@ from _train_worker import make_dataset, train_config
 
 from datapipe.errors import ConfigError
 from tools.cli import main as cli_main
-from trainer.config_toml import load_config, to_toml
+from trainer.config.toml import load_config, to_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNAL = re.compile(r"\bnum_ranks\b|\bnum_islands\b|\bstream\.\w|\bfetch\.\w|\bmds_access\b")

@@ -25,8 +25,8 @@ from _faults_worker import CRASH_STEPS, crash_config, elastic_config, faults_mai
 from _train_worker import make_dataset
 
 from tools.cli import main as cli_main
-from trainer.comm import free_port, spawn
-from trainer.config_toml import to_toml
+from trainer.config.toml import to_toml
+from trainer.parallel.comm import free_port, spawn
 from trainer.train import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,12 +47,12 @@ def four_ranks(dataset, tmp_path_factory) -> tuple[Path, dict]:
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
     """Model and optimizer tensors of a checkpoint, loaded the way a resume loads them."""
-    from trainer.checkpoint import load_checkpoint
-    from trainer.comm import SoloComm
-    from trainer.config import from_dict
-    from trainer.islands import ModelState
-    from trainer.model import build_model, torch_dtype
-    from trainer.zero import ZeroOptimizer
+    from trainer.checkpoint.checkpointer import load_checkpoint
+    from trainer.checkpoint.state import ModelState
+    from trainer.config.job import from_dict
+    from trainer.model.transformer import build_model, torch_dtype
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.zero import ZeroOptimizer
 
     cfg = from_dict(json.loads((path / "run.json").read_text())["config"])
     model, master = build_model(cfg.model.shape(), torch_dtype(cfg.train.dtype), "cpu", seed=123)
@@ -77,6 +77,7 @@ def test_killed_ranks_restart_and_continue_the_same_run(dataset, four_ranks, tmp
         # first run: rank 1 dies while step 4's checkpoint is written; first restart: rank 2 dies
         # inside step 5; the second restart runs through
         "MIXLEN_FAULT": "kill:rank=1:step=4:at=save,kill:rank=2:step=5:attempt=1",
+        "MIXLEN_HOOKS": "trainer.testing.faults:FaultInjector",
     }
     cmd = [
         sys.executable,

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datapipe.fetch import IGNORE_INDEX, FetchConfig, Prefetcher
+from datapipe.fetch import FetchConfig, Prefetcher
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.ingest.tokenizer import BytesTokenizer
+from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.plan.zigzag import member_ranges
 
 FORMATS = ["mds", "wds", "parquet"]

@@ -115,7 +115,7 @@ def test_fetch_direct_equals_library_and_reference(tmp_path) -> None:
 
 def test_model_takes_narrow_ids() -> None:
     """uint16 ids and int32 labels/positions give the loss and gradients of int64 ones."""
-    from trainer.model import build_model, get_config
+    from trainer.model.transformer import build_model, get_config
 
     model, _ = build_model(get_config("debug"), torch.float64, seed=0)
     ids = np.random.default_rng(0).integers(0, 258, 50)

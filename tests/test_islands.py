@@ -1,4 +1,4 @@
-"""Islands training together (trainer.islands): co2, diloco and sync through the executor and the
+"""Islands training together (trainer.islands.cross): co2, diloco and sync through the executor and the
 sharded optimizer against plain-torch references (fake ranks in threads, then 2 islands x 2 gloo
 processes with the Trainer: resume mid-round and at a boundary with a round in flight)."""
 
@@ -14,11 +14,13 @@ from _train_worker import make_dataset
 
 from datapipe.plan.memory import model_state_bytes, outer_state_bytes
 from datapipe.shapes import get_config
-from trainer.comm import free_port, run_islands, spawn
-from trainer.config_co2 import CO2Config
-from trainer.islands import CrossIsland, ModelState
-from trainer.model import build_model
-from trainer.zero import ZeroOptimizer
+from trainer.checkpoint.state import ModelState
+from trainer.islands.config import CO2Config
+from trainer.islands.cross import CrossIsland
+from trainer.model.transformer import build_model
+from trainer.parallel.comm import free_port, spawn
+from trainer.parallel.zero import ZeroOptimizer
+from trainer.testing.threads import run_islands
 
 SC = {name: (mode, c) for name, mode, c in SCENARIOS}
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.comm import run_threads
-from trainer.model import MODEL_CONFIGS, build, get_config
-from trainer.ring import RingAttention, ZigzagLayout
+from trainer.attention.ring import RingAttention, ZigzagLayout
+from trainer.model.transformer import MODEL_CONFIGS, build, get_config
+from trainer.testing.threads import run_threads
 
 F64 = torch.float64
 

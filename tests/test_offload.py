@@ -1,4 +1,4 @@
-"""Selective activation offload and activation checkpointing (trainer.offload) against references
+"""Selective activation offload and activation checkpointing (trainer.offload.manager) against references
 that share nothing with it: the plain model's gradients, a plain saved-tensor counter, shape
 arithmetic, and ByteScale's Eq. 3 written out here."""
 
@@ -10,13 +10,13 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from datapipe.plan.cost import DEVICES, build_cost_model
-from trainer.comm import run_threads
-from trainer.config import OffloadConfig
-from trainer.host_store import HostPool
-from trainer.model import build as build_model
-from trainer.model import get_config
-from trainer.offload import ActivationPolicy
-from trainer.ring import RingAttention, ZigzagLayout
+from trainer.attention.ring import RingAttention, ZigzagLayout
+from trainer.config.job import OffloadConfig
+from trainer.model.transformer import build as build_model
+from trainer.model.transformer import get_config
+from trainer.offload.host_store import HostPool
+from trainer.offload.manager import ActivationPolicy
+from trainer.testing.threads import run_threads
 
 F64 = torch.float64
 T = 512  # positions of the one-process micro-batch
@@ -267,7 +267,7 @@ class _FailingAttention:
 
 
 def test_exception_in_forward_leaves_nothing_behind():
-    from trainer.attention import LocalAttention
+    from trainer.attention.local import LocalAttention
 
     model = build()
     mgr = offload(checkpoint="every:2").build("cpu")

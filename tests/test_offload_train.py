@@ -1,5 +1,5 @@
 """Offload and activation checkpointing wired into the trainer: the plan-level figures
-(trainer.offload_plan) against plain loops over `StepPlan.microbatches`, the host budget refusal,
+(trainer.offload.plan) against plain loops over `StepPlan.microbatches`, the host budget refusal,
 the `[offload]` / `train.activation_checkpoint` config, the executor on 4 thread-ranks (bitwise
 against the plain executor, planned offload against one process), and `mixlen train` end to end."""
 
@@ -30,11 +30,10 @@ from test_reference_trainer import offload_reference
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan.cost import DEVICES, build_cost_model
 from datapipe.plan.planner import PlannerConfig
-from trainer.comm import run_threads
-from trainer.config import OffloadConfig, from_dict, resume_conflicts
-from trainer.config_toml import apply_overrides
-from trainer.offload import ActivationPolicy
-from trainer.offload_plan import (
+from trainer.config.job import OffloadConfig, from_dict, resume_conflicts
+from trainer.config.toml import apply_overrides
+from trainer.offload.manager import ActivationPolicy
+from trainer.offload.plan import (
     HostNeed,
     OffloadSummary,
     eq3_peak_bytes,
@@ -42,6 +41,7 @@ from trainer.offload_plan import (
     offload_blocks,
     plan_offload,
 )
+from trainer.testing.threads import run_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
@@ -307,7 +307,7 @@ def test_mixlen_train_offload_and_checkpointing(tmp_path):
     4-layer model: samples of 257..512 tokens only fit with r > 0) and checkpointing every:2:
     trains, writes the offload fields to metrics.jsonl and the offload tables to balance.md."""
     from tools.cli import main
-    from trainer.config_toml import to_toml
+    from trainer.config.toml import to_toml
 
     data = make_dataset(str(tmp_path / "ds"), n_docs=80)
     run = tmp_path / "run"

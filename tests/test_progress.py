@@ -77,7 +77,7 @@ def inputs(tmp_path_factory) -> dict:
     """A small corpus, its dataset, a foreign MDS dataset (for `mixlen index`) and a train config."""
     from _train_worker import make_dataset, train_config
 
-    from trainer.config_toml import to_toml
+    from trainer.config.toml import to_toml
 
     tmp = tmp_path_factory.mktemp("progress")
     ds = make_dataset(str(tmp / "ds"), n_docs=200)

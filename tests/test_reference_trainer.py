@@ -1,7 +1,7 @@
 """The reference trainer, and every policy's training checked against it (the project's first
 correctness test: docs/ARCHITECTURE.md, "Loss and exactness").
 
-The reference shares nothing with the HDP executor (trainer/executor.py) but the model's forward.
+The reference shares nothing with the HDP executor (trainer/parallel/executor.py) but the model's forward.
 Each step, written out below so that it can be read against the documentation line by line:
 
 1. every sample of the step runs whole, one at a time, through the model (positions 0..L-1,
@@ -13,7 +13,7 @@ Each step, written out below so that it can be read against the documentation li
    (`torch.nn.utils.clip_grad_norm_`);
 4. `torch.optim.AdamW` steps with the step's learning rate: linear warmup over `warmup` steps
    (lr * (step + 1) / warmup), then cosine from lr towards min_lr_ratio * lr, reached at step
-   `steps` (trainer.config.TrainConfig: `lr`, `warmup`, `schedule`, `min_lr_ratio`, `steps`).
+   `steps` (trainer.config.job.TrainConfig: `lr`, `warmup`, `schedule`, `min_lr_ratio`, `steps`).
 
 The executor runs the same batches through plans of every policy (hdp, naive-hdp, static, hdp+widen
 and single) on 4 fake ranks (threads) and on 4 gloo processes; the results must agree with the
@@ -58,10 +58,11 @@ from readback import read_rows, samples_from_rows
 
 from datapipe.shapes import ModelConfig
 from datapipe.stream import LengthAwareStream
-from trainer.comm import free_port, run_threads, spawn
-from trainer.config import TrainerConfig
+from trainer.config.job import TrainerConfig
 from trainer.data import held_out_mask
-from trainer.model import build_model
+from trainer.model.transformer import build_model
+from trainer.parallel.comm import free_port, spawn
+from trainer.testing.threads import run_threads
 
 F64 = torch.float64
 F32 = torch.float32

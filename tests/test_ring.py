@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_zigzag import reference_member
 
-from trainer.attention import attend
-from trainer.comm import ThreadComm, free_port, run_threads, spawn
-from trainer.ring import RingAttention, ZigzagLayout, ring_attend
+from trainer.attention.local import attend
+from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+from trainer.parallel.comm import free_port, spawn
+from trainer.testing.threads import ThreadComm, run_threads
 
 F64 = torch.float64
 

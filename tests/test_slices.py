@@ -1,4 +1,4 @@
-"""Flat layout and slices (trainer.slices) and the slice collectives of trainer.comm."""
+"""Flat layout and slices (trainer.parallel.slices) and the slice collectives of trainer.parallel.comm."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.comm import SoloComm, ThreadWorld, run_threads
-from trainer.slices import FlatLayout
+from trainer.parallel.comm import SoloComm
+from trainer.parallel.slices import FlatLayout
+from trainer.testing.threads import ThreadWorld, run_threads
 
 SHAPES = [(7, 3), (5,), (64, 2), (1,), (3, 3, 3), (130,)]  # 367 elements
 

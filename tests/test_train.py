@@ -14,10 +14,10 @@ from _train_worker import make_dataset, train_config, train_main
 from test_reference_trainer import reference_run
 
 from datapipe.errors import ConfigError
-from trainer.comm import free_port, spawn
-from trainer.config import from_dict
-from trainer.config_toml import apply_overrides, load_config, to_toml
+from trainer.config.job import from_dict
+from trainer.config.toml import apply_overrides, load_config, to_toml
 from trainer.data import held_out_mask
+from trainer.parallel.comm import free_port, spawn
 from trainer.train import run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +98,7 @@ def test_config_errors_name_the_key(sets, key):
 
 @pytest.mark.parametrize("islands,world", [(2, 1), (2, 3), (3, 4), (4, 2)])
 def test_islands_must_divide_the_world(islands, world):
-    from trainer.config import ranks_per_island
+    from trainer.islands.config import ranks_per_island
 
     with pytest.raises(ConfigError, match="parallel.islands"):
         ranks_per_island(islands, world)
@@ -122,7 +122,7 @@ def test_islands_not_dividing_the_world_stop_the_run(dataset, tmp_path, capsys):
 def test_resume_may_change_how_but_not_what():
     """policy, capacity, widen, cost and zero may change on resume; islands, the global batch and
     CO2's rule may not (the conflict names the key); [co2] is ignored with one island."""
-    from trainer.config import resume_conflicts
+    from trainer.config.job import resume_conflicts
 
     base = {"data": {"path": "x"}, "parallel": {"islands": 2}}
     saved = from_dict(base).to_dict()

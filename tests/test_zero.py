@@ -1,4 +1,4 @@
-"""The sharded optimizer (trainer.zero) against torch.optim.AdamW on the whole model, its memory
+"""The sharded optimizer (trainer.parallel.zero) against torch.optim.AdamW on the whole model, its memory
 against datapipe.plan.memory's formula, and resharding of its state through DCP."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from _zero_worker import (
 )
 
 from datapipe.plan.memory import model_state_bytes
-from trainer.comm import Done, free_port, run_threads, spawn
-from trainer.zero import ZeroOptimizer
+from trainer.parallel.comm import Done, free_port, spawn
+from trainer.parallel.zero import ZeroOptimizer
+from trainer.testing.threads import run_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 

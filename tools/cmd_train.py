@@ -91,8 +91,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config import ranks_per_island
-    from trainer.config_toml import load_config, to_toml
+    from trainer.config.toml import load_config, to_toml
+    from trainer.islands.config import ranks_per_island
 
     if args.config is None and not args.print_config:
         raise ConfigError("a config file is required (e.g. configs/debug.toml)")
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not under_torchrun:
         raise ConfigError("--max-restarts needs --nproc > 1 (torchrun restarts the ranks)")
     from trainer.logs import setup_logging
-    from trainer.runtime import is_peer_failure
+    from trainer.parallel.runtime import is_peer_failure
     from trainer.train import run_training
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

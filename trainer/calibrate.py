@@ -9,7 +9,7 @@ CPU, NCCL on CUDA) and time, all at once so every core is as busy as in training
 2. ring hops: rings of k consecutive ranks (as many disjoint rings as fit) pass a buffer of each
    size around, one `send_recv` + wait per hop, as ring attention does;
 3. ring micro-batches: forward + backward of a member's zigzag share of one or more samples with
-   trainer.ring.RingAttention, on the same rings.
+   trainer.attention.ring.RingAttention, on the same rings.
 
 Each case is run `repeats` times after a warm-up run, ranks released together by a barrier; a
 ring's time is its slowest member's (a group waits for it), a local case's is the mean over ranks.
@@ -151,9 +151,9 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
     (identical on every rank)."""
     import torch
 
-    from trainer.attention import LocalAttention
-    from trainer.comm import TorchComm
-    from trainer.model import build_model, torch_dtype
+    from trainer.attention.local import LocalAttention
+    from trainer.model.transformer import build_model, torch_dtype
+    from trainer.parallel.comm import TorchComm
 
     torch.set_num_threads(job["threads"])
     grid = CalibrationGrid(**{k: _tup(v) for k, v in job["grid"].items()})
@@ -216,7 +216,7 @@ def _hops(comm, ring, bufs, n: int, job: dict, dev) -> float:
 
 def _ring_mb(model, comm, ring, lens: tuple[int, ...], job: dict, gen, dev) -> float:
     """Seconds of a member's forward + backward of `lens` split zigzag over `ring`."""
-    from trainer.ring import RingAttention
+    from trainer.attention.ring import RingAttention
 
     if ring is None:
         return 0.0
@@ -254,7 +254,7 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
             device_id=dev,
         )
     else:
-        from trainer.comm import init_local_gloo
+        from trainer.parallel.comm import init_local_gloo
 
         init_local_gloo(rank, world, port, timeout_s=job["timeout_s"])
     try:
@@ -293,7 +293,7 @@ def measure(
     }
     if nproc == 1:
         return [Timing.from_dict(d) for d in measure_rank(0, 1, job)]
-    from trainer.comm import free_port, spawn
+    from trainer.parallel.comm import free_port, spawn
 
     with tempfile.TemporaryDirectory(prefix="mixlen-calibrate-") as tmp:
         job["out"] = os.path.join(tmp, "timings.json")

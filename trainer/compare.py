@@ -22,9 +22,9 @@ import torch
 
 from datapipe.plan.planner import Planner
 from datapipe.plan.stepplan import StepPlan, replay_kernel
-from trainer.comm import Communicator
 from trainer.data import TrainData, rank_pieces
-from trainer.executor import HDPExecutor, StepResult
+from trainer.parallel.comm import Communicator
+from trainer.parallel.executor import HDPExecutor, StepResult
 
 __all__ = ["PolicyComparison"]
 

@@ -16,8 +16,8 @@ from datapipe.fetch import Fetcher
 from datapipe.plan.planner import Planner
 from datapipe.plan.stepplan import StepPlan
 from datapipe.stream import GlobalBatch, LengthAwareStream, greedy_boundaries
-from trainer.config import TrainerConfig
-from trainer.executor import HDPExecutor
+from trainer.config.job import TrainerConfig
+from trainer.parallel.executor import HDPExecutor
 
 __all__ = ["TrainData", "Validation", "held_out_mask", "rank_pieces"]
 

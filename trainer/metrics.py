@@ -78,7 +78,7 @@ class BalanceSummary:
     steps: int = 0
     step_time_s: float = 0.0
     tokens: int = 0
-    offload: Any = None  # trainer.offload_plan.OffloadSummary when offload/checkpointing is on
+    offload: Any = None  # trainer.offload.plan.OffloadSummary when offload/checkpointing is on
 
     def add(
         self,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-from trainer.config import TrainerConfig
-from trainer.runtime import Runtime, setup_runtime
+from trainer.config.job import TrainerConfig
+from trainer.parallel.runtime import Runtime, setup_runtime
 from trainer.trainer import Trainer
 
 __all__ = ["preflight", "run_training"]
@@ -22,7 +22,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
     run, and `parallel.islands` dividing `world`. The launcher calls it before torchrun, so such an
     error is printed once."""
-    from trainer.checkpoint import check_run_matches, resume_candidates
+    from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
     from trainer.data import TrainData
 
     cfg.validate()

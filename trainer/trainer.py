@@ -4,9 +4,9 @@
 Per step, every rank of the island takes the next global batch from the length-aware stream, plans
 it (the same plan everywhere, from lengths alone), fetches only its own token ranges (in a
 background thread, one step ahead) and hands the plan and its micro-batches to the HDP executor,
-whose sharded optimizer (trainer.zero) steps the island's weights. With several islands, batch j
+whose sharded optimizer (trainer.parallel.zero) steps the island's weights. With several islands, batch j
 of an epoch goes to island j mod I and the islands train together as `[co2]` says: co2 / diloco
-rounds after the optimizer steps (trainer.islands.CrossIsland), or sync gradients inside them.
+rounds after the optimizer steps (trainer.islands.cross.CrossIsland), or sync gradients inside them.
 Every resource is released through one ExitStack (`close()`), also when building fails.
 """
 
@@ -23,21 +23,22 @@ import torch
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.rng import seed_all
+from trainer.checkpoint.state import ModelState
 from trainer.compare import PolicyComparison
-from trainer.config import TrainerConfig
-from trainer.config_toml import to_toml
+from trainer.config.job import TrainerConfig
+from trainer.config.toml import to_toml
 from trainer.data import TrainData
-from trainer.executor import HDPExecutor
-from trainer.faults import FaultInjector
-from trainer.islands import CrossIsland, ModelState, build_optimizer, cross_link
+from trainer.hooks import load_hooks
+from trainer.islands.cross import CrossIsland, build_optimizer, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
-from trainer.model import build_model, torch_dtype
-from trainer.offload import activation_manager
-from trainer.offload_plan import OffloadSummary
-from trainer.rng import seed_all
-from trainer.runtime import Runtime
+from trainer.model.transformer import build_model, torch_dtype
+from trainer.offload.manager import activation_manager
+from trainer.offload.plan import OffloadSummary
+from trainer.parallel.executor import HDPExecutor
+from trainer.parallel.runtime import Runtime
 
 __all__ = ["Trainer", "lr_lambda"]
 
@@ -108,9 +109,9 @@ class Trainer:
         self.cross: CrossIsland | None = None
         if mode in ("co2", "diloco"):
             self.cross = CrossIsland(cfg.co2, self.zero, rt.comm, cross)
-        # test-only fault injection (MIXLEN_FAULT); nothing armed in a normal run
-        self.faults = FaultInjector(rt.global_rank)
-        self.faults.attach(self.model)
+        # hooks (MIXLEN_HOOKS: tests inject faults); no-ops in a normal run
+        self.hooks = load_hooks(rt.global_rank)
+        self.hooks.attach(self.model)
         # data: fetch, held-out split, this island's stream, planner, validation set
         self.data = TrainData(
             cfg, rt.rank, rt.world, shape.vocab_size, self._stack, island=rt.island,
@@ -127,7 +128,7 @@ class Trainer:
             self.scheduler,
             rt.run_comm,
             rt.device,
-            self.faults,
+            self.hooks,
         )
         self.start_step = self.checkpointer.resume(self.data.stream)
         # metrics (the run's rank 0 writes)
@@ -178,7 +179,7 @@ class Trainer:
         """One optimizer step of the prefetched `item` = (batch, plan, stream state); returns the
         metrics record (also written)."""
         t0 = time.perf_counter()
-        self.faults.begin_step(step)
+        self.hooks.begin_step(step)
         batch, plan, _ = item
         lr = self.optimizer.param_groups[0]["lr"]
         res = self.executor.step(plan, fetched, step)

@@ -1,7 +1,7 @@
 """Model-state memory per rank: the slice arithmetic and the byte formula, without torch.
 
 One definition of how the flat parameter vector is cut into per-rank slices (`slice_length`,
-`slice_bounds`: `trainer.slices.FlatLayout` uses them), and of how many bytes a rank holds for
+`slice_bounds`: `trainer.parallel.slices.FlatLayout` uses them), and of how many bytes a rank holds for
 weights, master weights, AdamW moments and gradient buffers under `[parallel] zero = 0 | 1 | 2`
 (`model_state_bytes`), and for CO2's outer state (`outer_state_bytes`). The trainer's metrics,
 `mixlen plan` and `mixlen simulate` (`preset_memory`) report these figures, so this module imports
@@ -42,7 +42,7 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 def accum_dtype_name(compute: str) -> str:
     """Dtype of master weights, moments and gradient accumulation for a compute dtype (the rule of
-    `trainer.attention.accum_dtype`, by name)."""
+    `trainer.attention.local.accum_dtype`, by name)."""
     return "float64" if compute == "float64" else "float32"
 
 
@@ -94,7 +94,7 @@ def model_state_bytes(
 ) -> ModelStateBytes:
     """Model-state bytes of `rank` (rank 0 holds the largest slice) for `numel` trainable
     parameters on an island of `ranks` ranks with ZeRO level `zero` and compute dtype `compute`
-    (a name of DTYPE_BYTES). Equal to what `trainer.zero.ZeroOptimizer` allocates."""
+    (a name of DTYPE_BYTES). Equal to what `trainer.parallel.zero.ZeroOptimizer` allocates."""
     if zero not in (0, 1, 2):
         raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
     c = DTYPE_BYTES[compute]

@@ -12,7 +12,7 @@ ahead of its backward). With j of l blocks offloaded (the first j, never the las
 ``l - j`` blocks' saved activations at its peak (2 for j >= l-2; offloading block l-2 frees nothing:
 its copy-out overlaps the last block, whose backward comes at once). ByteScale's Eq. 3 budgets
 ``2 + (1-r)(l-2)`` blocks, which is exactly ``l - j`` for ``j = r*(l-2)``;
-`trainer.offload_plan.offload_blocks` therefore offloads ``ceil(r*(l-2))`` blocks (0 for l <= 2,
+`trainer.offload.plan.offload_blocks` therefore offloads ``ceil(r*(l-2))`` blocks (0 for l <= 2,
 where Eq. 3's offload term vanishes), so the device holds at most what the planner's capacity
 C_eff(r) assumes.
 
@@ -43,9 +43,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import OffloadConfig, TrainerConfig, checkpoint_every
-from trainer.host_store import HostBuffer, HostPool, copy_engine
-from trainer.offload_plan import (
+from trainer.config.job import OffloadConfig, TrainerConfig, checkpoint_every
+from trainer.offload.host_store import HostBuffer, HostPool, copy_engine
+from trainer.offload.plan import (
     HostNeed,
     PlanOffload,
     check_host_budget,
@@ -66,7 +66,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ActivationPolicy:
-    """`[train] activation_checkpoint` and the `[offload]` section (trainer.config)."""
+    """`[train] activation_checkpoint` and the `[offload]` section (trainer.config.job)."""
 
     checkpoint: str = "none"  # "none" | "full" | "every:K" (blocks 0, K, 2K, ... recompute)
     offload: OffloadConfig = field(default_factory=OffloadConfig)

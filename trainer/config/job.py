@@ -1,5 +1,5 @@
 """`mixlen train`'s config: one dataclass per section and its validation (reading and writing
-the TOML file and `--set` overrides: trainer.config_toml).
+the TOML file and `--set` overrides: trainer.config.toml).
 
 Unknown sections or keys and bad values raise `ConfigError` naming `section.key`. Every field has
 a default except `[data] path`. Settings that belong to a data-layer component are validated once,
@@ -22,7 +22,7 @@ from datapipe.plan.cost import CostModel, load, preset
 from datapipe.plan.planner import PlannerConfig
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
 from datapipe.stream import StreamConfig
-from trainer.config_co2 import CO2Config, ranks_per_island
+from trainer.islands.config import CO2Config, ranks_per_island
 
 __all__ = [
     "CO2Config",
@@ -38,7 +38,11 @@ __all__ = [
     "ranks_per_island",
 ]
 
-DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
+DTYPES = (
+    "float32",
+    "float64",
+    "bfloat16",
+)  # compute dtypes by config name (trainer.model.transformer maps)
 
 
 @dataclass
@@ -166,7 +170,7 @@ class TrainConfig:
     device: str = "auto"
     stop_after: int = 0  # end this invocation after this step, checkpointed (0: run to `steps`)
     # recompute blocks' forward in backward: "none", "full" (every block) or "every:K" (blocks
-    # 0, K, 2K, ...); trainer.offload
+    # 0, K, 2K, ...); trainer.offload.manager
     activation_checkpoint: str = "none"
 
     def validate(self) -> None:
@@ -214,7 +218,7 @@ class ParallelConfig:
 
     `zero`: 0 every rank keeps the whole optimizer state; 1 each rank of an island keeps its
     slice of the master weights and AdamW moments; 2 also only its slice of the gradient between
-    steps (trainer.zero). Default: 1 when an island has more than one rank, else 0. `islands`:
+    steps (trainer.parallel.zero). Default: 1 when an island has more than one rank, else 0. `islands`:
     the world is `islands` x ranks per island; islands train together as `[co2]` says."""
 
     policy: str = "hdp"
@@ -281,7 +285,7 @@ class ParallelConfig:
 
 @dataclass
 class OffloadConfig:
-    """`[offload]`: selective activation offload (ByteScale Eq. 3, trainer.offload).
+    """`[offload]`: selective activation offload (ByteScale Eq. 3, trainer.offload.manager).
 
     `enabled`: hdp and naive-hdp plan with offload and every micro-batch keeps the first blocks'
     saved activations in host memory as its plan's `offload_ratio` says. `force_ratio` runs every

@@ -7,7 +7,7 @@ every slice of every buffer starts on an aligned boundary); rank i owns [i*S, (i
 `numel`, so the last slices may be shorter or empty. Flat buffers are allocated with the padded
 length ranks*S, so slices are equal chunks for collectives; the padding is never read.
 
-ZeRO (trainer.zero) shards the optimizer state by these slices, CO2 (trainer.co2) its outer
+ZeRO (trainer.parallel.zero) shards the optimizer state by these slices, CO2 (trainer.islands.co2) its outer
 state; both receive the same `FlatLayout`, built once per island. Pure torch: no process group.
 """
 

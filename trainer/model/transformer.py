@@ -5,7 +5,7 @@ Shapes (`ModelConfig`, `MODEL_CONFIGS`) are defined once in datapipe.shapes, whe
 cost presets read them too. The forward takes one packed micro-batch: ``input_ids`` [T] (any integer dtype: the fetch keeps the
 dataset's uint16/uint32, widened on the device), ``position_ids`` [T] (position within
 its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
-(`trainer.attention.AttentionContext`, e.g. `trainer.ring.RingAttention`) that decides how the
+(`trainer.attention.local.AttentionContext`, e.g. `trainer.attention.ring.RingAttention`) that decides how the
 layers attend. Given ``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the
 number of labelled tokens; the caller divides by the step's labelled-token count.
 """
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapipe.fetch import IGNORE_INDEX
+from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
-from trainer.attention import AttentionContext, LocalAttention, accum_dtype
-from trainer.config import DTYPES
+from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
+from trainer.config.job import DTYPES
 
 __all__ = [
     "MODEL_CONFIGS",
@@ -37,7 +37,7 @@ __all__ = [
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config dtype name (trainer.config.DTYPES)."""
+    """The torch dtype of a config dtype name (trainer.config.job.DTYPES)."""
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
     return getattr(torch, name)

@@ -1,7 +1,7 @@
 """`[co2]`: how islands train together; applies whenever `[parallel] islands > 1`.
 
-Torch-free (the config is validated before torch loads); `trainer.co2.OuterConfig` is what the
-outer update runs with, built from this section by `trainer.islands`. The rule and its symbols
+Torch-free (the config is validated before torch loads); `trainer.islands.co2.OuterConfig` is what the
+outer update runs with, built from this section by `trainer.islands.cross`. The rule and its symbols
 (tau, alpha, beta, lambda, c) are in docs/ARCHITECTURE.md, "CO2 across islands".
 """
 

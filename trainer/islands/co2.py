@@ -1,6 +1,6 @@
 """CO2's outer update across islands, on this rank's slice of the flat weights.
 
-World = islands x N ranks. Every rank of an island owns slice i of `trainer.slices.FlatLayout`
+World = islands x N ranks. Every rank of an island owns slice i of `trainer.parallel.slices.FlatLayout`
 (the slices ZeRO shards by) and keeps only that slice of the outer state: the anchor a, the outer
 momentum m, the previous applied average D_prev and one in-flight buffer. Rank i of every island
 averages slice i across islands on the cross-island communicator (N parallel streams); norms are
@@ -45,8 +45,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainer.comm import Communicator, Handle
-from trainer.slices import FlatLayout, checkpointable
+from trainer.parallel.comm import Communicator, Handle
+from trainer.parallel.slices import FlatLayout, checkpointable
 
 __all__ = ["LinkEmulator", "OuterConfig", "OuterStats", "OuterSync"]
 

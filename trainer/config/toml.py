@@ -1,5 +1,5 @@
 """`mixlen train`'s config as TOML: read a file with `--set section.key=value` overrides into a
-validated trainer.config.TrainerConfig, and write one back."""
+validated trainer.config.job.TrainerConfig, and write one back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from datapipe.errors import ConfigError
-from trainer.config import TrainerConfig, from_dict
+from trainer.config.job import TrainerConfig, from_dict
 
 try:
     import tomllib

@@ -11,13 +11,13 @@ checksums.json is in place, so a `step-*` directory is complete; a save that fai
 removes its temporary directory, leaves the earlier checkpoints as they were and stops the run.
 
 Resuming verifies a checkpoint's files against checksums.json first (the ranks share the work)
-and loads nothing pickled except DCP's own metadata classes (trainer.checkpoint_files). With
+and loads nothing pickled except DCP's own metadata classes (trainer.checkpoint.files). With
 `checkpoint.resume = true`, or after torchrun restarted the job, a damaged newest checkpoint is
 reported and the previous complete one is used; a checkpoint named explicitly is used or
 refused. `Checkpointer` owns the policy: when to save, how many to keep, which checkpoint to
 resume from, and refusing one of a run with other settings.
 
-The DCP part is a `trainer.islands.ModelState`: the weights, the sharded optimizer state as chunks
+The DCP part is a `trainer.islands.cross.ModelState`: the weights, the sharded optimizer state as chunks
 of global tensors at their offsets (so a checkpoint of N ranks resumes on any other number, at any
 ZeRO level) and CO2's outer state. Every rank of every island takes part: the communicator given
 here spans the whole run (its rank numbers the rng files).
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from datapipe.errors import ConfigError, MixlenError, PeerError
 from datapipe.stream import LengthAwareStream
-from trainer.checkpoint_files import (
+from trainer.checkpoint.files import (
     CHECKPOINT_FORMAT,
     CHECKSUMS_FILE,
     SafePlanner,
@@ -52,11 +52,12 @@ from trainer.checkpoint_files import (
     write_checksums,
     write_json,
 )
-from trainer.comm import Communicator, SoloComm
-from trainer.config import CheckpointConfig, TrainerConfig, resume_conflicts
-from trainer.faults import FaultInjector, job_id, restart_count
+from trainer.checkpoint.rng import capture_rng, restore_rng
+from trainer.config.job import CheckpointConfig, TrainerConfig, resume_conflicts
+from trainer.hooks import Hooks
 from trainer.logs import get_logger
-from trainer.rng import capture_rng, restore_rng
+from trainer.parallel.comm import Communicator, SoloComm
+from trainer.parallel.runtime import job_id, restart_count
 
 __all__ = [
     "Checkpointer",
@@ -97,7 +98,7 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 class StateOwner(Protocol):
-    """What DCP saves of the model (trainer.islands.ModelState): `state_dict()` returns the live
+    """What DCP saves of the model (trainer.islands.cross.ModelState): `state_dict()` returns the live
     tensors, which dcp.load fills in place before `load_state_dict` runs."""
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -342,13 +343,13 @@ class Checkpointer:
         scheduler: Any,
         comm: Communicator | None = None,
         device: torch.device | str = "cpu",
-        faults: FaultInjector | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         self.cfg, self.run = cfg, run
         self.state, self.scheduler = state, scheduler
         self.comm = comm if comm is not None else SoloComm()
         self.device = torch.device(device)
-        self.faults = faults
+        self.hooks = hooks
         self.resumed = False  # set by resume(): this run continues a checkpoint
         self._run_dict = run.to_dict()
 
@@ -440,7 +441,7 @@ class Checkpointer:
     def save(self, step: int, stream_state: dict[str, Any]) -> str:
         """Write the checkpoint of `step`; `stream_state` is the stream's state after it."""
         assert self.cfg.dir is not None
-        faults = self.faults
+        hooks = self.hooks
         run = {
             "format": CHECKPOINT_FORMAT,
             "config": json.loads(json.dumps(self._run_dict)),
@@ -455,5 +456,5 @@ class Checkpointer:
             self.comm,
             self.device,
             keep=self.cfg.keep,
-            before_commit=(lambda: faults.point("save", step)) if faults is not None else None,
+            before_commit=(lambda: hooks.point("save", step)) if hooks is not None else None,
         )

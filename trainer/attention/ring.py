@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from datapipe.plan.zigzag import chunk_bounds
-from trainer.attention import accum_dtype, block_backward, block_forward, merge_partial
-from trainer.comm import Communicator
+from trainer.attention.local import accum_dtype, block_backward, block_forward, merge_partial
+from trainer.parallel.comm import Communicator
 
 __all__ = ["RingAttention", "ZigzagLayout", "ring_attend"]
 

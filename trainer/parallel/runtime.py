@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from datapipe.errors import ConfigError
-from trainer.comm import Communicator, SoloComm, TorchComm
-from trainer.config import ranks_per_island
-from trainer.faults import restart_count
+from trainer.islands.config import ranks_per_island
+from trainer.parallel.comm import Communicator, SoloComm, TorchComm
 
 __all__ = [
     "TIMEOUT_ENV",
@@ -30,10 +29,26 @@ __all__ = [
     "Runtime",
     "is_peer_failure",
     "island_groups",
+    "job_id",
+    "restart_count",
     "setup_runtime",
 ]
 
 TIMEOUT_ENV = "MIXLEN_DIST_TIMEOUT"  # seconds a collective may wait (default 600)
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0: first run)."""
+    value = os.environ.get(RESTART_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def job_id() -> str | None:
+    """torchrun's id of this job (the same across its restarts; random per `--standalone` launch),
+    or None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 @dataclass

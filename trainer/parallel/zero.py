@@ -1,7 +1,7 @@
 """The sharded optimizer (ZeRO-1/2) of an island: AdamW on this rank's slice of the flat weights.
 
 Weights stay replicated in the compute dtype: the parameters are views of one padded flat buffer
-(`trainer.slices.FlatLayout`). Each step:
+(`trainer.parallel.slices.FlatLayout`). Each step:
 
 1. Micro-batches accumulate their gradients into accumulation-dtype buckets (pieces of the
    per-rank slices): from post-accumulate-grad hooks (`install_hooks`, the parameter's `.grad` is
@@ -57,9 +57,9 @@ from typing import Any, NamedTuple
 import torch
 
 from datapipe.plan.memory import ModelStateBytes
-from trainer.attention import accum_dtype
-from trainer.comm import Communicator, Handle
-from trainer.slices import FlatLayout, checkpointable
+from trainer.attention.local import accum_dtype
+from trainer.parallel.comm import Communicator, Handle
+from trainer.parallel.slices import FlatLayout, checkpointable
 
 __all__ = ["ReduceStats", "ZeroOptimizer"]
 
@@ -197,7 +197,7 @@ class ZeroOptimizer:
         cls, model: torch.nn.Module, comm: Communicator, *, master: Any = None, **kwargs: Any
     ) -> ZeroOptimizer:
         """Over `model`'s trainable parameters in registration order (forward order for
-        trainer.model); `master`: a module of the same parameters in the accumulation dtype
+        trainer.model.transformer); `master`: a module of the same parameters in the accumulation dtype
         holding the initial weights (bfloat16 compute; not needed afterwards)."""
         params = [p for p in model.parameters() if p.requires_grad]
         masters = None

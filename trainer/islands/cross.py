@@ -1,35 +1,25 @@
-"""How a rank's island trains with the others, and what a checkpoint holds of the model.
+"""How a rank's island trains with the others.
 
-`build_optimizer` makes the island's sharded optimizer (trainer.zero) from `[parallel] zero` and
-`[train]`; in `sync` mode it also sums gradients across islands. `CrossIsland` runs CO2's or
-DiLoCo's rounds (trainer.co2.OuterSync on the rank's slice of the optimizer's flat weights): the
-trainer calls `after_step()` after every optimizer step and `finish()` after the last one.
-`ModelState` is what DCP saves of the model: the compute weights, the optimizer's slice state
-and the outer state.
-
-Checkpoints with several islands: in co2 and diloco mode the islands' weights and inner AdamW
-state differ within a round, so they are saved under an island prefix (`island1.model...`), one
-copy per island, and a resume continues every island exactly where it was (a resume mid-round is
-bitwise the uninterrupted run); the outer state (anchor, momentum, D_prev, counters, the round in
-flight, received before saving) is identical on every island and saved once. In sync mode every
-island holds the same weights and state: saved once, without prefix. `parallel.islands` cannot
-change on resume; the ranks per island and the ZeRO level can (the slices reshard).
+`build_optimizer` makes the island's sharded optimizer (trainer.parallel.zero) from `[parallel]
+zero` and `[train]`; in `sync` mode it also sums gradients across islands. `CrossIsland` runs
+CO2's or DiLoCo's rounds (trainer.islands.co2.OuterSync on the rank's slice of the optimizer's
+flat weights): the trainer calls `after_step()` after every optimizer step and `finish()` after
+the last one. What a checkpoint holds of islands: trainer.checkpoint.state.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from trainer.co2 import LinkEmulator, OuterConfig, OuterStats, OuterSync
-from trainer.comm import Communicator
-from trainer.config import TrainerConfig
-from trainer.config_co2 import CO2Config
-from trainer.zero import ZeroOptimizer
+from trainer.config.job import TrainerConfig
+from trainer.islands.co2 import LinkEmulator, OuterConfig, OuterStats, OuterSync
+from trainer.islands.config import CO2Config
+from trainer.parallel.comm import Communicator
+from trainer.parallel.zero import ZeroOptimizer
 
-__all__ = ["CrossIsland", "ModelState", "build_optimizer", "cross_link"]
+__all__ = ["CrossIsland", "build_optimizer", "cross_link"]
 
 
 def cross_link(cfg: CO2Config, cross: Communicator) -> Communicator:
@@ -130,41 +120,3 @@ class CrossIsland:
 
     def memory_bytes(self) -> int:
         return self.outer.memory_bytes()
-
-
-class ModelState:
-    """What DCP saves and restores of the model: compute weights (the parameters, views of the
-    optimizer's flat buffer), the optimizer's slice state, and the outer state (see the module
-    docstring for the island prefix)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        zero: ZeroOptimizer,
-        cross: CrossIsland | None = None,
-        island: int = 0,
-        prefixed: bool = False,
-    ) -> None:
-        self.model, self.zero, self.cross = model, zero, cross
-        self.prefix = f"island{island}" if prefixed else ""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The live tensors (dcp.load fills them in place); the weights are waited for first."""
-        self.zero.wait_weights()
-        own: dict[str, Any] = {"model": self.model.state_dict(), "optim": self.zero.state_dict()}
-        sd: dict[str, Any] = {self.prefix: own} if self.prefix else dict(own)
-        if self.cross is not None:
-            sd["outer"] = self.cross.outer.state_dict()
-        return sd
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore after dcp.load filled `sd` (a `state_dict()` of this object)."""
-        own = sd[self.prefix] if self.prefix else sd
-        mine = self.model.state_dict()
-        for k, t in own["model"].items():
-            if t.data_ptr() != mine[k].data_ptr():
-                mine[k].copy_(t)
-        self.zero.load_state_dict(own["optim"])
-        if self.cross is not None:
-            self.cross.outer.load_state_dict(sd["outer"])

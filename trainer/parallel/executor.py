@@ -2,7 +2,7 @@
 
 Each rank runs its micro-batches in slot order (forward, backward), with ring attention over the
 micro-batch's group for group micro-batches and document-masked local attention otherwise. The
-island's sharded optimizer (trainer.zero, `[parallel] zero`) takes every gradient from
+island's sharded optimizer (trainer.parallel.zero, `[parallel] zero`) takes every gradient from
 post-accumulate-grad hooks into its buckets; during the rank's LAST micro-batch's backward it
 launches each bucket's SUM reduction (to the bucket's owner; an all-reduce at zero 0) as soon as
 the bucket is final, in one fixed order on every rank, on the island's gradient communicator, so
@@ -29,21 +29,16 @@ from torch import nn
 
 from datapipe.errors import MixlenError
 from datapipe.fetch import PackedMicroBatch
+from datapipe.plan.loss import labelled_positions
 from datapipe.plan.stepplan import PlannedMicroBatch, StepPlan
-from trainer.attention import LocalAttention, accum_dtype
-from trainer.comm import Communicator, CountingComm
-from trainer.offload import ActivationManager, MicrobatchStats
-from trainer.offload_plan import PlanOffload
-from trainer.ring import RingAttention
-from trainer.zero import ZeroOptimizer
+from trainer.attention.local import LocalAttention, accum_dtype
+from trainer.attention.ring import RingAttention
+from trainer.offload.manager import ActivationManager, MicrobatchStats
+from trainer.offload.plan import PlanOffload
+from trainer.parallel.comm import Communicator, CountingComm
+from trainer.parallel.zero import ZeroOptimizer
 
-__all__ = ["HDPExecutor", "StepResult", "labelled_positions"]
-
-
-def labelled_positions(lengths: np.ndarray) -> int:
-    """Loss denominator of a step: sum of L-1 over its non-empty samples."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    return int(np.maximum(lengths - 1, 0).sum())
+__all__ = ["HDPExecutor", "StepResult"]
 
 
 # --- the executor --------------------------------------------------------------------------------
@@ -68,7 +63,7 @@ class StepResult:
     grad_hidden: float = 0.0  # this rank: share of the reduction's span hidden behind work
     cross_wait_s: float = 0.0  # sync mode, this rank: in the cross-island all-reduces
     # per rank, with an activation manager (offload or checkpointing; else empty): bytes moved to
-    # host, and the accounted peak of saved-activation bytes on the device (trainer.offload)
+    # host, and the accounted peak of saved-activation bytes on the device (trainer.offload.manager)
     offload_bytes: list[int] = field(default_factory=list)
     act_peak_bytes: list[int] = field(default_factory=list)
 
@@ -76,11 +71,11 @@ class StepResult:
 class HDPExecutor:
     """Runs steps of StepPlans on one rank of an island.
 
-    `model` computes (its dtype is the compute dtype); `zero` (trainer.zero.ZeroOptimizer over
+    `model` computes (its dtype is the compute dtype); `zero` (trainer.parallel.zero.ZeroOptimizer over
     the model's trainable parameters, on this island) reduces the gradients and steps AdamW;
     `scheduler` is an LR schedule of `zero.optimizer`. `cross_comm` (sync mode: rank i of every
     island) sums the loss and its denominator across islands; `zero` then needs the same
-    communicator to sum the gradients. `activations` (trainer.offload) runs each micro-batch's
+    communicator to sum the gradients. `activations` (trainer.offload.manager) runs each micro-batch's
     forward and backward with its plan's offload ratio and the checkpointing policy; None: plain.
     """
 

@@ -1,11 +1,10 @@
-"""Process restarts and test-only fault injection.
-
-`restart_count()` is torchrun's TORCHELASTIC_RESTART_COUNT: after `--max-restarts` restarted
-every worker with the same arguments it is > 0, and the Checkpointer resumes from the newest
-complete checkpoint this job (`job_id()`, torchrun's run id) wrote, by itself.
+"""Test support: fault injection. A run loads it through the trainer's hooks
+(`MIXLEN_HOOKS=trainer.testing.faults:FaultInjector`, trainer.hooks); production code never
+imports this module.
 
 `MIXLEN_FAULT` (TEST ONLY; never set it in a real run) makes a rank SIGKILL itself, to test
-recovery from crashes: a comma-separated list of
+recovery from crashes (torchrun's restarts, trainer.parallel.runtime.restart_count): a
+comma-separated list of
 
     kill:rank=R:step=S[:at=step|save][:attempt=A]
 
@@ -25,24 +24,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from datapipe.errors import ConfigError
+from trainer.hooks import Hooks
+from trainer.parallel.runtime import restart_count
 
-__all__ = ["FAULT_ENV", "Fault", "FaultInjector", "job_id", "parse_faults", "restart_count"]
+__all__ = ["FAULT_ENV", "Fault", "FaultInjector", "parse_faults"]
 
 FAULT_ENV = "MIXLEN_FAULT"
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _AT = ("step", "save")
-
-
-def restart_count() -> int:
-    """How many times torchrun's elastic agent has restarted this job's workers (0: first run)."""
-    value = os.environ.get(RESTART_ENV, "0")
-    return int(value) if value.isdigit() else 0
-
-
-def job_id() -> str | None:
-    """torchrun's id of this job (the same across its restarts; random per `--standalone` launch),
-    or None outside torchrun."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 @dataclass(frozen=True)
@@ -88,7 +76,7 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
-class FaultInjector:
+class FaultInjector(Hooks):
     """This rank's faults of MIXLEN_FAULT for this restart attempt (none in a normal run)."""
 
     def __init__(self, rank: int, text: str | None = None, attempt: int | None = None) -> None:
