@@ -52,8 +52,8 @@ import torch  # noqa: E402
 from datapipe.files import write_text_atomic  # noqa: E402
 from datapipe.plan.cost import DEVICES, build_cost_model, preset  # noqa: E402
 from datapipe.plan.planner import PlannerConfig  # noqa: E402
-from trainer.config.job import OffloadConfig  # noqa: E402
 from trainer.model.transformer import build, get_config  # noqa: E402
+from trainer.offload.config import OffloadConfig  # noqa: E402
 from trainer.offload.manager import ActivationPolicy  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, float] | None] = {
@@ -277,8 +277,8 @@ def planner_rows(capacity: int = 8192, ranks: int = 1024) -> list[dict]:
         lengths = np.array([s], dtype=np.int64)
         row: dict = {"length": s}
         for label, offload in (("plain", False), ("offload", True)):
-            config = PlannerConfig("naive-hdp", num_ranks=ranks, capacity=capacity, offload=offload)
-            plan = config.build(cost).plan(lengths)
+            config = PlannerConfig("naive-hdp", capacity=capacity)
+            plan = config.build(cost, ranks, offload=offload).plan(lengths)
             k, r = int(plan.group_sizes[0]), float(plan.mb_offload[0])
             n = -(-s // k)  # positions of the largest member
             blocks = 2 + (1 - r) * (l_ - 2)

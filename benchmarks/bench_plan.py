@@ -27,19 +27,16 @@ sys.path.insert(0, str(ROOT))
 
 from datapipe.plan import cost as costmod  # noqa: E402
 from datapipe.plan import simulate as S  # noqa: E402
+from datapipe.plan.compare import Variant, compare, variant_planners  # noqa: E402
 from datapipe.plan.planner import PlannerConfig  # noqa: E402
 
-VARIANTS = (  # (policy, offload, widen)
-    ("hdp", False, False),
-    ("naive-hdp", False, False),
-    ("static", False, False),
-    ("hdp", True, False),
-    ("hdp", False, True),
+VARIANTS = (
+    Variant("hdp"),
+    Variant("naive-hdp"),
+    Variant("static"),
+    Variant("hdp", offload=True),
+    Variant("hdp", widen=True),
 )
-
-
-def label(v: tuple) -> str:
-    return v[0] + ("+offload" if v[1] else "") + ("+widen" if v[2] else "")
 
 
 def case_a() -> np.ndarray:
@@ -54,26 +51,12 @@ def case_b(seed: int = 0) -> np.ndarray:
 
 
 def bench_case(name: str, lengths: np.ndarray, ranks: int, cap: int, repeats: int, cost) -> list:
-    planners = {
-        v: PlannerConfig(
-            policy=v[0],
-            num_ranks=ranks,
-            capacity=cap,
-            offload=v[1],
-            widen=v[2],
-            max_context=int(lengths.max()),
-        ).build(cost)
-        for v in VARIANTS
-    }
-    plans = {v: p.plan(lengths) for v, p in planners.items()}  # warm-up (JIT) + result
-    times: dict = {v: [] for v in planners}
-    for _ in range(repeats):
-        for v, p in planners.items():
-            t0 = time.perf_counter()
-            p.plan(lengths)
-            times[v].append((time.perf_counter() - t0) * 1e3)
+    base = PlannerConfig(capacity=cap, max_context=int(lengths.max()))
+    planners = variant_planners(VARIANTS, base, cost, ranks)
+    res = compare(planners, [(lengths, None)], cost, passes=repeats)  # warm-up (JIT) first
     rows = []
-    for v, plan in plans.items():
+    for label, r in res.items():
+        plan = r.plans[0]
         rows.append(
             {
                 "case": name,
@@ -81,9 +64,9 @@ def bench_case(name: str, lengths: np.ndarray, ranks: int, cap: int, repeats: in
                 "capacity": cap,
                 "samples": int(lengths.size),
                 "tokens": int(lengths.sum()),
-                "policy": label(v),
-                "plan_ms_median": float(np.median(times[v])),
-                "plan_ms_min": float(np.min(times[v])),
+                "policy": label,
+                "plan_ms_median": r.plan_ms[0],
+                "plan_ms_min": float(np.min(r.pass_ms[0])),
                 "makespan_s": plan.makespan_ns / 1e9,
                 "lower_bound_s": plan.lower_bound_ns / 1e9,
                 "max_over_lower_bound": plan.makespan_ns / plan.lower_bound_ns,
@@ -97,26 +80,14 @@ def quality_over_batches(ranks: int, cap: int, cost, n: int = 10) -> list:
     """max/LB of each policy over n byted-like 32M-token batches (mean and worst)."""
     pool = np.minimum(S.sample_lengths("byted", 400_000, 0), 2 * 1024 * 1024)
     batches = S.draw_batches(pool, 32 * 1024 * 1024, n, 0)
+    base = PlannerConfig(capacity=cap, max_context=2 * 1024 * 1024)
+    res = compare(variant_planners(VARIANTS, base, cost, ranks), [(b, None) for b in batches], cost)
     rows = []
-    for pol, off, widen in VARIANTS:
-        r = []
-        for b in batches:
-            p = (
-                PlannerConfig(
-                    policy=pol,
-                    num_ranks=ranks,
-                    capacity=cap,
-                    offload=off,
-                    widen=widen,
-                    max_context=2 * 1024 * 1024,
-                )
-                .build(cost)
-                .plan(b)
-            )
-            r.append(p.makespan_ns / p.lower_bound_ns)
+    for label, v in res.items():
+        r = [m.max_over_lower_bound for m in v.metrics]
         rows.append(
             {
-                "policy": label((pol, off, widen)),
+                "policy": label,
                 "ranks": ranks,
                 "mean_max_over_lb": float(np.mean(r)),
                 "worst_max_over_lb": float(np.max(r)),

@@ -71,10 +71,10 @@ def rank_pieces(batch_ids: np.ndarray, lengths: np.ndarray, ranks: int, rank: in
 
 
 def bench_stream(root: Path, budget: int) -> dict:
-    from datapipe.stream import LengthAwareStream, StreamConfig
+    from datapipe.stream import StreamConfig
 
     t0 = time.perf_counter()
-    s = StreamConfig(path=str(root), global_batch_tokens=budget, seed=0).build()
+    s = StreamConfig(seed=0).open(str(root), budget)
     t_build = time.perf_counter() - t0
     t0 = time.perf_counter()
     steps = s.steps_in_epoch(0)
@@ -84,7 +84,7 @@ def bench_stream(root: Path, budget: int) -> dict:
     big = np.maximum(1, np.random.default_rng(1).lognormal(np.log(2048), 1.5, 10_000_000)).astype(
         np.int64
     )
-    bs = LengthAwareStream(StreamConfig(path="mem", global_batch_tokens=32 << 20), big)
+    bs = StreamConfig().build(big, 32 << 20)
     t0 = time.perf_counter()
     bs.steps_in_epoch(0)
     t_plan = time.perf_counter() - t0
@@ -106,7 +106,7 @@ def bench_stream(root: Path, budget: int) -> dict:
 def bench_fill(repeats: int = 3) -> list[dict]:
     """Batch formation alone, greedy vs look-ahead fill, on in-memory lengths: epoch plan time and
     token fill (mean tokens per batch / budget, smallest batch)."""
-    from datapipe.stream import LengthAwareStream, StreamConfig
+    from datapipe.stream import StreamConfig
 
     rng = np.random.default_rng(1)
     cases = [
@@ -136,9 +136,7 @@ def bench_fill(repeats: int = 3) -> list[dict]:
         for w in (0, 64):
             best = float("inf")
             for _ in range(repeats):
-                s = LengthAwareStream(
-                    StreamConfig(path="mem", global_batch_tokens=budget, lookahead=w), lengths
-                )
+                s = StreamConfig(lookahead=w).build(lengths, budget)
                 t0 = time.perf_counter()
                 steps = s.steps_in_epoch(0)
                 best = min(best, time.perf_counter() - t0)
@@ -193,7 +191,7 @@ def main() -> None:
     res["fill"] = bench_fill(args.repeats)
 
     # one rank's work for `steps` steps, from the real stream
-    stream = StreamConfig(path=str(root), global_batch_tokens=args.budget, seed=0).build()
+    stream = StreamConfig(seed=0).open(str(root), args.budget)
     steps = [
         [rank_pieces(next(stream).sample_ids, lengths, args.ranks, 0)] for _ in range(args.steps)
     ]
@@ -236,7 +234,7 @@ def main() -> None:
         return time.perf_counter() - t0, n_samples, tok_bytes, {}
 
     def run_fetch(access: str, direct: bool = True, cold: bool = False) -> tuple:
-        fetcher = FetchConfig(path=str(root), mds_access=access).build()
+        fetcher = FetchConfig(mds_access=access).build(str(root))
         try:
             if not direct:
                 fetcher.reader.direct = False

@@ -83,10 +83,9 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
             p: PlannerConfig(
                 policy=p.split("+")[0],
                 widen=p.endswith("+widen"),
-                num_ranks=world,
                 capacity=job["capacity"],
                 max_context=job["max_context"],
-            ).build(cost)
+            ).build(cost, num_ranks=world)
             for p in POLICIES
         }
         execs = {p: _executor(comm, job["shape"]) for p in POLICIES}
@@ -161,7 +160,7 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
     data = np.load(job["tokens"], allow_pickle=True)
     fetcher = MemoryFetcher(list(data["tokens"]))
     batches = [np.asarray(b) for b in data["short"]]
-    planner = PlannerConfig(policy="hdp", num_ranks=world, capacity=4096).build(load(job["cost"]))
+    planner = PlannerConfig(policy="hdp", capacity=4096).build(load(job["cost"]), num_ranks=world)
     plans = [planner.plan(fetcher.lengths[ids], ids) for ids in batches]
     fetched = [fetcher.fetch_step([m.pieces for m in p.microbatches(rank)]) for p in plans]
     assert all(len(f) > 0 for f in fetched), "every rank needs a micro-batch for DDP"
@@ -221,13 +220,11 @@ def _spawn(fn, world: int, job: dict, timeout: float) -> None:
 def _batches(data: str, gbt: int, steps: int, keep, seed: int, lookahead: int = 64):
     """Sample ids of the first `steps` stream batches over the samples `keep(lengths)` selects."""
     from datapipe.index import read_index
-    from datapipe.stream import LengthAwareStream, StreamConfig
+    from datapipe.stream import StreamConfig
 
     lengths = np.asarray(read_index(data).num_tokens, dtype=np.int64)
     pool = np.flatnonzero(keep(lengths))
-    stream = LengthAwareStream(
-        StreamConfig(data, gbt, seed=seed, lookahead=lookahead), lengths[pool]
-    )
+    stream = StreamConfig(seed=seed, lookahead=lookahead).build(lengths[pool], gbt)
     return [pool[next(stream).sample_ids] for _ in range(steps)]
 
 
@@ -237,7 +234,7 @@ def _save(path: str, data: str, kinds: dict[str, list[np.ndarray]]) -> dict[str,
     from datapipe.fetch import FetchConfig
 
     used = np.unique(np.concatenate([b for bs in kinds.values() for b in bs]))
-    fetcher = FetchConfig(data).build()
+    fetcher = FetchConfig().build(data)
     lengths = np.asarray(fetcher.lengths)
     mbs = fetcher.fetch_step([np.array([[s, 0, lengths[s]]]) for s in used])
     fetcher.close()

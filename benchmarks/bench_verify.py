@@ -46,14 +46,14 @@ def main() -> None:
     index = read_index(root)
     lengths = index.num_tokens
     shard_bytes = sum(s["bytes"] for s in index.manifest["shards"])
-    stream = StreamConfig(path=str(root), global_batch_tokens=args.budget, seed=0).build()
+    stream = StreamConfig(seed=0).open(str(root), args.budget)
     steps = [
         [rank_pieces(next(stream).sample_ids, lengths, args.ranks, 0)] for _ in range(args.steps)
     ]
     payload = int(sum(lengths[p[0][:, 0]].sum() for p in steps)) * 2
 
     def run(verify: bool) -> tuple[float, float]:
-        fetcher = FetchConfig(path=str(root), verify=verify).build()
+        fetcher = FetchConfig(verify=verify).build(str(root))
         try:
             t0 = time.perf_counter()
             for mbs in steps:

@@ -77,11 +77,11 @@ def _batches(data: str, ranks: int, capacity: int, steps: int, seed: int = 0) ->
     import numpy as np
 
     from datapipe.index import read_lengths
-    from datapipe.stream import LengthAwareStream, StreamConfig
+    from datapipe.stream import StreamConfig
 
     lengths = read_lengths(data)
     lengths = lengths[(lengths > 1) & (lengths <= ranks * capacity)]
-    stream = LengthAwareStream(StreamConfig(data, ranks * capacity, seed=seed), lengths)
+    stream = StreamConfig(seed=seed).build(lengths, ranks * capacity)
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
@@ -122,8 +122,8 @@ def _step_main(rank: int, world: int, port: int, job: dict) -> None:
                 grad_comm=grad_comm,
             )  # fmt: skip
             runs[level] = HDPExecutor(model, zero, comm)
-        planner = PlannerConfig(policy="hdp", num_ranks=world, capacity=job["capacity"]).build(
-            preset("debug")
+        planner = PlannerConfig(policy="hdp", capacity=job["capacity"]).build(
+            preset("debug"), num_ranks=world
         )
         records = []
         batches = _batches(job["data"], world, job["capacity"], job["steps"] + 1)

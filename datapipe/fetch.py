@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from datapipe.errors import ConfigError, InputError, UserKeys
+from datapipe.errors import InputError
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
 from datapipe.pack_kernel import pack_kernel
 from datapipe.plan.loss import IGNORE_INDEX
+from datapipe.settings import Names, check, setting
 
 MDS_ACCESS = ("reader", "dataset")
 
@@ -121,35 +122,35 @@ def rows_of_pieces(
 # ----------------------------------------------------------------------------- readers
 
 
-@dataclass
-class FetchConfig(UserKeys):
-    """Configuration of a :class:`Fetcher`."""
+@dataclass(frozen=True)
+class FetchConfig:
+    """The fetch's settings (in a training config: `[data]`); the dataset is a `build()`
+    argument."""
 
-    path: str  # dataset directory or remote URI (as StreamConfig.path)
-    cache_dir: str | None = None  # local copy of a remote dataset (one per process)
-    mds_access: str = "reader"  # "reader" (MDSReader + pread) | "dataset" (StreamingDataset[i])
-    prefetch_depth: int = 1  # steps fetched ahead by Prefetcher
-    verify: bool = True  # check each shard's XXH3-64 against the manifest when first opened
-    keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    prefetch_depth: int = setting(
+        1, help="steps fetched ahead in a background thread", lo=1, hi=64, free_on_resume=True
+    )
+    mds_access: str = setting(
+        "reader",
+        help="MDS shards read through the library's reader and positional reads (reader) or "
+        "StreamingDataset[i] (dataset)",
+        choices=MDS_ACCESS,
+        free_on_resume=True,
+    )
+    verify: bool = setting(
+        True,
+        help="check each shard's XXH3-64 against the manifest when it is first opened",
+        free_on_resume=True,
+    )
 
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad setting as the user wrote it."""
-        if self.mds_access not in MDS_ACCESS:
-            raise ConfigError(
-                f"{self.key('mds_access')}: must be one of {', '.join(MDS_ACCESS)}, "
-                f"got {self.mds_access!r}"
-            )
-        if not (isinstance(self.prefetch_depth, int) and self.prefetch_depth >= 1):
-            raise ConfigError(
-                f"{self.key('prefetch_depth')}: must be an int >= 1, got {self.prefetch_depth!r}"
-            )
-
-    def build(self) -> Fetcher:
-        """Read the index and open the format's reader."""
-        self.validate()
-        local, remote = resolve_dataset(self.path, self.cache_dir, self.key("path"))
+    def build(self, path: str, cache_dir: str | None = None, names: Names | None = None) -> Fetcher:
+        """Read the index of the dataset at `path` (a directory or a remote URI; `cache_dir`
+        holds a remote dataset's local copy) and open the format's reader."""
+        names = names or Names()
+        check(self, names)
+        local, remote = resolve_dataset(path, cache_dir, names("path"))
         index = read_index(local)
-        reader = open_reader(local, remote, index.manifest, self.cache_dir, self.mds_access)
+        reader = open_reader(local, remote, index.manifest, cache_dir, self.mds_access)
         try:
             reader.verify = self.verify
             reader.check_present()  # a missing or truncated local shard stops us here

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from datapipe.errors import ConfigError, UserKeys
+from datapipe.errors import ConfigError
 from datapipe.index import read_index, resolve_dataset
+from datapipe.settings import MAX_INT, Names, check, setting
 
 STATE_VERSION = 2
 DEFAULT_LOOKAHEAD = 64
@@ -172,63 +173,86 @@ class GlobalBatch:
         return h.digest()
 
 
-@dataclass
-class StreamConfig(UserKeys):
-    """Configuration of a :class:`LengthAwareStream`."""
+@dataclass(frozen=True)
+class StreamConfig:
+    """The length-aware stream's settings (in a training config: `[data]`). The batch size, the
+    island and the number of islands are `build()` arguments."""
 
-    path: str  # dataset directory, or a remote URI that mosaicml-streaming can download from
-    global_batch_tokens: int  # per island
-    seed: int = 0
-    island: int = 0
-    num_islands: int = 1
-    oversize: str = "own_step"  # sample longer than global_batch_tokens: "own_step" | "error"
-    lookahead: int = DEFAULT_LOOKAHEAD  # first-fit window of the batch fill (0: plain greedy)
-    cache_dir: str | None = None  # local copy of a remote dataset's metadata
-    keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    seed: int = setting(0, help="seed of the epochs' sample order", lo=0, hi=(1 << 63) - 1)
+    oversize: str = setting(
+        "own_step",
+        help="a sample longer than a global batch: own_step (a step of its own) or error",
+        choices=OVERSIZE_POLICIES,
+    )
+    lookahead: int = setting(
+        DEFAULT_LOOKAHEAD,
+        help="first-fit window of the batch fill, in samples (0: plain greedy)",
+        lo=0,
+        hi=1 << 20,
+    )
 
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad setting as the user wrote it."""
-        k = self.key
-        if int(self.global_batch_tokens) < 1:
-            raise ConfigError(
-                f"{k('global_batch_tokens')}: must be >= 1, got {self.global_batch_tokens}"
-            )
-        if int(self.seed) < 0:
-            raise ConfigError(f"{k('seed')}: must be >= 0, got {self.seed}")
-        if int(self.num_islands) < 1:
-            raise ConfigError(f"{k('num_islands')}: must be >= 1, got {self.num_islands}")
-        if not 0 <= int(self.island) < int(self.num_islands):
-            raise ConfigError(
-                f"{k('island')}: must be in [0, {self.num_islands}), got {self.island}"
-            )
-        if int(self.lookahead) < 0:
-            raise ConfigError(f"{k('lookahead')}: must be >= 0, got {self.lookahead}")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise ConfigError(
-                f"{k('oversize')}: must be one of {', '.join(OVERSIZE_POLICIES)}, "
-                f"got {self.oversize!r}"
-            )
+    def build(
+        self,
+        lengths: np.ndarray,
+        global_batch_tokens: int,
+        island: int = 0,
+        num_islands: int = 1,
+        names: Names | None = None,
+    ) -> LengthAwareStream:
+        """The stream of island `island` of `num_islands` over samples of `lengths`, in global
+        batches of `global_batch_tokens` tokens (per island). `names` spells the settings and the
+        runtime values in errors as the caller took them."""
+        return LengthAwareStream(self, lengths, global_batch_tokens, island, num_islands, names)
 
-    def build(self) -> LengthAwareStream:
-        """Read the dataset's index (downloading it first if remote) and return the stream."""
-        self.validate()
-        local, _ = resolve_dataset(self.path, self.cache_dir, self.key("path"))
-        return LengthAwareStream(self, read_index(local).num_tokens)
+    def open(
+        self,
+        path: str,
+        global_batch_tokens: int,
+        cache_dir: str | None = None,
+        island: int = 0,
+        num_islands: int = 1,
+        names: Names | None = None,
+    ) -> LengthAwareStream:
+        """`build()` over a dataset's lengths, read from its index (downloaded first if remote)."""
+        names = names or Names()
+        local, _ = resolve_dataset(path, cache_dir, names("path"))
+        lengths = read_index(local).num_tokens
+        if np.asarray(lengths).size == 0:
+            raise ConfigError(f"{names('path')}: dataset {path!r} has no samples")
+        return self.build(lengths, global_batch_tokens, island, num_islands, names)
 
 
 class LengthAwareStream:
     """Endless iterator of :class:`GlobalBatch` for one island; resumable via state_dict()."""
 
-    def __init__(self, config: StreamConfig, lengths: np.ndarray) -> None:
-        config.validate()
+    def __init__(
+        self,
+        config: StreamConfig,
+        lengths: np.ndarray,
+        global_batch_tokens: int,
+        island: int = 0,
+        num_islands: int = 1,
+        names: Names | None = None,
+    ) -> None:
+        k = self.names = names or Names()
+        check(config, k)
+        for key, value, lo in (
+            ("global_batch_tokens", global_batch_tokens, 1),
+            ("num_islands", num_islands, 1),
+        ):
+            if not (isinstance(value, (int, np.integer)) and lo <= int(value) <= MAX_INT):
+                raise ConfigError(
+                    f"{k(key)}: must be an integer in [{lo}, {MAX_INT}], got {value!r}"
+                )
+        if not 0 <= int(island) < int(num_islands):
+            raise ConfigError(f"{k('island')}: must be in [0, {num_islands}), got {island}")
         self.config = config
         self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-        self.budget = int(config.global_batch_tokens)
-        self.num_islands = int(config.num_islands)
-        self.island = int(config.island)
-        k = config.key
+        self.budget = int(global_batch_tokens)
+        self.num_islands = int(num_islands)
+        self.island = int(island)
         if self.lengths.size == 0:
-            raise ConfigError(f"{k('path')}: dataset {config.path!r} has no samples")
+            raise ConfigError("the stream has no samples")
         if config.oversize == "error":
             longest = int(self.lengths.argmax())
             if int(self.lengths[longest]) > self.budget:
@@ -260,7 +284,7 @@ class LengthAwareStream:
         _, bounds = self._epoch_plan(epoch)
         steps = (bounds.shape[0] - 1) // self.num_islands
         if steps == 0:
-            k = self.config.key
+            k = self.names
             raise ConfigError(
                 f"{k('num_islands')}: {self.num_islands} islands, but the dataset makes only "
                 f"{bounds.shape[0] - 1} global batches of {self.budget} tokens per epoch; "
@@ -338,11 +362,11 @@ class LengthAwareStream:
             if key not in state:
                 raise ConfigError(f"stream state: missing key {key!r}")
             if state[key] != mine[key]:
-                name = self.config.key(key)
+                settable = key in ("seed", "lookahead", "global_batch_tokens", "num_islands")
+                name = self.names(key)
                 raise ConfigError(
                     f"stream state: {name}={state[key]!r} was saved, but this stream has "
-                    f"{name}={mine[key]!r}"
-                    + (" (set it to match)" if key in self.config.keys else "")
+                    f"{name}={mine[key]!r}" + (" (set it to match)" if settable else "")
                 )
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])

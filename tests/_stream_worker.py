@@ -23,26 +23,17 @@ def main(spec_path: str, out_path: str) -> int:
         spec = json.load(f)
     out: dict = {"runs": [], "resume": [], "fetch": None}
     for seed, num_islands, island, steps in spec["runs"]:
-        cfg = StreamConfig(
-            path=spec["path"],
-            global_batch_tokens=spec["budget"],
-            seed=seed,
-            island=island,
-            num_islands=num_islands,
+        stream = StreamConfig(seed=seed).open(
+            spec["path"], spec["budget"], island=island, num_islands=num_islands
         )
-        stream = cfg.build()
         h = hashlib.blake2b(digest_size=16)
         for _ in range(steps):
             h.update(next(stream).digest())
         out["runs"].append(h.hexdigest())
     r = spec["resume"]
-    stream = StreamConfig(
-        path=spec["path"],
-        global_batch_tokens=spec["budget"],
-        seed=r["seed"],
-        island=r["island"],
-        num_islands=r["num_islands"],
-    ).build()
+    stream = StreamConfig(seed=r["seed"]).open(
+        spec["path"], spec["budget"], island=r["island"], num_islands=r["num_islands"]
+    )
     stream.load_state_dict(r["state"])
     out["resume"] = [next(stream).digest().hex() for _ in range(r["steps"])]
     heavy = ("torch", "streaming", "webdataset")
@@ -51,7 +42,7 @@ def main(spec_path: str, out_path: str) -> int:
     if fspec:
         from datapipe.fetch import FetchConfig
 
-        fetcher = FetchConfig(path=fspec["path"]).build()
+        fetcher = FetchConfig().build(fspec["path"])
         try:
             h = hashlib.blake2b(digest_size=16)
             for mb in fetcher.fetch_step([np.asarray(p, dtype=np.int64) for p in fspec["pieces"]]):

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from datapipe.fetch import MemoryFetcher
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model, preset
 from datapipe.plan.planner import PlannerConfig
-from trainer.config.job import OffloadConfig
 from trainer.model.transformer import build_model, get_config
+from trainer.offload.config import OffloadConfig
 from trainer.offload.manager import ActivationPolicy
 from trainer.offload.plan import HostNeed
 from trainer.parallel.comm import Communicator, SoloComm, TorchComm, init_local_gloo
@@ -95,8 +95,8 @@ def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int):
     """A plan for `policy` (hdp, naive-hdp, static, single, or hdp+widen)."""
     widen = policy == "hdp+widen"
     return (
-        PlannerConfig(policy=policy.split("+")[0], num_ranks=n, capacity=CAPACITY, widen=widen)
-        .build(WIDEN_COST if widen else preset("debug"))
+        PlannerConfig(policy=policy.split("+")[0], capacity=CAPACITY, widen=widen)
+        .build(WIDEN_COST if widen else preset("debug"), num_ranks=n)
         .plan(lengths, ids)
     )
 
@@ -112,7 +112,7 @@ def optimizer(model, master, comm: Communicator, **kwargs) -> tuple:
     args = {"lr": t.lr, "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay,
             "grad_clip": t.grad_clip, **kwargs}  # fmt: skip
     opt = ZeroOptimizer.for_model(model, comm, master=master, **args)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(cfg))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(cfg.train))
 
 
 def run_policy(
@@ -258,8 +258,10 @@ def run_offload(
     out: dict = {"losses": [], "results": [], "mbs": [], "plans": []}
     for step in range(steps):
         ids = batches[step]
-        config = PlannerConfig(policy, num_ranks=comm.size, capacity=CAPACITY, offload=planned)
-        plan = config.build(OFFLOAD_COST).plan(fetcher.lengths[ids], ids)
+        config = PlannerConfig(policy, capacity=CAPACITY)
+        plan = config.build(OFFLOAD_COST, comm.size, offload=planned).plan(
+            fetcher.lengths[ids], ids
+        )
         mine = plan.microbatches(comm.rank)
         fetched = fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in mine])
         res = ex.accumulate(plan, fetched, step)

@@ -38,7 +38,7 @@ def _reference(plan, cpu: np.ndarray) -> float:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_replayed_cpu_time_equals_a_plain_replay(rank):
     lengths = np.array([900, 300, 200, 120, 80, 40], dtype=np.int64)  # 900: a ring of 2 at C 512
-    plan = PlannerConfig(policy="hdp", num_ranks=2, capacity=512).build(preset("debug"))
+    plan = PlannerConfig(policy="hdp", capacity=512).build(preset("debug"), num_ranks=2)
     plan = plan.plan(lengths, np.arange(lengths.shape[0]))
     assert 2 in set(plan.group_sizes.tolist()) and plan.num_microbatches >= 3
     rng = np.random.default_rng(0)

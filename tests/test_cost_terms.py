@@ -50,8 +50,9 @@ def member_s(cost: C.CostModel, lengths: list[int], k: int, spans: bool = True) 
 
 
 def plan(cost: C.CostModel, policy: str, lengths, n: int, cap: int, **kw):
+    run = {k: kw.pop(k) for k in ("seed", "offload") if k in kw}
     cfg = PlannerConfig(policy=policy.split("+")[0], widen=policy.endswith("+widen"), **kw)
-    p = dataclasses.replace(cfg, num_ranks=n, capacity=cap).build(cost).plan(np.asarray(lengths))
+    p = dataclasses.replace(cfg, capacity=cap).build(cost, n, **run).plan(np.asarray(lengths))
     check_plan(p)
     return p
 
@@ -283,7 +284,7 @@ def test_report_components_add_up_to_plan_times() -> None:
     """The report's per-micro-batch split (attention, linear incl. d*T^2, exposed communication,
     exposed offload, overhead) sums to the time the planner gave each micro-batch, with every term
     of the model switched on."""
-    from tools.report import mb_components
+    from datapipe.plan.metrics import mb_components
 
     cost = dataclasses.replace(
         BASE,

@@ -75,12 +75,12 @@ def test_flipped_byte_in_a_shard_is_caught_on_first_open(copy, fmt: str) -> None
     data = (root / name).read_bytes()
     at = data.find(ref[bad][1:9].astype("<u2").tobytes())
     flip_byte(root / name, at + 2 if at >= 0 else None)
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         with pytest.raises(InputError, match=f"{name}: XXH3-64 checksum .* differs"):
             fetcher.fetch(_whole(fetcher, bad))
         assert fetcher.fetch(_whole(fetcher, good)).input_ids.tolist() == ref[good].tolist()
     if at >= 0:  # without the check the flipped token would be trained on silently
-        with FetchConfig(path=str(root), verify=False).build() as fetcher:
+        with FetchConfig(verify=False).build(str(root)) as fetcher:
             got = fetcher.fetch(_whole(fetcher, bad)).input_ids
         assert (got != ref[bad]).sum() == 1
     else:
@@ -93,12 +93,12 @@ def test_truncated_or_deleted_shard_is_caught_when_opening_the_dataset(copy, fmt
     shards = _manifest(root)["shards"]
     truncate(root / shards[1]["name"])
     with pytest.raises(InputError, match=f"{shards[1]['name']}: \\d+ bytes, manifest.json says"):
-        FetchConfig(path=str(root)).build()
+        FetchConfig().build(str(root))
     (root / shards[1]["name"]).unlink()
     with pytest.raises(
         InputError, match=f"{shards[1]['name']}: shard listed in manifest.json is missing"
     ):
-        FetchConfig(path=str(root)).build()
+        FetchConfig().build(str(root))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -106,7 +106,7 @@ def test_shard_truncated_while_training_names_the_shard(copy, fmt: str) -> None:
     """A shard that shrinks after it was opened and verified (pread past its end): an error naming
     it, not a decoding traceback or short tokens."""
     root = copy(fmt)
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         idx = read_index(str(root))
         shard = int(idx.shard[-1])
         name = fetcher.reader.shard_names[shard]
@@ -140,7 +140,7 @@ def test_index_disagreeing_with_the_shards(copy, capsys) -> None:
     del m["index_xxh3_64"]
     _write_manifest(root, m)
     # one more token in the same number of rows: only the stored rows can tell
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         with pytest.raises(InputError, match=f"sample {s}, chunk \\d+\\) holds \\d+ tokens"):
             fetcher.fetch(_whole(fetcher, s))
     rep = verify_dataset(str(root))
@@ -160,7 +160,7 @@ def test_index_disagreeing_with_the_shards(copy, capsys) -> None:
         with pytest.raises(InputError, match=re.escape(phrase)):
             read_index(str(root))
         with pytest.raises(InputError, match=re.escape(phrase)):
-            FetchConfig(path=str(root)).build()
+            FetchConfig().build(str(root))
     # dropped rows and a wrong column type
     pq.write_table(table.slice(0, N - 1), ipath)
     with pytest.raises(InputError, match=f"{N - 1} rows but manifest.json num_samples is {N}"):
@@ -192,7 +192,7 @@ def test_manifest_shard_names_must_stay_inside(copy, name, phrase: str) -> None:
     m = _manifest(root)
     m["shards"][0]["name"] = name
     _write_manifest(root, m)
-    for call in (read_manifest, read_index, lambda p: FetchConfig(path=p).build()):
+    for call in (read_manifest, read_index, lambda p: FetchConfig().build(p)):
         with pytest.raises(InputError, match=f"manifest.json: shards\\[0\\].name: .*{phrase}"):
             call(str(root))
     assert (
@@ -259,7 +259,7 @@ def test_mds_pickled_columns_are_never_read(copy, tmp_path) -> None:
     assert pickle.dumps(Payload())  # the kind of bytes a pkl column would hold
     for access in ("reader", "dataset"):
         with pytest.raises(InputError, match="column encoding 'pkl' would unpickle data"):
-            FetchConfig(path=str(root), mds_access=access).build()
+            FetchConfig(mds_access=access).build(str(root))
     assert not marker.exists()
 
 
@@ -273,7 +273,7 @@ def test_out_of_vocabulary_token_names_shard_sample_and_position(copy) -> None:
     ref = reference_tokens(N, SEED)
     s = next(i for i, t in enumerate(ref) if (t >= 100).any() and len(t) > 80)
     pos = int(np.argmax(ref[s] >= 100))  # the reference: the first offending position
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         shard = fetcher.reader.shard_names[
             fetcher.reader.shard_of_row(int(fetcher.global_first_row[s]) + pos // fetcher.chunk)
         ]
@@ -346,7 +346,7 @@ def test_stale_streaming_state_of_a_killed_run(pristine, tmp_path) -> None:
     with open(old_lock, "w"):
         pass
     os.utime(old_lock, (time.time() - 3600, time.time() - 3600))
-    with FetchConfig(path=str(root), mds_access="dataset").build() as fetcher:
+    with FetchConfig(mds_access="dataset").build(str(root)) as fetcher:
         assert not dead_inodes & {os.stat(f"/dev/shm/{n}").st_ino for n in os.listdir("/dev/shm")}
         assert not os.path.exists(old_lock)
         for p, ino in lock_inodes.items():  # gone (or a new file of the new run's)

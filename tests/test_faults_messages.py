@@ -23,21 +23,19 @@ INTERNAL = re.compile(r"\bnum_ranks\b|\bnum_islands\b|\bstream\.\w|\bfetch\.\w|\
 
 def test_error_messages_name_no_internal_fields() -> None:
     """Every `raise` in datapipe/, trainer/, tools/: no literal part of its message names an
-    internal field (`num_ranks`, `stream.path`, ...); names go through the user-key maps."""
+    internal field (`num_ranks`, `stream.path`, ...); names go through datapipe.settings.Names."""
     found = []
     for pkg in ("datapipe", "trainer", "tools"):
         for path in (ROOT / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if not isinstance(node, ast.Raise) or node.exc is None:
                     continue
-                mapped = set()  # arguments of key(...) / k(...): looked up, not shown
+                mapped = set()  # arguments of names(...) / key(...) / k(...): looked up, not shown
                 for sub in ast.walk(node.exc):
                     if isinstance(sub, ast.Call):
                         f = sub.func
-                        if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")) in (
-                            "k",
-                            "key",
-                        ):
+                        name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                        if name in ("k", "key", "names", "off"):
                             mapped.update(id(a) for a in sub.args)
                 for sub in ast.walk(node.exc):
                     if (

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -137,7 +138,7 @@ def test_elastic_resume_on_another_rank_count(dataset, four_ranks, tmp_path) -> 
 def _single_reference(dataset: str, tmp_path: Path):
     """The same run in one process on whole samples (`single` policy), no checkpoints."""
     cfg = elastic_config(dataset, str(tmp_path / "single"))
-    cfg.parallel.policy = "single"
+    cfg.parallel.planner = dataclasses.replace(cfg.parallel.planner, policy="single")
     cfg.checkpoint.dir = None
     return cfg
 

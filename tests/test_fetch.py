@@ -116,7 +116,7 @@ def test_fetch_matches_reference_tokens(datasets, fmt: str) -> None:
     access = "dataset" if fmt == "mds-dataset" else "reader"
     manifest = json.loads((root / "manifest.json").read_text())
     assert len(manifest["shards"]) > 3  # several shards (MDS splits samples across them)
-    with FetchConfig(path=str(root), mds_access=access).build() as fetcher:
+    with FetchConfig(mds_access=access).build(str(root)) as fetcher:
         assert np.array_equal(fetcher.lengths, lengths)
         rng = np.random.default_rng(hash(fmt) % 1000)
         for _ in range(5):
@@ -135,7 +135,7 @@ def test_zigzag_union_over_ranks_equals_whole_samples(datasets, fmt: str) -> Non
     root, lengths = datasets[fmt]
     ref = reference_tokens(150, 1)
     samples = [int(s) for s in np.argsort(lengths)[-3:]] + [int(np.argmin(lengths))]
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         for k in (1, 2, 3, 4):
             per_rank = []
             for p in range(k):
@@ -166,7 +166,7 @@ def test_bytes_read_within_one_chunk_per_piece_end(datasets, fmt: str) -> None:
     root, lengths = datasets[fmt]
     rng = np.random.default_rng(4)
     itemsize = 2
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         for _ in range(4):
             pieces = random_pieces(lengths, rng, n_microbatches=1, per_mb=8)[0]
             before = fetcher.reader.stats.rows, fetcher.reader.stats.token_bytes
@@ -199,7 +199,7 @@ def test_prefetch_matches_direct_fetch_and_measures_wait(datasets) -> None:
     root, lengths = datasets["mds"]
     rng = np.random.default_rng(5)
     steps = [(f"step{i}", random_pieces(lengths, rng, n_microbatches=2)) for i in range(6)]
-    with FetchConfig(path=str(root), prefetch_depth=2).build() as fetcher:
+    with FetchConfig(prefetch_depth=2).build(str(root)) as fetcher:
         direct = [fetcher.fetch_step(mbs) for _, mbs in steps]
         with fetcher.prefetch(iter(steps)) as pf:
             got = list(pf)
@@ -242,7 +242,7 @@ def test_prefetch_matches_direct_fetch_and_measures_wait(datasets) -> None:
 
 def test_to_torch_and_bad_pieces(datasets) -> None:
     root, lengths = datasets["parquet"]
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         mb = fetcher.fetch(np.array([[3, 0, int(lengths[3])]], np.int64))
         t = mb.to_torch()
         assert (
@@ -275,7 +275,7 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
     ref = reference_tokens(150, 1)
     cache = tmp_path / "cache"
     before = _leftovers()
-    with FetchConfig(path=str(root), cache_dir=str(cache)).build() as fetcher:
+    with FetchConfig().build(str(root), str(cache)) as fetcher:
         assert fetcher.reader.remote == str(root) and fetcher.reader.local == str(cache)
         manifest = json.loads((cache / "manifest.json").read_text())
         assert not any((cache / s["name"]).exists() for s in manifest["shards"])
@@ -296,10 +296,8 @@ def test_streaming_dataset_access_leaves_no_shm_or_filelocks(
     for remote in (False, True):
         if remote:
             monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(root))
-        cfg = FetchConfig(
-            path=str(root), mds_access="dataset", cache_dir=str(tmp_path / f"c{remote}")
-        )
-        with cfg.build() as fetcher:
+        cfg = FetchConfig(mds_access="dataset")
+        with cfg.build(str(root), str(tmp_path / f"c{remote}")) as fetcher:
             mb = fetcher.fetch(np.array([[7, 0, int(lengths[7])]], np.int64))
             assert mb.num_tokens == int(lengths[7])
             assert _leftovers() != before or not os.path.isdir("/dev/shm")  # it did use shm
@@ -338,7 +336,7 @@ def test_rows_disagreeing_with_index_are_reported(datasets) -> None:
     from datapipe.errors import InputError
 
     root, lengths = datasets["wds"]
-    with FetchConfig(path=str(root)).build() as fetcher:
+    with FetchConfig().build(str(root)) as fetcher:
         s = int(np.argmax(lengths))
         fetcher.lengths = lengths.copy()
         fetcher.lengths[s] += 1  # the index now disagrees with the stored last row

@@ -97,7 +97,7 @@ def test_fetch_direct_equals_library_and_reference(tmp_path) -> None:
         steps.append([np.stack([ids[i::4], a[i::4], b[i::4]], axis=1) for i in range(4)])
     out = {}
     for direct in (True, False):
-        f = FetchConfig(path=str(root)).build()
+        f = FetchConfig().build(str(root))
         f.reader.direct = direct
         out[direct] = [f.fetch_step(s) for s in steps]
         modes = {f.reader._decoders[s].__name__ for s in f.reader._decoders}

@@ -93,7 +93,7 @@ def input_file(draw) -> tuple[str, bytes, list[str]]:
 
 def _stored_texts(root: str) -> list[str]:
     """Every sample's bytes tokens (BOS and EOS stripped) decoded back to text."""
-    with FetchConfig(path=root).build() as fetcher:
+    with FetchConfig().build(root) as fetcher:
         n = len(fetcher.lengths)
         pieces = np.stack([np.arange(n), np.zeros(n, np.int64), fetcher.lengths], axis=1)
         mb = fetcher.fetch(pieces)

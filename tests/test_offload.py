@@ -11,9 +11,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from datapipe.plan.cost import DEVICES, build_cost_model
 from trainer.attention.ring import RingAttention, ZigzagLayout
-from trainer.config.job import OffloadConfig
 from trainer.model.transformer import build as build_model
 from trainer.model.transformer import get_config
+from trainer.offload.config import OffloadConfig
 from trainer.offload.host_store import HostPool
 from trainer.offload.manager import ActivationPolicy
 from trainer.testing.threads import run_threads

@@ -30,8 +30,10 @@ from test_reference_trainer import offload_reference
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan.cost import DEVICES, build_cost_model
 from datapipe.plan.planner import PlannerConfig
-from trainer.config.job import OffloadConfig, from_dict, resume_conflicts
+from trainer.config.job import from_dict
+from trainer.config.resume import resume_conflicts
 from trainer.config.toml import apply_overrides
+from trainer.offload.config import OffloadConfig
 from trainer.offload.manager import ActivationPolicy
 from trainer.offload.plan import (
     HostNeed,
@@ -77,8 +79,8 @@ def _plans():
         ("static", 4, False),
     ]:
         lengths = np.concatenate([rng.integers(0, 60, 30), rng.integers(100, 240, 3)])
-        config = PlannerConfig(policy, num_ranks=n, capacity=CAPACITY, offload=offload)
-        yield config.build(OFFLOAD_COST).plan(lengths)
+        config = PlannerConfig(policy, capacity=CAPACITY)
+        yield config.build(OFFLOAD_COST, n, offload=offload).plan(lengths)
 
 
 def test_member_positions_and_host_bytes_match_plain_loops():
@@ -160,8 +162,8 @@ def test_host_budget_refused_by_every_rank_before_the_step():
     tokens, batches = scenario_data()
     ids = batches[0]
     lengths = np.array([len(tokens[i]) for i in ids], dtype=np.int64)
-    plan = PlannerConfig("hdp", num_ranks=WORLD, capacity=CAPACITY, offload=True)
-    plan = plan.build(OFFLOAD_COST).plan(lengths, ids)
+    plan = PlannerConfig("hdp", capacity=CAPACITY)
+    plan = plan.build(OFFLOAD_COST, WORLD, offload=True).plan(lengths, ids)
     shape = offload_model_config()
     act = shape.act_bytes_per_token_layer(8)
     need = max(  # plain loop: blocks to host x positions x Act
@@ -222,9 +224,9 @@ def test_offload_config_builds_the_planner_and_manager(tmp_path):
     cost.write_text(build_cost_model("t", shape, DEVICES["cpu"], dtype_bytes=8).to_json())
     base = {"data": {"path": "x"}, "model": {"n_layers": 4}, "parallel": {"cost": str(cost)}}
     cfg = from_dict({**base, "offload": {"enabled": True, "host_bytes_per_s": 123.0}})
-    assert cfg.planner_config(4, 100).offload and cfg.cost_model().offload_bytes_per_s == 123.0
+    assert cfg.planner_spec(4).offload and cfg.cost_model().offload_bytes_per_s == 123.0
     forced = from_dict({**base, "offload": {"enabled": True, "force_ratio": 0.5}})
-    assert not forced.planner_config(4, 100).offload  # force_ratio: plans without offload
+    assert not forced.planner_spec(4).offload  # force_ratio: plans without offload
     assert forced.offload.ratio(0.0) == 0.5
     assert ActivationPolicy("every:3").checkpointed(7) == [1, 0, 0, 1, 0, 0, 1]
     assert OffloadConfig(host_budget_bytes=10).pool_bound == 20
@@ -244,7 +246,8 @@ def test_offload_config_builds_the_planner_and_manager(tmp_path):
     assert resume_conflicts(saved, changed) == ["offload.host_bytes_per_s: 123.0 -> 5.0"]
     # the planner's too-long error names the key that would make room
     with pytest.raises(MixlenError, match="offload.enabled"):
-        from_dict(base).planner_config(1, 100).build(OFFLOAD_COST).plan(np.array([5000]))
+        spec = from_dict(base).planner_spec(1)._replace(cost=OFFLOAD_COST)
+        spec.build(100, 0).plan(np.array([5000]))
 
 
 # --- the executor on 4 thread-ranks ----------------------------------------------------------------

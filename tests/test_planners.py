@@ -32,8 +32,9 @@ OFFLOAD = C.CostModel(2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8, name="offload
 
 
 def plan(policy: str, lengths, n: int, cap: int, cost=DEBUG, **kw):
-    cfg = PlannerConfig(policy=policy, num_ranks=n, capacity=cap, **kw)
-    return cfg.build(cost).plan(np.asarray(lengths, dtype=np.int64))
+    run = {k: kw.pop(k) for k in ("seed", "offload") if k in kw}
+    cfg = PlannerConfig(policy=policy, capacity=cap, **kw)
+    return cfg.build(cost, n, **run).plan(np.asarray(lengths, dtype=np.int64))
 
 
 batches = st.integers(1, 12).flatmap(
@@ -334,7 +335,7 @@ def test_group_times_of_multi_sample_groups() -> None:
 def test_single_is_a_valid_whole_sample_plan() -> None:
     lengths = np.array([5, 0, 300, 17, 64, 1], dtype=np.int64)
     for cap in (64, 100, 1000):
-        p = PlannerConfig(policy="single", num_ranks=1, capacity=cap).build(DEBUG)
+        p = PlannerConfig(policy="single", capacity=cap).build(DEBUG, num_ranks=1)
         plan = p.plan(lengths, np.arange(10, 16))
         check_plan(plan)  # the reference checker: exact coverage, capacities, order, times
         pieces = [p for mb in plan.microbatches(0) for p in mb.pieces]
@@ -342,16 +343,16 @@ def test_single_is_a_valid_whole_sample_plan() -> None:
         assert plan.makespan_ns >= plan.lower_bound_ns > 0
     assert plan.num_microbatches == 1  # capacity 1000 holds the whole batch
     with pytest.raises(ConfigError, match="single policy plans one rank"):
-        PlannerConfig(policy="single", num_ranks=4, capacity=64).validate()
+        PlannerConfig(policy="single", capacity=64).build(DEBUG, num_ranks=4)
 
 
 def test_widen_only_for_hdp() -> None:
     for policy in ("naive-hdp", "static"):
         with pytest.raises(ConfigError, match=f"widen: only the hdp policy.*'{policy}'"):
-            PlannerConfig(policy=policy, widen=True).build(DEBUG)
+            PlannerConfig(policy=policy, widen=True).build(DEBUG, num_ranks=8)
         assert issubclass(ConfigError, ValueError)
-    with pytest.raises(ConfigError, match="widen: must be a bool"):
-        PlannerConfig(widen="yes").build(DEBUG)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="widen: expected bool, got str"):
+        PlannerConfig(widen="yes").build(DEBUG, num_ranks=8)  # type: ignore[arg-type]
 
 
 def test_static_cp_degree_bruteforce() -> None:
@@ -413,14 +414,14 @@ def test_edge_cases(policy: str) -> None:
 
 def test_sample_ids_carried() -> None:
     p = (
-        PlannerConfig(num_ranks=2, capacity=8)
-        .build(DEBUG)
+        PlannerConfig(capacity=8)
+        .build(DEBUG, num_ranks=2)
         .plan(np.array([3, 12]), np.array([70, 71]))
     )
     check_plan(p)
     assert {pc[0] for r in range(2) for mb in p.microbatches(r) for pc in mb.pieces} == {70, 71}
     with pytest.raises(MixlenError, match="too many|more than"):
-        PlannerConfig(num_ranks=2, capacity=8).build(DEBUG).plan(
+        PlannerConfig(capacity=8).build(DEBUG, num_ranks=2).plan(
             np.array([3, 17]), np.array([5, 9])
         )
 
@@ -433,8 +434,8 @@ rng = np.random.default_rng(11)
 L = np.minimum(rng.lognormal(5, 1.5, 500).astype(np.int64), 2000)
 out = {}
 for pol in ("hdp", "naive-hdp", "static"):
-    out[pol] = PlannerConfig(policy=pol, num_ranks=24, capacity=256).build(C.preset("llama-7b")).plan(L).digest().hex()
-out["hdp+widen"] = PlannerConfig(num_ranks=24, capacity=256, widen=True).build(C.preset("debug")).plan(L).digest().hex()
+    out[pol] = PlannerConfig(policy=pol, capacity=256).build(C.preset("llama-7b"), 24).plan(L).digest().hex()
+out["hdp+widen"] = PlannerConfig(capacity=256, widen=True).build(C.preset("debug"), 24).plan(L).digest().hex()
 print(json.dumps(out))
 """
 
@@ -549,12 +550,12 @@ def test_plan_records_cost_file_hash(tmp_path) -> None:
 
 
 def test_config_errors() -> None:
-    with pytest.raises(ConfigError, match="policy: unknown 'fancy'"):
-        PlannerConfig(policy="fancy").build(DEBUG)
+    with pytest.raises(ConfigError, match="policy: 'fancy' is not one of hdp, naive-hdp"):
+        PlannerConfig(policy="fancy").build(DEBUG, num_ranks=8)
     with pytest.raises(ConfigError, match="num_ranks"):
-        PlannerConfig(num_ranks=0).build(DEBUG)
+        PlannerConfig().build(DEBUG, num_ranks=0)
     with pytest.raises(ConfigError, match="capacity"):
-        PlannerConfig(capacity=0).build(DEBUG)
+        PlannerConfig(capacity=0).build(DEBUG, num_ranks=8)
     with pytest.raises(MixlenError, match=">= 0"):
         plan("hdp", [3, -1], 2, 8)
 

@@ -57,7 +57,6 @@ from _train_worker import (
 from readback import read_rows, samples_from_rows
 
 from datapipe.shapes import ModelConfig
-from datapipe.stream import LengthAwareStream
 from trainer.config.job import TrainerConfig
 from trainer.data import held_out_mask
 from trainer.model.transformer import build_model
@@ -159,11 +158,9 @@ def reference_run(cfg: TrainerConfig) -> dict:
     tokens = [by_id[i] for i in range(len(by_id))]
     lengths = np.array([len(t) for t in tokens], dtype=np.int64)
     ids = np.arange(len(tokens), dtype=np.int64)
-    held = held_out_mask(ids, cfg.data.seed, cfg.data.val_fraction)
+    held = held_out_mask(ids, cfg.data.stream.seed, cfg.data.val_fraction)
     train_ids, val_ids = ids[~held], ids[held & (lengths > 0)]
-    stream = LengthAwareStream(
-        cfg.data.stream_config(cfg.train.global_batch_tokens), lengths[train_ids]
-    )
+    stream = cfg.data.stream.build(lengths[train_ids], cfg.train.global_batch_tokens)
     batches = [train_ids[next(stream).sample_ids] for _ in range(cfg.train.steps)]
     n_val = max(int(np.searchsorted(np.cumsum(lengths[val_ids]), cfg.data.val_tokens, "right")), 1)
     val = [tokens[i] for i in val_ids[:n_val]] if cfg.train.eval_interval else []

@@ -126,17 +126,15 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
     # The dump replays: rebuild each step's batch from the stream, re-plan, compare per rank.
     d = json.loads(dump.read_text())
     assert len(d["steps"]) == 6
-    stream = StreamConfig(path=str(root), global_batch_tokens=200_000).build()
+    stream = StreamConfig().open(str(root), 200000)
     batches = [next(stream) for _ in range(2)]
     cost = C.preset("llama-7b")
     for step in d["steps"]:
         b = batches[step["step"]]
         assert step["samples"] == [[int(s), int(n)] for s, n in zip(b.sample_ids, b.lengths)]
         plan = (
-            PlannerConfig(
-                policy=step["policy"], num_ranks=16, capacity=2048, max_context=int(lengths.max())
-            )
-            .build(cost)
+            PlannerConfig(policy=step["policy"], capacity=2048, max_context=int(lengths.max()))
+            .build(cost, num_ranks=16)
             .plan(b.lengths, b.sample_ids)
         )
         check_plan(plan)
@@ -160,15 +158,15 @@ def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
     by = {p["policy"]: p for p in out["policies"]}
     assert list(by) == ["static", "naive-hdp", "hdp", "hdp+widen"]
     assert by["hdp+widen"]["est_step_time_s"] <= by["hdp"]["est_step_time_s"]
-    stream = StreamConfig(path=str(root), global_batch_tokens=40_000).build()
+    stream = StreamConfig().open(str(root), 40000)
     batches = [next(stream) for _ in range(2)]
     steps = [s for s in json.loads(dump.read_text())["steps"] if s["widen"]]
     assert len(steps) == 2 and all(s["policy"] == "hdp" for s in steps)
     max_ctx = int(lengths.max())  # plan's default --max-context: static's mesh, widen's candidate
     for step in steps:
         b = batches[step["step"]]
-        cfg = PlannerConfig(num_ranks=4, capacity=8192, widen=True, max_context=max_ctx)
-        plan = cfg.build(C.preset("debug")).plan(b.lengths, b.sample_ids)
+        cfg = PlannerConfig(capacity=8192, widen=True, max_context=max_ctx)
+        plan = cfg.build(C.preset("debug"), num_ranks=4).plan(b.lengths, b.sample_ids)
         assert step["digest"] == plan.digest().hex()
     assert main(args[:-2] + ["--policy", "static", "--widen"]) == 2
     assert "--widen applies to the hdp policy only" in capsys.readouterr().err

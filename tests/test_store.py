@@ -21,6 +21,7 @@ from datapipe.errors import InputError, StoreError
 from datapipe.fetch import FetchConfig
 from datapipe.index import read_index
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+from datapipe.settings import Names
 from datapipe.stream import StreamConfig
 from tools.cli import main as cli_main
 
@@ -137,8 +138,8 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
         assert body == (local / s).read_bytes()
     # stream: the same global batches as the local dataset
     cache = tmp_path / "cache"
-    remote_stream = StreamConfig(uri, 600, seed=3, cache_dir=str(cache)).build()
-    local_stream = StreamConfig(str(local), 600, seed=3).build()
+    remote_stream = StreamConfig(seed=3).open(uri, 600, cache_dir=str(cache))
+    local_stream = StreamConfig(seed=3).open(str(local), 600)
     batches = [next(remote_stream) for _ in range(4)]
     for b in batches:
         ref = next(local_stream)
@@ -147,7 +148,7 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
     assert sorted(os.listdir(cache)) == ["index.parquet", "manifest.json"], "metadata first"
     # fetch: every sample of those batches, through the download cache, equals the local tokens
     ref = samples_from_rows(read_rows(str(local), read_index(str(local)).manifest))
-    with FetchConfig(uri, str(cache)).build() as fetcher:
+    with FetchConfig().build(uri, str(cache)) as fetcher:
         for b in batches:
             for sid, n in zip(b.sample_ids.tolist(), b.lengths.tolist()):
                 mb = fetcher.fetch(np.array([[sid, 0, n]]))
@@ -191,9 +192,9 @@ def test_resume_after_server_restart_mid_epoch(s3, corpus, tmp_path, monkeypatch
     local = _upload(corpus, uri)
     ref = samples_from_rows(read_rows(str(local), read_index(str(local)).manifest))
     srv = s3["server"]
-    stream = StreamConfig(uri, 500, seed=1, cache_dir=str(tmp_path / "c")).build()
+    stream = StreamConfig(seed=1).open(uri, 500, cache_dir=str(tmp_path / "c"))
     steps = [next(stream) for _ in range(8)]
-    with FetchConfig(uri, str(tmp_path / "c")).build() as fetcher:
+    with FetchConfig().build(uri, str(tmp_path / "c")) as fetcher:
 
         def check(batch) -> None:
             for sid, n in zip(batch.sample_ids.tolist(), batch.lengths.tolist()):
@@ -236,7 +237,7 @@ def test_missing_bucket_and_wrong_credentials(s3, corpus, tmp_path, monkeypatch,
     with pytest.raises(
         StoreError, match=r"^data.path: s3://no-such-bucket/ds/manifest.json: not found"
     ):
-        StreamConfig(uri, 100, cache_dir=str(tmp_path / "c0"), keys={"path": "data.path"}).build()
+        StreamConfig().open(uri, 100, cache_dir=str(tmp_path / "c0"), names=Names("data"))
     # a good dataset, then wrong credentials (moto checks keys once auth is on)
     good = f"s3://{s3['bucket']}/creds/ds"
     _upload(corpus, good)
@@ -253,10 +254,10 @@ def test_missing_bucket_and_wrong_credentials(s3, corpus, tmp_path, monkeypatch,
     try:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        StreamConfig(good, 100, cache_dir=str(tmp_path / "c1")).build()  # the right key works
+        StreamConfig().open(good, 100, cache_dir=str(tmp_path / "c1"))  # the right key works
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
         with pytest.raises(StoreError, match="access denied") as e:
-            StreamConfig(good, 100, cache_dir=str(tmp_path / "c2")).build()
+            StreamConfig().open(good, 100, cache_dir=str(tmp_path / "c2"))
         msg = str(e.value)
         assert "AWS_ACCESS_KEY_ID" in msg and "not found" not in msg and "MOSAICML" not in msg
         assert e.value.kind == "denied"
@@ -289,6 +290,4 @@ def test_unsupported_scheme_is_named(corpus, tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 2 and "xyz://b/ds: scheme 'xyz' cannot be written" in err and "s3://" in err
     with pytest.raises(StoreError, match="data.path: xyz://b/ds/manifest.json: scheme 'xyz'"):
-        StreamConfig(
-            "xyz://b/ds", 100, cache_dir=str(tmp_path / "c"), keys={"path": "data.path"}
-        ).build()
+        StreamConfig().open("xyz://b/ds", 100, cache_dir=str(tmp_path / "c"), names=Names("data"))

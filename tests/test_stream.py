@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from datapipe.errors import ConfigError
 from datapipe.index import write_index
+from datapipe.settings import Names
 from datapipe.stream import (
     GlobalBatch,
     LengthAwareStream,
@@ -240,7 +241,8 @@ def test_lookahead_fills_batches_nearly_full() -> None:
 
 
 def _stream(lengths: np.ndarray, budget: int, **kw) -> LengthAwareStream:
-    return LengthAwareStream(StreamConfig(path="mem", global_batch_tokens=budget, **kw), lengths)
+    settings = {k: kw.pop(k) for k in ("seed", "lookahead", "oversize") if k in kw}
+    return StreamConfig(**settings).build(lengths, budget, **kw)
 
 
 @pytest.mark.parametrize("lookahead", [0, 64])
@@ -357,28 +359,28 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="num_islands"):
         next(_stream(lengths, 100, num_islands=3))  # fewer batches than islands
     with pytest.raises(ConfigError, match="path: dataset directory"):
-        StreamConfig(path=str(tmp_path / "missing"), global_batch_tokens=10).build()
+        StreamConfig().open(str(tmp_path / "missing"), 10)
 
 
 def test_resume_in_process_matches_uninterrupted_run(tmp_path: Path) -> None:
     lengths = lognormal_lengths(800, seed=4)
     write_length_index(tmp_path / "ds", lengths)
-    cfg = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=11)
-    ref = cfg.build()
+    cfg = StreamConfig(seed=11)
+    ref = cfg.open(str(tmp_path / "ds"), 6000)
     assert np.array_equal(ref.lengths, lengths)
     ref_batches = [next(ref) for _ in range(200)]  # several epochs
     assert ref_batches[-1].epoch >= 2
     for k in (0, 1, ref.steps_in_epoch(0) - 1, ref.steps_in_epoch(0), 77):
-        s = cfg.build()
+        s = cfg.open(str(tmp_path / "ds"), 6000)
         for _ in range(k):
             next(s)
         state = json.loads(json.dumps(s.state_dict()))  # must survive a JSON round trip
-        t = cfg.build()
+        t = cfg.open(str(tmp_path / "ds"), 6000)
         t.load_state_dict(state)
         for want in ref_batches[k : k + 40]:
             got = next(t)
             assert got.step == want.step and got.digest() == want.digest()
-    other = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, seed=12).build()
+    other = StreamConfig(seed=12).open(str(tmp_path / "ds"), 6000)
     with pytest.raises(ConfigError, match="seed"):
         other.load_state_dict(state)
 
@@ -403,7 +405,9 @@ def test_resume_refuses_each_changed_key(key: str) -> None:
     saved_cfg = {"global_batch_tokens": 6000, "seed": 11, "island": 1, "num_islands": 2}
 
     def build(ls: np.ndarray, **changes) -> LengthAwareStream:
-        return LengthAwareStream(StreamConfig(path="mem", **{**saved_cfg, **changes}), ls)
+        kw = {**saved_cfg, **changes}
+        settings = {k: kw.pop(k) for k in ("seed", "lookahead", "oversize") if k in kw}
+        return StreamConfig(**settings).build(ls, **kw)
 
     s = build(lengths)
     for _ in range(5):
@@ -435,9 +439,9 @@ def test_resume_refuses_each_changed_key(key: str) -> None:
 
 def test_resume_error_names_the_key_as_the_user_wrote_it() -> None:
     lengths = lognormal_lengths(100)
-    keys = {"seed": "data.seed", "global_batch_tokens": "train.global_batch_tokens"}
-    a = LengthAwareStream(StreamConfig("mem", 3000, seed=1, keys=keys), lengths)
-    b = LengthAwareStream(StreamConfig("mem", 3000, seed=2, keys=keys), lengths)
+    names = Names("data").using(global_batch_tokens="train.global_batch_tokens")
+    a = StreamConfig(seed=1).build(lengths, 3000, names=names)
+    b = StreamConfig(seed=2).build(lengths, 3000, names=names)
     with pytest.raises(ConfigError, match=r"data\.seed=1 was saved.*data\.seed=2 \(set it"):
         b.load_state_dict(a.state_dict())
 
@@ -446,17 +450,18 @@ def test_state_saved_before_lookahead_resumes_with_greedy_fill(tmp_path: Path) -
     """A version-1 state (no `lookahead` key: greedy batches) resumes a lookahead=0 stream."""
     lengths = lognormal_lengths(800, seed=5)
     write_length_index(tmp_path / "ds", lengths)
-    greedy = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000, lookahead=0)
-    ref = greedy.build()
+    ds = str(tmp_path / "ds")
+    greedy = StreamConfig(lookahead=0)
+    ref = greedy.open(ds, 6000)
     ref_batches = [next(ref) for _ in range(30)]
-    s = greedy.build()
+    s = greedy.open(ds, 6000)
     for _ in range(10):
         next(s)
     old = {k: v for k, v in s.state_dict().items() if k != "lookahead"} | {"version": 1}
-    t = greedy.build()
+    t = greedy.open(ds, 6000)
     t.load_state_dict(old)
     assert [next(t).digest() for _ in range(20)] == [b.digest() for b in ref_batches[10:]]
-    default = StreamConfig(path=str(tmp_path / "ds"), global_batch_tokens=6000).build()
+    default = StreamConfig().open(str(tmp_path / "ds"), 6000)
     with pytest.raises(ConfigError, match="lookahead=0 was saved"):
         default.load_state_dict(old)
 
@@ -472,7 +477,7 @@ def test_remote_metadata_goes_through_streaming_downloader(tmp_path: Path, monke
     assert stream_mod.is_remote("s3://bucket/ds") and not stream_mod.is_remote(str(remote))
     monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(remote))
     cache = tmp_path / "cache"
-    s = StreamConfig(path=str(remote), global_batch_tokens=5000, cache_dir=str(cache)).build()
+    s = StreamConfig().open(str(remote), 5000, cache_dir=str(cache))
     assert np.array_equal(s.lengths, lengths)
     for name in ("manifest.json", "index.parquet"):
         assert (cache / name).read_bytes() == (remote / name).read_bytes()
@@ -484,7 +489,7 @@ def _digest_runs(path: str, budget: int, runs: list[list[int]]) -> list[str]:
 
     out = []
     for seed, num_islands, island, steps in runs:
-        s = StreamConfig(path, budget, seed=seed, island=island, num_islands=num_islands).build()
+        s = StreamConfig(seed=seed).open(path, budget, island=island, num_islands=num_islands)
         h = hashlib.blake2b(digest_size=16)
         for _ in range(steps):
             h.update(next(s).digest())
@@ -501,11 +506,11 @@ def test_four_processes_agree_and_resume_in_fresh_process(tmp_path: Path) -> Non
     budget = 40_000
     runs = [[seed, isl_n, isl, 60] for seed in (0, 1, 987654321) for isl_n, isl in ((1, 0), (3, 2))]
     # uninterrupted reference in this process; state saved mid-epoch after K steps
-    cfg = StreamConfig(str(ds), budget, seed=1, island=1, num_islands=2)
-    ref = cfg.build()
+    cfg = StreamConfig(seed=1)
+    ref = cfg.open(str(ds), budget, island=1, num_islands=2)
     k = ref.steps_in_epoch(0) + 3
     ref_batches = [next(ref) for _ in range(k + 30)]
-    s = cfg.build()
+    s = cfg.open(str(ds), budget, island=1, num_islands=2)
     for _ in range(k):
         next(s)
     spec = {
@@ -563,7 +568,7 @@ def _fetch_digest(spec: dict) -> str:
 
     from datapipe.fetch import FetchConfig
 
-    fetcher = FetchConfig(path=spec["path"]).build()
+    fetcher = FetchConfig().build(spec["path"])
     try:
         h = hashlib.blake2b(digest_size=16)
         for mb in fetcher.fetch_step([np.asarray(p, dtype=np.int64) for p in spec["pieces"]]):

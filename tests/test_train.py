@@ -36,8 +36,8 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
     path.write_text('[data]\npath = "x"\n[train]\nlr = 1e-2\n[parallel]\npolicy = "static"\n')
     cfg = load_config(path, ["train.steps=7", "train.dtype=float64", 'metrics.dir="m"'])
     assert (cfg.train.lr, cfg.train.steps, cfg.train.dtype) == (1e-2, 7, "float64")
-    assert cfg.parallel.policy == "static" and cfg.metrics.dir == "m"
-    assert cfg.parallel.widen is False
+    assert cfg.parallel.planner.policy == "static" and cfg.metrics.dir == "m"
+    assert cfg.parallel.planner.widen is False
     assert cfg.train.warmup == 10 and cfg.checkpoint.dir is None  # defaults
     again = tmp_path / "again.toml"
     again.write_text(to_toml(cfg))
@@ -122,7 +122,7 @@ def test_islands_not_dividing_the_world_stop_the_run(dataset, tmp_path, capsys):
 def test_resume_may_change_how_but_not_what():
     """policy, capacity, widen, cost and zero may change on resume; islands, the global batch and
     CO2's rule may not (the conflict names the key); [co2] is ignored with one island."""
-    from trainer.config.job import resume_conflicts
+    from trainer.config.resume import resume_conflicts
 
     base = {"data": {"path": "x"}, "parallel": {"islands": 2}}
     saved = from_dict(base).to_dict()
@@ -415,8 +415,8 @@ def test_widen_plans_with_the_static_mesh_context():
     """With widen, the trainer's hdp planner knows static's mesh (the dataset's longest sample, or
     [parallel] max_context), so it may take that mesh for a batch; without widen hdp ignores it."""
     base = {"data": {"path": "unused"}}
-    widen = from_dict({**base, "parallel": {"widen": True}}).parallel
-    assert widen.planner_config(4, 300, 0).max_context == 300
-    fixed = from_dict({**base, "parallel": {"widen": True, "max_context": 512}}).parallel
-    assert fixed.planner_config(4, 300, 0).max_context == 512
-    assert from_dict(base).parallel.planner_config(4, 300, 0).max_context is None
+    widen = from_dict({**base, "parallel": {"widen": True}})
+    assert widen.planner_spec(4).build(300, 0).config.max_context == 300
+    fixed = from_dict({**base, "parallel": {"widen": True, "max_context": 512}})
+    assert fixed.planner_spec(4).build(300, 0).config.max_context == 512
+    assert from_dict(base).planner_spec(4).build(300, 0).config.max_context is None

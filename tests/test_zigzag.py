@@ -96,12 +96,9 @@ def test_plan_views_follow_the_zigzag_rule(n: int, lengths: list[int], policy: s
     lengths = [x % (n * cap + 1) for x in lengths]
     plan = (
         PlannerConfig(
-            policy=policy.removesuffix("+widen"),
-            num_ranks=n,
-            capacity=cap,
-            widen=policy.endswith("+widen"),
+            policy=policy.removesuffix("+widen"), capacity=cap, widen=policy.endswith("+widen")
         )
-        .build(C.preset("debug"))
+        .build(C.preset("debug"), num_ranks=n)
         .plan(np.asarray(lengths, dtype=np.int64), np.arange(50, 50 + len(lengths)))
     )
     for r in range(n):
@@ -115,8 +112,8 @@ def test_plan_views_follow_the_zigzag_rule(n: int, lengths: list[int], policy: s
 def test_plan_views_on_uneven_samples() -> None:
     """The exactness scenario's long samples (155 on 3 ranks, 103 on 2): the documented chunks."""
     plan = (
-        PlannerConfig(policy="hdp", num_ranks=4, capacity=64)
-        .build(C.preset("debug"))
+        PlannerConfig(policy="hdp", capacity=64)
+        .build(C.preset("debug"), num_ranks=4)
         .plan(np.array([155, 103, 20, 17], dtype=np.int64), np.array([7, 8, 9, 10]))
     )
     rings = {}

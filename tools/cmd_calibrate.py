@@ -15,7 +15,7 @@ import argparse
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
-from trainer.config.job import DTYPES
+from trainer.model.config import DTYPES
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 DEFAULT_RING_LENGTHS = "512,1024,2048,4096,8192,16384"

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 POLICY_CHOICES = ("hdp", "static", "naive-hdp", "single", "all")
-# how the planner's and the stream's fields are spelled on this command line
-PLANNER_FLAGS = {
-    "policy": "--policy",
-    "num_ranks": "--ranks",
-    "capacity": "--capacity",
-    "max_context": "--max-context",
-    "widen": "--widen",
-    "offload": "--offload",
-}
-STREAM_FLAGS = {"path": "DIR", "global_batch_tokens": "--global-batch-tokens", "seed": "--seed"}
 
 
 def add_planner_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,120 +94,76 @@ def model_name(args: argparse.Namespace) -> str:
     return "" if args.cost else args.model
 
 
-def policy_variants(
-    policy: str, offload: bool, widen: bool = False
-) -> list[tuple[str, bool, bool]]:
-    """(policy, offload, widen) per report column: --policy all plans static, naive-hdp and hdp
-    (and hdp+widen beside hdp with --widen); --policy hdp --widen plans hdp+widen only. Offload
-    applies to the dynamic policies (static and single never offload)."""
-    from datapipe.errors import ConfigError
+def planner_names():
+    """How this command line spells the planner's settings and runtime values."""
+    from datapipe.settings import Names
 
-    if widen and policy not in ("hdp", "all"):
-        raise ConfigError(f"--widen applies to the hdp policy only, not --policy {policy}")
-    names = ("static", "naive-hdp", "hdp") if policy == "all" else (policy,)
-    dynamic = ("hdp", "naive-hdp")
-    out = [(n, offload and n in dynamic, widen and policy == "hdp") for n in names]
-    if widen and policy == "all":
-        out.append(("hdp", offload, True))
-    return out
+    return Names(flags=True).using(num_ranks="--ranks", path="DIR")
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from datapipe.errors import ConfigError
     from datapipe.index import read_lengths, read_manifest
-    from datapipe.plan.memory import format_preset_memory, preset_memory
+    from datapipe.plan.compare import compare, policy_variants, variant_planners
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
     from datapipe.stream import StreamConfig
-    from tools import report, report_html
 
+    # parse: the dataset's first steps and the planners
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     cost = resolve_cost(args)
     read_manifest(args.dir)
     lengths = read_lengths(args.dir)
-    max_ctx = args.max_context or int(max(lengths.max(initial=0), 1))
-    stream = StreamConfig(
-        path=args.dir,
-        global_batch_tokens=args.global_batch_tokens,
-        seed=args.seed,
-        keys=STREAM_FLAGS,
-    ).build()
+    names = planner_names()
+    stream = StreamConfig(seed=args.seed).build(
+        lengths, args.global_batch_tokens, names=names.using(path="DIR")
+    )
     batches = [next(stream) for _ in range(args.steps)]
+    max_ctx = args.max_context or int(max(lengths.max(initial=0), 1))
+    base = PlannerConfig(capacity=args.capacity, max_context=max_ctx)
     variants = policy_variants(args.policy, args.offload, args.widen)
-    planners = {
-        v: PlannerConfig(
-            policy=v[0],
-            num_ranks=args.ranks,
-            capacity=args.capacity,
-            offload=v[1],
-            widen=v[2],
-            max_context=max_ctx,
-            seed=args.seed,
-            keys=PLANNER_FLAGS,
-        ).build(cost)
-        for v in variants
-    }
-    all_metrics, first_plans, dumped = [], [], []
-    timings: dict[str, report_html.Timings] = {}
-    step_plans: list[list] = [[] for _ in batches]
-    bar = progress(2 * len(planners) * len(batches), "plan", "plan", False if args.quiet else None)
-    for planner in planners.values():
-        # warm-up pass over every step (numba compiles or loads a kernel on its first use, and
-        # some kernels are first used by a later step), timed apart from the timed pass
-        t0 = time.perf_counter()
-        for b in batches:
-            warm = planner.plan(b.lengths, b.sample_ids)
-            bar.update(1)
-        timing = report_html.Timings((time.perf_counter() - t0) * 1e3)
-        per_step = []
-        for i, b in enumerate(batches):
-            t0 = time.perf_counter()
-            plan = planner.plan(b.lengths, b.sample_ids)
-            ms = (time.perf_counter() - t0) * 1e3
-            timing.step_ms.append(ms)
-            per_step.append(report.plan_metrics(plan, cost, ms))
-            if i == 0:
-                first_plans.append(plan)
-            if args.html:
-                step_plans[i].append(plan)
-            if args.dump:
-                d = plan.dump_step()
-                d["step"] = int(b.step)
-                dumped.append(d)
-            bar.update(1)
-        timings[warm.label] = timing
-        all_metrics.append(report.average_metrics(per_step))
-    bar.close()
+    planners = variant_planners(variants, base, cost, args.ranks, args.seed, names)
+    # compute: plan every step with every variant, warm-up pass first
+    steps = [(b.lengths, b.sample_ids) for b in batches]
+    with progress(
+        2 * len(planners) * len(batches), "plan", "plan", False if args.quiet else None
+    ) as bar:
+        res = compare(planners, steps, cost, on_plan=bar.update)
+    # render
+    render_plan(args, cost, lengths, batches, res)
+    return 0
+
+
+def render_plan(args, cost, lengths, batches, res) -> None:
+    """The table (or JSON) on stdout, and the --plot, --html and --dump files."""
+    import numpy as np
+
+    from datapipe.plan.memory import format_preset_memory, preset_memory
+    from tools import report, report_html
+
+    all_metrics = [r.average for r in res.values()]
     title = (
         f"mixlen plan {args.dir}: N={args.ranks} C={args.capacity} T={args.global_batch_tokens} "
         f"steps={args.steps} cost={cost.name} ({cost.hash[:12]})"
     )
-    table = report.format_table(all_metrics, title)
     if args.dump:
-        from datapipe.files import write_text_atomic
-
-        dump = {
-            "schema": "mixlen-plan-dump/1",
-            "cost": cost.to_dict(),
-            "cost_hash": cost.hash,
-            "steps": dumped,
-        }
-        write_text_atomic(args.dump, json.dumps(dump))
+        write_dump(args.dump, cost, batches, res)
     if args.plot:
-        report.plot_ranks(first_plans, cost, args.plot, title=f"{title} (step 0)")
+        first = [r.plans[0] for r in res.values()]
+        report.plot_ranks(first, cost, args.plot, title=f"{title} (step 0)")
     if args.html:
         steps = [
             {
                 "step": int(b.step),
                 "samples": int(b.lengths.shape[0]),
                 "tokens": int(b.lengths.sum()),
-                "plans": [report_html.timeline(p, cost) for p in plans],
+                "plans": [report_html.timeline(r.plans[i], cost) for r in res.values()],
             }
-            for b, plans in zip(batches, step_plans)
+            for i, b in enumerate(batches)
         ]
+        timings = {r.label: report_html.Timings(r.warmup_ms, r.plan_ms) for r in res.values()}
         params = {
             "dataset": args.dir,
             "ranks": args.ranks,
@@ -248,12 +193,26 @@ def run(args: argparse.Namespace) -> int:
             out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
         out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks)
         print(json.dumps(out))
-    else:
-        print(table)
-        memory = format_preset_memory(model_name(args), args.ranks)
-        if memory:
-            print(memory)
-        for path in (args.plot, args.html, args.dump):
-            if path:
-                print(f"wrote {path}")
-    return 0
+        return
+    print(report.format_table(all_metrics, title))
+    memory = format_preset_memory(model_name(args), args.ranks)
+    if memory:
+        print(memory)
+    for path in (args.plot, args.html, args.dump):
+        if path:
+            print(f"wrote {path}")
+
+
+def write_dump(path: str, cost, batches, res) -> None:
+    """The planned steps as JSON (docs/PLAN.md, "--dump"), variant by variant."""
+    from datapipe.files import write_text_atomic
+
+    dumped = []
+    for r in res.values():
+        for b, plan in zip(batches, r.plans):
+            d = plan.dump_step()
+            d["step"] = int(b.step)
+            dumped.append(d)
+    dump = {"schema": "mixlen-plan-dump/1", "cost": cost.to_dict(), "cost_hash": cost.hash}
+    dump["steps"] = dumped
+    write_text_atomic(path, json.dumps(dump))

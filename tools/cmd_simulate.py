@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tools.cmd_plan import add_planner_arguments, model_name, resolve_cost
+from tools.cmd_plan import add_planner_arguments, model_name, planner_names, resolve_cost
 
 ASSUMPTIONS = """assumptions:
   - per-rank time = cost model (a*S^2/k at the chunk efficiency eff(S/k) + b*S/k, c per
@@ -38,14 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from datapipe.errors import ConfigError
     from datapipe.plan import simulate as S
-    from datapipe.plan.memory import format_preset_memory, preset_memory
+    from datapipe.plan.compare import compare, variant_planners
+    from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
-    from tools import report
 
+    # parse: batches drawn from the length pool, the planners
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     if args.context < 1 or args.ranks < 1 or args.capacity < 1:
@@ -55,19 +54,26 @@ def run(args: argparse.Namespace) -> int:
     pool = S.length_pool(args.lengths, args.context, n_pool, args.seed)
     batches = S.draw_batches(pool, args.global_batch_tokens, args.steps, args.seed)
     variants = S.VARIANTS + (S.WIDEN_VARIANTS if args.widen else ())
-    warmup: dict[str, float] = {}
-    with progress(
-        2 * len(variants) * len(batches), "simulate", "plan", False if args.quiet else None
-    ) as bar:
-        res = S.simulate(
-            cost, args.ranks, args.capacity, args.context, batches, variants, warmup, bar.update
-        )
-    metrics = {
-        label: report.average_metrics([report.plan_metrics(p, cost, ms) for p, ms in runs])
-        for label, runs in res.items()
-    }
-    for label, m in metrics.items():
-        m.policy = label
+    base = PlannerConfig(capacity=args.capacity, max_context=args.context)
+    planners = variant_planners(variants, base, cost, args.ranks, names=planner_names())
+    # compute: every batch under every variant
+    total = 2 * len(variants) * len(batches)
+    with progress(total, "simulate", "plan", False if args.quiet else None) as bar:
+        res = compare(planners, [(b, None) for b in batches], cost, on_plan=bar.update)
+    # render
+    render_simulate(args, cost, pool, batches, res)
+    return 0
+
+
+def render_simulate(args, cost, pool, batches, res) -> None:
+    """The table and the paper's figures (or JSON), and the --plot and --html files."""
+    import numpy as np
+
+    from datapipe.plan import simulate as S
+    from datapipe.plan.memory import format_preset_memory, preset_memory
+    from tools import report
+
+    metrics = {label: r.average for label, r in res.items()}
     static = metrics["static"].est_step_time_s
     speedup = {
         k: (static / m.est_step_time_s if m.est_step_time_s else 0.0) for k, m in metrics.items()
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             print(memory)
         print(ASSUMPTIONS)
     if args.plot:
-        plans = [res[k][0][0] for k in res]
+        plans = [r.plans[0] for r in res.values()]
         report.plot_ranks(plans, cost, args.plot, title="mixlen simulate (first batch)")
     if args.html:
         from tools import report_html
@@ -135,13 +141,11 @@ def run(args: argparse.Namespace) -> int:
                 "step": i,
                 "samples": int(len(b)),
                 "tokens": int(np.sum(b)),
-                "plans": [report_html.timeline(res[k][i][0], cost) for k in res],
+                "plans": [report_html.timeline(r.plans[i], cost) for r in res.values()],
             }
             for i, b in enumerate(batches)
         ]
-        timings = {
-            k: report_html.Timings(warmup[k], [ms for _, ms in runs]) for k, runs in res.items()
-        }
+        timings = {k: report_html.Timings(r.warmup_ms, r.plan_ms) for k, r in res.items()}
         params = {
             "model": cost.name,
             "ranks": args.ranks,
@@ -155,4 +159,3 @@ def run(args: argparse.Namespace) -> int:
         title = f"mixlen simulate: {cost.name}, N={args.ranks}, lengths={args.lengths}"
         data = report_html.page_data(title, params, list(metrics.values()), steps, timings, hist)
         report_html.write_page(args.html, data)
-    return 0

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("a config file is required (e.g. configs/debug.toml)")
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(to_toml(cfg), end="")
+        print(to_toml(cfg, comments=True), end="")
         return 0
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")

@@ -17,7 +17,8 @@ import numpy as np
 
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan, replay_starts
-from tools.report import ROWS, PlanMetrics, mb_components
+from datapipe.plan.metrics import PlanMetrics, mb_components
+from tools.report import ROWS
 
 MAX_TIMELINE_RANKS = 512  # ranks drawn per timeline (simulate at 1,024 ranks: the first 512)
 

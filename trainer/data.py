@@ -1,25 +1,107 @@
 """The trainer's data: the dataset's fetch, the train/held-out split, the length-aware stream, the
-planner, and the fixed validation set. Every rank builds the same stream and planner from the
-index alone; each fetches only its own pieces.
+planner, and the fixed held-out set; `TrainData.steps()` hands the trainer one typed `Step` per
+optimizer step. Every rank builds the same stream and planner from the index alone; each fetches
+only its own pieces (in a background thread, one step ahead).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from datapipe.errors import ConfigError
-from datapipe.fetch import Fetcher
-from datapipe.plan.planner import Planner
+from datapipe.fetch import FetchConfig, Fetcher, PackedMicroBatch
+from datapipe.plan.cost import CostModel
+from datapipe.plan.planner import Planner, PlannerConfig
 from datapipe.plan.stepplan import StepPlan
-from datapipe.stream import GlobalBatch, LengthAwareStream, greedy_boundaries
-from trainer.config.job import TrainerConfig
-from trainer.parallel.executor import HDPExecutor
+from datapipe.settings import Names, setting
+from datapipe.stream import GlobalBatch, StreamConfig, greedy_boundaries
 
-__all__ = ["TrainData", "Validation", "held_out_mask", "rank_pieces"]
+if TYPE_CHECKING:
+    from trainer.parallel.executor import HDPExecutor
+
+__all__ = [
+    "DataConfig",
+    "PlannerSpec",
+    "Step",
+    "TrainData",
+    "Validation",
+    "held_out_mask",
+    "rank_pieces",
+]
+
+
+@dataclass
+class DataConfig:
+    """`[data]`: the preprocessed dataset, its stream and fetch, and the held-out set.
+
+    Held-out set: `val_path` (another preprocessed dataset), else, if `val_fraction` > 0, the
+    samples whose id hashes (splitmix64 of id ^ seed) below that fraction are held out of
+    training. At most `val_tokens` tokens of it are evaluated (a fixed prefix by sample id)."""
+
+    path: str = setting(
+        "",
+        help="the dataset: a directory or object-store URI written by `mixlen preprocess` "
+        "(required)",
+        free_on_resume=True,
+    )
+    cache_dir: str | None = setting(
+        None, help="local copy of a remote dataset's files", free_on_resume=True
+    )
+    val_path: str | None = setting(None, help="a held-out dataset (another preprocessed one)")
+    val_fraction: float = setting(
+        0.0, help="else hold out this fraction of the samples (by id hash), in [0, 1)", lo=0.0
+    )
+    val_tokens: int = setting(65536, help="tokens of the held-out set evaluated", lo=1)
+    stream: StreamConfig = setting(help="", factory=StreamConfig, inline=True)
+    fetch: FetchConfig = setting(help="", factory=FetchConfig, inline=True)
+
+    def validate(self, names: Names) -> None:
+        if not self.path:
+            raise ConfigError(
+                f"{names('path')}: required (a directory written by `mixlen preprocess`)"
+            )
+        if not self.val_fraction < 1.0:
+            raise ConfigError(
+                f"{names('val_fraction')}: must be in [0, 1), got {self.val_fraction}"
+            )
+
+
+class PlannerSpec(NamedTuple):
+    """How the run plans an island's steps: the planner's settings, the cost model, the island's
+    ranks, whether to plan offload, and the names of those settings as the user wrote them."""
+
+    config: PlannerConfig
+    cost: CostModel
+    num_ranks: int
+    offload: bool
+    names: Names
+
+    def build(self, max_len: int, seed: int) -> Planner:
+        """The island's planner over a dataset whose longest sample has `max_len` tokens (the
+        static mesh's default context; with widen, hdp also tries that mesh)."""
+        cfg = self.config
+        mesh = cfg.policy == "static" or cfg.widen
+        cfg = dataclasses.replace(cfg, max_context=(cfg.max_context or max_len) if mesh else None)
+        return cfg.build(self.cost, self.num_ranks, seed, self.offload, self.names)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step handed to the trainer: the global batch, its plan, the stream's state
+    after it (what a checkpoint saved with this step resumes from), this rank's fetched
+    micro-batches in slot order, and how long the trainer waited for them."""
+
+    batch: GlobalBatch
+    plan: StepPlan
+    stream_state: dict[str, Any]
+    microbatches: list[PackedMicroBatch]
+    wait_s: float
 
 
 def held_out_mask(sample_ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
@@ -44,20 +126,21 @@ class Validation:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
         rank: int,
         fetcher: Fetcher,
         ids: np.ndarray,
         lengths: np.ndarray,
         planner: Planner,
+        max_tokens: int,
+        batch_tokens: int,
     ) -> None:
         # a held-out dataset may hold samples no plan of this island can (longer than N * C)
         keep = (lengths > 0) & planner.fits(lengths)
         ids, lengths = ids[keep], lengths[keep]
-        n = int(np.searchsorted(np.cumsum(lengths), cfg.data.val_tokens, side="right"))
+        n = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
         n = max(n, min(1, len(ids)))  # at least one sample when there is one
         ids, lengths = ids[:n], lengths[:n]
-        bounds = greedy_boundaries(lengths, cfg.train.global_batch_tokens) if len(ids) else [0]
+        bounds = greedy_boundaries(lengths, batch_tokens) if len(ids) else [0]
         self.batches = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             plan = planner.plan(lengths[a:b], ids[a:b])
@@ -75,75 +158,87 @@ class Validation:
 
 
 class TrainData:
-    """Fetch, split, stream and planner of one run (the validation set planned and fetched unless
-    `validation` is False); `stack` releases the readers."""
+    """Fetch, split, stream and planner of one run (the held-out set planned and fetched when
+    `eval_interval` > 0); `stack` releases the readers. `rank` is this process's rank in island
+    `island` of `islands`; `names` spells `[data]`'s keys and the runtime values the stream
+    receives (`global_batch_tokens`, `num_islands`) as the user wrote them."""
 
     def __init__(
         self,
-        cfg: TrainerConfig,
-        rank: int,
-        world: int,
+        cfg: DataConfig,
+        planner: PlannerSpec,
+        *,
+        global_batch_tokens: int,
         vocab_size: int,
+        rank: int,
         stack: ExitStack,
-        validation: bool = True,
+        names: Names,
+        eval_interval: int = 0,
         island: int = 0,
         islands: int = 1,
     ) -> None:
-        """`rank` of an island of `world` ranks, island `island` of `islands`."""
         self.rank = rank
+        self.planner_spec = planner
         # the training set's fetch; the model must cover its vocabulary
-        self.fetcher = cfg.data.fetch_config().build()
+        self.fetcher = cfg.fetch.build(cfg.path, cfg.cache_dir, names)
         stack.callback(self.fetcher.close)
-        manifest_vocab = int(self.fetcher.index.manifest.get("vocab_size") or 0)
-        if vocab_size < manifest_vocab:
-            raise ConfigError(
-                f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
-                f"({cfg.data.path}/manifest.json vocab_size)"
-            )
-        if not manifest_vocab:  # the fetch refuses token ids the model has no embedding for
-            self.fetcher.vocab_size, self.fetcher.vocab_source = (
-                vocab_size,
-                "the model's vocab_size",
-            )
+        self._check_vocab(cfg, vocab_size, names)
         all_lengths = np.asarray(self.fetcher.lengths, dtype=np.int64)
         all_ids = np.arange(all_lengths.shape[0], dtype=np.int64)
         # held-out split: another dataset, or a hash-based fraction of this one
         self.val_fetcher: Fetcher | None = None
         self.val_ids = np.zeros(0, np.int64)
         self.train_ids = all_ids
-        if cfg.data.val_path:
-            self.val_fetcher = cfg.data.fetch_config(cfg.data.val_path).build()
+        if cfg.val_path:
+            self.val_fetcher = cfg.fetch.build(
+                cfg.val_path, cfg.cache_dir, names.using(path=names("val_path"))
+            )
             stack.callback(self.val_fetcher.close)
             self.val_ids = np.arange(len(self.val_fetcher.lengths), dtype=np.int64)
-        elif cfg.data.val_fraction > 0:
-            held = held_out_mask(all_ids, cfg.data.seed, cfg.data.val_fraction)
+        elif cfg.val_fraction > 0:
+            held = held_out_mask(all_ids, cfg.stream.seed, cfg.val_fraction)
             self.train_ids, self.val_ids = all_ids[~held], all_ids[held]
             self.val_fetcher = self.fetcher
         if self.train_ids.size == 0:
-            raise ConfigError("data.val_fraction: leaves no training samples")
+            raise ConfigError(f"{names('val_fraction')}: leaves no training samples")
         # stream over the training samples, and the island's planner
-        self.stream = LengthAwareStream(
-            cfg.data.stream_config(cfg.train.global_batch_tokens, island, islands),
-            all_lengths[self.train_ids],
+        self.stream = cfg.stream.build(
+            all_lengths[self.train_ids], global_batch_tokens, island, islands, names
         )
-        cost = cfg.cost_model()
-        self.planner = cfg.planner_config(world, int(all_lengths.max())).build(cost)
-        self.planner.check_fits(all_lengths, f"data.path {cfg.data.path}")
+        self.planner = planner.build(int(all_lengths.max()), cfg.stream.seed)
+        self.planner.check_fits(all_lengths, f"{names('path')} {cfg.path}")
         self.validation: Validation | None = None
-        if (
-            validation
-            and cfg.train.eval_interval
-            and self.val_fetcher is not None
-            and self.val_ids.size
-        ):
+        if eval_interval and self.val_fetcher is not None and self.val_ids.size:
             val_lengths = np.asarray(self.val_fetcher.lengths)[self.val_ids]
             self.validation = Validation(
-                cfg, rank, self.val_fetcher, self.val_ids, val_lengths, self.planner
-            )
+                rank, self.val_fetcher, self.val_ids, val_lengths, self.planner,
+                cfg.val_tokens, global_batch_tokens,
+            )  # fmt: skip
+        self._prefetch: Any = None
+        self._stack = stack
 
-    def steps(self) -> Iterator[tuple[tuple[GlobalBatch, StepPlan, dict[str, Any]], list]]:
-        """Endless ((batch, plan, stream state after it), this rank's pieces) per step."""
+    def _check_vocab(self, cfg: DataConfig, vocab_size: int, names: Names) -> None:
+        manifest_vocab = int(self.fetcher.index.manifest.get("vocab_size") or 0)
+        if vocab_size < manifest_vocab:
+            raise ConfigError(
+                f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
+                f"({cfg.path}/manifest.json vocab_size)"
+            )
+        if not manifest_vocab:  # the fetch refuses token ids the model has no embedding for
+            self.fetcher.vocab_size = vocab_size
+            self.fetcher.vocab_source = "the model's vocab_size"
+
+    def plans(self) -> Iterator[tuple[GlobalBatch, StepPlan, dict[str, Any]]]:
+        """Endless (batch, plan, stream state after it) per step, from lengths alone."""
         while True:
             b = next(self.stream)
             plan = self.planner.plan(b.lengths, self.train_ids[b.sample_ids])
-            yield (b, plan, self.stream.state_dict()), rank_pieces(plan, self.rank)
+            yield b, plan, self.stream.state_dict()
+
+    def steps(self) -> Iterator[Step]:
+        """Endless Steps, this rank's micro-batches fetched one step ahead in the background."""
+        planned = ((item, rank_pieces(item[1], self.rank)) for item in self.plans())
+        prefetch = self.fetcher.prefetch(planned)
+        self._stack.callback(prefetch.close)
+        for (batch, plan, state), fetched in prefetch:
+            yield Step(batch, plan, state, fetched, prefetch.last_wait_s)

@@ -16,9 +16,44 @@ from typing import Any, TextIO
 import numpy as np
 
 from datapipe.files import write_text_atomic
+from datapipe.settings import setting
 from trainer.logs import get_logger
 
-__all__ = ["BalanceSummary", "MetricsWriter", "imbalance", "step_record"]
+__all__ = ["BalanceSummary", "MetricsConfig", "MetricsWriter", "imbalance", "step_record"]
+
+
+@dataclass
+class MetricsConfig:
+    """`[metrics]`: metrics.jsonl (+ TensorBoard events if enabled and installed) in `dir`."""
+
+    dir: str = setting(
+        "runs/mixlen", help="metrics.jsonl, balance.md and config.toml go here", free_on_resume=True
+    )
+    tensorboard: bool = setting(
+        False, help="also write TensorBoard events (needs tensorboard)", free_on_resume=True
+    )
+    progress: bool = setting(True, help="a progress bar on a terminal", free_on_resume=True)
+    console_interval: int = setting(
+        1, help="a console line every this many steps", lo=1, free_on_resume=True
+    )
+    compare: str = setting(
+        "",
+        help="another policy run on every compare_interval-th step's batch too (no update) and "
+        'reported beside the run\'s policy ("": off)',
+        choices=("", "static", "hdp", "naive-hdp"),
+        free_on_resume=True,
+    )
+    compare_interval: int = setting(
+        4, help="compare every this many steps", lo=1, free_on_resume=True
+    )
+    compare_clock: str = setting(
+        "wall",
+        help="the comparison's headline clock: wall (ranks on their own cores or GPUs) or cpu "
+        "(each micro-batch's thread CPU time replayed in slot order: more ranks than cores, with a "
+        "cost file from `mixlen calibrate --clock cpu`); both are recorded",
+        choices=("wall", "cpu"),
+        free_on_resume=True,
+    )
 
 
 def step_record(

@@ -23,13 +23,11 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     run, and `parallel.islands` dividing `world`. The launcher calls it before torchrun, so such an
     error is printed once."""
     from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
-    from trainer.data import TrainData
 
     cfg.validate()
     n = cfg.parallel.ranks_per_island(world)  # the plan is an island's
     with ExitStack() as stack:
-        vocab = cfg.model.shape().vocab_size
-        data = TrainData(cfg, 0, n, vocab, stack, validation=False, islands=cfg.parallel.islands)
+        data = cfg.train_data(0, n, stack, validation=False)
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
             check_run_matches(paths[0], cfg, data.stream)

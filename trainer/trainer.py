@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
@@ -27,25 +28,26 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_all
 from trainer.checkpoint.state import ModelState
 from trainer.compare import PolicyComparison
-from trainer.config.job import TrainerConfig
+from trainer.config.job import TrainConfig, TrainerConfig
 from trainer.config.toml import to_toml
-from trainer.data import TrainData
+from trainer.data import Step
 from trainer.hooks import load_hooks
-from trainer.islands.cross import CrossIsland, build_optimizer, cross_link
+from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
 from trainer.model.transformer import build_model, torch_dtype
 from trainer.offload.manager import activation_manager
 from trainer.offload.plan import OffloadSummary
+from trainer.parallel.comm import Communicator
 from trainer.parallel.executor import HDPExecutor
 from trainer.parallel.runtime import Runtime
+from trainer.parallel.zero import ZeroOptimizer
 
 __all__ = ["Trainer", "lr_lambda"]
 
 
-def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
+def lr_lambda(t: TrainConfig) -> Callable[[int], float]:
     """The LR multiplier per step: linear warmup, then cosine to `min_lr_ratio` (or constant)."""
-    t = cfg.train
 
     def f(step: int) -> float:
         if t.warmup and step < t.warmup:
@@ -57,6 +59,33 @@ def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
+
+
+def build_optimizer(
+    t: TrainConfig,
+    level: int,
+    model: nn.Module,
+    master: nn.Module,
+    comm: Communicator,
+    grad_comm: Communicator,
+    cross: Communicator | None,
+) -> ZeroOptimizer:
+    """The island's AdamW (`[train]`) at ZeRO level `level` (`cross`: sum gradients across
+    islands, sync mode). The weight all-gather of a step is left in flight until the next step
+    needs it."""
+    return ZeroOptimizer.for_model(
+        model,
+        comm,
+        master=master,
+        level=level,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        grad_comm=grad_comm,
+        cross_comm=cross,
+        async_gather=True,
+    )
 
 
 class Trainer:
@@ -76,26 +105,51 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         if rt.islands != cfg.parallel.islands:
             raise ConfigError(
-                f"parallel.islands: {cfg.parallel.islands}, but the runtime was set up with "
-                f"{rt.islands} island(s)"
+                f"{cfg.key(cfg.parallel, 'islands')}: {cfg.parallel.islands}, but the runtime was "
+                f"set up with {rt.islands} island(s)"
             )
-        # model, the island's sharded optimizer, schedule, executor; every generator seeded
-        seed_all(cfg.train.seed)
-        shape = cfg.model.shape()
-        self.model, master = build_model(
-            shape, torch_dtype(cfg.train.dtype), rt.device, seed=cfg.train.seed
+        self._build_model()
+        # hooks (MIXLEN_HOOKS: tests inject faults); no-ops in a normal run
+        self.hooks = load_hooks(rt.global_rank)
+        self.hooks.attach(self.model)
+        # data: fetch, held-out split, this island's stream, planner, validation set
+        self.data = cfg.train_data(rt.rank, rt.world, self._stack, island=rt.island)
+        # resume before the first step
+        self.state = ModelState(
+            self.model, self.zero, self.cross, rt.island, prefixed=self.cross is not None
         )
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, cfg, self.state, self.scheduler, rt.run_comm, rt.device, self.hooks
+        )
+        self.start_step = self.checkpointer.resume(self.data.stream)
+        self._build_reports()
+
+    def _build_model(self) -> None:
+        """Model, the island's sharded optimizer, schedule, executor, CO2 rounds; every generator
+        seeded."""
+        cfg, rt = self.cfg, self.rt
+        seed_all(cfg.train.seed)
+        dtype = torch_dtype(cfg.train.dtype)
+        self.model, master = build_model(cfg.model.shape(), dtype, rt.device, seed=cfg.train.seed)
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)
         self.zero = build_optimizer(
-            cfg, self.model, master, rt.comm, rt.grad_comm, cross if mode == "sync" else None
+            cfg.train,
+            cfg.parallel.zero_level(rt.comm.size),
+            self.model,
+            master,
+            rt.comm,
+            rt.grad_comm,
+            cross if mode == "sync" else None,
         )
         del master  # its values are in the optimizer's master weights now
         self.optimizer = self.zero.optimizer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.train))
         # offload and activation checkpointing (None: neither)
-        self.activations = activation_manager(cfg, rt.device, torch_dtype(cfg.train.dtype))
+        self.activations = activation_manager(
+            cfg.offload, cfg.train.activation_checkpoint, cfg.model.shape(), rt.device, dtype
+        )
         self.executor = HDPExecutor(
             self.model,
             self.zero,
@@ -109,29 +163,10 @@ class Trainer:
         self.cross: CrossIsland | None = None
         if mode in ("co2", "diloco"):
             self.cross = CrossIsland(cfg.co2, self.zero, rt.comm, cross)
-        # hooks (MIXLEN_HOOKS: tests inject faults); no-ops in a normal run
-        self.hooks = load_hooks(rt.global_rank)
-        self.hooks.attach(self.model)
-        # data: fetch, held-out split, this island's stream, planner, validation set
-        self.data = TrainData(
-            cfg, rt.rank, rt.world, shape.vocab_size, self._stack, island=rt.island,
-            islands=rt.islands,
-        )  # fmt: skip
-        # resume before the first step
-        self.state = ModelState(
-            self.model, self.zero, self.cross, rt.island, prefixed=self.cross is not None
-        )
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint,
-            cfg,
-            self.state,
-            self.scheduler,
-            rt.run_comm,
-            rt.device,
-            self.hooks,
-        )
-        self.start_step = self.checkpointer.resume(self.data.stream)
-        # metrics (the run's rank 0 writes)
+
+    def _build_reports(self) -> None:
+        """Metrics (the run's rank 0 writes), the balance summary, the policy comparison."""
+        cfg, rt = self.cfg, self.rt
         self.metrics = MetricsWriter(
             cfg.metrics.dir,
             cfg.train.steps,
@@ -148,7 +183,8 @@ class Trainer:
         self.balance = BalanceSummary()
         if self.activations is not None:
             cost = self.data.planner.cost
-            self.balance.offload = OffloadSummary(shape.n_layers, cost.act_bytes_per_token_layer)
+            n_layers = cfg.model.shape().n_layers
+            self.balance.offload = OffloadSummary(n_layers, cost.act_bytes_per_token_layer)
         self.compare = None
         if cfg.metrics.compare:  # another policy on the same batches, for the report
             self.compare = PolicyComparison(
@@ -175,25 +211,27 @@ class Trainer:
             rec["mem_outer_bytes"] = self.cross.memory_bytes()
         return rec
 
-    def train_step(self, step: int, item: tuple, fetched: list, wait_s: float) -> dict[str, Any]:
-        """One optimizer step of the prefetched `item` = (batch, plan, stream state); returns the
-        metrics record (also written)."""
+    def train_step(self, step: int, item: Step) -> dict[str, Any]:
+        """One optimizer step of the prefetched `item`; returns the metrics record (also
+        written)."""
         t0 = time.perf_counter()
         self.hooks.begin_step(step)
-        batch, plan, _ = item
+        batch, plan = item.batch, item.plan
         lr = self.optimizer.param_groups[0]["lr"]
-        res = self.executor.step(plan, fetched, step)
+        if self.compare is not None:
+            self.compare.before_step(step, batch, plan)
+        res = self.executor.step(plan, item.microbatches, step)
         outer = self._outer_step(step)
-        step_s = time.perf_counter() - t0 + wait_s
+        step_s = time.perf_counter() - t0 + item.wait_s
         planned = (plan.rank_time_ns / 1e9).tolist()
         self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
-        rec = step_record(step, batch, plan, res, lr, wait_s, step_s)
+        rec = step_record(step, batch, plan, res, lr, item.wait_s, step_s)
         rec.update(outer)
         rec.update(self.memory_record())
         if self.balance.offload is not None and self.executor.plan_offload is not None:
             po = self.executor.plan_offload
             rec.update(self.balance.offload.add(po, res.offload_bytes, res.act_peak_bytes))
-        if self.compare is not None and (row := self.compare.after_step(step, batch, plan, res)):
+        if self.compare is not None and (row := self.compare.after_step(step, res)):
             rec["compare"] = row
         val = self.data.validation
         if val is not None and step % self.cfg.train.eval_interval == 0:
@@ -225,20 +263,19 @@ class Trainer:
         last = cfg.train.steps
         if cfg.train.stop_after:
             last = min(last, cfg.train.stop_after)
-        prefetch = self.data.fetcher.prefetch(self.data.steps())
-        self._stack.callback(prefetch.close)
+        steps = self.data.steps()
         losses: list[float] = []
         val_losses: list[tuple[int, float]] = []
-        label = cfg.parallel.policy
+        label = cfg.parallel.planner.policy
         for step in range(self.start_step + 1, last + 1):
-            item, fetched = next(prefetch)
-            rec = self.train_step(step, item, fetched, prefetch.last_wait_s)
+            item = next(steps)
+            rec = self.train_step(step, item)
             losses.append(rec["loss"])
-            label = item[1].label
+            label = item.plan.label
             if "val_loss" in rec:
                 val_losses.append((step, rec["val_loss"]))
             if self.checkpointer.due(step, last):
-                self.checkpointer.save(step, item[2])
+                self.checkpointer.save(step, item.stream_state)
         return self._summary(losses, val_losses, label)
 
     def _summary(

@@ -19,7 +19,7 @@ from datapipe.plan.packing import bfd_kernel
 from datapipe.plan.stepplan import StepPlan, replay_kernel
 
 if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
+    from datapipe.plan.setup import PlanSetup
 
 
 class Layout(NamedTuple):
@@ -80,7 +80,7 @@ def lower_bound_terms(
 
 
 def too_long(
-    config: PlannerConfig, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
+    config: PlanSetup, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
 ) -> None:
     """MixlenError naming the longest sample above `limit` (none: return), and the settings (as
     the user wrote them) that would make room."""
@@ -96,7 +96,7 @@ def too_long(
 
 def assemble(
     policy: str,
-    config: PlannerConfig,
+    config: PlanSetup,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -178,7 +178,7 @@ def pack_local(
     return off, short_idx[order]
 
 
-def dynamic_limit(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+def dynamic_limit(config: PlanSetup, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
     """Longest sample a group of N ranks holds, per sample: N * C, or N * C_eff(r) with offload
     (r: the largest ratio whose copies hide under the sample's forward)."""
     n, cap = config.num_ranks, config.capacity
@@ -189,7 +189,7 @@ def dynamic_limit(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -
 
 
 def dynamic_groups(
-    config: PlannerConfig,
+    config: PlanSetup,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -320,7 +320,7 @@ def retime_spanning(
 
 
 def dynamic_layout(
-    config: PlannerConfig,
+    config: PlanSetup,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -351,7 +351,7 @@ def dynamic_layout(
 
 def assemble_dynamic(
     policy: str,
-    config: PlannerConfig,
+    config: PlanSetup,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,

@@ -29,14 +29,14 @@ from datapipe.plan.stepplan import StepPlan
 from datapipe.plan.widen import widen
 
 if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
+    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "dynamic groups, cost-balanced (rings first, LPT, improvement pass)"
 fits = dynamic_limit
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch with hdp (and widen, if configured)."""
     n_ranks, cap = config.num_ranks, config.capacity
@@ -80,7 +80,7 @@ def plan(
 
 
 def static_mesh(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan | None:
     """widen's last candidate: the batch on a static DP x CP mesh, the faster (by estimate) of the
     mesh its longest sample needs and, with `max_context` set, the mesh static itself would use

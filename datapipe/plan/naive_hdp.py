@@ -21,14 +21,14 @@ from datapipe.plan.schedule import place_waves
 from datapipe.plan.stepplan import StepPlan
 
 if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
+    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "dynamic groups, token waves, no balancing (ByteScale Alg. 1)"
 fits = dynamic_limit
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch with naive-hdp."""
     n_ranks = config.num_ranks

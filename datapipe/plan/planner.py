@@ -15,15 +15,17 @@ is an error naming the sample. Times are int64 nanoseconds from datapipe.plan.co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 
-from datapipe.errors import ConfigError, MixlenError, UserKeys
+from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan import hdp, naive_hdp, single, static
 from datapipe.plan.cost import CostModel
+from datapipe.plan.setup import MAX_CAPACITY, MAX_CONTEXT, MAX_RANKS, PlanSetup
 from datapipe.plan.stepplan import StepPlan
+from datapipe.settings import Names, check, setting
 
 # policy name -> module with plan(config, cost, lengths, ids), fits(config, cost, lengths) and
 # DESCRIPTION; a new policy is one module and one entry here
@@ -36,53 +38,88 @@ POLICIES: dict[str, ModuleType] = {
 
 
 @dataclass(frozen=True)
-class PlannerConfig(UserKeys):
-    """Planner settings; `build(cost)` returns a Planner."""
+class PlannerConfig:
+    """The planner's settings (in a training config: `[parallel]`); the island's ranks, the seed
+    and whether to plan offload are `build()` arguments."""
 
-    policy: str = "hdp"
-    num_ranks: int = 8
-    capacity: int = 8192
-    offload: bool = False
-    max_context: int | None = None  # static: the run's longest context (default: batch maximum)
-    seed: int = 0
-    improve_rounds: int = 4  # hdp: improvement pass budget, in multiples of N moves
-    widen: bool = False  # hdp: also try groups wider than the smallest (docs/PLAN.md, "Widen")
-    keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    policy: str = setting(
+        "hdp",
+        help="hdp (ByteScale's balance scheduler), naive-hdp (dynamic groups, no balancing), "
+        "static (a fixed DP x CP mesh) or single (one rank)",
+        choices=tuple(POLICIES),
+        free_on_resume=True,
+    )
+    capacity: int = setting(
+        4096,
+        help="positions one rank computes in one micro-batch without offload",
+        lo=1,
+        hi=MAX_CAPACITY,
+        free_on_resume=True,
+    )
+    max_context: int | None = setting(
+        None,
+        help="the static mesh's context, which fixes its CP degree (default: the longest "
+        "sample); with widen, hdp also tries that mesh",
+        lo=1,
+        hi=MAX_CONTEXT,
+        free_on_resume=True,
+    )
+    widen: bool = setting(
+        False,
+        help="hdp may give long samples more ranks than the smallest group, or take the static "
+        "mesh for a batch, when that is estimated faster",
+        free_on_resume=True,
+    )
+    improve_rounds: int = setting(
+        4,
+        help="hdp's improvement pass budget, in multiples of N moves",
+        lo=0,
+        hi=1 << 10,
+        free_on_resume=True,
+    )
 
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad setting as the user wrote it."""
-        k = self.key
-        if self.policy not in POLICIES:
-            raise ConfigError(
-                f"{k('policy')}: unknown '{self.policy}' (known: {', '.join(POLICIES)})"
-            )
-        if not (isinstance(self.num_ranks, int) and self.num_ranks >= 1):
-            raise ConfigError(f"{k('num_ranks')}: must be an int >= 1, got {self.num_ranks!r}")
-        if not (isinstance(self.capacity, int) and self.capacity >= 1):
-            raise ConfigError(f"{k('capacity')}: must be an int >= 1, got {self.capacity!r}")
-        if self.max_context is not None and self.max_context < 1:
-            raise ConfigError(f"{k('max_context')}: must be >= 1, got {self.max_context!r}")
-        if not isinstance(self.widen, bool):
-            raise ConfigError(f"{k('widen')}: must be a bool, got {self.widen!r}")
+    def validate(self, names: Names) -> None:
         if self.widen and self.policy != "hdp":
             raise ConfigError(
-                f"{k('widen')}: only the hdp policy widens groups, not '{self.policy}' "
+                f"{names('widen')}: only the hdp policy widens groups, not '{self.policy}' "
                 "(unset widen)"
             )
-        if self.policy == "single" and self.num_ranks != 1:
-            raise ConfigError(
-                f"{k('num_ranks')}: the single policy plans one rank, got {self.num_ranks}"
-            )
 
-    def build(self, cost: CostModel) -> Planner:
-        self.validate()
-        return Planner(self, cost)
+    def setup(
+        self, num_ranks: int, seed: int = 0, offload: bool = False, names: Names | None = None
+    ) -> PlanSetup:
+        """The settings with an island's runtime values, validated (what a policy plans with)."""
+        names = names or Names()
+        check(self, names)
+        if not (isinstance(num_ranks, int) and 1 <= num_ranks <= MAX_RANKS):
+            raise ConfigError(
+                f"{names('num_ranks')}: must be an int in [1, {MAX_RANKS}], got {num_ranks!r}"
+            )
+        if self.policy == "single" and num_ranks != 1:
+            raise ConfigError(
+                f"{names('num_ranks')}: the single policy plans one rank, got {num_ranks}"
+            )
+        return PlanSetup(
+            self.policy, num_ranks, self.capacity, bool(offload), self.max_context, int(seed),
+            self.improve_rounds, self.widen, names,
+        )  # fmt: skip
+
+    def build(
+        self,
+        cost: CostModel,
+        num_ranks: int,
+        seed: int = 0,
+        offload: bool = False,
+        names: Names | None = None,
+    ) -> Planner:
+        """The Planner of an island of `num_ranks` ranks (`offload`: plan with Eq. 3)."""
+        return Planner(self.setup(num_ranks, seed, offload, names), cost)
 
 
 class Planner:
     """Plans steps for one configuration and cost model."""
 
-    def __init__(self, config: PlannerConfig, cost: CostModel) -> None:
+    def __init__(self, config: PlanSetup, cost: CostModel) -> None:
         self.config = config
         self.cost = cost.for_island(config.num_ranks)
         self._policy = POLICIES[config.policy]
@@ -118,16 +155,6 @@ class Planner:
                 f"raise {k('capacity')} or {k('num_ranks')}, or cap sample length at "
                 "preprocess time (--max-len)"
             )
-
-
-def plan_step(
-    lengths: np.ndarray,
-    config: PlannerConfig,
-    cost: CostModel,
-    sample_ids: np.ndarray | None = None,
-) -> StepPlan:
-    """One-call form of PlannerConfig(...).build(cost).plan(lengths, sample_ids)."""
-    return config.build(cost).plan(lengths, sample_ids)
 
 
 def describe_policy(policy: str) -> str:

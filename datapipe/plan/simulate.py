@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datapipe.errors import ConfigError
+from datapipe.plan.compare import Variant
 
 K = 1024
 M = 1024 * 1024
@@ -209,17 +210,14 @@ def length_stats(lengths: np.ndarray) -> dict[str, float]:
     }
 
 
-VARIANTS = (  # (label, policy, offload, widen)
-    ("static", "static", False, False),
-    ("naive-hdp", "naive-hdp", False, False),
-    ("naive-hdp+offload", "naive-hdp", True, False),
-    ("hdp", "hdp", False, False),
-    ("hdp+offload", "hdp", True, False),
+VARIANTS = (  # the columns of `mixlen simulate`
+    Variant("static"),
+    Variant("naive-hdp"),
+    Variant("naive-hdp", offload=True),
+    Variant("hdp"),
+    Variant("hdp", offload=True),
 )
-WIDEN_VARIANTS = (  # `mixlen simulate --widen` adds these
-    ("hdp+widen", "hdp", False, True),
-    ("hdp+offload+widen", "hdp", True, True),
-)
+WIDEN_VARIANTS = (Variant("hdp", widen=True), Variant("hdp", offload=True, widen=True))
 
 
 def length_pool(source: str, context: int, min_samples: int, seed: int = 0) -> np.ndarray:
@@ -236,49 +234,3 @@ def length_pool(source: str, context: int, min_samples: int, seed: int = 0) -> n
         if pool.size == 0:
             raise ConfigError(f"--lengths: dataset {source} has no non-empty samples")
     return np.minimum(pool, context)
-
-
-def simulate(
-    cost,
-    ranks: int,
-    capacity: int,
-    context: int,
-    batches: list[np.ndarray],
-    variants: tuple = VARIANTS,
-    warmup_ms: dict[str, float] | None = None,
-    on_plan=None,
-) -> dict[str, list]:
-    """Plan every batch with every variant: {label: [(plan, plan_ms), ...]}. Each variant first
-    plans every batch once, a warm-up pass (numba compiles or loads a kernel on its first use,
-    some only in a later batch) whose total goes into `warmup_ms[label]` when given; the results
-    are the timed pass after it. `on_plan()` is called after each plan of either pass."""
-    import time
-
-    from datapipe.plan.planner import PlannerConfig
-
-    out: dict[str, list] = {}
-    for label, policy, offload, widen in variants:
-        planner = PlannerConfig(
-            policy=policy,
-            num_ranks=ranks,
-            capacity=capacity,
-            offload=offload,
-            widen=widen,
-            max_context=context,
-        ).build(cost)
-        t0 = time.perf_counter()
-        for b in batches:  # warm-up pass
-            planner.plan(b)
-            if on_plan is not None:
-                on_plan()
-        if warmup_ms is not None:
-            warmup_ms[label] = (time.perf_counter() - t0) * 1e3
-        res = []
-        for b in batches:
-            t0 = time.perf_counter()
-            p = planner.plan(b)
-            res.append((p, (time.perf_counter() - t0) * 1e3))
-            if on_plan is not None:
-                on_plan()
-        out[label] = res
-    return out

@@ -16,18 +16,18 @@ from datapipe.plan.stepplan import StepPlan
 from datapipe.stream import greedy_boundaries
 
 if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
+    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "one rank, whole samples in batch order (the single-process layout)"
 
 
-def fits(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+def fits(config: PlanSetup, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
     """Any sample fits: a long one gets a micro-batch of its own."""
     return np.full(np.shape(lengths), np.iinfo(np.int64).max, dtype=np.int64)
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch on one rank."""
     cap = config.capacity

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from datapipe.errors import ConfigError, MixlenError, PeerError
 from datapipe.stream import LengthAwareStream
+from trainer.checkpoint.config import CheckpointConfig
 from trainer.checkpoint.files import (
     CHECKPOINT_FORMAT,
     CHECKSUMS_FILE,
@@ -53,7 +54,8 @@ from trainer.checkpoint.files import (
     write_json,
 )
 from trainer.checkpoint.rng import capture_rng, restore_rng
-from trainer.config.job import CheckpointConfig, TrainerConfig, resume_conflicts
+from trainer.config.job import TrainerConfig
+from trainer.config.resume import resume_conflicts
 from trainer.hooks import Hooks
 from trainer.logs import get_logger
 from trainer.parallel.comm import Communicator, SoloComm

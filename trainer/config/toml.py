@@ -4,9 +4,11 @@ validated trainer.config.job.TrainerConfig, and write one back."""
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any
 
 from datapipe.errors import ConfigError
+from datapipe.settings import rows
 from trainer.config.job import TrainerConfig, from_dict
 
 try:
@@ -76,12 +78,16 @@ def _toml_value(v: Any) -> str:
     return repr(v)
 
 
-def to_toml(cfg: TrainerConfig) -> str:
-    """The resolved config as TOML (keys left at None are shown as comments)."""
+def to_toml(cfg: TrainerConfig, comments: bool = False) -> str:
+    """The resolved config as TOML (keys left at None are shown as comments); `comments`: each
+    key's help text above it (`--print-config`)."""
+    helps = {r.key: r.help for r in rows(TrainerConfig)} if comments else {}
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for k, v in values.items():
+            if helps.get(f"{section}.{k}"):
+                lines.extend("# " + h for h in textwrap.wrap(helps[f"{section}.{k}"], 96))
             lines.append(f"# {k} = (unset)" if v is None else f"{k} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from datapipe.errors import ConfigError
+from datapipe.settings import Names, setting
 
 __all__ = ["CLIPS", "MODES", "CO2Config", "ranks_per_island"]
 
@@ -34,40 +35,48 @@ class CO2Config:
     is a guard that never acted there (at 0.01 it clipped up to 39% of a round's elements and
     cost loss)."""
 
-    mode: str = "co2"
-    tau: int = 4
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    nesterov: bool = False
-    staleness_lambda: float = 0.5
-    clip: str = "value"
-    clip_value: float = 0.1
-    overlap: bool | None = None
-    link_gbps: float = 0.0
+    mode: str = setting(
+        "co2",
+        help="co2 (rounds of tau local steps, each average applied one round late while the "
+        "next round computes), diloco (each average awaited) or sync (gradients every step)",
+        choices=MODES,
+    )
+    tau: int = setting(4, help="local steps per round", lo=1, hi=1 << 20)
+    outer_lr: float = setting(1.0, help="outer learning rate alpha (> 0)")
+    outer_momentum: float = setting(0.0, help="outer momentum beta, in [0, 1)", lo=0.0)
+    nesterov: bool = setting(False, help="Nesterov's form of the outer momentum")
+    staleness_lambda: float = setting(
+        0.5, help="lambda of the staleness gap penalty (0: off)", lo=0.0
+    )
+    clip: str = setting(
+        "value",
+        help="outer momentum clipping: none, value (element-wise to [-clip_value, clip_value]) "
+        "or norm (global norm clip_value)",
+        choices=CLIPS,
+    )
+    clip_value: float = setting(0.1, help="the clipping bound (> 0)")
+    overlap: bool | None = setting(
+        None, help="co2 only (default true): false waits for each round's own average"
+    )
+    link_gbps: float = setting(
+        0.0,
+        help="emulate a cross-island link of this many Gbit/s on one machine (0: the real links)",
+        lo=0.0,
+        free_on_resume=True,
+    )
 
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"co2.mode: {self.mode!r} is not one of {', '.join(MODES)}")
-        if not self.tau >= 1:
-            raise ConfigError(f"co2.tau: must be >= 1 local step per round, got {self.tau!r}")
-        if not self.outer_lr > 0:
-            raise ConfigError(f"co2.outer_lr: must be > 0, got {self.outer_lr!r}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ConfigError(f"co2.outer_momentum: must be in [0, 1), got {self.outer_momentum!r}")
-        if not self.staleness_lambda >= 0:
-            raise ConfigError(f"co2.staleness_lambda: must be >= 0, got {self.staleness_lambda!r}")
-        if self.clip not in CLIPS:
-            raise ConfigError(f"co2.clip: {self.clip!r} is not one of {', '.join(CLIPS)}")
-        if not self.clip_value > 0:
-            raise ConfigError(f"co2.clip_value: must be > 0, got {self.clip_value!r}")
+    def validate(self, names: Names) -> None:
+        for key in ("outer_lr", "clip_value"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{names(key)}: must be > 0, got {getattr(self, key)!r}")
+        if not self.outer_momentum < 1.0:
+            raise ConfigError(
+                f"{names('outer_momentum')}: must be in [0, 1), got {self.outer_momentum!r}"
+            )
         if self.overlap and self.mode != "co2":
             raise ConfigError(
-                f'co2.overlap: only co2.mode = "co2" overlaps (mode is {self.mode!r}; diloco '
-                "awaits every average, sync has no rounds)"
-            )
-        if not self.link_gbps >= 0:
-            raise ConfigError(
-                f"co2.link_gbps: must be >= 0 (0: no emulation), got {self.link_gbps!r}"
+                f'{names("overlap")}: only {names("mode")} = "co2" overlaps (mode is '
+                f"{self.mode!r}; diloco awaits every average, sync has no rounds)"
             )
 
     @property

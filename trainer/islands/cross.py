@@ -1,7 +1,7 @@
 """How a rank's island trains with the others.
 
-`build_optimizer` makes the island's sharded optimizer (trainer.parallel.zero) from `[parallel]
-zero` and `[train]`; in `sync` mode it also sums gradients across islands. `CrossIsland` runs
+In `sync` mode the island's sharded optimizer (trainer.parallel.zero) sums gradients across
+islands through `cross_link`'s communicator. `CrossIsland` runs
 CO2's or DiLoCo's rounds (trainer.islands.co2.OuterSync on the rank's slice of the optimizer's
 flat weights): the trainer calls `after_step()` after every optimizer step and `finish()` after
 the last one. What a checkpoint holds of islands: trainer.checkpoint.state.
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
-from trainer.config.job import TrainerConfig
 from trainer.islands.co2 import LinkEmulator, OuterConfig, OuterStats, OuterSync
 from trainer.islands.config import CO2Config
 from trainer.parallel.comm import Communicator
 from trainer.parallel.zero import ZeroOptimizer
 
-__all__ = ["CrossIsland", "build_optimizer", "cross_link"]
+__all__ = ["CrossIsland", "cross_link"]
 
 
 def cross_link(cfg: CO2Config, cross: Communicator) -> Communicator:
@@ -27,32 +24,6 @@ def cross_link(cfg: CO2Config, cross: Communicator) -> Communicator:
     if cfg.link_gbps > 0 and cross.size > 1:
         return LinkEmulator(cross, cfg.link_gbps)
     return cross
-
-
-def build_optimizer(
-    cfg: TrainerConfig,
-    model: nn.Module,
-    master: nn.Module,
-    comm: Communicator,
-    grad_comm: Communicator,
-    cross: Communicator | None,
-) -> ZeroOptimizer:
-    """The island's AdamW at level `parallel.zero` (`cross`: sum gradients across islands, sync
-    mode). The weight all-gather of a step is left in flight until the next step needs it."""
-    t = cfg.train
-    return ZeroOptimizer.for_model(
-        model,
-        comm,
-        master=master,
-        level=cfg.parallel.zero_level(comm.size),
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        grad_comm=grad_comm,
-        cross_comm=cross,
-        async_gather=True,
-    )
 
 
 class CrossIsland:

@@ -23,7 +23,7 @@ from torch import nn
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
 from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
-from trainer.config.job import DTYPES
+from trainer.model.config import DTYPES
 
 __all__ = [
     "MODEL_CONFIGS",

@@ -43,7 +43,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config.job import OffloadConfig, TrainerConfig, checkpoint_every
+from datapipe.settings import Names, check
+from datapipe.shapes import ModelConfig
+from trainer.offload.config import OffloadConfig, checkpoint_every
 from trainer.offload.host_store import HostBuffer, HostPool, copy_engine
 from trainer.offload.plan import (
     HostNeed,
@@ -66,14 +68,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ActivationPolicy:
-    """`[train] activation_checkpoint` and the `[offload]` section (trainer.config.job)."""
+    """`[train] activation_checkpoint` and the `[offload]` section (trainer.offload.config)."""
 
     checkpoint: str = "none"  # "none" | "full" | "every:K" (blocks 0, K, 2K, ... recompute)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         checkpoint_every(self.checkpoint)
-        self.offload.validate()
+        check(self.offload, Names("offload"))
 
     def checkpointed(self, n_layers: int) -> list[bool]:
         """Per block: is its forward recomputed in backward?"""
@@ -87,13 +89,17 @@ class ActivationPolicy:
 
 
 def activation_manager(
-    cfg: TrainerConfig, device: torch.device | str, dtype: torch.dtype
+    offload: OffloadConfig,
+    checkpoint: str,
+    shape: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
 ) -> ActivationManager | None:
-    """The run's manager, or None when it neither offloads nor checkpoints (plain forward)."""
-    if not cfg.offload.enabled and checkpoint_every(cfg.train.activation_checkpoint) == 0:
+    """The run's manager (`[offload]` and `train.activation_checkpoint` for a model of `shape`),
+    or None when it neither offloads nor checkpoints (plain forward)."""
+    if not offload.enabled and checkpoint_every(checkpoint) == 0:
         return None
-    policy = ActivationPolicy(cfg.train.activation_checkpoint, cfg.offload)
-    shape = cfg.model.shape()
+    policy = ActivationPolicy(checkpoint, offload)
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
     return policy.build(
         device, HostNeed.of(shape, dtype_bytes, policy.checkpointed(shape.n_layers))

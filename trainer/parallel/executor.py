@@ -36,6 +36,7 @@ from trainer.attention.ring import RingAttention
 from trainer.offload.manager import ActivationManager, MicrobatchStats
 from trainer.offload.plan import PlanOffload
 from trainer.parallel.comm import Communicator, CountingComm
+from trainer.parallel.stats import StepStats
 from trainer.parallel.zero import ZeroOptimizer
 
 __all__ = ["HDPExecutor", "StepResult"]
@@ -233,43 +234,42 @@ class HDPExecutor:
         stats, n_labels = self._step_stats(plan, loss, busy, count)
         norm = self.zero.reduce(1.0 / max(n_labels, 1))
         reduce_s = time.perf_counter() - t0
-        size = self.comm.size
         red = self.zero.last_reduce
         managed = self.activations is not None
         return StepResult(
-            loss=stats[0] / max(n_labels, 1),
+            loss=stats.loss_sum / max(n_labels, 1),
             n_labels=n_labels,
             tokens=int(plan.lengths.sum()),
             grad_norm=norm,
-            compute_s=stats[1 : 1 + size],
-            microbatches=[int(x) for x in stats[1 + size : 1 + 2 * size]],
-            ring_wait_s=stats[1 + 2 * size : 1 + 3 * size],
-            p2p_bytes=[int(x) for x in stats[1 + 3 * size : 1 + 4 * size]],
+            compute_s=stats.busy_s,
+            microbatches=stats.microbatches,
+            ring_wait_s=stats.ring_wait_s,
+            p2p_bytes=stats.p2p_bytes,
             rank_p2p_bytes=self.comm.p2p_bytes,
             rank_comm_s=self.comm.wait_s + reduce_s,
-            reduce_bytes=red.bytes + (len(stats) + 2) * 8,
+            reduce_bytes=red.bytes + StepStats.nbytes(self.comm.size) + 16,
             grad_wait_s=red.wait_s,
             grad_hidden=red.hidden_fraction,
             cross_wait_s=self._cross_s + red.cross_s,
-            offload_bytes=[int(x) for x in stats[1 + 4 * size : 1 + 5 * size]] if managed else [],
-            act_peak_bytes=[int(x) for x in stats[1 + 5 * size :]] if managed else [],
+            offload_bytes=stats.offload_bytes if managed else [],
+            act_peak_bytes=stats.act_peak_bytes if managed else [],
         )
 
     def _step_stats(
         self, plan: StepPlan, loss: torch.Tensor, busy: float, count: int
-    ) -> tuple[list[float], int]:
-        """One small island all-reduce: [loss sum | per rank: busy s, micro-batches, ring wait s,
-        ring bytes, offload bytes moved, activation peak bytes]; in sync mode the loss sum and the labelled positions are also summed across
-        islands. Returns the list and the step's labelled positions."""
-        size, r = self.comm.size, self.rank
-        buf = torch.zeros(1 + 6 * size, dtype=torch.float64, device=self.device)
-        buf[0] = loss
-        buf[1 + r] = busy
-        buf[1 + size + r] = count
-        buf[1 + 2 * size + r] = self.comm.wait_s
-        buf[1 + 3 * size + r] = self.comm.p2p_bytes
-        buf[1 + 4 * size + r] = sum(s.moved_bytes for s in self.act_stats)
-        buf[1 + 5 * size + r] = max((s.peak_bytes for s in self.act_stats), default=0)
+    ) -> tuple[StepStats, int]:
+        """One small island all-reduce of the step's statistics (trainer.parallel.stats); in
+        sync mode the loss sum and the labelled positions are also summed across islands.
+        Returns them and the step's labelled positions."""
+        mine = {
+            "busy_s": busy,
+            "microbatches": count,
+            "ring_wait_s": self.comm.wait_s,
+            "p2p_bytes": self.comm.p2p_bytes,
+            "offload_bytes": sum(s.moved_bytes for s in self.act_stats),
+            "act_peak_bytes": max((s.peak_bytes for s in self.act_stats), default=0),
+        }
+        buf = StepStats.pack(loss, self.rank, self.comm.size, mine, self.device)
         self.comm.all_reduce(buf)
         n_labels = labelled_positions(plan.lengths)
         self._cross_s = 0.0
@@ -280,7 +280,7 @@ class HDPExecutor:
             self._cross_s = time.perf_counter() - t0
             buf[0] = total[0]
             n_labels = int(round(float(total[1])))
-        return buf.tolist(), n_labels
+        return StepStats.unpack(buf.tolist(), self.comm.size), n_labels
 
     def update(self, result: StepResult) -> None:
         """Clip the reduced gradient by its norm, step AdamW on this rank's slice, all-gather the

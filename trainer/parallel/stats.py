@@ -1,0 +1,59 @@
+"""The statistics of a step that one small island all-reduce gathers after the micro-batches: the
+summed loss and, per rank, its busy time, micro-batch count, ring waits and bytes, offloaded bytes
+and activation peak. `RANK_FIELDS` is the layout, packed and unpacked here only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RANK_FIELDS", "StepStats"]
+
+RANK_FIELDS = (  # one row of `size` values each, after the loss sum
+    "busy_s",
+    "microbatches",
+    "ring_wait_s",
+    "p2p_bytes",
+    "offload_bytes",
+    "act_peak_bytes",
+)
+_INTS = frozenset({"microbatches", "p2p_bytes", "offload_bytes", "act_peak_bytes"})
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step's summed loss and every rank's figures (lists in rank order)."""
+
+    loss_sum: float
+    busy_s: list[float]
+    microbatches: list[int]
+    ring_wait_s: list[float]
+    p2p_bytes: list[int]
+    offload_bytes: list[int]
+    act_peak_bytes: list[int]
+
+    @staticmethod
+    def pack(
+        loss_sum: torch.Tensor, rank: int, size: int, mine: dict[str, float], device: torch.device
+    ) -> torch.Tensor:
+        """The float64 buffer this rank contributes to the all-reduce (zeros in other rows)."""
+        buf = torch.zeros(1 + len(RANK_FIELDS) * size, dtype=torch.float64, device=device)
+        buf[0] = loss_sum
+        for j, name in enumerate(RANK_FIELDS):
+            buf[1 + j * size + rank] = float(mine[name])
+        return buf
+
+    @classmethod
+    def unpack(cls, values: list[float], size: int) -> StepStats:
+        """The reduced buffer (as a list) read back."""
+        rows = {}
+        for j, name in enumerate(RANK_FIELDS):
+            row = values[1 + j * size : 1 + (j + 1) * size]
+            rows[name] = [int(x) for x in row] if name in _INTS else list(row)
+        return cls(values[0], **rows)
+
+    @staticmethod
+    def nbytes(size: int) -> int:
+        """Bytes of the buffer."""
+        return (1 + len(RANK_FIELDS) * size) * 8
