@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datapipe.plan.cost import CostModel
-from datapipe.plan.stepplan import StepPlan, replay_starts
 from datapipe.plan.metrics import PlanMetrics, mb_components
+from datapipe.plan.stepplan import StepPlan, replay_starts
 from tools.report import ROWS
 
 MAX_TIMELINE_RANKS = 512  # ranks drawn per timeline (simulate at 1,024 ranks: the first 512)
