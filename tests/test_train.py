@@ -328,6 +328,41 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
 
 
+def test_calibrate_the_config_s_model(tmp_path, capsys):
+    """`mixlen calibrate CONFIG.toml` times the model the run trains (here 4 layers and another
+    vocabulary), records its shape, and writes the config's parallel.cost; a run with planned
+    offload then validates (it was refused with a 2-layer cost file), and a model that differs
+    from the one timed is named key by key."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+    from trainer.config.toml import load_config
+
+    out = tmp_path / "cost.json"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        '[model]\nname = "debug"\nn_layers = 4\nvocab_size = 300\n'
+        f'[data]\npath = "unused"\n[train]\ndtype = "float64"\n'
+        f'[parallel]\ncapacity = 512\ncost = "{out}"\n[offload]\nenabled = true\n'
+    )
+    with pytest.raises(ConfigError, match="parallel.cost: cannot read|parallel.cost"):
+        load_config(cfg)  # the file does not exist yet
+    args = ["calibrate", str(cfg), "--lengths", "16,32,64", "--repeats", "1", "--packs", "2x16"]
+    assert main(args) == 0
+    cal = json.loads(out.read_text())["calibration"]
+    assert cal["shape"]["n_layers"] == 4 and cal["shape"]["vocab_size"] == 300
+    assert cal["dtype"] == "float64"
+    assert [2, 256] in [[len(t["lengths"]), t["lengths"][0]] for t in cal["timings"]]  # C-sized
+    assert load(out).num_layers == 4
+    run = load_config(cfg)  # validates: offload plans Eq. 3 with the timed model's 4 layers
+    assert run.parallel.timed_shape_differences(run.model.shape()) == []
+    other = load_config(cfg, ["model.dim=64", "offload.enabled=false"])
+    assert other.parallel.timed_shape_differences(other.model.shape()) == ["dim 128 -> 64"]
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        load_config(cfg, ["model.n_layers=2"])  # offload: the cost's 4 layers are not the model's
+    assert main(["calibrate", str(cfg), "--model", "small"]) == 2
+    assert "come from the config file" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_calibrate_two_processes_fits_ring_terms(tmp_path):
     """Two gloo processes: hops and rings are timed and every ring term is fitted (a 16 MiB hop:
@@ -420,3 +455,20 @@ def test_widen_plans_with_the_static_mesh_context():
     fixed = from_dict({**base, "parallel": {"widen": True, "max_context": 512}})
     assert fixed.planner_spec(4).build(300, 0).config.max_context == 512
     assert from_dict(base).planner_spec(4).build(300, 0).config.max_context is None
+
+
+def test_readme_key_tables_come_from_the_config_classes():
+    """README.md's key tables are `python -m trainer.config.reference`'s output, and every key
+    the classes declare is there with its default (a key added, renamed or re-defaulted in a
+    class without regenerating the README fails here)."""
+    from datapipe.settings import rows
+    from trainer.config.job import TrainerConfig
+    from trainer.config.reference import BEGIN, END, markdown
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert readme.split(BEGIN, 1)[1].split(END, 1)[0].strip() == markdown().strip()
+    keys = [r.key for r in rows(TrainerConfig)]
+    assert len(keys) == len(set(keys))  # one definition per key
+    for key in keys:
+        section, name = key.split(".", 1)
+        assert f"| `{name}` |" in readme.split(f"`[{section}]`", 1)[1], key

@@ -1,4 +1,4 @@
-"""`mixlen calibrate --model debug --nproc 2 --out cost.json`: fit the cost model by timing the real
+"""`mixlen calibrate [CONFIG.toml] --nproc 2 --out cost.json`: fit the cost model by timing the real
 model and real ring attention on this machine (trainer/calibrate.py measures, datapipe/plan/costfit.py
 fits by least squares) and write a `mixlen-cost/2` file (datapipe.plan.cost) that `mixlen train`
 (`[parallel] cost`) and `mixlen plan --cost` read.
@@ -6,7 +6,13 @@ fits by least squares) and write a `mixlen-cost/2` file (datapipe.plan.cost) tha
 With `--nproc 1` only local micro-batches are timed (a, b, c; the ring terms stay neutral and the
 link is `--link-bytes-per-s`). With K >= 2 processes (one per core, or one per GPU) rings of 2..K
 ranks are timed too, and the hop latency, link bandwidth, attention chunk efficiency and overlap
-are fitted. The fit's residuals are printed and stored in the file's `calibration` section.
+are fitted. The fit's residuals are printed and stored in the file's `calibration` section, with
+the model shape it was timed on.
+
+With a training config (CONFIG.toml, `--set` overrides as in `mixlen train`) the model it trains is
+timed (its shape, vocabulary and `train.dtype`; a pack as large as `parallel.capacity` is added),
+and the file goes to its `parallel.cost` unless `--out` says otherwise. Without one, `--model`
+names a shape.
 """
 
 from __future__ import annotations
@@ -24,11 +30,24 @@ DEFAULT_PACKS = "8x256,4x1024,32x256"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="debug", help="trainer model config name")
+    parser.add_argument(
+        "config", nargs="?", default=None, help="a `mixlen train` config: time the model it trains"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, as in `mixlen train`",
+    )
+    parser.add_argument("--model", default=None, help="a named shape, without a config (debug)")
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="the model's vocabulary (default: its own)"
     )
-    parser.add_argument("--out", required=True, help="cost file to write (JSON)")
+    parser.add_argument(
+        "--out", default=None, help="cost file to write (JSON; default: the config's parallel.cost)"
+    )
     parser.add_argument(
         "--nproc", type=int, default=1, help="processes (ranks) to time rings with (default 1)"
     )
@@ -50,7 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hop-bytes", default=DEFAULT_HOP_BYTES, help="ring hop message sizes")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (min kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="compute dtype (default: train.dtype, float32)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--link-bytes-per-s",
@@ -122,29 +146,20 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
     if args.ranks_per_node < 0:
         raise ConfigError(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
-    shape = None
-    if args.vocab_size is not None:
-        from datapipe.shapes import get_config
-
-        if args.vocab_size < 1:
-            raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
-        try:
-            shape = get_config(args.model, vocab_size=args.vocab_size)
-        except ValueError as exc:
-            raise ConfigError(f"--model: {exc}") from None
+    name, shape, dtype, out, packs = _what_to_time(args)
     grid = CalibrationGrid(
         lengths=lengths,
-        packed=_packs(args.packs),
+        packed=packs,
         ring_lengths=_ints("--ring-lengths", args.ring_lengths),
         ring_sizes=sizes,
         hop_bytes=hop_bytes,
         repeats=args.repeats,
     )
     cal = calibrate(
-        args.model,
+        name,
         args.nproc,
         grid,
-        args.dtype,
+        dtype,
         args.device,
         args.threads,
         args.clock,
@@ -154,10 +169,52 @@ def run(args: argparse.Namespace) -> int:
         args.inter_node_bytes_per_s,
         shape=shape,
     )
-    write_text_atomic(args.out, cal.to_json())
+    write_text_atomic(out, cal.to_json())
     print(render(cal))
-    print(f"-> {args.out}")
+    print(f"-> {out}")
     return 0
+
+
+def _what_to_time(args: argparse.Namespace):
+    """(name, shape, dtype, output file, packs) from a training config or --model."""
+    from datapipe.shapes import get_config
+
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    packs = _packs(args.packs)
+    if args.config is None:
+        if args.overrides:
+            raise ConfigError("--set needs a config file")
+        if args.out is None:
+            raise ConfigError("--out: required without a config file")
+        model = args.model or "debug"
+        extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None else {}
+        try:
+            shape = get_config(model, **extra)
+        except ValueError as exc:
+            raise ConfigError(f"--model: {exc}") from None
+        return model, shape, args.dtype or "float32", args.out, packs
+    from trainer.config.toml import load_model_config
+
+    if args.model is not None or args.vocab_size is not None:
+        raise ConfigError("--model and --vocab-size come from the config file (model.*)")
+    cfg = load_model_config(args.config, args.overrides)
+    shape = cfg.model.shape()
+    out = args.out or (cfg.parallel.cost if cfg.parallel.cost.endswith(".json") else None)
+    if out is None:
+        raise ConfigError(
+            f"--out: required (the config's parallel.cost {cfg.parallel.cost!r} is a preset, "
+            "not a file)"
+        )
+    cap = cfg.parallel.planner.capacity
+    full = (max(2, cap // 256), min(256, cap))  # a pack as large as the capacity
+    return (
+        cfg.model.name,
+        shape,
+        args.dtype or cfg.train.dtype,
+        out,
+        tuple(dict.fromkeys((*packs, full))),
+    )
 
 
 def render(cal) -> str:

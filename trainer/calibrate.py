@@ -372,6 +372,7 @@ def calibrate(
     meta = {
         "model": model_name,
         "vocab_size": shape.vocab_size,
+        "shape": dataclasses.asdict(shape),
         "nproc": nproc,
         "threads": threads,
         "dtype": dtype,

@@ -109,6 +109,13 @@ class Trainer:
                 f"set up with {rt.islands} island(s)"
             )
         self._build_model()
+        differ = cfg.parallel.timed_shape_differences(cfg.model.shape())
+        if differ and rt.global_rank == 0:
+            get_logger().warning(
+                f"{cfg.key(cfg.parallel, 'cost')} {cfg.parallel.cost} was timed on another model "
+                f"({'; '.join(differ)}): the plans balance that model's estimated times; time "
+                "this one with `mixlen calibrate CONFIG.toml`"
+            )
         # hooks (MIXLEN_HOOKS: tests inject faults); no-ops in a normal run
         self.hooks = load_hooks(rt.global_rank)
         self.hooks.attach(self.model)

@@ -8,7 +8,7 @@ import textwrap
 from typing import Any
 
 from datapipe.errors import ConfigError
-from datapipe.settings import rows
+from datapipe.settings import Names, check, from_mapping, rows
 from trainer.config.job import TrainerConfig, from_dict
 
 try:
@@ -40,22 +40,25 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     return out
 
 
+def _read(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed TOML file (ConfigError naming the file)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (TOML) file") from None
+
+
 def load_config(
     path: str | os.PathLike | None, overrides: list[str] | None = None
 ) -> TrainerConfig:
     """Read a TOML file (None: defaults only), apply overrides, validate. Relative paths in
     `[data]`, `[checkpoint]`, `[metrics]` and a `.json` cost stay relative to the working dir."""
-    d: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                d = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not a text (TOML) file") from None
+    d = _read(path) if path is not None else {}
     try:
         return from_dict(apply_overrides(d, overrides or []))
     except ConfigError as exc:
@@ -68,6 +71,15 @@ def load_config(
         if path is not None:
             raise ConfigError(f"{path}: {msg}") from None
         raise
+
+
+def load_model_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainerConfig:
+    """A config whose `[model]` and `[train]` are validated, the rest read but not checked (for
+    `mixlen calibrate CONFIG.toml`, which writes the cost file the config may name)."""
+    cfg = from_mapping(TrainerConfig, apply_overrides(_read(path), overrides or []))
+    check(cfg.model, Names("model"))
+    check(cfg.train, Names("train"))
+    return cfg
 
 
 def _toml_value(v: Any) -> str:

@@ -3,12 +3,15 @@ cost model, the ZeRO level and the number of islands."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan.cost import CostModel, load, preset
 from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, setting
+from datapipe.shapes import ModelConfig
 from trainer.islands.config import ranks_per_island
 
 __all__ = ["ParallelConfig"]
@@ -53,6 +56,21 @@ class ParallelConfig:
         if self.zero is not None:
             return self.zero
         return 1 if ranks > 1 else 0
+
+    def timed_shape_differences(self, shape: ModelConfig) -> list[str]:
+        """`field: timed -> now` for each shape field where the model `mixlen calibrate` timed
+        for the cost file differs from `shape` (empty for presets and files without a record)."""
+        if not self.cost.endswith(".json"):
+            return []
+        try:
+            with open(self.cost) as f:
+                timed = json.load(f).get("calibration", {}).get("shape")
+        except (OSError, ValueError, AttributeError):
+            return []
+        if not isinstance(timed, dict):
+            return []
+        now = dataclasses.asdict(shape)
+        return [f"{k} {timed[k]!r} -> {now[k]!r}" for k in now if k in timed and timed[k] != now[k]]
 
     def cost_model(self, names: Names | None = None) -> CostModel:
         """The planner's cost model: a `mixlen calibrate` file (*.json) or a preset name."""
