@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _faults import file_size_limit, flip_byte, truncate
+from _faults import dead_pid, file_size_limit, flip_byte, truncate
 from _train_worker import make_dataset, train_config
 
 import trainer.checkpoint.checkpointer as ckpt
@@ -236,11 +236,72 @@ def test_full_disk_while_saving(dataset, reference, tmp_path, monkeypatch, capsy
         run_training(cfg(dataset, run))
     msg = str(exc.value)
     assert f"checkpoint.dir {run / 'ckpt'}: saving the checkpoint of step 4 failed" in msg
-    assert "File too large" in msg and "step-00000002 is intact" in msg
+    assert "File too large" in msg and "step-00000002 of this run is intact" in msg
+    assert "Free space" in msg
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]
     monkeypatch.setattr(ckpt.Checkpointer, "save", real)
     out = run_training(cfg(dataset, run, checkpoint={"resume": True}))
     assert out["start_step"] == 2 and out["losses"] == reference[2:]
+
+
+def test_one_job_per_checkpoint_dir(dataset, tmp_path, caplog) -> None:
+    """Issue: two runs started into one checkpoint.dir replaced each other's checkpoints. A live
+    job's lock is refused naming that job, before anything is written; a dead process's stale
+    lock is taken over and said so; the lock is gone when the run ends."""
+    import socket
+    import subprocess
+
+    from trainer.checkpoint.lock import LOCK_FILE
+
+    run = tmp_path / "r"
+    (run / "ckpt").mkdir(parents=True)
+    lock = run / "ckpt" / LOCK_FILE
+    other = subprocess.Popen(["sleep", "60"])  # another job, alive on this host
+    try:
+        lock.write_text(json.dumps({"job": "job-A", "host": socket.gethostname(), "pid": other.pid}))
+        with pytest.raises(ConfigError) as exc:
+            run_training(cfg(dataset, run, train={"stop_after": 2}))
+        msg = str(exc.value)
+        assert f"checkpoint.dir {run / 'ckpt'}: another job is using it (job job-A" in msg
+        assert f"pid {other.pid} on this host" in msg
+        assert sorted(os.listdir(run / "ckpt")) == [LOCK_FILE]  # nothing written, lock kept
+        assert json.loads(lock.read_text())["job"] == "job-A"
+    finally:
+        other.kill()
+        other.wait()
+    stale = dead_pid()
+    lock.write_text(json.dumps({"job": "job-B", "host": socket.gethostname(), "pid": stale}))
+    with caplog.at_level("INFO", logger="mixlen"):
+        run_training(cfg(dataset, run, train={"stop_after": 2}))
+    assert f"took over the lock of job job-B (pid {stale}, no longer running)" in caplog.text
+    assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]  # released at the end
+
+
+def test_a_failed_save_blames_the_disk_only_when_the_disk_is_the_cause(
+    dataset, tmp_path, monkeypatch
+) -> None:
+    """An I/O error that is not a full disk is named as such (no advice to free space); a
+    checkpoint another run left in the directory is not called intact."""
+    import errno
+
+    import trainer.checkpoint.save as save
+
+    run = tmp_path / "r"
+    _first_part(dataset, run, stop=2)  # another run's step-00000002
+    real = save.write_json
+
+    def failing(path, obj):
+        if os.path.basename(path).startswith("rng-"):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path, obj)
+
+    monkeypatch.setattr(save, "write_json", failing)
+    with pytest.raises(MixlenError) as exc:
+        run_training(cfg(dataset, run, train={"stop_after": 2}))  # a new run (resume = false)
+    msg = str(exc.value)
+    assert "saving the checkpoint of step 2 failed (Input/output error" in msg
+    assert "this run has no earlier checkpoint" in msg and "Fix the cause" in msg
+    assert "Free space" not in msg and "is intact" not in msg
 
 
 class _Payload:

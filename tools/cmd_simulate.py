@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
 def render_simulate(args, cost, pool, batches, res) -> None:
     """The table and the paper's figures (or JSON), and the --plot and --html files."""
-    import numpy as np
 
     from datapipe.plan import simulate as S
     from datapipe.plan.memory import format_preset_memory, preset_memory
@@ -134,28 +133,37 @@ def render_simulate(args, cost, pool, batches, res) -> None:
         plans = [r.plans[0] for r in res.values()]
         report.plot_ranks(plans, cost, args.plot, title="mixlen simulate (first batch)")
     if args.html:
-        from tools import report_html
+        write_html(args, cost, pool, batches, res)
 
-        steps = [
-            {
-                "step": i,
-                "samples": int(len(b)),
-                "tokens": int(np.sum(b)),
-                "plans": [report_html.timeline(r.plans[i], cost) for r in res.values()],
-            }
-            for i, b in enumerate(batches)
-        ]
-        timings = {k: report_html.Timings(r.warmup_ms, r.plan_ms) for k, r in res.items()}
-        params = {
-            "model": cost.name,
-            "ranks": args.ranks,
-            "capacity": args.capacity,
-            "context": args.context,
-            "lengths": args.lengths,
-            "tokens/step": args.global_batch_tokens,
-            "steps": args.steps,
+
+def write_html(args, cost, pool, batches, res) -> None:
+    """The --html report page: the policy table, per-rank timelines per batch, the lengths."""
+    import numpy as np
+
+    from tools import report_html
+
+    steps = [
+        {
+            "step": i,
+            "samples": int(len(b)),
+            "tokens": int(np.sum(b)),
+            "plans": [report_html.timeline(r.plans[i], cost) for r in res.values()],
         }
-        hist = report_html.length_histogram(pool, args.capacity)
-        title = f"mixlen simulate: {cost.name}, N={args.ranks}, lengths={args.lengths}"
-        data = report_html.page_data(title, params, list(metrics.values()), steps, timings, hist)
-        report_html.write_page(args.html, data)
+        for i, b in enumerate(batches)
+    ]
+    timings = {k: report_html.Timings(r.warmup_ms, r.plan_ms) for k, r in res.items()}
+    params = {
+        "model": cost.name,
+        "ranks": args.ranks,
+        "capacity": args.capacity,
+        "context": args.context,
+        "lengths": args.lengths,
+        "tokens/step": args.global_batch_tokens,
+        "steps": args.steps,
+    }
+    hist = report_html.length_histogram(pool, args.capacity)
+    title = f"mixlen simulate: {cost.name}, N={args.ranks}, lengths={args.lengths}"
+    data = report_html.page_data(
+        title, params, [r.average for r in res.values()], steps, timings, hist
+    )
+    report_html.write_page(args.html, data)

@@ -129,6 +129,8 @@ class Trainer:
             cfg.checkpoint, cfg, self.state, self.scheduler, rt.run_comm, rt.device, self.hooks
         )
         self.start_step = self.checkpointer.resume(self.data.stream)
+        self.checkpointer.lock()  # one job per checkpoint.dir, before the first save
+        self._stack.callback(self.checkpointer.unlock)
         self._build_reports()
 
     def _build_model(self) -> None:

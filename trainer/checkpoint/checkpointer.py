@@ -15,9 +15,10 @@ and loads nothing pickled except DCP's own metadata classes (trainer.checkpoint.
 `checkpoint.resume = true`, or after torchrun restarted the job, a damaged newest checkpoint is
 reported and the previous complete one is used; a checkpoint named explicitly is used or
 refused. `Checkpointer` owns the policy: when to save, how many to keep, which checkpoint to
-resume from, and refusing one of a run with other settings.
+resume from, refusing one of a run with other settings, and one job per directory
+(trainer.checkpoint.lock). Saving: trainer.checkpoint.save.
 
-The DCP part is a `trainer.islands.cross.ModelState`: the weights, the sharded optimizer state as chunks
+The DCP part is a `trainer.checkpoint.state.ModelState`: the weights, the sharded optimizer state as chunks
 of global tensors at their offsets (so a checkpoint of N ranks resumes on any other number, at any
 ZeRO level) and CO2's outer state. Every rank of every island takes part: the communicator given
 here spans the whole run (its rank numbers the rng files).
@@ -25,14 +26,9 @@ here spans the whole run (its rank numbers the rng files).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import shutil
-import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,14 +42,24 @@ from trainer.checkpoint.files import (
     CHECKSUMS_FILE,
     SafePlanner,
     SafeReader,
-    fsync_dir,
     read_checksums,
     read_json,
     verify_files,
-    write_checksums,
-    write_json,
 )
-from trainer.checkpoint.rng import capture_rng, restore_rng
+from trainer.checkpoint.lock import DirLock
+from trainer.checkpoint.rng import restore_rng
+from trainer.checkpoint.save import (
+    RUN_FILE,
+    StateOwner,
+    any_rank,
+    complete_checkpoints,
+    describe,
+    latest_checkpoint,
+    quiet_dcp,
+    rng_file,
+    save_checkpoint,
+    step_dir,
+)
 from trainer.config.job import TrainerConfig
 from trainer.config.resume import resume_conflicts
 from trainer.hooks import Hooks
@@ -72,177 +78,6 @@ __all__ = [
     "step_dir",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-RUN_FILE = "run.json"
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step:08d}")
-
-
-def _steps(root: str) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
-
-
-def complete_checkpoints(root: str) -> list[str]:
-    """Step directories under `root` that have their checksums.json, newest first (damage inside
-    them is found by verification, not here)."""
-    dirs = [step_dir(root, k) for k in reversed(_steps(root))]
-    return [d for d in dirs if os.path.isfile(os.path.join(d, CHECKSUMS_FILE))]
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint under `root`, or None."""
-    found = complete_checkpoints(root)
-    return found[0] if found else None
-
-
-class StateOwner(Protocol):
-    """What DCP saves of the model (trainer.islands.cross.ModelState): `state_dict()` returns the live
-    tensors, which dcp.load fills in place before `load_state_dict` runs."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
-
-
-def _rng_file(rank: int) -> str:
-    return f"rng-{rank:05d}.json"
-
-
-def _any(comm: Communicator, flag: bool, device: torch.device) -> bool:
-    """Collective: True if `flag` is set on any rank (also a barrier)."""
-    if comm.size == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    comm.all_reduce(t)
-    return bool(t.item() > 0)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an exception, its root cause first (DCP wraps every rank's failure)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, first = next(iter(failures.items()))
-        inner = first[0] if isinstance(first, tuple) else first
-        return f"rank {rank}: {_describe(inner)}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def _short_write_cause(tmp: str, exc: BaseException) -> OSError | None:
-    """The OS error behind a short write that torch's zip writer reports only as a position
-    mismatch ("unexpected pos": a full disk or a file size limit): appending one byte to the
-    files written so far (temporary, removed anyway) raises it again."""
-    if "unexpected pos" not in str(exc) and "unexpected pos" not in _describe(exc):
-        return None
-    for name in sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []:
-        try:
-            with open(os.path.join(tmp, name), "ab") as f:
-                f.write(b"\0")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as cause:
-            return cause
-    return None
-
-
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """DCP warns when one process runs without a process group: intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
-def save_checkpoint(
-    root: str,
-    step: int,
-    state: StateOwner,
-    run: dict[str, Any],
-    comm: Communicator,
-    device: torch.device,
-    keep: int = 2,
-    before_commit: Callable[[], None] | None = None,
-) -> str:
-    """Write the checkpoint of `step` (collective); `run` is run.json's content. Keeps the newest
-    `keep` up to `step`; checkpoints of later steps (an abandoned run this one resumed before)
-    are removed, so `resume = true` continues this run. MixlenError if it cannot be written."""
-    final = step_dir(root, step)
-    tmp = final + ".tmp"
-    rank = comm.rank
-    group = getattr(comm, "group", None)
-
-    def stop_if_failed(err: BaseException | None, shared: bool) -> None:
-        """Collective: if a rank failed, remove the temporary directory and stop every rank
-        (the failing one, or rank 0 for a failure every rank saw, says why)."""
-        if not _any(comm, err is not None, device):
-            return
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if err is None or (shared and rank != 0):
-            raise PeerError(f"saving the checkpoint of step {step} failed on another rank")
-        earlier = [k for k in _steps(root) if k < step]
-        kept = f"step-{earlier[-1]:08d} is intact" if earlier else "there is no earlier one"
-        raise MixlenError(
-            f"checkpoint.dir {root}: saving the checkpoint of step {step} failed "
-            f"({_describe(err)}); nothing of it was kept, {kept}. Free space (or fix the "
-            "directory), then continue with checkpoint.resume = true"
-        ) from None
-
-    err: BaseException | None = None
-    if rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as exc:
-            err = exc
-    stop_if_failed(err, shared=False)
-    # model and optimizer (DCP, collective: a failure on one rank raises on all)
-    try:
-        with _quiet_dcp():
-            dcp.save(state.state_dict(), checkpoint_id=tmp, process_group=group)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported below
-        err = _short_write_cause(tmp, exc) or exc
-    stop_if_failed(err, shared=True)
-    # this rank's generators, rank 0 the run's state
-    try:
-        write_json(os.path.join(tmp, _rng_file(rank)), capture_rng(device))
-        if rank == 0:
-            info = {**run, "step": step, "world": comm.size, "job": job_id()}
-            write_json(os.path.join(tmp, RUN_FILE), info)
-    except OSError as exc:
-        err = exc
-    stop_if_failed(err, shared=False)
-    if before_commit is not None:
-        before_commit()
-    _any(comm, False, device)  # every rank's files are written
-    # rank 0: checksums last, rename into place, prune
-    if rank == 0:
-        try:
-            write_checksums(tmp)
-            if os.path.isdir(final):  # the same step again: the old copy goes after the rename
-                os.replace(final, final + ".old")
-            os.replace(tmp, final)
-            fsync_dir(root)
-        except OSError as exc:
-            err = exc
-    stop_if_failed(err, shared=False)
-    if rank == 0:
-        steps = _steps(root)
-        kept = [k for k in steps if k <= step]
-        for k in [k for k in steps if k > step] + kept[: max(len(kept) - keep, 0)]:
-            shutil.rmtree(step_dir(root, k), ignore_errors=True)
-        for name in os.listdir(root):  # temporaries of crashed saves, and the replaced copy
-            if name.startswith("step-") and name.endswith((".tmp", ".old")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    _any(comm, False, device)
-    return final
-
 
 def load_checkpoint(
     path: str,
@@ -256,7 +91,7 @@ def load_checkpoint(
     run = read_json(os.path.join(path, RUN_FILE))
     sd = state.state_dict()
     group = getattr(comm, "group", None)
-    with _quiet_dcp():
+    with quiet_dcp():
         dcp.load(sd, storage_reader=SafeReader(path), planner=SafePlanner(), process_group=group)
     state.load_state_dict(sd)
     if scheduler is not None:
@@ -264,9 +99,9 @@ def load_checkpoint(
         # the optimizer's learning rate is the schedule's, not the one it was built with
         for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             g["lr"] = lr
-    own = os.path.join(path, _rng_file(comm.rank))
+    own = os.path.join(path, rng_file(comm.rank))
     # a rank the saved run did not have (more ranks now) takes rank 0's generators
-    restore_rng(read_json(own if os.path.isfile(own) else os.path.join(path, _rng_file(0))), device)
+    restore_rng(read_json(own if os.path.isfile(own) else os.path.join(path, rng_file(0))), device)
     return run
 
 
@@ -354,6 +189,34 @@ class Checkpointer:
         self.hooks = hooks
         self.resumed = False  # set by resume(): this run continues a checkpoint
         self._run_dict = run.to_dict()
+        self.ours: list[int] = []  # steps of the checkpoints this run resumed from or saved
+        self._lock: DirLock | None = None
+
+    def lock(self) -> None:
+        """Take `checkpoint.dir`'s lock on rank 0 (collective): one job per directory."""
+        err: ConfigError | None = None
+        if self.cfg.dir and self.rank == 0:
+            self._lock = DirLock(self.cfg.dir)
+            try:
+                self._lock.acquire()
+            except ConfigError as exc:
+                err = exc
+            else:
+                if self._lock.took_over is not None:
+                    stale = self._lock.took_over
+                    self._say(
+                        f"checkpoint.dir {self.cfg.dir}: took over the lock of job "
+                        f"{stale.get('job', '?')} (pid {stale.get('pid', '?')}, no longer running)"
+                    )
+        if any_rank(self.comm, err is not None, self.device):
+            if err is not None:
+                raise err
+            raise PeerError("checkpoint.dir is locked by another job (reported by rank 0)")
+
+    def unlock(self) -> None:
+        """Release the lock (rank 0, when it holds it)."""
+        if self._lock is not None:
+            self._lock.release()
 
     @property
     def rank(self) -> int:
@@ -380,7 +243,7 @@ class Checkpointer:
             files = read_checksums(path)
         except ValueError as exc:
             return [str(exc)], True
-        missing = [n for n in (RUN_FILE, _rng_file(0), ".metadata") if n not in files]
+        missing = [n for n in (RUN_FILE, rng_file(0), ".metadata") if n not in files]
         if missing:
             return [f"{', '.join(missing)} not listed in {CHECKSUMS_FILE}"], True
         return verify_files(path, files, self.rank, self.comm.size), False
@@ -391,7 +254,7 @@ class Checkpointer:
         paths, explicit = self.candidates()
         for i, path in enumerate(paths):
             problems, shared = self.check(path)
-            if not _any(self.comm, bool(problems), self.device):
+            if not any_rank(self.comm, bool(problems), self.device):
                 return self._load(path, stream)
             mine = problems if not shared or self.rank == 0 else []
             if explicit:
@@ -424,11 +287,12 @@ class Checkpointer:
         except MixlenError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP cannot read it
-            raise ConfigError(f"checkpoint {path}: cannot be loaded ({_describe(exc)})") from None
+            raise ConfigError(f"checkpoint {path}: cannot be loaded ({describe(exc)})") from None
         # islands take one batch each per step, so one island's position is every island's
         stream.load_state_dict({**stream_state, "island": stream.island})
         self.resumed = True
         step = int(run["step"])
+        self.ours.append(step)
         world = int(run.get("world", self.comm.size))
         more = f" (saved by {world} ranks, now {self.comm.size})" if world != self.comm.size else ""
         self._say(f"resumed from {path} at step {step}{more}")
@@ -450,7 +314,7 @@ class Checkpointer:
             "stream": stream_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             self.cfg.dir,
             step,
             self.state,
@@ -459,4 +323,7 @@ class Checkpointer:
             self.device,
             keep=self.cfg.keep,
             before_commit=(lambda: hooks.point("save", step)) if hooks is not None else None,
+            ours=self.ours,
         )
+        self.ours.append(step)
+        return path

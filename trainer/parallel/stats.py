@@ -1,14 +1,16 @@
-"""The statistics of a step that one small island all-reduce gathers after the micro-batches: the
+"""Statistics of a step: those one small island all-reduce gathers after the micro-batches: the
 summed loss and, per rank, its busy time, micro-batch count, ring waits and bytes, offloaded bytes
-and activation peak. `RANK_FIELDS` is the layout, packed and unpacked here only."""
+and activation peak (`RANK_FIELDS` is the layout, packed and unpacked here only); and this rank's
+gradient reduction (`ReduceStats`, from the sharded optimizer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["RANK_FIELDS", "StepStats"]
+__all__ = ["RANK_FIELDS", "ReduceStats", "StepStats"]
 
 RANK_FIELDS = (  # one row of `size` values each, after the loss sum
     "busy_s",
@@ -57,3 +59,20 @@ class StepStats:
     def nbytes(size: int) -> int:
         """Bytes of the buffer."""
         return (1 + len(RANK_FIELDS) * size) * 8
+
+
+class ReduceStats(NamedTuple):
+    """The gradient reduction of the last step on this rank (for metrics)."""
+
+    buckets: int  # reductions issued (1 without hooks at zero 0/1: one collective)
+    early: int  # of them, launched from hooks before the backward ended
+    wait_s: float  # time reduce() blocked waiting for them (the exposed communication)
+    bytes: int  # gradient payload this rank contributed
+    span_s: float = 0.0  # first launch to the end of that wait
+    cross_s: float = 0.0  # sync mode: the cross-island all-reduce of the slice
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the reduction's span that overlapped other work: 1 - wait / span (an upper
+        bound on the hidden share of the communication when the link idles between launches)."""
+        return 1.0 - self.wait_s / self.span_s if self.span_s > 0 else 0.0

@@ -15,34 +15,15 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
    or all-reduce (zero 0) of the whole buffer runs instead.
 3. `step(scale)` = `reduce(scale)`: wait, optionally all-reduce the slice across islands
    (`sync`), scale by 1 / labelled positions, global norm (squared slice norms, one 1-element
-   all-reduce); then `apply(norm)`: clip by the global norm, AdamW on the slice (AdamW is element-wise, so a flat slice steps exactly as
-   `torch.optim.AdamW` on the whole model: `self.optimizer` IS a torch AdamW over the slice, for the
-   LR schedule), then all-gather the updated weights into every rank's compute-dtype parameters
+   all-reduce); then `apply(norm)`: clip by the global norm, AdamW on the slice (element-wise, so
+   a flat slice steps exactly as `torch.optim.AdamW` on the whole model: `self.optimizer` IS a
+   torch AdamW over the slice, for the LR schedule), then all-gather the updated weights into every rank's compute-dtype parameters
    (by bucket, in forward order; `async_gather=True` leaves the wait to `wait_weights()`).
 
 Levels: zero 0 keeps everything on every rank (all-reduce, no gather); zero 1 shards master
-weights and moments; zero 2 also shards the gradient buffer where HDP allows it:
-
-*What zero 2 saves with unequal micro-batch counts, and why.* Classic ZeRO-2 reduce-scatters after
-every micro-batch and keeps only its slice's running sum. HDP ranks run different numbers of
-micro-batches, so a per-micro-batch collective would put ranks in lockstep (k_max reductions per
-step, ranks that ran out sending zeros: k_max times the gradient traffic). Here nothing is sent
-before a rank's last micro-batch, so everything a rank must still send is its whole gradient: a
-rank with k >= 2 micro-batches accumulates every bucket from its first backward on (peak P
-elements, as zero 1). What zero 2 drops is the rest: buckets outside the rank's slice are
-allocated on first use in a step and freed as soon as their reduction has completed (polled
-without blocking from the hooks, and in `step`), so (a) between steps, during the optimizer step,
-the weight all-gather and the next step's first forward, a rank holds S gradient elements instead
-of P; (b) a rank with a single micro-batch never accumulates: its non-owned buckets live only
-from their first gradient to the end of their reduction, inside its one backward. Blocking on a
-bucket inside a hook to bound that further would deadlock a ring whose other members are still in
-earlier micro-batches, so it is not done.
-
-Buckets should travel on their own communicator (`grad_comm`, a second process group of the
-island): a reduction issued mid-backward on the ring's communicator would queue ring hops of that
-backward behind a collective the other members join only after their own last micro-batch.
-
-Checkpoints: `state_dict()` holds this rank's slice of the moments (and master weights when
+weights and moments; zero 2 also shards the gradient buffer where HDP allows it (what that saves
+with unequal micro-batch counts, and why buckets travel on their own communicator:
+trainer/parallel/README.md). Checkpoints: `state_dict()` holds this rank's slice of the moments (and master weights when
 they are separate from the weights) marked with their global offsets (`checkpointable`), so DCP
 reshards them: a checkpoint of 4 ranks loads on 2 or 1, at any level.
 """
@@ -52,7 +33,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -60,25 +41,9 @@ from datapipe.plan.memory import ModelStateBytes
 from trainer.attention.local import accum_dtype
 from trainer.parallel.comm import Communicator, Handle
 from trainer.parallel.slices import FlatLayout, checkpointable
+from trainer.parallel.stats import ReduceStats
 
-__all__ = ["ReduceStats", "ZeroOptimizer"]
-
-
-class ReduceStats(NamedTuple):
-    """The gradient reduction of the last step on this rank (for metrics)."""
-
-    buckets: int  # reductions issued (1 without hooks at zero 0/1: one collective)
-    early: int  # of them, launched from hooks before the backward ended
-    wait_s: float  # time reduce() blocked waiting for them (the exposed communication)
-    bytes: int  # gradient payload this rank contributed
-    span_s: float = 0.0  # first launch to the end of that wait
-    cross_s: float = 0.0  # sync mode: the cross-island all-reduce of the slice
-
-    @property
-    def hidden_fraction(self) -> float:
-        """Share of the reduction's span that overlapped other work: 1 - wait / span (an upper
-        bound on the hidden share of the communication when the link idles between launches)."""
-        return 1.0 - self.wait_s / self.span_s if self.span_s > 0 else 0.0
+__all__ = ["ZeroOptimizer"]
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -135,33 +100,46 @@ class ZeroOptimizer:
         dev = self.params[0].device
         self.compute_dtype = self.params[0].dtype
         self.acc_dtype = accum_dtype(self.compute_dtype)
-        acc, esize = self.acc_dtype, torch.empty(0, dtype=self.acc_dtype).element_size()
-
         # weights: one padded flat buffer the parameters are views of
         self.flat_params = lay.new_flat(self.compute_dtype, dev)
         lay.bind_params(self.params, self.flat_params)
         # the range this rank's optimizer steps: everything at zero 0, its slice otherwise
         self.own = (0, lay.numel) if level == 0 else lay.slice(self.rank)
-        o0, o1 = self.own
+        self._init_master(master_params, dev)
+        self._init_buckets(bucket_bytes, dev)
+        self._init_adamw(lr, betas, eps, weight_decay)
+        self._hooks: list[Any] = []
+        self._gather_handles: list[Handle] = []
+        self._grad_peak = 0
+        self.last_reduce = ReduceStats(0, 0, 0.0, 0)
+        self.begin_step()
+
+    def _init_master(self, master_params: Sequence[torch.Tensor] | None, dev: torch.device) -> None:
+        """The accumulation-dtype master weights of the owned range (the weights themselves when
+        the compute dtype is the accumulation dtype)."""
+        lay, acc, (o0, o1) = self.layout, self.acc_dtype, self.own
         self.separate_master = self.compute_dtype != acc
         self._master_flat: torch.Tensor | None = None
         if not self.separate_master:
             self.master = self.flat_params[o0:o1]  # the weights are the master weights
+            return
+        if self.level == 0:
+            self._master_flat = lay.new_flat(acc, dev)
+            self.master = self._master_flat[o0:o1]
         else:
-            if level == 0:
-                self._master_flat = lay.new_flat(acc, dev)
-                self.master = self._master_flat[o0:o1]
-            else:
-                self.master = torch.zeros(o1 - o0, dtype=acc, device=dev)
-            src = list(master_params) if master_params is not None else self.params
-            for part in lay.parts(o0, o1):
-                flat_p = src[part.param].detach().reshape(-1)
-                seg = flat_p[part.param_start : part.param_start + part.length]
-                self.master[part.range_start : part.range_start + part.length].copy_(seg)
+            self.master = torch.zeros(o1 - o0, dtype=acc, device=dev)
+        src = list(master_params) if master_params is not None else self.params
+        for part in lay.parts(o0, o1):
+            flat_p = src[part.param].detach().reshape(-1)
+            seg = flat_p[part.param_start : part.param_start + part.length]
+            self.master[part.range_start : part.range_start + part.length].copy_(seg)
 
-        # gradients: buckets of the slices, in launch (backward) order
+    def _init_buckets(self, bucket_bytes: int, dev: torch.device) -> None:
+        """Gradient buckets of the slices, in launch (backward) order, and the gradient buffer."""
+        lay, acc, (o0, o1) = self.layout, self.acc_dtype, self.own
+        esize = torch.empty(0, dtype=acc).element_size()
         self.buckets = lay.buckets(max(1, bucket_bytes // esize))
-        self.grad_flat = lay.new_flat(acc, dev) if level < 2 else None
+        self.grad_flat = lay.new_flat(acc, dev) if self.level < 2 else None
         if self.grad_flat is not None:
             self.grad = self.grad_flat[o0:o1]
         else:
@@ -176,7 +154,10 @@ class ZeroOptimizer:
                 )
                 self._count[b.index] += 1
 
-        # the inner AdamW over the slice, its state allocated now (checkpoints load into it)
+    def _init_adamw(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> None:
+        """The inner AdamW over the slice, its state allocated now (checkpoints load into it)."""
         self.optimizer = torch.optim.AdamW(
             [self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
@@ -185,12 +166,6 @@ class ZeroOptimizer:
         state["exp_avg"] = torch.zeros_like(self.master)
         state["exp_avg_sq"] = torch.zeros_like(self.master)
         self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-
-        self._hooks: list[Any] = []
-        self._gather_handles: list[Handle] = []
-        self._grad_peak = 0
-        self.last_reduce = ReduceStats(0, 0, 0.0, 0)
-        self.begin_step()
 
     @classmethod
     def for_model(
