@@ -131,9 +131,13 @@ def _check_value(key: str, v: Any, meta: Mapping[str, Any]) -> None:
     if hi is None and isinstance(v, int):
         hi = MAX_INT
     if lo is not None and v < lo:
-        raise ConfigError(f"{key}: must be >= {lo:g}, got {v!r}")
+        raise ConfigError(f"{key}: must be >= {_num(lo)}, got {v!r}")
     if hi is not None and v > hi:
-        raise ConfigError(f"{key}: must be <= {hi:g}, got {v!r}")
+        raise ConfigError(f"{key}: must be <= {_num(hi)}, got {v!r}")
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
 # --- building from parsed TOML -------------------------------------------------------------------

@@ -258,7 +258,9 @@ def test_one_job_per_checkpoint_dir(dataset, tmp_path, caplog) -> None:
     lock = run / "ckpt" / LOCK_FILE
     other = subprocess.Popen(["sleep", "60"])  # another job, alive on this host
     try:
-        lock.write_text(json.dumps({"job": "job-A", "host": socket.gethostname(), "pid": other.pid}))
+        lock.write_text(
+            json.dumps({"job": "job-A", "host": socket.gethostname(), "pid": other.pid})
+        )
         with pytest.raises(ConfigError) as exc:
             run_training(cfg(dataset, run, train={"stop_after": 2}))
         msg = str(exc.value)

@@ -103,3 +103,108 @@ def test_data_faults_met_while_training_name_shard_and_sample(dataset, tmp_path,
     flip_byte(flipped / name)
     rc, err = _train(str(flipped), tmp_path / "r2", capsys)
     assert rc == 2 and f"{name}: XXH3-64 checksum" in err and err.count("error:") == 1, err
+
+
+def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
+    """Issue case 5: integers the planner's int64 arithmetic cannot hold are refused at
+    validation naming the key or flag (exit 2, no traceback), in a config, a --set override and
+    on `mixlen plan`'s command line."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[data]\npath = "x"\n')
+    with pytest.raises(ConfigError, match=r"^--set parallel.capacity: must be <= 4,294,967,296"):
+        load_config(cfg, ["parallel.capacity=99999999999999999999"])
+    for key in ("train.global_batch_tokens", "parallel.max_context", "train.steps", "data.seed"):
+        with pytest.raises(ConfigError, match=f"^--set {key}: must be <= "):
+            load_config(cfg, [f"{key}={1 << 80}"])
+    ds = make_dataset(str(tmp_path / "ds"), n_docs=20)
+    base = ["plan", ds, "--ranks", "4", "--global-batch-tokens", "4096", "--model", "debug"]
+    for flags, key in [
+        (["--capacity", "99999999999999999999"], "--capacity"),
+        (["--capacity", str(1 << 62)], "--capacity"),
+        (["--capacity", "64", "--max-context", str(1 << 62)], "--max-context"),
+        (["--capacity", "64", "--seed", str(1 << 64)], "--seed"),
+    ]:
+        assert cli_main(base[:1] + base[1:] + flags) == 2
+        err = capsys.readouterr().err
+        assert f"mixlen plan: error: {key}: must be <= " in err and "Traceback" not in err, err
+    big = ["plan", ds, "--ranks", str(1 << 40), "--capacity", "64", "--global-batch-tokens", "64"]
+    assert cli_main(big) == 2
+    assert "--ranks: must be an int in [1, 1048576]" in capsys.readouterr().err
+    gbt = ["plan", ds, "--ranks", "2", "--capacity", "64", "--global-batch-tokens", str(1 << 62)]
+    assert cli_main(gbt) == 2
+    assert "--global-batch-tokens: must be an integer in [1, " in capsys.readouterr().err
+
+
+def test_an_rng_file_with_a_huge_integer_names_file_and_field(tmp_path) -> None:
+    """Issue case 6: a 400-digit integer in a checkpoint's rng file (checksums recomputed, as an
+    attacker would) is refused naming the file and the field, not 'cannot be loaded
+    (OverflowError...)'; the same in run.json's scheduler."""
+    from _train_worker import make_dataset as make
+
+    from trainer.checkpoint.files import write_checksums
+    from trainer.train import run_training
+
+    ds = make(str(tmp_path / "ds"), n_docs=30)
+    run = tmp_path / "r"
+    c = train_config(ds, str(run), parallel={"policy": "single"}, train={"steps": 2})
+    c.train.eval_interval = 0
+    run_training(c)
+    step = run / "ckpt" / "step-00000002"
+    rng = json.loads((step / "rng-00000.json").read_text())
+    rng["python"]["words"][3] = int("9" * 400)
+    (step / "rng-00000.json").write_text(json.dumps(rng))
+    write_checksums(str(step))
+    c.checkpoint.resume = True
+    c.train.steps = 3
+    with pytest.raises(Exception) as exc:
+        run_training(c)
+    assert f"{step / 'rng-00000.json'}: field python.words[3]: expected an integer in " in str(
+        exc.value
+    ) and "400-digit" in str(exc.value)
+    rng["python"]["words"][3] = 7
+    (step / "rng-00000.json").write_text(json.dumps(rng))
+    info = json.loads((step / "run.json").read_text())
+    info["scheduler"]["last_epoch"] = int("9" * 400)
+    (step / "run.json").write_text(json.dumps(info))
+    write_checksums(str(step))
+    with pytest.raises(Exception) as exc:
+        run_training(c)
+    assert f"{step / 'run.json'}: field scheduler.last_epoch: expected an integer" in str(exc.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_stops_training_with_a_message(dataset, tmp_path) -> None:
+    """Issue case 6: SIGTERM to `mixlen train` prints "interrupted at step N; last complete
+    checkpoint: ..." and exits 143 (it exited 143 silently)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "r"
+    c = train_config(dataset, str(run), parallel={"policy": "single"})
+    c.train.steps, c.train.eval_interval, c.checkpoint.interval = 10_000, 0, 1
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(to_toml(c))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "train", str(cfg), "--quiet"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "ckpt" / "step-00000002").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    m = re.search(r"mixlen train: interrupted at step (\d+) \(SIGTERM\); last complete "
+                  r"checkpoint: (\S+)", err)  # fmt: skip
+    assert m and "Traceback" not in err, err[-2000:]
+    step, path = int(m.group(1)), Path(m.group(2))
+    assert path.name == f"step-{step - 1:08d}" or path.name == f"step-{step:08d}"
+    assert path.is_dir() and not (run / "ckpt" / ".mixlen-lock").exists()

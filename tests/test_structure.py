@@ -141,4 +141,6 @@ def test_architecture_folder_table_matches_the_tree() -> None:
         assert path.exists(), f"the table names {where}, which does not exist"
         if where.endswith("/"):
             files = {p.name for p in path.glob("*.py") if p.name != "__init__.py"}
-            assert cited == files, f"{where}: table cites {sorted(cited)}, folder has {sorted(files)}"
+            assert cited == files, (
+                f"{where}: table cites {sorted(cited)}, folder has {sorted(files)}"
+            )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from datapipe.errors import ConfigError
@@ -78,8 +79,12 @@ def _launch(args: argparse.Namespace) -> int:
     for o in args.overrides:
         cmd += ["--set", o]
     cmd += ["--log-ranks", args.log_ranks] + (["--quiet"] if args.quiet else [])
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(get_args_parser().parse_args(cmd))
+    except SignalException as exc:  # the launcher was stopped: rank 0 said where
+        return 128 + int(exc.sigval)
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
         codes = sorted(
             {f.exitcode for f in getattr(exc, "failures", {}).values()}, key=lambda c: c != 2
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args)
     if args.max_restarts and not under_torchrun:
         raise ConfigError("--max-restarts needs --nproc > 1 (torchrun restarts the ranks)")
+    from trainer.hooks import TrainingInterrupted
     from trainer.logs import setup_logging
     from trainer.parallel.runtime import is_peer_failure
     from trainer.train import run_training
@@ -124,6 +130,15 @@ def run(args: argparse.Namespace) -> int:
         cfg.metrics.progress = False
     try:
         run_training(cfg)
+    except TrainingInterrupted as stop:
+        if rank == 0:
+            where = stop.checkpoint or "none (this run saved none)"
+            print(
+                f"mixlen train: interrupted at step {stop.step} "
+                f"({signal.Signals(stop.signum).name}); last complete checkpoint: {where}",
+                file=sys.stderr,
+            )
+        return stop.exit_code
     except RuntimeError as exc:
         if not (under_torchrun and is_peer_failure(exc)):
             raise

@@ -31,7 +31,7 @@ from trainer.compare import PolicyComparison
 from trainer.config.job import TrainConfig, TrainerConfig
 from trainer.config.toml import to_toml
 from trainer.data import Step
-from trainer.hooks import load_hooks
+from trainer.hooks import Interrupted, TrainingInterrupted, load_hooks, signals_as_interrupts
 from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
@@ -276,15 +276,20 @@ class Trainer:
         losses: list[float] = []
         val_losses: list[tuple[int, float]] = []
         label = cfg.parallel.planner.policy
-        for step in range(self.start_step + 1, last + 1):
-            item = next(steps)
-            rec = self.train_step(step, item)
-            losses.append(rec["loss"])
-            label = item.plan.label
-            if "val_loss" in rec:
-                val_losses.append((step, rec["val_loss"]))
-            if self.checkpointer.due(step, last):
-                self.checkpointer.save(step, item.stream_state)
+        step = self.start_step
+        try:
+            with signals_as_interrupts():
+                for step in range(self.start_step + 1, last + 1):
+                    item = next(steps)
+                    rec = self.train_step(step, item)
+                    losses.append(rec["loss"])
+                    label = item.plan.label
+                    if "val_loss" in rec:
+                        val_losses.append((step, rec["val_loss"]))
+                    if self.checkpointer.due(step, last):
+                        self.checkpointer.save(step, item.stream_state)
+        except Interrupted as exc:
+            raise TrainingInterrupted(exc.signum, step, self.checkpointer.last_path()) from None
         return self._summary(losses, val_losses, label)
 
     def _summary(

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datapipe.errors import ConfigError, InputError
+from datapipe.errors import ConfigError, InputError, MixlenError
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig
 
 SCHEMA = "mixlen-cost/2"
@@ -135,6 +135,22 @@ def _finite(key: str, v: object, lo: float, lo_open: bool, hi: float | None = No
         if hi is not None:
             rng = f"in [{lo:g}, {hi:g}]"
         raise ConfigError(f"cost model: '{key}' must be a finite number {rng}, got {v!r}")
+
+
+MAX_NS = float(1 << 62)  # an estimate beyond this (146 years) would overflow the int64 sums
+
+
+def _ns(seconds_ns: np.ndarray) -> np.ndarray:
+    """Float nanoseconds as int64, refusing what int64 sums of them could not hold."""
+    x = np.asarray(seconds_ns, dtype=np.float64)
+    if x.size and not float(np.max(x)) < MAX_NS:
+        raise MixlenError(
+            f"the cost model estimates {float(np.max(x)) / 1e9:.3g} s for one piece of work, "
+            "beyond what the planner's int64 nanoseconds hold: the samples or micro-batches are "
+            "too long for this cost model (lower the capacity or max_context, or cap sample "
+            "length at preprocess time with --max-len)"
+        )
+    return np.rint(x).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -224,22 +240,20 @@ class CostModel:
         (no c, no exposed comm)."""
         s = np.asarray(lengths, dtype=np.float64)
         k = np.asarray(k, dtype=np.float64)
-        return np.rint((self.a * s * (s + self.attn_n_half * k) + self.b * s) / k * NS).astype(
-            np.int64
-        )
+        return _ns((self.a * s * (s + self.attn_n_half * k) + self.b * s) / k * NS)
 
     def attn_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
-        return np.rint(self._attn_s(s, np.asarray(k, dtype=np.float64)) * NS).astype(np.int64)
+        return _ns(self._attn_s(s, np.asarray(k, dtype=np.float64)) * NS)
 
     def linear_ns(self, lengths: np.ndarray, k: np.ndarray | int = 1) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
-        return np.rint(self.b * s / np.asarray(k, dtype=np.float64) * NS).astype(np.int64)
+        return _ns(self.b * s / np.asarray(k, dtype=np.float64) * NS)
 
     def size_ns(self, member_tokens: np.ndarray) -> np.ndarray:
         """d*T^2 of micro-batches whose one member computes T positions, int64 ns."""
         t = np.asarray(member_tokens, dtype=np.float64)
-        return np.rint(self.d * t * t * NS).astype(np.int64)
+        return _ns(self.d * t * t * NS)
 
     def ring_bytes(self, member_tokens: np.ndarray, k: np.ndarray | int) -> np.ndarray:
         """Bytes one member sends around a ring of k in one step (0 for k = 1)."""
@@ -280,7 +294,7 @@ class CostModel:
             spans = self.spans_nodes(k)
         bw = np.where(spans, self.link_bytes_per_s, self.node_link_bytes_per_s or 1.0)
         t = self.ring_bytes(member_tokens, k) / bw + self.ring_hops(k) * self.hop_latency_s
-        return np.rint(t * NS).astype(np.int64)
+        return _ns(t * NS)
 
     def offload_bytes(self, member_tokens: np.ndarray, ratio: np.ndarray | float) -> np.ndarray:
         """Bytes moved to host (and the same back) at offload ratio r: r*(l-2)*Act per position.
@@ -294,7 +308,7 @@ class CostModel:
 
     def offload_ns(self, member_tokens: np.ndarray, ratio: np.ndarray | float) -> np.ndarray:
         b = self.offload_bytes(member_tokens, ratio)
-        return np.rint(b / self.offload_bytes_per_s * NS).astype(np.int64)
+        return _ns(b / self.offload_bytes_per_s * NS)
 
     def ring_exposed_ns(self, attn_ns: np.ndarray, ring_ns: np.ndarray) -> np.ndarray:
         """Ring time not hidden under attention (int64 ns): the part that cannot overlap,

@@ -88,20 +88,44 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore the model state, schedule and this rank's generators in place from the (verified)
     checkpoint `path` (collective); returns run.json's content."""
-    run = read_json(os.path.join(path, RUN_FILE))
+    run = _checked_run(read_json(os.path.join(path, RUN_FILE)), os.path.join(path, RUN_FILE))
     sd = state.state_dict()
     group = getattr(comm, "group", None)
     with quiet_dcp():
         dcp.load(sd, storage_reader=SafeReader(path), planner=SafePlanner(), process_group=group)
     state.load_state_dict(sd)
     if scheduler is not None:
-        scheduler.load_state_dict(run["scheduler"])
+        try:
+            scheduler.load_state_dict(run["scheduler"])
+            scheduler.get_last_lr()
+        except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
+            raise MixlenError(f"{path}/{RUN_FILE}: field scheduler is not usable ({exc})") from None
         # the optimizer's learning rate is the schedule's, not the one it was built with
         for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             g["lr"] = lr
     own = os.path.join(path, rng_file(comm.rank))
     # a rank the saved run did not have (more ranks now) takes rank 0's generators
-    restore_rng(read_json(own if os.path.isfile(own) else os.path.join(path, rng_file(0))), device)
+    rng = own if os.path.isfile(own) else os.path.join(path, rng_file(0))
+    restore_rng(read_json(rng), device, rng)
+    return run
+
+
+def _checked_run(run: Any, source: str) -> dict[str, Any]:
+    """run.json's fields this module reads, checked: MixlenError naming the file and field."""
+    if not isinstance(run, dict):
+        raise MixlenError(f"{source}: expected a JSON object")
+    sched = run.get("scheduler", {})
+    if not isinstance(sched, dict):
+        raise MixlenError(f"{source}: field scheduler: expected an object")
+    fields = {"step": run.get("step", 0), "world": run.get("world", 1)}
+    if "last_epoch" in sched:
+        fields["scheduler.last_epoch"] = sched["last_epoch"]
+    for key, v in fields.items():
+        if not (type(v) is int and -1 <= v <= 1 << 40):
+            shown = f"a {len(str(v))}-digit integer" if type(v) is int else repr(v)[:40]
+            raise MixlenError(
+                f"{source}: field {key}: expected an integer in [0, 2^40], got {shown}"
+            )
     return run
 
 
@@ -212,6 +236,12 @@ class Checkpointer:
             if err is not None:
                 raise err
             raise PeerError("checkpoint.dir is locked by another job (reported by rank 0)")
+
+    def last_path(self) -> str | None:
+        """The newest complete checkpoint this run resumed from or saved (None: none)."""
+        if not self.cfg.dir or not self.ours:
+            return None
+        return step_dir(self.cfg.dir, max(self.ours))
 
     def unlock(self) -> None:
         """Release the lock (rank 0, when it holds it)."""
