@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.stream import StreamConfig
 
     # parse: the dataset's first steps and the planners
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.steps <= 100_000:
+        raise ConfigError(f"--steps: must be in [1, 100,000], got {args.steps}")
     cost = resolve_cost(args)
     read_manifest(args.dir)
     lengths = read_lengths(args.dir)

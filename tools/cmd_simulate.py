@@ -45,10 +45,16 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.progress import progress
 
     # parse: batches drawn from the length pool, the planners
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.steps <= 10_000:
+        raise ConfigError(f"--steps: must be in [1, 10,000], got {args.steps}")
     if args.context < 1 or args.ranks < 1 or args.capacity < 1:
         raise ConfigError("--context, --ranks and --capacity must be >= 1")
+    if not 1 <= args.global_batch_tokens <= 1 << 40:
+        raise ConfigError(
+            f"--global-batch-tokens: must be in [1, 2^40], got {args.global_batch_tokens}"
+        )
+    if args.steps * args.global_batch_tokens > 1 << 40:
+        raise ConfigError("--steps x --global-batch-tokens: at most 2^40 tokens in all")
     cost = resolve_cost(args)
     n_pool = max(200_000, int(args.steps * args.global_batch_tokens / 2000))
     pool = S.length_pool(args.lengths, args.context, n_pool, args.seed)
