@@ -12,8 +12,8 @@ Each step, written out below so that it can be read against the documentation li
 3. the gradient is that loss's gradient, clipped to `grad_clip` in global norm
    (`torch.nn.utils.clip_grad_norm_`);
 4. `torch.optim.AdamW` steps with the step's learning rate: linear warmup over `warmup` steps
-   (lr * (step + 1) / warmup), then cosine from lr towards min_lr_ratio * lr, reached at step
-   `steps` (trainer.config.job.TrainConfig: `lr`, `warmup`, `schedule`, `min_lr_ratio`, `steps`).
+   (lr * (step + 1) / warmup), then cosine from lr down to min_lr_ratio * lr, reached on the last
+   step (trainer.config.job.TrainConfig: `lr`, `warmup`, `schedule`, `min_lr_ratio`, `steps`).
 
 The executor runs the same batches through plans of every policy (hdp, naive-hdp, static, hdp+widen
 and single) on 4 fake ranks (threads) and on 4 gloo processes; the results must agree with the
@@ -77,7 +77,7 @@ def reference_lr(step: int, train: dict) -> float:
         return lr * (step + 1) / warmup
     if train["schedule"] == "constant":
         return lr
-    progress = min((step - warmup) / max(steps - warmup, 1), 1.0)
+    progress = min((step - warmup) / max(steps - 1 - warmup, 1), 1.0)  # 1 on the last step
     floor = train["min_lr_ratio"]
     return lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
@@ -207,7 +207,8 @@ def test_scenario_exercises_uneven_chunks_clipping_and_schedule():
     assert (norms > TRAIN["grad_clip"]).any() and (norms < TRAIN["grad_clip"]).any(), norms
     lrs = np.array(ref["lrs"]) / TRAIN["lr"]
     assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[2] == 1.0  # warmup over 2 steps
-    assert 1.0 > lrs[3] > lrs[4] > TRAIN["min_lr_ratio"]  # cosine, still above the floor
+    assert 1.0 > lrs[3] > lrs[4]  # cosine
+    assert lrs[4] == pytest.approx(TRAIN["min_lr_ratio"], rel=1e-12)  # the last step: the floor
 
 
 # --- exactness: 4 fake ranks (threads) ------------------------------------------------------------

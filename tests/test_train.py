@@ -472,3 +472,58 @@ def test_readme_key_tables_come_from_the_config_classes():
     for key in keys:
         section, name = key.split(".", 1)
         assert f"| `{name}` |" in readme.split(f"`[{section}]`", 1)[1], key
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "floor"), [(10, 2, 0.1), (7, 0, 0.0), (3, 2, 0.5), (1, 0, 0.2)]
+)
+def test_cosine_schedule_reaches_its_floor_on_the_last_step(steps, warmup, floor):
+    """The LR of each optimizer step, through torch's LambdaLR as the trainer drives it, equals
+    the documented formula: (k + 1) / warmup for k < warmup, then floor + (1 - floor) x
+    (1 + cos(pi x (k - warmup) / (steps - 1 - warmup))) / 2, which is the floor on the last step
+    (a single step after warmup keeps the peak)."""
+    import math
+
+    from trainer.config.job import TrainConfig
+    from trainer.trainer import lr_lambda
+
+    t = TrainConfig(steps=steps, warmup=warmup, min_lr_ratio=floor, lr=2.0)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
+    got = []
+    for _ in range(steps):
+        got.append(opt.param_groups[0]["lr"])  # the LR this optimizer step uses
+        opt.step()
+        sched.step()
+    want = []
+    for k in range(steps):
+        if k < warmup:
+            want.append(t.lr * (k + 1) / warmup)
+            continue
+        frac = (k - warmup) / (steps - 1 - warmup) if steps - 1 > warmup else 0.0
+        want.append(t.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))))
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    if steps - 1 > warmup:
+        assert got[-1] == pytest.approx(t.lr * floor, rel=1e-12, abs=1e-15)
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    """`metrics.tensorboard = true` writes every scalar of every step record as an event that
+    TensorBoard's own reader returns (tensorboard is in the dev and `tb` extras)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path / "m"), 3, tensorboard=True, progress=False)
+    line = dict(lr=1e-3, tokens_per_s=1.0, step_time_s=1.0, data_wait_s=0.0, comm_time_s=0.0)
+    line.update(imbalance_measured=1.0, imbalance_planned=1.0)
+    recs = [{"step": s, "loss": 3.0 / s, "tokens": 100 * s, "note": "x", **line} for s in (1, 2, 3)]
+    for r in recs:
+        w.log(r)
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "m" / "tb"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "tokens", *line}  # every number, no string
+    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in recs]
+    assert [e.value for e in acc.Scalars("tokens")] == [100.0, 200.0, 300.0]

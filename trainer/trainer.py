@@ -47,14 +47,16 @@ __all__ = ["Trainer", "lr_lambda"]
 
 
 def lr_lambda(t: TrainConfig) -> Callable[[int], float]:
-    """The LR multiplier per step: linear warmup, then cosine to `min_lr_ratio` (or constant)."""
+    """The LR multiplier of the optimizer step after `step` scheduler steps (the LambdaLR
+    argument, 0 for the first optimizer step): linear warmup over `warmup` steps, then cosine
+    from 1 down to `min_lr_ratio`, reached on the run's last step (or constant)."""
 
     def f(step: int) -> float:
         if t.warmup and step < t.warmup:
             return (step + 1) / t.warmup
         if t.schedule == "constant":
             return 1.0
-        span = max(t.steps - t.warmup, 1)
+        span = max(t.steps - 1 - t.warmup, 1)  # the last step (index steps - 1) ends the cosine
         frac = min(max(step - t.warmup, 0) / span, 1.0)
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
