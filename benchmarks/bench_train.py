@@ -1,14 +1,17 @@
 """Training-step benchmark: hdp, hdp+widen and static on the same global batches of the demo corpus
-(`make demo` builds .demo/stdlib), measured beside the planner's prediction, for three kinds of
-batches: `mixed` (the demo's stream batches: 32,768 tokens, capacity 8,192), `short` (samples of at most
-1,024 tokens, 16,384-token batches) and `long` (samples over 4,096 tokens).
+(`make demo` builds .demo/stdlib), measured beside the planner's prediction, for five kinds of
+batches from about 0.2 s to about 30 s a step: `tiny` (samples of at most 1,024 tokens, 4,096-token
+batches), `short` (the same samples, 16,384-token batches), `mixed` (the demo's stream batches:
+32,768 tokens, capacity 8,192), `long` (samples over 4,096 tokens, 32,768-token batches) and `huge`
+(those samples, 131,072-token batches).
 
-- 2 gloo ranks (one per core), wall clock: step time = the slowest rank's, barrier to optimizer
-  step. Predicted by a cost file calibrated here with `mixlen calibrate --nproc 2` (wall clock).
+- 2 gloo ranks (one per core), wall clock: step time = the slowest rank's, barrier to the end of the
+  optimizer step. Predicted: the plan's makespan plus the cost model's per-step term (the work
+  around the micro-batches), from a cost file calibrated here with `mixlen calibrate --nproc 2`.
 - 4 ranks on 2 cores would measure the time sharing, so each micro-batch's thread CPU time (max
   over its group's members: a group waits for its slowest) is replayed through the plan's slot
-  order (datapipe.plan.stepplan.replay_kernel). Predicted by `mixlen calibrate --nproc 4 --clock
-  cpu` (the same clock).
+  order (datapipe.plan.stepplan.replay_kernel), plus the slowest rank's CPU time of the rest of the
+  step. Predicted by `mixlen calibrate --nproc 4 --clock cpu` (the same clock).
 - Every (kind, batch, policy) runs `--repeats` times, policies interleaved with a rotating order so
   drift hits all alike; the minimum is kept. Noise floor: the spread (max / min - 1) of the repeats
   of each configuration, median and 90th percentile over all configurations of a world size.
@@ -35,8 +38,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 POLICIES = ("hdp", "hdp+widen", "static")  # "+widen": PlannerConfig(widen=True)
-KINDS = ("mixed", "short", "long")
 SHORT_MAX, LONG_MIN = 1024, 4096
+# kind -> (global batch tokens, which samples, stream seed); None: --gbt
+KIND_SPECS = {
+    "tiny": (4096, "short", 3),
+    "short": (16384, "short", 1),
+    "mixed": (None, "all", 0),
+    "long": (None, "long", 2),
+    "huge": (131072, "long", 4),
+}
+KINDS = tuple(KIND_SPECS)
 
 
 # --- workers -------------------------------------------------------------------------------------
@@ -57,7 +68,8 @@ def _executor(comm, shape: dict, lr: float = 1e-3):
     from trainer.parallel.zero import ZeroOptimizer
 
     model, master = build_model(ModelConfig(**shape), torch.float32, seed=0)
-    opt = ZeroOptimizer.for_model(model, comm, master=master, level=0, lr=lr, grad_clip=1.0)
+    level = 1 if comm.size > 1 else 0  # the trainer's default
+    opt = ZeroOptimizer.for_model(model, comm, master=master, level=level, lr=lr, grad_clip=1.0)
     return HDPExecutor(model, opt, comm)
 
 
@@ -68,6 +80,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
 
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import load
+    from datapipe.plan.metrics import predicted_step_ns
     from datapipe.plan.planner import PlannerConfig
     from trainer.compare import replayed_cpu_s
     from trainer.parallel.comm import TorchComm
@@ -77,7 +90,8 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         comm = TorchComm()
         data = np.load(job["tokens"], allow_pickle=True)
         fetcher = MemoryFetcher(list(data["tokens"]))
-        batches = {k: [np.asarray(b) for b in data[k]] for k in KINDS}
+        kinds = [k for k in KINDS if k in data]
+        batches = {k: [np.asarray(b) for b in data[k]] for k in kinds}
         cost = load(job["cost"])
         planners = {
             p: PlannerConfig(
@@ -90,7 +104,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         }
         execs = {p: _executor(comm, job["shape"]) for p in POLICIES}
         cases = {}  # (kind, batch, policy) -> (plan, fetched)
-        for kind in KINDS:
+        for kind in kinds:
             for i, ids in enumerate(batches[kind]):
                 for p in POLICIES:
                     plan = planners[p].plan(fetcher.lengths[ids], ids)
@@ -101,18 +115,22 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
             plan, fetched = cases[kind, i, policy]
             ex = execs[policy]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             res = ex.step(plan, fetched, i)
-            wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            # wall: the slowest rank's step; CPU: beyond its micro-batches, the slowest rank's
+            rest_cpu = time.thread_time() - c0 - sum(c for _, _, c in ex.mb_log)
+            wall = torch.tensor([time.perf_counter() - t0, rest_cpu], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             cpu = replayed_cpu_s(comm, ex.mb_log, plan, rank)  # slowest member, slot order
             return {
                 "kind": kind,
                 "batch": i,
                 "policy": policy,
-                "wall_s": float(wall.item()),
+                "wall_s": float(wall[0].item()),
                 "replayed_cpu_s": cpu,
-                "predicted_s": plan.makespan_ns / 1e9,
+                "step_cpu_s": cpu + float(wall[1].item()),
+                "predicted_s": predicted_step_ns(plan, cost) / 1e9,
+                "predicted_mb_s": plan.makespan_ns / 1e9,
                 "digest": plan.digest().hex(),
                 "tokens": res.tokens,
                 "samples": int(plan.lengths.shape[0]),
@@ -122,12 +140,12 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
                 "microbatches": res.microbatches,
             }
 
-        for kind in KINDS:  # warm-up: every policy once on each kind's first batch
+        for kind in kinds:  # warm-up: every policy once on each kind's first batch
             for p in POLICIES:
                 run(kind, 0, p)
         records = []
         for rep in range(job["repeats"]):
-            for kind in KINDS:
+            for kind in kinds:
                 for i in range(len(batches[kind])):
                     for j in range(len(POLICIES)):  # rotate the order: drift hits all alike
                         p = POLICIES[(rep + i + j) % len(POLICIES)]
@@ -282,7 +300,7 @@ def summarise(records: list[dict], key: str) -> dict:
     noise["identical_plan_diff_max"] = float(max(same)) if same else None
     floor = noise["p90_spread"]
     out: dict = {"noise": noise, "kinds": {}}
-    for kind in KINDS:
+    for kind in [k for k in KINDS if any(c[0] == k for c in best)]:
         n_b = 1 + max(i for (k, i, _) in best if k == kind)
         rows = {}
         for p in POLICIES:
@@ -374,6 +392,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
     ap.add_argument("--steps", type=int, default=3, help="batches per kind")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="batch kinds to run")
+    ap.add_argument("--huge-steps", type=int, default=1, help="batches of the huge kind")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch and policy")
     ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens (the demo's)")
     ap.add_argument("--capacity", type=int, default=8192, help="capacity C (the demo's)")
@@ -398,11 +418,16 @@ def main() -> int:
     shape = get_config("debug", vocab_size=max(258, vocab))
     max_context = int(np.max(index.num_tokens))
 
-    kinds = {
-        "mixed": _batches(args.data, args.gbt, args.steps, lambda s: s > 0, seed=0),
-        "short": _batches(args.data, 16384, args.steps, lambda s: (s > 0) & (s <= SHORT_MAX), 1),
-        "long": _batches(args.data, args.gbt, args.steps, lambda s: s > LONG_MIN, 2),
+    keep = {
+        "all": lambda s: s > 0,
+        "short": lambda s: (s > 0) & (s <= SHORT_MAX),
+        "long": lambda s: s > LONG_MIN,
     }
+    kinds = {}
+    for kind in args.kinds.split(","):
+        gbt, which, seed = KIND_SPECS[kind]
+        n = args.huge_steps if kind == "huge" else args.steps
+        kinds[kind] = _batches(args.data, gbt or args.gbt, n, keep[which], seed)
     tok_path = os.path.join(work, "batches.npz")
     result["batches"] = _save(tok_path, args.data, kinds)
     for k, bs in result["batches"].items():
@@ -413,7 +438,7 @@ def main() -> int:
     cap = args.capacity
     for world, clock, key, flag in (
         (2, "wall", "wall_s", "wall2"),
-        (4, "cpu", "replayed_cpu_s", "replay4"),
+        (4, "cpu", "step_cpu_s", "replay4"),
     ):
         if flag in skip:
             continue

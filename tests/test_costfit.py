@@ -200,3 +200,25 @@ def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
     monkeypatch.setattr(CF, "fit_rings", lambda timings, a, b1, *rest: (b1 / a, 0.5))
     fit = fit_terms(synthetic(TRUE), KV, LAYERS)
     assert fit.terms.b == 0.0 and fit.terms.attn_n_half == b1 / a
+
+
+def test_step_term_is_the_median_step_overhead_and_optional_in_files(tmp_path) -> None:
+    """`step` timings (a whole step beyond its micro-batches) give the step term as their median,
+    predicted as that constant; a cost file without the term loads with 0 and keeps its bytes
+    (and hash), one with it round-trips."""
+    extra = [Timing("step", 2, (256,) * 8, 0.0, t) for t in (0.011, 0.013, 0.012, 0.05)]
+    fit = fit_terms(synthetic(TRUE) + extra, KV, LAYERS)
+    assert fit.terms.step == pytest.approx(0.0125)
+    assert "step" in fit.fitted_terms and set(fit.summary()) == {"local", "hop", "ring", "step"}
+    assert predict(fit.terms, extra, KV, LAYERS).tolist() == [0.0125] * 4
+    assert fit_terms(synthetic(TRUE), KV, LAYERS).terms.step == 0.0
+    base = C.preset("debug")
+    path = tmp_path / "c.json"
+    path.write_text(base.to_json())
+    assert "step" not in path.read_text() and C.load(path).step == 0.0
+    assert C.load(path).hash == base.hash
+    with_step = dataclasses.replace(base, step=0.02)
+    path.write_text(with_step.to_json())
+    assert C.load(path).step == 0.02 and C.load(path).step_ns == 20_000_000
+    with pytest.raises(C.ConfigError if hasattr(C, "ConfigError") else Exception, match="step"):
+        dataclasses.replace(base, step=-1.0)

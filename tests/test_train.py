@@ -322,8 +322,13 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
     assert (cost.attn_n_half, cost.hop_latency_s, cost.overlap) == (0.0, 0.0, 1.0)  # no rings
     cal = json.loads(out.read_text())["calibration"]
-    assert [t["lengths"] for t in cal["timings"]] == [[16], [32], [64], [16] * 4, [32] * 2]
-    assert cal["fitted_terms"] == ["a", "b", "c", "d"] and "local" in cal["residuals"]
+    local = [t["lengths"] for t in cal["timings"] if t["kind"] == "local"]
+    assert local == [[16], [32], [64], [16] * 4, [32] * 2]
+    steps = [t for t in cal["timings"] if t["kind"] == "step"]
+    assert [t["lengths"] for t in steps] == [[16] * 4, [32] * 2]  # one per pack, whole steps
+    assert cost.step == pytest.approx(float(np.median([t["seconds"] for t in steps])))
+    assert cost.step > 0  # AdamW's apply and the plan check cost something
+    assert cal["fitted_terms"] == ["a", "b", "c", "d", "step"] and "local" in cal["residuals"]
     assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
     assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
 

@@ -153,7 +153,6 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
 
     from trainer.attention.local import LocalAttention
     from trainer.model.transformer import build_model, torch_dtype
-    from trainer.parallel.comm import TorchComm
 
     torch.set_num_threads(job["threads"])
     grid = CalibrationGrid(**{k: _tup(v) for k, v in job["grid"].items()})
@@ -173,8 +172,22 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
 
         t = _best(local, grid.repeats, "mean", dev)
         out.append(Timing("local", 1, tuple(lens), 0.0, t).to_dict())
-    if world == 1:
-        return out
+    if world > 1:
+        out += _ring_timings(rank, world, model, grid, job, gen, dev, dtype)
+    # 4. whole steps (the optimizer, the reduction, the plan check around the micro-batches)
+    for m, n in grid.packed:
+        t = _step_overhead(model, rank, world, (n,) * m, grid.repeats, job, dev)
+        out.append(Timing("step", world, (n,) * m, 0.0, t).to_dict())
+    return out
+
+
+def _ring_timings(rank, world, model, grid, job, gen, dev, dtype) -> list[dict]:
+    """Hop and ring micro-batch timings over rings of every size of the grid."""
+    import torch
+
+    from trainer.parallel.comm import TorchComm
+
+    out: list[dict] = []
     comm = TorchComm()
     for k in grid.sizes(world):
         g = rank // k  # rings of k consecutive ranks, as many as fit; the others wait
@@ -194,6 +207,43 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
             t = _best(run, grid.repeats, "max", dev)
             out.append(Timing("ring", k, tuple(lens), 0.0, t).to_dict())
     return out
+
+
+def _step_overhead(
+    model, rank: int, world: int, lens: tuple, repeats: int, job: dict, dev
+) -> float:
+    """Seconds of a whole optimizer step beyond its micro-batches: each rank runs one local
+    micro-batch of `lens` through the trainer's executor and sharded optimizer; the slowest
+    rank's step minus the slowest rank's micro-batch, the least over `repeats` after a warm-up
+    (at least 1 us: a timing is positive)."""
+    from datapipe.fetch import MemoryFetcher
+    from datapipe.plan.cost import preset
+    from datapipe.plan.planner import PlannerConfig
+    from trainer.parallel.comm import SoloComm, TorchComm
+    from trainer.parallel.executor import HDPExecutor
+    from trainer.parallel.zero import ZeroOptimizer
+
+    comm = TorchComm() if world > 1 else SoloComm()
+    zero = ZeroOptimizer.for_model(model, comm, level=1 if world > 1 else 0, grad_clip=1.0)
+    ex = HDPExecutor(model, zero, comm, device=dev)
+    lengths = np.full(world * len(lens), lens[0], dtype=np.int64)
+    plan = PlannerConfig(capacity=int(sum(lens))).build(preset("debug"), world).plan(lengths)
+    vocab = model.cfg.vocab_size
+    fetcher = MemoryFetcher([(np.arange(n) * 7919 + i) % vocab for i, n in enumerate(lengths)])
+    fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])
+    best = float("inf")
+    for i in range(repeats + 1):
+        _barrier()
+        _sync(dev)
+        t0 = _clock(job["clock"])
+        ex.step(plan, fetched, i)
+        _sync(dev)
+        step = _reduce(_clock(job["clock"]) - t0, "max", dev)
+        busy = sum(w if job["clock"] == "wall" else c for _, w, c in ex.mb_log)
+        if i:
+            best = min(best, step - _reduce(busy, "max", dev))
+    zero.remove_hooks()
+    return max(best, 1e-6)
 
 
 def _hops(comm, ring, bufs, n: int, job: dict, dev) -> float:
@@ -363,6 +413,7 @@ def calibrate(
         attn_n_half=t.attn_n_half,
         hop_latency_s=t.hop_latency_s,
         overlap=t.overlap,
+        step=t.step,
         link_bytes_per_s=link,
         node_link_bytes_per_s=node_link,
         ranks_per_node=int(ranks_per_node),

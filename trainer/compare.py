@@ -12,7 +12,8 @@ untimed pass each, and the second policy's pass runs before the step on odd comp
 it on even ones. Measured time of a pass: the slowest rank's compute span (wall clock, ring waits
 included), and, since ranks that share cores cannot show balance in wall time, each micro-batch's
 thread CPU time (the slowest member of its group) replayed in the plan's slot order. Predicted:
-the plan's estimated makespan, in the cost file's clock.
+the plan's estimated makespan (the micro-batches: the work around a step, the same for both
+passes, is in neither measurement), in the cost file's clock.
 """
 
 from __future__ import annotations

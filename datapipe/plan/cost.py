@@ -9,6 +9,9 @@ member's attention is ``a*S^2/k + a*attn_n_half*S``: splitting a sample over k r
 ``(k-1)*a*attn_n_half*S`` of attention work in total. Every micro-batch adds a fixed ``c``, and
 ``d*T^2`` for the T positions one rank computes in it: a per-position rate that grows with the
 micro-batch's size (on CPUs a full micro-batch's activations outgrow the caches; 0 in the presets).
+A step adds ``step`` around its micro-batches on every rank (the optimizer's apply, the gradient
+reduction that did not hide, the fetch hand-off: 0 in the presets): the planner's decisions do not
+depend on it (every rank pays it), a step's predicted time is the plan's makespan plus it.
 
 A ring of k >= 2 members: per layer, each member makes ``comm_passes*(k-1) + 1`` hops (k-1 K/V hops
 forward, k-1 backward, and k for the dK/dV accumulators, which travel home), and sends
@@ -34,6 +37,7 @@ Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
       "b": 9.1e-05,                      # seconds per position (fwd+bwd, all layers, incl. LM head)
       "c": 0.002,                        # seconds per micro-batch (launch, optimizer-free overheads)
       "d": 0.0,                          # seconds per T^2, T a rank's positions in one micro-batch
+      "step": 0.0,                       # seconds per optimizer step around the micro-batches
       "attn_n_half": 512,                # positions at which a chunk's attention runs at half rate
       "kv_bytes_per_token": 524288,      # K+V bytes one position contributes over all layers
       "link_bytes_per_s": 5.0e10,        # ring link per rank (bytes/s, one direction; across nodes)
@@ -48,8 +52,8 @@ Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
     }
 
 Required: a, b, c, kv_bytes_per_token, link_bytes_per_s, num_layers, act_bytes_per_token_layer,
-offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap (``d`` is optional, 0 when
-absent, and written only when it is not 0, so older files keep their hashes). ``mixlen-cost/1`` files
+offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap (``d`` and ``step`` are
+optional, 0 when absent, and written only when not 0, so older files keep their hashes). ``mixlen-cost/1`` files
 (written before the ring terms existed) still load: they have none of the new keys, which then take
 the values that reproduce their costs exactly (attn_n_half 0, hop_latency_s 0, overlap 1, one link).
 ``mixlen calibrate`` writes /2 files; presets (:func:`preset`) build the same object from a model
@@ -172,6 +176,7 @@ class CostModel:
     ranks_per_node: int = 0
     node_link_bytes_per_s: float = 0.0
     d: float = 0.0
+    step: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
     # ranks of the island being planned (for_island; 0: not known), not part of the file
@@ -188,6 +193,7 @@ class CostModel:
             "attn_n_half",
             "node_link_bytes_per_s",
             "d",
+            "step",
         ):
             _finite(key, getattr(self, key), 0.0, False)
         for key in ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes"):
@@ -210,8 +216,9 @@ class CostModel:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         del d["file_hash"], d["island_ranks"]
-        if not d["d"]:
-            del d["d"]  # files without the term keep their bytes and hashes
+        for key in ("d", "step"):
+            if not d[key]:
+                del d[key]  # files without the term keep their bytes and hashes
         d["schema"] = SCHEMA
         return d
 
@@ -230,6 +237,11 @@ class CostModel:
     @property
     def c_ns(self) -> int:
         return int(round(self.c * NS))
+
+    @property
+    def step_ns(self) -> int:
+        """The work around a step's micro-batches on every rank, int ns."""
+        return int(round(self.step * NS))
 
     def _attn_s(self, s: np.ndarray, k: np.ndarray) -> np.ndarray:
         """a*S^2/k / eff(S/k) = a*S*(S + n_half*k)/k, float seconds (a*S*S/k when n_half = 0)."""
@@ -439,7 +451,13 @@ _REQUIRED_V1 = (
     "offload_bytes_per_s",
 )
 _REQUIRED_V2 = ("attn_n_half", "hop_latency_s", "overlap")
-_OPTIONAL = ("comm_passes", "ranks_per_node", "node_link_bytes_per_s", "d")  # defaults if absent
+_OPTIONAL = (
+    "comm_passes",
+    "ranks_per_node",
+    "node_link_bytes_per_s",
+    "d",
+    "step",
+)  # default if absent
 
 
 def from_dict(d: dict, source: str = "cost model") -> CostModel:

@@ -2,7 +2,7 @@
 calibrate` does with the measurements it takes. Pure numpy; the timing itself is in
 trainer/calibrate.py.
 
-Three kinds of timings, each a micro-batch's (or a hop's) seconds on one rank:
+Four kinds of timings, each a micro-batch's (or a hop's, or a step's) seconds on one rank:
 
 - ``local``: forward + backward of whole samples on one rank:
   ``c + sum(a*S^2 + (b + a*h)*S) + d*T^2`` (h = attn_n_half; a whole sample's attention is
@@ -11,7 +11,10 @@ Three kinds of timings, each a micro-batch's (or a hop's) seconds on one rank:
 - ``ring``: forward + backward of a member of a ring of k, each sample split zigzag:
   ``c + sum(a*S^2/k + a*h*S + b*S/k) + d*n^2 + (1 - overlap)*R + max(overlap*R - A, 0)`` with
   ``R = hops(k)*L + comm_passes*(k-1)*n*kv / link``, n the member's positions and A its attention
-  (datapipe.plan.cost's module docstring).
+  (datapipe.plan.cost's module docstring);
+- ``step``: a whole optimizer step's time beyond its micro-batches (the slowest rank's step minus
+  the slowest rank's micro-batches; ``lengths`` are each rank's micro-batch): ``step``, fitted as
+  the median of these timings (it does not depend on the lengths).
 
 The fit runs in three least-squares stages: L and link from the hops (relative residuals,
 (fit - measured) / measured: sizes span orders of magnitude); a, b + a*h, c and d from the local
@@ -35,7 +38,7 @@ import numpy as np
 
 from datapipe.errors import MixlenError
 
-KINDS = ("local", "hop", "ring")
+KINDS = ("local", "hop", "ring", "step")
 UNRESOLVED_LINK = 1e15  # bytes/s taken when hop times do not grow with the message size
 
 
@@ -82,6 +85,7 @@ class Terms:
     link_bytes_per_s: float
     overlap: float
     d: float = 0.0  # seconds per T^2, T the positions of one rank's micro-batch
+    step: float = 0.0  # seconds per optimizer step around its micro-batches
 
 
 @dataclass
@@ -305,7 +309,11 @@ def fit_terms(
         )
         fitted += ["attn_n_half", "overlap"]
     # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
-    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, d)
+    step = 0.0
+    if "step" in kinds:
+        step = float(np.median([m.seconds for m in timings if m.kind == "step"]))
+        fitted.append("step")
+    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, d, step)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
     return FitResult(terms, list(timings), fit_s, fitted, notes)
 
@@ -322,6 +330,9 @@ def predict(
     for i, m in enumerate(timings):
         if m.kind == "hop":
             out[i] = terms.hop_latency_s + m.nbytes / terms.link_bytes_per_s
+            continue
+        if m.kind == "step":
+            out[i] = terms.step
             continue
         s = np.asarray(m.lengths, dtype=np.float64)
         out[i] = ring_seconds(

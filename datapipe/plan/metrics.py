@@ -19,6 +19,7 @@ __all__ = [
     "average_metrics",
     "mb_components",
     "plan_metrics",
+    "predicted_step_ns",
     "rank_components",
 ]
 
@@ -82,11 +83,17 @@ def rank_components(plan: StepPlan, cost: CostModel) -> np.ndarray:
     return out
 
 
+def predicted_step_ns(plan: StepPlan, cost: CostModel) -> int:
+    """A step's predicted time: the plan's makespan plus the cost model's work around the
+    micro-batches (`step`, the same on every rank)."""
+    return int(plan.makespan_ns) + cost.step_ns
+
+
 def plan_metrics(plan: StepPlan, cost: CostModel, plan_ms: float) -> PlanMetrics:
     k = plan.group_sizes
     times = plan.rank_time_ns / 1e9
     mean = float(times.mean()) if times.size else 0.0
-    mx = plan.makespan_ns / 1e9
+    mx = predicted_step_ns(plan, cost) / 1e9
     tokens = int((plan.piece_end - plan.piece_start).sum())
     cap_total = int((plan.mb_capacity * k).sum())
     counts = plan.microbatch_counts()
@@ -100,7 +107,7 @@ def plan_metrics(plan: StepPlan, cost: CostModel, plan_ms: float) -> PlanMetrics
         policy=plan.label,
         est_step_time_s=mx,
         mean_rank_time_s=mean,
-        imbalance=mx / mean if mean > 0 else 1.0,
+        imbalance=plan.makespan_ns / 1e9 / mean if mean > 0 else 1.0,
         lower_bound_s=plan.lower_bound_ns / 1e9,
         max_over_lower_bound=plan.makespan_ns / plan.lower_bound_ns if plan.lower_bound_ns else 1.0,
         token_fill=tokens / cap_total if cap_total else 0.0,
