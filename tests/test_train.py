@@ -384,7 +384,7 @@ def test_calibrate_two_processes_fits_ring_terms(tmp_path):
     cal = json.loads(out.read_text())["calibration"]
     assert set(cal["fitted_terms"]) >= {"hop_latency_s", "link_bytes_per_s", "overlap"}
     kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
-    assert kinds == {("local", 1), ("hop", 2), ("ring", 2)}
+    assert kinds == {("local", 1), ("hop", 2), ("ring", 2), ("step", 2)}
     assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
     assert cal["nproc"] == 2 and cal["clock"] == "wall"
 

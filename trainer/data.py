@@ -23,6 +23,7 @@ from datapipe.settings import Names, setting
 from datapipe.stream import GlobalBatch, StreamConfig, greedy_boundaries
 
 if TYPE_CHECKING:
+    from trainer.eval.buckets import BucketLosses
     from trainer.parallel.executor import HDPExecutor
 
 __all__ = [
@@ -147,14 +148,11 @@ class Validation:
             self.batches.append((plan, fetcher.fetch_step(rank_pieces(plan, rank))))
         self.tokens = int(lengths.sum())
 
-    def run(self, executor: HDPExecutor) -> float:
-        """Mean token loss over the held-out set."""
-        total, labels = 0.0, 0
-        for plan, fetched in self.batches:
-            s, n = executor.evaluate(plan, fetched)
-            total += s
-            labels += n
-        return total / max(labels, 1)
+    def run(self, executor: HDPExecutor, rank: int) -> BucketLosses:
+        """The held-out set's token losses, overall and by position and sample-length bucket."""
+        from trainer.eval.run import evaluate_samples
+
+        return evaluate_samples(executor, self.batches, rank)
 
 
 class TrainData:

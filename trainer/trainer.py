@@ -246,8 +246,10 @@ class Trainer:
             rec["compare"] = row
         val = self.data.validation
         if val is not None and step % self.cfg.train.eval_interval == 0:
-            rec["val_loss"] = val.run(self.executor)
+            held = val.run(self.executor, self.rt.rank)
+            rec["val_loss"] = held.loss
             rec["val_tokens"] = val.tokens
+            rec["val_by_position"] = held.by_position()
         self.metrics.log(rec)
         if self.rt.global_rank != 0:  # global rank 0's line is the metrics console line
             get_logger().info(

@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 
 from datapipe.errors import MixlenError
 from datapipe.fetch import PackedMicroBatch
-from datapipe.plan.loss import labelled_positions
+from datapipe.plan.loss import IGNORE_INDEX, labelled_positions
 from datapipe.plan.stepplan import PlannedMicroBatch, StepPlan
 from trainer.attention.local import LocalAttention, accum_dtype
 from trainer.attention.ring import RingAttention
@@ -39,7 +40,16 @@ from trainer.parallel.comm import Communicator, CountingComm
 from trainer.parallel.stats import StepStats
 from trainer.parallel.zero import ZeroOptimizer
 
-__all__ = ["HDPExecutor", "StepResult"]
+__all__ = ["HDPExecutor", "StepResult", "TokenLosses"]
+
+
+class TokenLosses(NamedTuple):
+    """A micro-batch's labelled positions on this rank (HDPExecutor.token_losses)."""
+
+    loss: np.ndarray  # float64, each position's cross-entropy
+    correct: np.ndarray  # bool, greedy prediction == label
+    position: np.ndarray  # int64, the position within its sample
+    sample: np.ndarray  # int64, the sample id
 
 
 # --- the executor --------------------------------------------------------------------------------
@@ -83,7 +93,7 @@ class HDPExecutor:
     def __init__(
         self,
         model: nn.Module,
-        zero: ZeroOptimizer,
+        zero: ZeroOptimizer | None,
         comm: Communicator,
         *,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -100,12 +110,14 @@ class HDPExecutor:
         self.device = torch.device(device)
         self.check_agreement = check_agreement
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if [p.shape for p in self.params] != zero.layout.shapes or zero.comm.size != comm.size:
-            raise ValueError("the optimizer is not over this model's parameters on this island")
-        self.compute_dtype = self.params[0].dtype
+        self.compute_dtype = next(model.parameters()).dtype
         self.acc_dtype = accum_dtype(self.compute_dtype)
         self.numel = sum(p.numel() for p in self.params)
-        zero.install_hooks()  # gradients go into its buckets as soon as they are final
+        if zero is not None:  # None: forward-only (evaluation)
+            shapes = [p.shape for p in self.params]
+            if shapes != zero.layout.shapes or zero.comm.size != comm.size:
+                raise ValueError("the optimizer is not over this model's parameters on this island")
+            zero.install_hooks()  # gradients go into its buckets as soon as they are final
         # (slot, wall s, this thread's CPU s) of each micro-batch of the last step, for benchmarks
         self.mb_log: list[tuple[int, float, float]] = []
         self.activations = activations
@@ -146,18 +158,12 @@ class HDPExecutor:
 
     # -- micro-batches -----------------------------------------------------------------------------
 
-    def _run_microbatch(
-        self,
-        pm: PlannedMicroBatch,
-        mb: PackedMicroBatch,
-        lengths_by_id: dict[int, int],
-        grad: bool,
-    ) -> torch.Tensor:
-        """Forward (and backward if grad) of one micro-batch; returns the detached loss sum."""
+    def _attention(
+        self, pm: PlannedMicroBatch, mb: PackedMicroBatch, lengths_by_id: dict[int, int]
+    ) -> LocalAttention | RingAttention:
+        """The attention context of a planned micro-batch: document-masked local attention, or
+        ring attention over its group (whole samples only, positions as the plan says)."""
         dev = self.device
-        ids = torch.from_numpy(mb.input_ids).to(dev)
-        pos = torch.from_numpy(mb.position_ids).to(dev)
-        labels = torch.from_numpy(mb.labels).to(dev)
         k = len(pm.group)
         if k == 1:
             for sid, s, e in pm.pieces:
@@ -181,6 +187,21 @@ class HDPExecutor:
                     f"slot {pm.slot}: the fetched positions are not this member's zigzag share "
                     "(the fetcher and the plan disagree)"
                 )
+        return attn
+
+    def _run_microbatch(
+        self,
+        pm: PlannedMicroBatch,
+        mb: PackedMicroBatch,
+        lengths_by_id: dict[int, int],
+        grad: bool,
+    ) -> torch.Tensor:
+        """Forward (and backward if grad) of one micro-batch; returns the detached loss sum."""
+        dev = self.device
+        ids = torch.from_numpy(mb.input_ids).to(dev)
+        pos = torch.from_numpy(mb.position_ids).to(dev)
+        labels = torch.from_numpy(mb.labels).to(dev)
+        attn = self._attention(pm, mb, lengths_by_id)
         # offload / checkpointing of the blocks (a context yielding None: plain)
         acts: contextlib.AbstractContextManager[MicrobatchStats | None] = contextlib.nullcontext()
         if grad and self.activations is not None:
@@ -225,6 +246,7 @@ class HDPExecutor:
         """Forward/backward of this rank's micro-batches, the gradient reduction and the step's
         statistics: leaves the step's gradient (divided by its labelled positions) in the
         optimizer (`zero.gather_grad()` shows it whole) and its norm in the result."""
+        assert self.zero is not None, "a forward-only executor (no optimizer) cannot train"
         self.comm.reset()
         self.check_plan(plan, step)
         self.zero.begin_step()  # the previous step's weights are all here
@@ -299,8 +321,44 @@ class HDPExecutor:
     def evaluate(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]) -> tuple[float, int]:
         """Forward only: (sum of token losses over the island, labelled positions)."""
         self.check_plan(plan, -1)
-        self.zero.wait_weights()
+        if self.zero is not None:
+            self.zero.wait_weights()
         loss, _, _ = self._run_rank(plan, fetched, False)
         t = loss.reshape(1).clone()
         self.comm.all_reduce(t)
         return float(t.item()), labelled_positions(plan.lengths)
+
+    @torch.no_grad()
+    def token_losses(
+        self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]
+    ) -> list[TokenLosses]:
+        """Forward only, this rank's micro-batches: each labelled position's loss, whether its
+        greedy prediction is its label, its position in its sample and the sample's id."""
+        self.check_plan(plan, -1)
+        if self.zero is not None:
+            self.zero.wait_weights()
+        mine = plan.microbatches(self.rank)
+        if len(mine) != len(fetched):
+            raise ValueError(f"{len(fetched)} fetched micro-batches for {len(mine)} in the plan")
+        lengths_by_id = dict(zip(plan.sample_ids.tolist(), plan.lengths.tolist()))
+        out = []
+        for pm, mb in zip(mine, fetched):
+            ids = torch.from_numpy(mb.input_ids).to(self.device)
+            pos = torch.from_numpy(mb.position_ids).to(self.device)
+            logits = self.model(ids, pos, attn=self._attention(pm, mb, lengths_by_id))
+            labels = np.asarray(mb.labels)
+            keep = labels != IGNORE_INDEX
+            lab = torch.from_numpy(labels[keep].astype(np.int64)).to(self.device)
+            lf = logits[torch.from_numpy(keep).to(self.device)].to(self.acc_dtype)
+            loss = torch.nn.functional.cross_entropy(lf, lab, reduction="none")
+            pieces = np.asarray(mb.pieces, dtype=np.int64).reshape(-1, 3)
+            sample = np.repeat(pieces[:, 0], pieces[:, 2] - pieces[:, 1])
+            out.append(
+                TokenLosses(
+                    loss.double().cpu().numpy(),
+                    (lf.argmax(-1) == lab).cpu().numpy(),
+                    np.asarray(mb.position_ids, dtype=np.int64)[keep],
+                    sample[keep],
+                )
+            )
+        return out

@@ -1,0 +1,158 @@
+"""Long-context evaluation (trainer/eval/): position and length buckets against a plain-Python
+reference, the island's bucketed losses on 1, 2 and 3 fake ranks (long samples on rings) against
+each sample run alone through the model, and passkey cases (the answer where the generator says,
+scored against each case alone)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _train_worker import model_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapipe.fetch import MemoryFetcher
+from datapipe.ingest.tokenizer import TokenizerSpec
+from datapipe.plan.cost import preset
+from datapipe.plan.planner import PlannerConfig
+from trainer.eval.buckets import bucket_bounds, bucket_of
+from trainer.eval.passkey import FILLER, INTRO, NEEDLE, make_cases
+from trainer.eval.run import evaluate_passkey, evaluate_samples, fetched, planned_batches
+from trainer.model.transformer import build_model
+from trainer.parallel.executor import HDPExecutor
+from trainer.testing.threads import run_threads
+
+F64 = torch.float64
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+
+def bucket_reference(v: int) -> int:
+    """0 for [0, 1024), k for [1024 * 2^(k-1), 1024 * 2^k), by repeated doubling."""
+    k, end = 0, 1024
+    while v >= end:
+        k, end = k + 1, end * 2
+    return k
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 1 << 45), max_size=20))
+def test_buckets_match_the_reference(values) -> None:
+    values += [0, 1023, 1024, 2047, 2048, (1 << 40) - 1, 1 << 40]
+    assert bucket_of(np.array(values)).tolist() == [bucket_reference(v) for v in values]
+    for v in values:
+        lo, hi = bucket_bounds(bucket_reference(v))
+        assert lo <= v < hi
+
+
+def _model():
+    model, _ = build_model(model_config(), F64, seed=3)
+    return model
+
+
+def reference(tokens: list[np.ndarray]) -> dict[str, dict[int, tuple[float, int]]]:
+    """Each sample alone through the model, plain per-token cross-entropy, bucketed by hand."""
+    model = _model()
+    pos: dict[int, list] = {}
+    length: dict[int, list] = {}
+    with torch.no_grad():
+        for t in tokens:
+            if len(t) < 2:
+                continue
+            ids = torch.from_numpy(t.astype(np.int64))
+            logits = model(ids, torch.arange(len(t)))
+            loss = F.cross_entropy(logits[:-1], ids[1:], reduction="none").tolist()
+            for p, x in enumerate(loss):
+                pos.setdefault(bucket_reference(p), []).append(x)
+                length.setdefault(bucket_reference(len(t)), []).append(x)
+    return {
+        "pos": {k: (sum(v) / len(v), len(v)) for k, v in pos.items()},
+        "len": {k: (sum(v) / len(v), len(v)) for k, v in length.items()},
+    }
+
+
+def test_island_buckets_equal_each_sample_alone() -> None:
+    """Samples up to 3,000 tokens on 1, 2 and 3 fake ranks of capacity 3,072 / 1,536 / 1,024 (the
+    longest on a ring of every rank): the position- and length-bucket losses equal each sample's plain cross-entropy
+    (float64, 1e-9), and the overall loss is summed losses / labelled positions."""
+    rng = np.random.default_rng(0)
+    lengths = [3000, 1500, 1100, 700, 64, 1, 5, 2048, 900]
+    tokens = [rng.integers(0, 258, n) for n in lengths]
+    want = reference(tokens)
+    fetcher = MemoryFetcher(tokens)
+
+    def run(comm):
+        cap = {1: 3072, 2: 1536, 3: 1024}[comm.size]
+        planner = PlannerConfig(capacity=cap).build(preset("debug"), comm.size)
+        plans = planned_batches(planner, np.arange(len(tokens)), fetcher.lengths, 4096)
+        ex = HDPExecutor(_model(), None, comm)
+        b = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, comm.rank), comm.rank)
+        return b, max(int(k) for p in plans for k in p.group_sizes)
+
+    for n in (1, 2, 3):
+        b, widest = run_threads(n, run)[0]
+        assert widest == (1 if n == 1 else n)  # 3,000 tokens need every rank of 2 or 3
+        got_pos = {(r["start"], r["end"]): (r["loss"], r["tokens"]) for r in b.by_position()}
+        assert got_pos.keys() == {bucket_bounds(k) for k in want["pos"]}
+        for k, (loss, count) in want["pos"].items():
+            g = got_pos[bucket_bounds(k)]
+            assert g[1] == count and g[0] == pytest.approx(loss, rel=1e-9)
+        for r in b.by_length():
+            loss, count = want["len"][bucket_of(np.array([r["start"]]))[0]]
+            assert r["tokens"] == count and r["loss"] == pytest.approx(loss, rel=1e-9)
+        assert sum(r["samples"] for r in b.by_length()) == sum(1 for x in lengths if x > 0)
+        n_pos = sum(c for _, c in want["pos"].values())
+        total = sum(loss * c for loss, c in want["pos"].values()) / n_pos
+        assert b.loss == pytest.approx(total, rel=1e-9) and b.tokens == sum(x - 1 for x in lengths)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_passkey_cases_hold_their_answer(kind) -> None:
+    """The generator's answer tokens decode to " KEY", the needle sits after round(depth x filler
+    lines) of them (byte tokens), and the case fits its length; with a BPE the answer is the tail
+    the key's text adds."""
+    spec = (
+        TokenizerSpec("bytes")
+        if kind == "bytes"
+        else TokenizerSpec("hf", "tests/assets/bpe-stdlib.json")
+    )
+    tok = spec.build()
+    cases = make_cases(tok, [500, 1200], [0.0, 0.5, 1.0], seed=4)
+    assert len(cases) == 6 and len({c.key for c in cases}) == 6
+    for c in cases:
+        assert c.tokens.size <= c.length
+        answer = c.tokens[c.answer_start : c.answer_start + c.answer_len]
+        if kind == "bytes":
+            assert bytes(answer.tolist()).decode() == " " + c.key
+            text = bytes(t for t in c.tokens.tolist() if t < 256).decode()
+            units = text.count(FILLER)
+            before = text.index(NEEDLE.format(key=c.key))
+            assert before == len(INTRO) + round(c.depth * units) * len(FILLER)
+        assert c.tokens[: c.answer_start].size + answer.size == c.tokens.size
+
+
+def test_passkey_scoring_equals_each_case_alone() -> None:
+    """evaluate_passkey on 2 fake ranks (cases up to 2,048 tokens, capacity 1,024: on rings) gives
+    every case's answer loss and greedy correctness as each case run alone does."""
+    tok = TokenizerSpec("bytes").build()
+    cases = make_cases(tok, [400, 2048], [0.0, 1.0], seed=1)
+    model = _model()
+    want = []
+    with torch.no_grad():
+        for c in cases:
+            ids = torch.from_numpy(c.tokens.astype(np.int64))
+            logits = model(ids, torch.arange(len(ids)))
+            a, n = c.answer_start, c.answer_len
+            tgt = ids[a : a + n]
+            pred = logits[a - 1 : a - 1 + n]
+            want.append((F.cross_entropy(pred, tgt).item(), bool((pred.argmax(-1) == tgt).all())))
+
+    def run(comm):
+        planner = PlannerConfig(capacity=1024).build(preset("debug"), comm.size)
+        return evaluate_passkey(HDPExecutor(_model(), None, comm), planner, cases, 1024, comm.rank)
+
+    got = run_threads(2, run)[0]
+    assert [r["key"] for r in got] == [c.key for c in cases]
+    for r, (loss, correct) in zip(got, want):
+        assert r["answer_loss"] == pytest.approx(loss, rel=1e-9) and r["correct"] == correct
