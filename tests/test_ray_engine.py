@@ -35,7 +35,7 @@ FAIL_MARK = "planted-task-failure"
 def ray_session():
     """One local Ray runtime (2 CPUs, loopback) for the module; session files in a short temp
     directory (Ray's unix socket paths must stay short), removed at the end."""
-    from datapipe.ingest import ray_engine
+    from datapipe.ingest.engines import ray as ray_engine
 
     tmp = tempfile.mkdtemp(prefix="mxray", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", ray_engine.FAIL_HOOK_ENV)}
@@ -76,7 +76,7 @@ def _both(corpus: dict, fmt: str, **kw) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
 def test_ray_dataset_equals_local(ray_session, corpus: dict, fmt: str, monkeypatch) -> None:
-    from datapipe.ingest import ray_engine
+    from datapipe.ingest.engines import ray as ray_engine
 
     monkeypatch.setattr(ray_engine, "TASK_BYTES", 600)  # several tasks on the small corpus
     chunk = 48

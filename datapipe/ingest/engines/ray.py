@@ -39,13 +39,22 @@ from datapipe.formats import build_writer
 from datapipe.formats.base import ShardInfo
 from datapipe.index import INDEX_FILE
 from datapipe.ingest import sources
+from datapipe.ingest.engines.base import (
+    BLOCK_COUNT_KEYS,
+    EngineResult,
+    EngineRun,
+    Written,
+    new_counts,
+    no_samples,
+    note_bad,
+    write_metadata,
+)
 from datapipe.progress import input_sizes, progress
 
 TASK_BYTES = 64 << 20  # most input bytes per tokenize task
 TASKS_PER_WORKER = 4  # at least this many tasks per worker when the inputs allow it
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
 SPILL_DIR = ".spill"
-_COUNT_KEYS = ("documents", "empty", "split", "truncated", "dropped")
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ def tokenize_task(job: Job, row: dict) -> dict:
     `error` names the input, `kind` is "bad" (a bad record under --strict) or "task"."""
     idx, paths = int(row["idx"]), [str(p) for p in row["paths"]]
     out = {"idx": idx, "error": "", "kind": "", "samples": 0, "bad": "[]", "bad_count": 0}
-    out.update({k: 0 for k in (*_COUNT_KEYS, "nbytes")})
+    out.update({k: 0 for k in (*BLOCK_COUNT_KEYS, "nbytes")})
     current = paths[0]
     try:
         if sources._WORKER.get("settings") != job.settings:
@@ -128,7 +137,7 @@ def tokenize_task(job: Job, row: dict) -> dict:
                     out["bad_count"] += 1
                     if len(bad) < job.max_reported:
                         bad.append((where, reason))
-                for key in _COUNT_KEYS:
+                for key in BLOCK_COUNT_KEYS:
                     out[key] += getattr(res, key)
                 for src, toks in zip(res.sources, res.tokens):
                     spill.write(np.ascontiguousarray(toks, dtype=job.dtype).tobytes())
@@ -294,18 +303,11 @@ def bar_step(items: list[dict], row: dict) -> int:
 # --- driver ----------------------------------------------------------------------------------------
 
 
-def write_dataset(
-    cfg,
-    files: list[Path],
-    tokenizer,
-    settings: sources.TokenizeSettings,
-    root: str,
-    warn: Callable[[str], None],
-    pause_marker: str | None = None,
-) -> tuple[dict, list[tuple[str, str]], int]:
-    """The Ray engine's `_write_dataset` (same arguments and result as the local engine's)."""
-    from datapipe.ingest.preprocess import no_samples, note_bad, write_metadata
-
+def write_dataset(run: EngineRun) -> EngineResult:
+    """Tokenize `run.files` in Ray Data tasks and write shards, index.parquet and manifest.json
+    into `run.root` (the local engine's dataset; only shard boundaries differ)."""
+    cfg, files, tokenizer, root, warn = run.cfg, run.files, run.tokenizer, run.root, run.warn
+    settings = run.settings
     job = Job(
         settings,
         root,
@@ -328,7 +330,7 @@ def write_dataset(
             sum(sizes.values()), "tokenize (ray)", "B", cfg.progress, unit_scale=True
         ) as bar:
             tok = _run_tasks(partial(tokenize_task, job), items, bar)
-        counts = {"documents": 0, "empty": 0, "bad": 0, "split": 0, "truncated": 0, "dropped": 0}
+        counts = new_counts()
         bad_examples: list[tuple[str, str]] = []
         for r in tok:
             if r["kind"] == "bad":
@@ -338,7 +340,7 @@ def write_dataset(
             for where, reason in json.loads(r["bad"]):
                 note_bad(cfg, where, reason, counts, bad_examples, warn)
             counts["bad"] += r["bad_count"] - len(json.loads(r["bad"]))
-            for key in _COUNT_KEYS:
+            for key in BLOCK_COUNT_KEYS:
                 counts[key] += r[key]
         if not sum(r["samples"] for r in tok):
             raise no_samples(counts, bad_examples)
@@ -355,15 +357,13 @@ def write_dataset(
     written.engine = {"name": "ray", "address": cfg.ray_address, "tasks": len(groups)}
     shutil.rmtree(os.path.join(root, SPILL_DIR), ignore_errors=True)
     nbytes = sum(r["nbytes"] for r in tok)
-    return write_metadata(cfg, root, tokenizer, written), bad_examples, nbytes
+    return EngineResult(write_metadata(cfg, root, tokenizer, written), bad_examples, nbytes)
 
 
-def merge_parts(fmt: str, root: str, num_parts: int, counts: dict[str, int]):
+def merge_parts(fmt: str, root: str, num_parts: int, counts: dict[str, int]) -> Written:
     """Merge part-00000 .. part-{num_parts-1} into one dataset's shard list and index columns
     (MDS: also one index.json through merge_index); removes the parts' own index files."""
     import pyarrow.parquet as pq
-
-    from datapipe.ingest.preprocess import Written
 
     shards: list[ShardInfo] = []
     cols: dict[str, list] = {"num_tokens": [], "shard": [], "first_row": [], "source": []}
