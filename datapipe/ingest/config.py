@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from datapipe.errors import InputError
 from datapipe.formats import FORMATS
+from datapipe.ingest.sources import MAX_DOC_BYTES
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
+MIN_DOC_BYTES = 64  # --max-doc-bytes lower limit: room for whole UTF-8 characters and a cut
 
 
 @dataclass
@@ -26,6 +28,8 @@ class PreprocessConfig:
     chunk_tokens: int = 65536
     max_len: int | None = None
     long_docs: str = "split"
+    max_doc_bytes: int = MAX_DOC_BYTES  # larger documents: split/truncated/dropped (long_docs)
+    min_tokens: int = 0  # samples shorter than this are dropped (counted as `short`)
     workers: int = 1
     strict: bool = False
     overwrite: bool = False
@@ -51,6 +55,13 @@ class PreprocessConfig:
             raise InputError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
         if self.max_len is not None and self.max_len < 1:
             raise InputError(f"--max-len must be >= 1, got {self.max_len}")
+        if not MIN_DOC_BYTES <= self.max_doc_bytes < 1 << 40:
+            raise InputError(
+                f"--max-doc-bytes must be between {MIN_DOC_BYTES} bytes and 1 TiB, "
+                f"got {self.max_doc_bytes}"
+            )
+        if not 0 <= self.min_tokens < 1 << 40:
+            raise InputError(f"--min-tokens must be >= 0, got {self.min_tokens}")
         if self.workers < 1:
             raise InputError(f"--workers must be >= 1, got {self.workers}")
         if self.engine not in engines:

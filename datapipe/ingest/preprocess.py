@@ -23,9 +23,10 @@ from datapipe.errors import InputError, MixlenError
 from datapipe.index import is_remote
 from datapipe.ingest.config import PreprocessConfig
 from datapipe.ingest.engines import ENGINES
-from datapipe.ingest.engines.base import EngineRun
+from datapipe.ingest.engines.base import EngineRun, Tally
+from datapipe.ingest.inputs import scan_inputs
 from datapipe.ingest.output import OutputLock, check_out_path, clean_stale, commit, partial_dir
-from datapipe.ingest.sources import TokenizeSettings, find_inputs
+from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import TokenizerSpec
 
 __all__ = ["PAUSE_HOOK_ENV", "PreprocessConfig", "PreprocessResult", "preprocess"]
@@ -40,9 +41,14 @@ class PreprocessResult:
 
     out: str
     manifest: dict
-    bad_examples: list[tuple[str, str]]
+    reported: dict[str, list[tuple[str, str]]]  # the first inputs named, per note kind
     seconds: float
     input_bytes: int
+
+    @property
+    def bad_examples(self) -> list[tuple[str, str]]:
+        """The first bad inputs named (at most --max-reported)."""
+        return self.reported["bad"]
 
 
 class _SigtermAsInterrupt:
@@ -62,6 +68,34 @@ class _SigtermAsInterrupt:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def _prepare(cfg: PreprocessConfig, warn: Callable[[str], None]) -> EngineRun:
+    """The inputs (special ones noted: --strict stops at the first), the tokenizer (a warning
+    if it can drop characters) and the settings, before anything is written; the run's
+    directory is set later. A run with no regular input fails here."""
+    inputs = scan_inputs(cfg.inputs, cfg.globs, tuple(cfg.excludes))
+    if not inputs.files and not inputs.special:
+        raise InputError(
+            f"no input files found in {', '.join(cfg.inputs)} (globs: {', '.join(cfg.globs)})"
+        )
+    tally = Tally(cfg, warn)
+    for where, reason in inputs.special:
+        tally.note("special", where, reason)
+    if not inputs.files:
+        raise tally.no_samples()
+    tok_spec = TokenizerSpec.parse(cfg.tokenizer, cfg.tokenizer_from)
+    tokenizer = tok_spec.build()
+    if tokenizer.lossy:
+        warn(
+            f"warning: {tok_spec.path}: the tokenizer has no unk token and no byte fallback: "
+            "characters outside its vocabulary are dropped; they are counted as unknown_chars"
+            " and the first documents losing any are named (--strict stops at the first)"
+        )
+    settings = TokenizeSettings(
+        tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs, cfg.max_doc_bytes, cfg.min_tokens
+    )
+    return EngineRun(cfg, inputs.files, tokenizer, settings, "", tally)
+
+
 def preprocess(
     cfg: PreprocessConfig, warn: Callable[[str], None] | None = None
 ) -> PreprocessResult:
@@ -76,14 +110,7 @@ def preprocess(
     check_out_path(out, cfg.out, cfg.inputs)
     if out.exists() and not cfg.overwrite:
         raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
-    files = find_inputs(cfg.inputs, cfg.globs, tuple(cfg.excludes))
-    if not files:
-        raise InputError(
-            f"no input files found in {', '.join(cfg.inputs)} (globs: {', '.join(cfg.globs)})"
-        )
-    tok_spec = TokenizerSpec.parse(cfg.tokenizer, cfg.tokenizer_from)
-    tokenizer = tok_spec.build()
-    settings = TokenizeSettings(tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs)
+    run = _prepare(cfg, warn)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with OutputLock(out, cfg.out):
@@ -94,10 +121,9 @@ def preprocess(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         t0 = time.perf_counter()
-        pause_marker = os.environ.get(PAUSE_HOOK_ENV)
+        run.root, run.pause_marker = str(tmp), os.environ.get(PAUSE_HOOK_ENV)
         try:
             with _SigtermAsInterrupt():
-                run = EngineRun(cfg, files, tokenizer, settings, str(tmp), warn, pause_marker)
                 result = ENGINES[cfg.engine](run)
             commit(tmp, out, cfg.out, cfg.overwrite)
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing
@@ -112,4 +138,5 @@ def preprocess(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     seconds = time.perf_counter() - t0
-    return PreprocessResult(str(out), result.manifest, result.bad_examples, seconds, result.nbytes)
+    reported = run.tally.reported
+    return PreprocessResult(str(out), result.manifest, reported, seconds, result.nbytes)
