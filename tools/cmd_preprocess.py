@@ -118,7 +118,8 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="largest document read whole (default 256MiB); a longer text file is split into "
         "pieces of at most SIZE, truncated or dropped (--long-docs), a longer JSON line is bad; "
-        "peak memory is about --workers x (a few x SIZE) + --shard-size",
+        "peak memory is about --workers x 5 x SIZE + --shard-size over start-up with the bytes "
+        "tokenizer, far more with a tokenizer.json (README)",
     )
     p.add_argument(
         "--min-tokens",
