@@ -5,6 +5,7 @@ every outcome. Bad records are noted, never raised."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,6 +144,16 @@ def _add_doc(
         _tokenize(res, f"{source}@{j}", raw[cuts[j] : cuts[j + 1]].decode("utf-8"), tok, s)
 
 
+def _read_upto(f, n: int, whole: bool) -> bytes:
+    """At most `n` bytes from `f`. A read allocates what it asks for, so a whole file is asked
+    for its size (at least 64 KiB: /proc files say 0) and only then, if more is there, the rest."""
+    first = min(n, max(os.fstat(f.fileno()).st_size + 1, 1 << 16)) if whole else n
+    raw = f.read(first)
+    if len(raw) == first < n:
+        raw += f.read(n - first)
+    return raw
+
+
 def _read_text(
     res: BlockResult, where: str, path: str, start: int, size: int, whole: bool
 ) -> str | None:
@@ -152,7 +163,7 @@ def _read_text(
         with open_regular(path) as f:
             if start:
                 f.seek(start)
-            raw = f.read(size + whole)
+            raw = _read_upto(f, size + whole, whole)
     except NotRegularFile as exc:  # replaced since the inputs were listed
         res.bad(where, exc.reason)
         return None
@@ -160,7 +171,7 @@ def _read_text(
         res.bad(where, f"cannot read file: {exc.strerror or exc}")
         return None
     if len(raw) > size:
-        res.bad(where, "the file grew while it was read")
+        res.bad(where, "the file grew past --max-doc-bytes since it was listed")
         return None
     try:
         return raw.decode("utf-8")
