@@ -311,6 +311,8 @@ def test_replaced_shard_changes_the_fingerprint(tmp_path: Path, capsys) -> None:
     assert rc == 1 and f"dataset_fingerprint {original} does not match the checksums" in err
     with pytest.raises(InputError, match="does not match the checksums it lists"):
         read_index(str(a))
+    rc, _, err = _run(["profile", str(a)], capsys)  # any command reading the dataset: exit 2
+    assert rc == 2 and "dataset_fingerprint" in err and "does not match" in err
     # ... and the fingerprint recomputed: verified, but not the original dataset
     del edited["dataset_fingerprint"]
     edited["dataset_fingerprint"] = dataset_fingerprint(edited)

@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # the optional `tokenizers` package, imported by the tokenizer that uses this
+    from tokenizers import Tokenizer as HFTokenizer
 
 _WHITESPACE_PRE_TOKENIZERS = ("Whitespace", "WhitespaceSplit", "BertPreTokenizer")
 _PYTHON_ONLY_SPACE = frozenset("\x1c\x1d\x1e\x1f")  # isspace() in Python, not White_Space
@@ -76,7 +80,7 @@ class LossCheck:
     """Counts what a BPE tokenizer without unk token or byte fallback drops (module docstring).
     Build with `LossCheck.build`, which returns None for a tokenizer that loses nothing."""
 
-    def __init__(self, tok, spec: dict) -> None:
+    def __init__(self, tok: HFTokenizer, spec: dict) -> None:
         model = spec["model"]
         self._norm, self._pre = tok.normalizer, tok.pre_tokenizer
         self.vocab = model["vocab"]
@@ -106,7 +110,7 @@ class LossCheck:
         self.added = re.compile("|".join(re.escape(t) for t in reversed(added))) if added else None
 
     @classmethod
-    def build(cls, tok, spec: dict) -> LossCheck | None:
+    def build(cls, tok: HFTokenizer, spec: dict) -> LossCheck | None:
         """A check for tokenizer `tok` (its tokenizer.json as a dict), or None when it cannot
         drop a character (another model, an unk token, byte fallback, a full byte alphabet)."""
         model = spec.get("model") or {}

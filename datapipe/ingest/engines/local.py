@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from datapipe.formats import build_writer
+from datapipe.formats.base import ShardWriter
 from datapipe.ingest.engines.base import EngineResult, EngineRun, Written, write_metadata
 from datapipe.ingest.sources import BLOCK_BYTES, Block, TokenizeSettings, iter_blocks
 from datapipe.ingest.worker import BlockResult, init_worker, process_block
@@ -59,7 +60,9 @@ def _pause_for_test(marker: str) -> None:
         time.sleep(0.05)
 
 
-def _write_samples(writer, res: BlockResult, lengths: list[int], sources: list[str]) -> int:
+def _write_samples(
+    writer: ShardWriter, res: BlockResult, lengths: list[int], sources: list[str]
+) -> int:
     """Write a block's samples with the next sample ids; their tokens in all."""
     n = 0
     for src, toks in zip(res.sources, res.tokens):
