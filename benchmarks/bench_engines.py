@@ -100,7 +100,7 @@ def main() -> None:
         sets = {n: files[:n] for n in sizes}
         mb = {n: sum(os.path.getsize(f) for f in fs) / 1e6 for n, fs in sets.items()}
         tokenizers = {"bytes": None} if args.skip_bpe else {"bytes": None, "bpe": BPE}
-        from datapipe.ingest import ray_engine
+        from datapipe.ingest.engines import ray as ray_engine
 
         r = args.repeats
         engines = (("local", 1), ("local", k), ("ray", k))

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from datapipe.index import read_lengths, write_index  # noqa: E402
+from datapipe.ingest.inputs import find_inputs  # noqa: E402
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from datapipe.ingest.sources import find_inputs  # noqa: E402
 from datapipe.ingest.tokenizer import BytesTokenizer  # noqa: E402
 from datapipe.profile import length_profile  # noqa: E402
 

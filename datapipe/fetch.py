@@ -104,6 +104,11 @@ def pack_microbatch(
     return PackedMicroBatch(input_ids, labels, position_ids, cu.astype(np.int32), pieces)
 
 
+def rank_pieces(plan: Any, rank: int) -> list[tuple]:
+    """A StepPlan's pieces of `rank`, per micro-batch in slot order (what `fetch_step` takes)."""
+    return [m.pieces for m in plan.microbatches(rank)]
+
+
 def rows_of_pieces(
     pieces: np.ndarray, lengths: np.ndarray, global_first_row: np.ndarray, chunk: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -20,7 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datapipe.errors import ConfigError, InputError, StoreError
-from datapipe.integrity import INDEX_CHECKSUM_KEY, check_index, check_manifest, checksum_file
+from datapipe.files import CONFIG_FILE_LIMIT, not_regular_reason, read_bounded_bytes
+from datapipe.integrity import (
+    FINGERPRINT_KEY,
+    INDEX_CHECKSUM_KEY,
+    check_index,
+    check_manifest,
+    checksum_file,
+)
+from datapipe.integrity import dataset_fingerprint as _fingerprint
 
 INDEX_FILE = "index.parquet"
 MANIFEST_FILE = "manifest.json"
@@ -92,16 +100,18 @@ def write_index(
 
 def read_manifest(path: str | os.PathLike) -> dict:
     """manifest.json of a dataset directory; InputError naming the file and field if it is
-    missing or malformed (datapipe.integrity.check_manifest)."""
+    missing, not a regular file, over 16 MiB (refused unread) or malformed
+    (datapipe.integrity.check_manifest)."""
     mpath = os.path.join(os.fspath(path), MANIFEST_FILE)
     try:
-        with open(mpath, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
+        raw = read_bounded_bytes(mpath, CONFIG_FILE_LIMIT, MANIFEST_FILE)
     except FileNotFoundError:
         raise InputError(
             f"{mpath}: not found; is {path} a dataset written by 'mixlen preprocess' "
             "(or indexed with 'mixlen index')?"
         ) from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise InputError(f"{mpath}:{exc.lineno}: invalid JSON: {exc.msg}") from None
     except (UnicodeDecodeError, RecursionError, ValueError) as exc:
@@ -110,9 +120,25 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
+def dataset_fingerprint(path_or_manifest: str | os.PathLike | dict) -> str:
+    """A dataset's identity (32 hex digits over the checksums of its index and shards, see
+    datapipe.integrity.dataset_fingerprint), from a dataset directory or a manifest dict. The
+    manifest's recorded `dataset_fingerprint` when it has one (read_manifest checked that it
+    matches the checksums), else computed: datasets written before the field have one too."""
+    if isinstance(path_or_manifest, dict):
+        manifest = path_or_manifest
+        check_manifest(manifest, MANIFEST_FILE)
+    else:
+        manifest = read_manifest(path_or_manifest)
+    return manifest.get(FINGERPRINT_KEY) or _fingerprint(manifest)
+
+
 def _read_table(path: str | os.PathLike, columns: list[str]) -> pa.Table:
     ipath = os.path.join(os.fspath(path), INDEX_FILE)
     try:
+        problem = not_regular_reason(ipath)  # pyarrow would block on a FIFO
+        if problem:
+            raise InputError(f"{ipath}: {problem}")
         table = pq.read_table(ipath, columns=columns)
     except FileNotFoundError:
         raise InputError(f"{ipath}: not found; build it with 'mixlen index {path}'") from None

@@ -16,6 +16,7 @@ numpy and xxhash only.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
@@ -28,18 +29,22 @@ import xxhash
 from datapipe.errors import InputError
 
 __all__ = [
+    "FINGERPRINT_KEY",
     "INDEX_CHECKSUM_KEY",
     "check_index",
     "check_manifest",
     "check_shard_file",
     "checksum_file",
+    "dataset_fingerprint",
     "expected_row_lengths",
     "shard_name_problem",
 ]
 
 INDEX_CHECKSUM_KEY = "index_xxh3_64"  # manifest.json: XXH3-64 of index.parquet (written last)
+FINGERPRINT_KEY = "dataset_fingerprint"  # manifest.json: identity of the data (below)
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
 def checksum_file(path: str) -> str:
@@ -52,6 +57,16 @@ def checksum_file(path: str) -> str:
             if hasattr(m, "madvise"):
                 m.madvise(mmap.MADV_SEQUENTIAL)
             return xxhash.xxh3_64_hexdigest(m)
+
+
+def dataset_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """The dataset's identity: 32 hex digits (128 bits) of SHA-256 over index.parquet's
+    XXH3-64 and every shard's, in storage order (names, layout and arguments left out: a
+    dataset is what its bytes are). Computed from the manifest's checksums, so a manifest
+    written before the field existed has one too. A missing checksum enters as "-"."""
+    lines = [f"index {manifest.get(INDEX_CHECKSUM_KEY) or '-'}"]
+    lines += [f"shard {s.get('xxh3_64') or '-'}" for s in manifest["shards"]]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
 def shard_name_problem(name: object) -> str | None:
@@ -104,6 +119,9 @@ def check_manifest(manifest: object, mpath: str) -> None:
     digest = manifest.get(INDEX_CHECKSUM_KEY)
     if digest is not None and not (isinstance(digest, str) and _HEX16.match(digest)):
         raise InputError(f"{mpath}: {INDEX_CHECKSUM_KEY}: expected 16 hex digits, got {digest!r}")
+    fp = manifest.get(FINGERPRINT_KEY)
+    if fp is not None and not (isinstance(fp, str) and _HEX32.match(fp)):
+        raise InputError(f"{mpath}: {FINGERPRINT_KEY}: expected 32 hex digits, got {fp!r}")
     shards = manifest["shards"]
     if not isinstance(shards, list):
         raise InputError(f"{mpath}: shards: expected a list, got {type(shards).__name__}")
@@ -130,6 +148,11 @@ def check_manifest(manifest: object, mpath: str) -> None:
     if "num_rows" in manifest and manifest["num_rows"] != rows:
         raise InputError(
             f"{mpath}: num_rows is {manifest['num_rows']}, the shards hold {rows} rows"
+        )
+    if fp is not None and fp != dataset_fingerprint(manifest):
+        raise InputError(
+            f"{mpath}: {FINGERPRINT_KEY} {fp} does not match the checksums it lists (they give "
+            f"{dataset_fingerprint(manifest)}): its checksums were changed after it was written"
         )
 
 

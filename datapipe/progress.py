@@ -81,12 +81,18 @@ class InputProgress:
     def advance(self, block: Any) -> None:
         step = 0
         files = list(block.items) if block.kind == "text" else [block.path]
+        if block.kind == "error":
+            if block.path in self.sizes and block.path != self._current:  # a whole file failed
+                step = self._left + self.sizes[block.path]
+                self._current, self._left = None, 0
+            self._pending.append(step)  # else a bad line or an error inside the current file
+            return
         if block.kind == "text" or block.path != self._current:
             step += self._left  # the previous file is finished
             self._current, self._left = None, 0
         if block.kind == "text":
             step += sum(self.sizes.get(f, 0) for f in files)
-        elif block.kind != "error":
+        else:
             if self._current is None:
                 self._current, self._left = block.path, self.sizes.get(block.path, 0)
             used = min(int(block.nbytes), self._left)

@@ -1,11 +1,13 @@
 """`mixlen verify DIR`: check a whole local dataset against its manifest and index.
 
-In order: manifest.json's fields and shard names; index.parquet's checksum (as recorded in the
+In order: manifest.json's fields and shard names (and its dataset fingerprint against the
+checksums it lists); index.parquet's checksum (as recorded in the
 manifest) and its agreement with the shards (datapipe.integrity.check_index); every shard's
 presence, size and XXH3-64; every shard's row count as its format stores it; and every storage
 row, read through the format's reader: its token count against the index and its token ids
 against the vocabulary. Problems are collected (one per shard at most for the row checks), not
-raised, so one run lists everything that is wrong.
+raised, so one run lists everything that is wrong. The report carries the dataset's fingerprint
+(datapipe.index.dataset_fingerprint): equal fingerprints, both verified, mean the same bytes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datapipe.errors import InputError
-from datapipe.index import INDEX_FILE, MANIFEST_FILE, read_index, read_manifest
-from datapipe.integrity import check_shard_file, expected_row_lengths
+from datapipe.index import INDEX_FILE, MANIFEST_FILE, dataset_fingerprint, read_index, read_manifest
+from datapipe.integrity import FINGERPRINT_KEY, check_shard_file, expected_row_lengths
 
 __all__ = ["VerifyReport", "verify_dataset"]
 
@@ -35,6 +37,8 @@ class VerifyReport:
     rows: int = 0
     tokens: int = 0
     bytes: int = 0
+    fingerprint: str = ""  # the dataset's identity (empty: the manifest could not be read)
+    fingerprint_recorded: bool = False  # False: computed (a manifest from before the field)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +58,8 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
     except InputError as exc:
         rep.problems.append(str(exc))
         return rep
+    rep.fingerprint = dataset_fingerprint(manifest)
+    rep.fingerprint_recorded = FINGERPRINT_KEY in manifest
     entries = manifest["shards"]
     rep.shards = len(entries)
     try:

@@ -369,3 +369,40 @@ def test_no_unsafe_unpickling_in_the_code() -> None:
                     if not ok:
                         offenders.append(f"{path}:{node.lineno} {name}")
     assert offenders == []
+
+
+def test_resume_refuses_another_dataset_with_the_same_lengths(tmp_path) -> None:
+    """Issue case 7 (resume): a checkpoint saved on dataset A, resumed on B whose samples have
+    the same lengths and other tokens, was accepted; now refused naming both fingerprints, and
+    accepted with data.allow_other_dataset = true."""
+    from datapipe.index import dataset_fingerprint
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    roots = []
+    for name, letter in (("a", "x"), ("b", "y")):
+        src = tmp_path / f"src-{name}"
+        src.mkdir()
+        for i in range(30):
+            (src / f"{i:02d}.txt").write_text(f"document {i} " + letter * (20 + i * 9))
+        preprocess(PreprocessConfig([str(src)], str(tmp_path / name), progress=False))
+        roots.append(str(tmp_path / name))
+    fa, fb = (dataset_fingerprint(r) for r in roots)
+    assert fa != fb
+    run = tmp_path / "r"
+    first = cfg(roots[0], run, train={"stop_after": 2, "global_batch_tokens": 512})
+    first.parallel.planner = first.parallel.planner.__class__(policy="single", capacity=600)
+    run_training(first)
+    saved = json.loads((run / "ckpt" / "step-00000002" / "run.json").read_text())
+    assert saved["dataset_fingerprint"] == fa
+    again = cfg(
+        roots[1],
+        run,
+        checkpoint={"resume": True},
+        train={"stop_after": 3, "global_batch_tokens": 512},
+    )
+    again.parallel.planner = first.parallel.planner
+    with pytest.raises(ConfigError) as exc:
+        run_training(again)
+    assert f"saved on dataset {fa} and data.path {roots[1]!r} is dataset {fb}" in str(exc.value)
+    again.data.allow_other_dataset = True
+    assert run_training(again)["start_step"] == 2

@@ -358,7 +358,7 @@ def test_index_parquet_columns(tmp_path: Path, corpus: dict) -> None:
 
 
 def test_find_inputs_globs_match_pathlib(tmp_path: Path) -> None:
-    from datapipe.ingest.sources import find_inputs
+    from datapipe.ingest.inputs import find_inputs
 
     names = [
         "a.py",
@@ -378,3 +378,39 @@ def test_find_inputs_globs_match_pathlib(tmp_path: Path) -> None:
         assert find_inputs([str(tmp_path)], [pattern]) == ref, pattern
     got = find_inputs([str(tmp_path)], ["**/*.py"], ("site-packages/*",))
     assert [p.relative_to(tmp_path).as_posix() for p in got] == ["a.py", "x/c.py", "x/y/d.py"]
+
+
+def test_blank_documents_and_min_tokens(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Whitespace-only documents are counted as `blank` (not stored); `--min-tokens N` drops
+    every sample shorter than N tokens (BOS/EOS included; pieces of a split document too),
+    counted as `short`. Checked against a by-hand reference of the bytes tokenizer."""
+    texts = ["hello", "   ", "", "\n\t \u00a0\u2003", "ab", "x" * 12, "a b", " \n"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "texts").mkdir()
+    for name, t in (("1.txt", "  \n\n"), ("2.txt", "doc")):
+        (tmp_path / "texts" / name).write_text(t)
+    inputs = [str(tmp_path / "d.jsonl"), str(tmp_path / "texts")]
+    docs = [*texts, "  \n\n", "doc"]
+    # by hand: "hello" 7 tokens, "ab" 4, "x"*12 14 -> split at 8: 8 + 6, "a b" 5, "doc" 5
+    blank = ["   ", "\n\t \u00a0\u2003", " \n", "  \n\n"]
+    for min_tokens, kept, short in (
+        (0, ["hello", "ab", "x0", "x1", "a b", "doc"], 0),
+        (5, ["hello", "x0", "x1", "a b", "doc"], 1),  # "ab" (4)
+        (7, ["hello", "x0"], 4),  # and "a b", "doc" (5), the last piece (6)
+    ):
+        out = tmp_path / f"out{min_tokens}"
+        argv = ["preprocess", *inputs, "--out", str(out), "--format", "parquet", "--max-len", "8"]
+        rc = cli_main([*argv, "--min-tokens", str(min_tokens), "--quiet"])
+        summary = capsys.readouterr().out
+        full = {t: ref_tokens(t) for t in docs if t and not t.isspace()}
+        pieces = {f"x{i}": full["x" * 12][8 * i : 8 * i + 8] for i in range(2)}
+        expected = [pieces[k] if k in pieces else full[k] for k in kept]
+        assert rc == 0
+        check_dataset(str(out), expected, 65536)
+        c = read_index(str(out)).manifest["counts"]
+        assert c["blank"] == len(blank) and c["empty"] == 1 and c["short"] == short
+        assert c["documents"] == len(docs) and c["split"] == 1
+        assert f"blank {len(blank)}," in summary and f"short {short} " in summary
+        assert read_index(str(out)).manifest["min_tokens"] == min_tokens
+    rc = cli_main(["preprocess", *inputs, "--out", str(tmp_path / "o"), "--min-tokens", "-1"])
+    assert rc == 2 and "--min-tokens must be >= 0, got -1" in capsys.readouterr().err

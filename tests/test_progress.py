@@ -165,19 +165,26 @@ def test_bar_on_a_real_terminal(inputs: dict, name: str) -> None:
 def test_input_progress_adds_up_to_the_bytes_on_disk(corpus: dict) -> None:
     """The preprocess bar advances by bytes on disk: its steps add up to the inputs' sizes, for
     plain, compressed and parquet inputs and text files alike, and never go backwards."""
-    import datapipe.ingest.sources as sources
+    from datapipe.ingest.inputs import find_inputs
+    from datapipe.ingest.sources import TokenizeSettings, iter_blocks
+    from datapipe.ingest.tokenizer import TokenizerSpec
     from datapipe.progress import InputProgress, input_sizes
 
-    files = sources.find_inputs(corpus["inputs"], ["**/*"])
+    files = find_inputs(corpus["inputs"], ["**/*"])
     sizes = input_sizes(files)
     assert sum(sizes.values()) == sum(os.path.getsize(f) for f in files)
     track = InputProgress(sizes)
     steps = []
-    for block in sources.iter_blocks(files, "text"):
+    # --max-doc-bytes 100: the longer text files come in pieces, each advancing the bar
+    settings = TokenizeSettings(TokenizerSpec(), max_doc_bytes=100)
+    kinds = set()
+    for block in iter_blocks(files, settings):
+        kinds.add(block.kind)
         track.advance(block)
         steps.append(track.pop())
     steps.append(track.rest())
     assert min(steps) >= 0 and sum(steps) == track.total
+    assert "piece" in kinds
 
 
 def test_rank_prefixes_and_rank_filter() -> None:

@@ -35,7 +35,7 @@ FAIL_MARK = "planted-task-failure"
 def ray_session():
     """One local Ray runtime (2 CPUs, loopback) for the module; session files in a short temp
     directory (Ray's unix socket paths must stay short), removed at the end."""
-    from datapipe.ingest import ray_engine
+    from datapipe.ingest.engines import ray as ray_engine
 
     tmp = tempfile.mkdtemp(prefix="mxray", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", ray_engine.FAIL_HOOK_ENV)}
@@ -76,7 +76,7 @@ def _both(corpus: dict, fmt: str, **kw) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
 def test_ray_dataset_equals_local(ray_session, corpus: dict, fmt: str, monkeypatch) -> None:
-    from datapipe.ingest import ray_engine
+    from datapipe.ingest.engines import ray as ray_engine
 
     monkeypatch.setattr(ray_engine, "TASK_BYTES", 600)  # several tasks on the small corpus
     chunk = 48
@@ -182,3 +182,49 @@ def test_cli_joins_a_running_cluster(ray_session, corpus: dict) -> None:
     proc = subprocess.run(bad, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--ray-address 127.0.0.1:1: cannot connect" in proc.stderr
     assert not Path(str(out) + "2").exists()
+
+
+def test_ray_counts_like_local(ray_session, tmp_path: Path, monkeypatch) -> None:
+    """Every new count agrees between the engines: special files, blank documents, samples
+    under --min-tokens, a text file over --max-doc-bytes (pieces), a JSON line over it (bad),
+    characters a lossy tokenizer drops (unknown_chars); the same documents are named, the same
+    samples stored, and --strict stops at the same document."""
+    from test_lossy import CASES
+
+    from datapipe.ingest.engines import ray as ray_engine
+
+    monkeypatch.setattr(ray_engine, "TASK_BYTES", 300)  # several tasks
+    tok = tmp_path / "tok.json"
+    tok.write_text(json.dumps(CASES["whitespace"]))
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = ["ab c", "   ", "zzzz ab", "a", "ab " * 200, "c b a", "\n\t", "abz"]
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (src / "b.txt").write_text("ab c\n" * 100)  # 500 bytes: pieces of at most 300
+    (src / "c.txt").write_text(" \n ")
+    os.mkfifo(src / "fifo")
+    os.symlink("loop", src / "loop")
+    manifests, indexes = {}, {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        cfg = PreprocessConfig([str(src)], str(out), engine=engine, workers=2, min_tokens=4,
+                               max_doc_bytes=300, tokenizer=str(tok), progress=False)  # fmt: skip
+        manifests[engine] = preprocess(cfg, warn=lambda msg: None).manifest
+        indexes[engine] = read_index(str(out), with_source=True)
+    a, b = manifests["local"], manifests["ray"]
+    assert a["counts"] == b["counts"] and a["reported"] == b["reported"]
+    c = a["counts"]
+    assert (c["special"], c["blank"], c["bad"], c["unknown_docs"]) == (2, 3, 1, 2), c
+    assert c["short"] >= 1 and c["split"] == 1 and c["unknown_chars"] == 5
+    assert indexes["local"].source == indexes["ray"].source
+    np.testing.assert_array_equal(indexes["local"].num_tokens, indexes["ray"].num_tokens)
+    os.remove(src / "fifo")
+    os.remove(src / "loop")
+    errors = []
+    for engine in ("local", "ray"):
+        cfg = PreprocessConfig([str(src)], str(tmp_path / f"s-{engine}"), engine=engine,
+                               tokenizer=str(tok), strict=True, progress=False)  # fmt: skip
+        with pytest.raises(InputError) as exc:
+            preprocess(cfg, warn=lambda msg: None)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1] and errors[0].startswith(f"{src / 'a.jsonl'}:3: 4 characters")

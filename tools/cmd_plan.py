@@ -19,7 +19,7 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
         "--cost",
         metavar="FILE",
         default=None,
-        help="cost model JSON (schema in datapipe/plan/cost.py); overrides --model",
+        help="cost model JSON (schema in docs/PLAN.md); overrides --model",
     )
     p.add_argument(
         "--offload",

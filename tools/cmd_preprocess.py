@@ -10,13 +10,15 @@ from datapipe.errors import InputError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+# the summary's outcome counts, after `documents` (the manifest's `counts`, docs/FORMAT.md)
+_SUMMARY = ("empty", "blank", "bad", "special", "split", "truncated", "dropped", "short")
 
 
-def parse_size(text: str) -> int:
-    """Bytes from '64MiB', '500kb', '1048576'."""
+def parse_size(text: str, flag: str = "--shard-size") -> int:
+    """Bytes from '64MiB', '500kb', '1048576' (errors name `flag`)."""
     m = _SIZE.match(text)
     if not m:
-        raise InputError(f"--shard-size {text!r}: expected a size like 64MiB, 500MB or 1048576")
+        raise InputError(f"{flag} {text!r}: expected a size like 64MiB, 500MB or 1048576")
     unit = (m.group(2) or "").lower()
     base = 1024 if "i" in unit else 1000
     mult = base ** "bkmgt".index(unit[0]) if unit and unit[0] != "b" else 1
@@ -75,6 +77,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATTERN",
         help="skip files matching this pattern inside directories (repeatable)",
     )
+    _add_limits(p)
+    _add_engine(p)
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at the first bad input, special file or document losing characters to the "
+        "tokenizer, instead of skipping it",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--shard-size", default="64MiB", help="shard size limit (default 64MiB)")
+    p.add_argument(
+        "--quiet",
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (also off when stderr is not a terminal)",
+    )
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """Sizes: storage chunks, sample and document limits."""
     p.add_argument(
         "--chunk-tokens",
         type=int,
@@ -88,8 +110,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--long-docs",
         default="split",
         choices=["split", "truncate", "drop"],
-        help="what to do with documents over --max-len (default split)",
+        help="what to do with documents over --max-len or --max-doc-bytes (default split)",
     )
+    p.add_argument(
+        "--max-doc-bytes",
+        default="256MiB",
+        metavar="SIZE",
+        help="largest document read whole (default 256MiB); a longer text file is split into "
+        "pieces of at most SIZE, truncated or dropped (--long-docs), a longer JSON line is bad; "
+        "peak memory is about --workers x 5 x SIZE + --shard-size over start-up with the bytes "
+        "tokenizer, far more with a tokenizer.json (README)",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="drop samples shorter than N tokens (BOS/EOS included), counted as short "
+        "(default 0: keep all)",
+    )
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    """Where the work runs: processes, Ray, a staging directory for an object-store --out."""
     p.add_argument(
         "--workers",
         type=int,
@@ -114,17 +157,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="object store --out: local directory to write in before the upload (default: temp)",
     )
-    p.add_argument(
-        "--strict", action="store_true", help="stop at the first bad input instead of skipping it"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    p.add_argument("--shard-size", default="64MiB", help="shard size limit (default 64MiB)")
-    p.add_argument(
-        "--quiet",
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (also off when stderr is not a terminal)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         max_len=args.max_len,
         long_docs=args.long_docs,
+        max_doc_bytes=parse_size(args.max_doc_bytes, "--max-doc-bytes"),
+        min_tokens=args.min_tokens,
         workers=args.workers,
         strict=args.strict,
         overwrite=args.overwrite,
@@ -156,10 +190,21 @@ def run(args: argparse.Namespace) -> int:
     mb = res.input_bytes / 1e6
     print(
         f"wrote {m['num_samples']:,} samples, {m['num_tokens']:,} tokens in {len(m['shards'])} "
-        f"{m['format']} shards to {res.out} | documents {c['documents']:,}: empty {c['empty']:,}, "
-        f"bad {c['bad']:,}, split {c['split']:,}, truncated {c['truncated']:,}, dropped {c['dropped']:,} "
-        f"| {mb:.1f} MB in {res.seconds:.1f} s ({mb / max(res.seconds, 1e-9):.1f} MB/s)"
+        f"{m['format']} shards to {res.out} | documents {c['documents']:,}: "
+        + ", ".join(f"{k} {c[k]:,}" for k in _SUMMARY)
+        + (
+            f" | unknown_chars {c['unknown_chars']:,} in {c['unknown_docs']:,} documents"
+            if c["unknown_chars"]
+            else ""
+        )
+        + f" | {mb:.1f} MB in {res.seconds:.1f} s ({mb / max(res.seconds, 1e-9):.1f} MB/s)"
     )
-    if c["bad"] > len(res.bad_examples):
-        print(f"({c['bad'] - len(res.bad_examples):,} more bad inputs not shown)", file=sys.stderr)
+    for kind, count, what in (
+        ("bad", "bad", "bad inputs"),
+        ("special", "special", "special files"),
+        ("unknown", "unknown_docs", "documents with unknown characters"),
+    ):
+        more = c[count] - len(res.reported[kind])
+        if more > 0:
+            print(f"({more:,} more {what} not shown)", file=sys.stderr)
     return 0

@@ -23,7 +23,11 @@ def run(args: argparse.Namespace) -> int:
             f"({rep.bytes:,} bytes, checksums match), {rep.samples:,} samples, {rep.rows:,} rows, "
             f"{rep.tokens:,} tokens agree with index.parquet"
         )
+        how = "" if rep.fingerprint_recorded else " (computed: the manifest predates the field)"
+        print(f"dataset fingerprint {rep.fingerprint}{how}")
         return 0
+    if rep.fingerprint:
+        print(f"dataset fingerprint {rep.fingerprint} (not verified)", file=sys.stderr)
     print(f"{args.dir}: {len(rep.problems)} problem(s):", file=sys.stderr)
     for p in rep.problems:
         print(f"  {p}", file=sys.stderr)

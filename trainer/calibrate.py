@@ -404,14 +404,10 @@ def calibrate(
                 "--ranks-per-node needs --inter-node-bytes-per-s (the link between nodes)"
             )
         node_link, link = link, float(inter_node_bytes_per_s)
+    terms = {k: getattr(t, k) for k in ("a", "b", "c", "d", "attn_n_half", "hop_latency_s")}
     cost = dataclasses.replace(
         base,
-        a=t.a,
-        b=t.b,
-        c=t.c,
-        d=t.d,
-        attn_n_half=t.attn_n_half,
-        hop_latency_s=t.hop_latency_s,
+        **terms,
         overlap=t.overlap,
         step=t.step,
         link_bytes_per_s=link,

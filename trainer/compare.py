@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from datapipe.errors import MixlenError
+from datapipe.fetch import rank_pieces
 from datapipe.plan.compare import Variant, compare, variant_planners
 from datapipe.plan.stepplan import StepPlan, replay_kernel
 from datapipe.stream import GlobalBatch
 from trainer.compare_report import render_comparison
-from trainer.data import TrainData, rank_pieces
+from trainer.data import TrainData
 from trainer.parallel.comm import Communicator
 from trainer.parallel.executor import HDPExecutor, StepResult
 

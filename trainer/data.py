@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from datapipe.errors import ConfigError
-from datapipe.fetch import FetchConfig, Fetcher, PackedMicroBatch
+from datapipe.fetch import FetchConfig, Fetcher, PackedMicroBatch, rank_pieces
+from datapipe.index import dataset_fingerprint
 from datapipe.plan.cost import CostModel
 from datapipe.plan.planner import Planner, PlannerConfig
 from datapipe.plan.stepplan import StepPlan
@@ -33,7 +34,6 @@ __all__ = [
     "TrainData",
     "Validation",
     "held_out_mask",
-    "rank_pieces",
 ]
 
 
@@ -59,6 +59,12 @@ class DataConfig:
         0.0, help="else hold out this fraction of the samples (by id hash), in [0, 1)", lo=0.0
     )
     val_tokens: int = setting(65536, help="tokens of the held-out set evaluated", lo=1)
+    allow_other_dataset: bool = setting(
+        False,
+        help="resume on a dataset whose fingerprint differs from the checkpoint's (a re-sharded "
+        "copy of the same data)",
+        free_on_resume=True,
+    )
     stream: StreamConfig = setting(help="", factory=StreamConfig, inline=True)
     fetch: FetchConfig = setting(help="", factory=FetchConfig, inline=True)
 
@@ -115,11 +121,6 @@ def held_out_mask(sample_ids: np.ndarray, seed: int, fraction: float) -> np.ndar
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
-
-
-def rank_pieces(plan: StepPlan, rank: int) -> list[tuple]:
-    """This rank's pieces per micro-batch, in slot order (the fetcher takes them as they are)."""
-    return [m.pieces for m in plan.microbatches(rank)]
 
 
 class Validation:
@@ -180,6 +181,7 @@ class TrainData:
         # the training set's fetch; the model must cover its vocabulary
         self.fetcher = cfg.fetch.build(cfg.path, cfg.cache_dir, names)
         stack.callback(self.fetcher.close)
+        self.fingerprint = dataset_fingerprint(self.fetcher.index.manifest)
         self._check_vocab(cfg, vocab_size, names)
         all_lengths = np.asarray(self.fetcher.lengths, dtype=np.int64)
         all_ids = np.arange(all_lengths.shape[0], dtype=np.int64)

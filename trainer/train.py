@@ -30,7 +30,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
         data = cfg.train_data(0, n, stack, validation=False)
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
-            check_run_matches(paths[0], cfg, data.stream)
+            check_run_matches(paths[0], cfg, data.stream, data.fingerprint)
 
 
 def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any]:

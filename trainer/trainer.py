@@ -130,6 +130,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg, self.state, self.scheduler, rt.run_comm, rt.device, self.hooks
         )
+        self.checkpointer.fingerprint = self.data.fingerprint
         self.start_step = self.checkpointer.resume(self.data.stream)
         self.checkpointer.lock()  # one job per checkpoint.dir, before the first save
         self._stack.callback(self.checkpointer.unlock)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from datapipe.errors import InputError
+from datapipe.files import METADATA_FILE_LIMIT, read_bounded_bytes
 from datapipe.formats.base import (
     TOKENS,
     RowReader,
@@ -99,15 +100,16 @@ def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
     if remote is not None and not os.path.exists(path):
         download(remote.rstrip("/") + "/index.json", path)
     try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"))
+        raw = read_bounded_bytes(path, METADATA_FILE_LIMIT, "MDS index.json")
+    except FileNotFoundError:
+        raise InputError(f"{path}: not found (an MDS dataset needs MDS's index.json)") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
         shards = obj["shards"]
         names = [s["raw_data"]["basename"] for s in shards]
         rows = [s["samples"] for s in shards]
         encodings = [e for s in shards for e in s.get("column_encodings", [])]
         compressed = any(s.get("compression") for s in shards)
-    except FileNotFoundError:
-        raise InputError(f"{path}: not found (an MDS dataset needs MDS's index.json)") from None
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise InputError(f"{path}: not a valid MDS index ({type(exc).__name__}: {exc})") from None
     if names != [s["name"] for s in manifest["shards"]]:

@@ -77,6 +77,8 @@ class Writer(OwnShardWriter):
                 self._flush_group()
             self._pending.append((sample_id, j, row))
             self._pending_tokens += len(row)
+        if len(rows) > 1:  # rows left pending are views: copy them, not to keep all alive
+            self._pending = [(s, j, r.copy() if s == sample_id else r) for s, j, r in self._pending]
         return sum(int(r.nbytes) + 16 for r in rows)
 
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from datapipe.errors import InputError
+from datapipe.files import CONFIG_FILE_LIMIT, not_regular_reason, read_bounded_text
 
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
 DICT_FILE = "dataset_dict.json"
-BATCH_ROWS = 4096  # rows per block (as for parquet inputs)
 
 
 def is_saved_dataset(folder: str | os.PathLike) -> bool:
@@ -35,8 +35,7 @@ def check_not_dataset_dict(folder: str | os.PathLike) -> None:
     if not os.path.isfile(path):
         return
     try:
-        with open(path) as f:
-            splits = json.load(f).get("splits", [])
+        splits = json.loads(read_bounded_text(path, CONFIG_FILE_LIMIT, DICT_FILE)).get("splits", [])
     except (OSError, ValueError, AttributeError):
         splits = []
     names = ", ".join(str(s) for s in splits) or "?"
@@ -50,9 +49,10 @@ def arrow_files(folder: str | os.PathLike) -> list[str]:
     """The folder's Arrow files in dataset order (state.json `_data_files`)."""
     path = os.path.join(folder, STATE_FILE)
     try:
-        with open(path) as f:
-            state = json.load(f)
+        state = json.loads(read_bounded_text(path, CONFIG_FILE_LIMIT, STATE_FILE))
         files = [d["filename"] for d in state["_data_files"]]
+    except InputError:
+        raise
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read the saved dataset's state ({exc})") from None
     except (KeyError, TypeError):
@@ -80,13 +80,23 @@ def folder_bytes(folder: str | os.PathLike) -> int:
     return total
 
 
-def iter_saved_dataset(folder: Path, text_field: str, block_type: type) -> Iterator:
+def iter_saved_dataset(
+    folder: Path, text_field: str, block_type: type, batch_rows: Callable[[float], int]
+) -> Iterator:
     """Blocks of `text_field` values (kind "parquet": a value list, `start` the dataset row), in
-    dataset order; an unreadable file or a missing column is an "error" block naming it."""
+    dataset order, `batch_rows(bytes per value)` rows at a time; an unreadable file, one that is
+    not a regular file or a missing column is an "error" block naming it."""
     import pyarrow as pa
 
     row = 0
     for path in arrow_files(folder):
+        try:
+            problem = not_regular_reason(path)  # checked first: mapping a FIFO would block
+        except OSError as exc:
+            problem = f"cannot read Arrow file: {exc.strerror or exc}"
+        if problem:
+            yield block_type("error", path, error=problem)
+            return
         try:
             with pa.memory_map(path) as src:
                 reader = pa.ipc.open_stream(src)  # save_to_disk writes the IPC stream format
@@ -100,8 +110,9 @@ def iter_saved_dataset(folder: Path, text_field: str, block_type: type) -> Itera
                     return
                 col = names.index(text_field)
                 for batch in reader:
-                    for lo in range(0, batch.num_rows, BATCH_ROWS):
-                        part = batch.slice(lo, BATCH_ROWS).column(col)
+                    rows = batch_rows(batch.column(col).nbytes / max(1, batch.num_rows))
+                    for lo in range(0, batch.num_rows, rows):
+                        part = batch.slice(lo, rows).column(col)
                         values = part.to_pylist()
                         yield block_type(
                             "parquet", str(folder), start=row, items=values, nbytes=part.nbytes

@@ -13,20 +13,30 @@ import numpy as np
 
 from datapipe import __version__
 from datapipe.errors import InputError
+from datapipe.files import METADATA_FILE_LIMIT, read_bounded_text
 from datapipe.formats.mds import UNSAFE_ENCODINGS
 from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
-from datapipe.integrity import INDEX_CHECKSUM_KEY, checksum_file, shard_name_problem
+from datapipe.integrity import (
+    FINGERPRINT_KEY,
+    INDEX_CHECKSUM_KEY,
+    checksum_file,
+    dataset_fingerprint,
+    shard_name_problem,
+)
 
 
 def _read_mds_index(root: str) -> dict:
     path = os.path.join(root, "index.json")
     try:
-        with open(path) as f:
-            obj = json.load(f)
+        text = read_bounded_text(path, METADATA_FILE_LIMIT, "MDS index.json")
     except FileNotFoundError:
         raise InputError(f"{path}: not found; {root} is not an MDS dataset") from None
+    try:
+        obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}: expected an MDS index (a JSON object)")
     if obj.get("version") != 2 or not isinstance(obj.get("shards"), list):
         raise InputError(f"{path}: expected an MDS index (version 2 with a 'shards' list)")
     for si, sh in enumerate(obj["shards"]):
@@ -116,6 +126,24 @@ def index_mds(
         np.ones(len(lengths), dtype=np.int32),
         ["" for _ in lengths],
     )
+    manifest = _manifest(num_tokens, shards, dtype, max_token, tokens_field, tmp_index)
+    tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp_index, os.path.join(root, INDEX_FILE))
+    os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
+    return manifest
+
+
+def _manifest(
+    num_tokens: np.ndarray,
+    shards: list[dict],
+    dtype: np.dtype | None,
+    max_token: int,
+    tokens_field: str,
+    index_path: str,
+) -> dict:
+    """manifest.json of an MDS dataset indexed here (docs/FORMAT.md: every row a sample)."""
     manifest = {
         "mixlen_version": __version__,
         "format": "mds",
@@ -126,19 +154,15 @@ def index_mds(
         "eos_id": None,
         "tokens_field": tokens_field,
         "rows_are_samples": True,
-        "chunk_tokens": max(1, int(num_tokens.max()) if len(lengths) else 1),
+        "chunk_tokens": max(1, int(num_tokens.max()) if len(num_tokens) else 1),
         "max_len": None,
-        "num_samples": len(lengths),
+        "num_samples": len(num_tokens),
         "num_tokens": int(num_tokens.sum()),
-        "num_rows": len(lengths),
-        "counts": {"documents": len(lengths)},
+        "num_rows": len(num_tokens),
+        "counts": {"documents": len(num_tokens)},
         "shards": shards,
-        INDEX_CHECKSUM_KEY: checksum_file(tmp_index),
+        INDEX_CHECKSUM_KEY: checksum_file(index_path),
         "args": {"command": "index", "tokens_field": tokens_field},
     }
-    tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
-    with open(tmp_manifest, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp_index, os.path.join(root, INDEX_FILE))
-    os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
+    manifest[FINGERPRINT_KEY] = dataset_fingerprint(manifest)
     return manifest

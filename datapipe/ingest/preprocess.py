@@ -1,102 +1,38 @@
 """`mixlen preprocess`: corpora -> length-indexed shards, written atomically.
 
-Everything goes to a hidden temporary directory next to the output and is renamed into place at
-the end, so an interrupted run leaves no output directory a reader could take for complete.
+The driver: it checks the settings and `--out`, finds the inputs, builds the tokenizer, and runs
+the chosen engine (datapipe.ingest.engines) into a hidden temporary directory next to the output,
+renamed into place at the end, so an interrupted run leaves no output directory a reader could take
+for complete.
 """
 
 from __future__ import annotations
 
 import errno
-import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from datapipe import __version__
 from datapipe.errors import InputError, MixlenError
-from datapipe.formats import FORMATS, build_writer
-from datapipe.formats.base import ShardInfo
-from datapipe.index import INDEX_FILE, MANIFEST_FILE, is_remote, write_index
+from datapipe.index import is_remote
+from datapipe.ingest.config import PreprocessConfig
+from datapipe.ingest.engines import ENGINES
+from datapipe.ingest.engines.base import EngineRun, Tally
+from datapipe.ingest.inputs import scan_inputs
 from datapipe.ingest.output import OutputLock, check_out_path, clean_stale, commit, partial_dir
-from datapipe.ingest.sources import (
-    BlockResult,
-    TokenizeSettings,
-    find_inputs,
-    init_worker,
-    iter_blocks,
-    process_block,
-)
+from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import TokenizerSpec
-from datapipe.integrity import INDEX_CHECKSUM_KEY, checksum_file
-from datapipe.progress import InputProgress, input_sizes, progress
+
+__all__ = ["PAUSE_HOOK_ENV", "PreprocessConfig", "PreprocessResult", "preprocess"]
 
 PAUSE_HOOK_ENV = "MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD"  # test-only: marker path, then sleep
-LONG_DOC_POLICIES = ("split", "truncate", "drop")
-ENGINES = ("local", "ray")  # local: this machine's processes; ray: Ray Data (ingest/ray_engine.py)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-@dataclass
-class PreprocessConfig:
-    """Arguments of `mixlen preprocess`."""
-
-    inputs: list[str]
-    out: str
-    format: str = "mds"
-    tokenizer: str | None = None  # None or "bytes": UTF-8 bytes; else a tokenizer.json path
-    tokenizer_from: str | None = None  # a saved tokenizer folder (tokenizer.json + its configs)
-    text_field: str = "text"
-    globs: list[str] = field(default_factory=lambda: ["**/*"])
-    excludes: list[str] = field(default_factory=list)
-    chunk_tokens: int = 65536
-    max_len: int | None = None
-    long_docs: str = "split"
-    workers: int = 1
-    strict: bool = False
-    overwrite: bool = False
-    shard_bytes: int = 1 << 26
-    progress: bool | None = None  # None: only on a terminal
-    max_reported: int = 5
-    engine: str = "local"
-    ray_address: str | None = None  # --engine ray: join this cluster (None: a local runtime)
-    staging: str | None = None  # remote --out: local directory to write in before the upload
-
-    def validate(self) -> None:
-        """Reject bad settings with a message naming the option."""
-        if not self.inputs:
-            raise InputError("no inputs given")
-        if self.format not in FORMATS:
-            raise InputError(f"--format {self.format!r}: expected one of {', '.join(FORMATS)}")
-        if self.long_docs not in LONG_DOC_POLICIES:
-            raise InputError(
-                f"--long-docs {self.long_docs!r}: expected one of {', '.join(LONG_DOC_POLICIES)}"
-            )
-        if self.chunk_tokens < 1:
-            raise InputError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
-        if self.max_len is not None and self.max_len < 1:
-            raise InputError(f"--max-len must be >= 1, got {self.max_len}")
-        if self.workers < 1:
-            raise InputError(f"--workers must be >= 1, got {self.workers}")
-        if self.engine not in ENGINES:
-            raise InputError(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
-        if self.ray_address is not None and self.engine != "ray":
-            raise InputError("--ray-address needs --engine ray")
-        if self.tokenizer is not None and self.tokenizer_from is not None:
-            raise InputError("--tokenizer and --tokenizer-from: give one of them, not both")
-        if not 1 <= self.shard_bytes < 1 << 32:
-            raise InputError(
-                f"--shard-size must be between 1 byte and 4 GiB, got {self.shard_bytes}"
-            )
 
 
 @dataclass
@@ -105,35 +41,14 @@ class PreprocessResult:
 
     out: str
     manifest: dict
-    bad_examples: list[tuple[str, str]]
+    reported: dict[str, list[tuple[str, str]]]  # the first inputs named, per note kind
     seconds: float
     input_bytes: int
 
-
-def _results(blocks: Iterator, settings: TokenizeSettings, workers: int) -> Iterator[BlockResult]:
-    """Tokenized blocks in input order, from `workers` processes (inline for 1)."""
-    if workers == 1:
-        init_worker(settings)
-        for block in blocks:
-            yield process_block(block)
-        return
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=init_worker, initargs=(settings,)) as pool:
-        window: deque = deque()
-        for block in blocks:
-            window.append(pool.apply_async(process_block, (block,)))
-            if len(window) >= 2 * workers + 2:
-                yield window.popleft().get()
-        while window:
-            yield window.popleft().get()
-
-
-def _pause_for_test(marker: str) -> None:
-    """Test hook: write `marker`, then wait until it is removed (at most 600 s)."""
-    Path(marker).write_text(str(os.getpid()))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and os.path.exists(marker):
-        time.sleep(0.05)
+    @property
+    def bad_examples(self) -> list[tuple[str, str]]:
+        """The first bad inputs named (at most --max-reported)."""
+        return self.reported["bad"]
 
 
 class _SigtermAsInterrupt:
@@ -153,11 +68,39 @@ class _SigtermAsInterrupt:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def _prepare(cfg: PreprocessConfig, warn: Callable[[str], None]) -> EngineRun:
+    """The inputs (special ones noted: --strict stops at the first), the tokenizer (a warning
+    if it can drop characters) and the settings, before anything is written; the run's
+    directory is set later. A run with no regular input fails here."""
+    inputs = scan_inputs(cfg.inputs, cfg.globs, tuple(cfg.excludes))
+    if not inputs.files and not inputs.special:
+        raise InputError(
+            f"no input files found in {', '.join(cfg.inputs)} (globs: {', '.join(cfg.globs)})"
+        )
+    tally = Tally(cfg, warn)
+    for where, reason in inputs.special:
+        tally.note("special", where, reason)
+    if not inputs.files:
+        raise tally.no_samples()
+    tok_spec = TokenizerSpec.parse(cfg.tokenizer, cfg.tokenizer_from)
+    tokenizer = tok_spec.build()
+    if tokenizer.lossy:
+        warn(
+            f"warning: {tok_spec.path}: the tokenizer has no unk token and no byte fallback: "
+            "characters outside its vocabulary are dropped; they are counted as unknown_chars"
+            " and the first documents losing any are named (--strict stops at the first)"
+        )
+    settings = TokenizeSettings(
+        tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs, cfg.max_doc_bytes, cfg.min_tokens
+    )
+    return EngineRun(cfg, inputs.files, tokenizer, settings, "", tally)
+
+
 def preprocess(
     cfg: PreprocessConfig, warn: Callable[[str], None] | None = None
 ) -> PreprocessResult:
     """Tokenize `cfg.inputs` into shards + index.parquet + manifest.json under `cfg.out`."""
-    cfg.validate()
+    cfg.validate(ENGINES)
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     if is_remote(cfg.out):  # write locally, then upload (manifest last)
         from datapipe.ingest.upload import preprocess_to_store
@@ -167,14 +110,7 @@ def preprocess(
     check_out_path(out, cfg.out, cfg.inputs)
     if out.exists() and not cfg.overwrite:
         raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
-    files = find_inputs(cfg.inputs, cfg.globs, tuple(cfg.excludes))
-    if not files:
-        raise InputError(
-            f"no input files found in {', '.join(cfg.inputs)} (globs: {', '.join(cfg.globs)})"
-        )
-    tok_spec = TokenizerSpec.parse(cfg.tokenizer, cfg.tokenizer_from)
-    tokenizer = tok_spec.build()
-    settings = TokenizeSettings(tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs)
+    run = _prepare(cfg, warn)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with OutputLock(out, cfg.out):
@@ -185,13 +121,10 @@ def preprocess(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         t0 = time.perf_counter()
-        pause_marker = os.environ.get(PAUSE_HOOK_ENV)
+        run.root, run.pause_marker = str(tmp), os.environ.get(PAUSE_HOOK_ENV)
         try:
             with _SigtermAsInterrupt():
-                write = _write_dataset if cfg.engine == "local" else _ray_write_dataset
-                manifest, bad_examples, nbytes = write(
-                    cfg, files, tokenizer, settings, str(tmp), warn, pause_marker
-                )
+                result = ENGINES[cfg.engine](run)
             commit(tmp, out, cfg.out, cfg.overwrite)
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing
             shutil.rmtree(tmp, ignore_errors=True)
@@ -204,149 +137,6 @@ def preprocess(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return PreprocessResult(str(out), manifest, bad_examples, time.perf_counter() - t0, nbytes)
-
-
-def note_bad(
-    cfg: PreprocessConfig,
-    where: str,
-    reason: str,
-    counts: dict[str, int],
-    bad_examples: list[tuple[str, str]],
-    warn: Callable[[str], None],
-) -> None:
-    """Count a bad input (InputError with --strict); the first `max_reported` are warned about."""
-    if cfg.strict:
-        raise InputError(f"{where}: {reason}")
-    counts["bad"] += 1
-    if len(bad_examples) < cfg.max_reported:
-        bad_examples.append((where, reason))
-        warn(f"skipped {where}: {reason}")
-
-
-def _write_dataset(
-    cfg: PreprocessConfig,
-    files: list[Path],
-    tokenizer,
-    settings: TokenizeSettings,
-    root: str,
-    warn: Callable[[str], None],
-    pause_marker: str | None,
-) -> tuple[dict, list[tuple[str, str]], int]:
-    writer = build_writer(cfg.format, root, tokenizer.dtype, cfg.chunk_tokens, cfg.shard_bytes)
-    counts = dict(documents=0, empty=0, bad=0, split=0, truncated=0, dropped=0)
-    lengths: list[int] = []
-    sources: list[str] = []
-    bad_examples: list[tuple[str, str]] = []
-    nbytes = total_tokens = 0
-    track = InputProgress(input_sizes(files))
-    bar = progress(track.total, "preprocess", "B", cfg.progress, unit_scale=True)
-    paused = False
-    try:
-        blocks = (track.advance(b) or b for b in iter_blocks(files, cfg.text_field))
-        for res in _results(blocks, settings, cfg.workers):
-            for where, reason in res.bad:
-                note_bad(cfg, where, reason, counts, bad_examples, warn)
-            for key in ("documents", "empty", "split", "truncated", "dropped"):
-                counts[key] += getattr(res, key)
-            for src, toks in zip(res.sources, res.tokens):
-                writer.write(len(lengths), toks)
-                lengths.append(len(toks))
-                sources.append(src)
-                total_tokens += len(toks)
-            nbytes += res.nbytes
-            bar.update(track.pop())
-            bar.set_postfix_str(
-                f"docs={counts['documents']:,} tokens={total_tokens:,}", refresh=False
-            )
-            if pause_marker and not paused and writer.shards_completed >= 1:
-                paused = True
-                _pause_for_test(pause_marker)
-        bar.update(track.rest())
-        shards = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        bar.close()
-    if not lengths:
-        raise no_samples(counts, bad_examples)
-    written = Written(
-        np.asarray(lengths, np.int64),
-        np.asarray(writer.sample_shard, np.int32),
-        np.asarray(writer.sample_first_row, np.int64),
-        sources,
-        counts,
-        shards,
-        {"name": "local"},
-    )
-    return write_metadata(cfg, root, tokenizer, written), bad_examples, nbytes
-
-
-def _ray_write_dataset(*args, **kwargs) -> tuple[dict, list[tuple[str, str]], int]:
-    from datapipe.ingest.ray_engine import write_dataset  # lazy: Ray is an optional extra
-
-    return write_dataset(*args, **kwargs)
-
-
-def no_samples(counts: dict[str, int], bad_examples: list[tuple[str, str]]) -> InputError:
-    """The error of a run whose inputs gave no sample at all."""
-    first = f" (first: {bad_examples[0][0]}: {bad_examples[0][1]})" if bad_examples else ""
-    return InputError(
-        f"no samples: {counts['documents']:,} documents read ({counts['empty']:,} empty, "
-        f"{counts['dropped']:,} dropped), {counts['bad']:,} bad inputs{first}; "
-        "nothing was written"
-    )
-
-
-@dataclass
-class Written:
-    """What an engine wrote: the index columns in sample_id order, outcome counts, shards."""
-
-    num_tokens: np.ndarray  # int64 per sample
-    shard: np.ndarray  # int32: position in `shards`
-    first_row: np.ndarray  # int64: first storage row within that shard
-    sources: list[str]
-    counts: dict[str, int]
-    shards: list[ShardInfo]
-    engine: dict  # how it was written (manifest `engine`)
-
-
-def write_metadata(cfg: PreprocessConfig, root: str, tokenizer, w: Written) -> dict:
-    """Write index.parquet, then manifest.json (docs/FORMAT.md) into `root`; return the manifest."""
-    num_tokens = w.num_tokens
-    num_rows = np.maximum(1, -(-num_tokens // cfg.chunk_tokens))
-    write_index(
-        os.path.join(root, INDEX_FILE),
-        num_tokens,
-        w.shard,
-        w.first_row,
-        num_rows,
-        w.sources,
-    )
-    manifest = {
-        "mixlen_version": __version__,
-        "format": cfg.format,
-        "tokenizer": tokenizer.describe(),
-        "vocab_size": int(tokenizer.vocab_size),
-        "dtype": tokenizer.dtype.name,
-        "bos_id": tokenizer.bos_id,
-        "eos_id": tokenizer.eos_id,
-        "tokens_field": "tokens",
-        "chunk_tokens": cfg.chunk_tokens,
-        "max_len": cfg.max_len,
-        "long_docs": cfg.long_docs,
-        "num_samples": len(num_tokens),
-        "num_tokens": int(num_tokens.sum()),
-        "num_rows": int(num_rows.sum()),
-        "counts": w.counts,
-        "shards": [s.to_dict() for s in w.shards],
-        INDEX_CHECKSUM_KEY: checksum_file(os.path.join(root, INDEX_FILE)),
-        "engine": w.engine,
-        "args": asdict(cfg),
-    }
-    tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
-    with open(tmp_manifest, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
-    return manifest
+    seconds = time.perf_counter() - t0
+    reported = run.tally.reported
+    return PreprocessResult(str(out), result.manifest, reported, seconds, result.nbytes)

@@ -1,162 +1,64 @@
-"""Corpus inputs: find documents, read them in blocks, and tokenize blocks (in worker processes).
+"""Reading the inputs in blocks, in input order (the main process, or a Ray task): file bytes,
+JSON Lines, parquet and Arrow text batches. A block is tokenized by `worker.process_block`,
+possibly in another process; results come back in order, so the output never depends on the
+number of workers.
 
-The main process reads raw blocks (file bytes, JSON Lines, parquet text batches) in input order; a
-block is tokenized by `process_block`, possibly in another process; results come back in order, so
-the output never depends on the number of workers.
+Every read is bounded by `--max-doc-bytes` (B): a JSON line is read with a bounded readline (a
+longer one is a bad line, skipped without being held), a text file over B is cut into pieces of
+at most B bytes (`--long-docs split`), read up to one piece (`truncate`) or not at all (`drop`),
+and parquet/Arrow batches are sized to about BLOCK_BYTES from the files' metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
-import json
 import os
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from datapipe.errors import InputError
+from datapipe.files import NotRegularFile, not_regular_reason, open_regular
 from datapipe.ingest import hf_export
-from datapipe.ingest.tokenizer import Tokenizer, TokenizerSpec
+from datapipe.ingest.inputs import input_kind
+from datapipe.ingest.tokenizer import TokenizerSpec
 
 BLOCK_BYTES = 4 << 20  # raw bytes per block handed to a worker
 BLOCK_FILES = 256  # plain-text files per block
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd")
+MAX_DOC_BYTES = 256 << 20  # --max-doc-bytes default
+CUT_WINDOW = 64 << 10  # a piece ends at a line break or space in its last 64 KiB when it can
+_SKIP_CHUNK = 1 << 20
 
 
-def input_kind(path: Path) -> str:
-    """'hf' (a `datasets` save_to_disk folder), else 'jsonl', 'parquet' or 'text' from the name."""
-    if path.is_dir():
-        return "hf"
-    name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """What reading and tokenizing need (pickled into worker processes and Ray tasks)."""
 
-
-def glob_regex(pattern: str) -> re.Pattern:
-    """Compile a glob over relative POSIX paths: `*`, `?` and `[...]` stay inside one component,
-    `**` spans any number of directories (zero included)."""
-    out = []
-    parts = pattern.strip("/").split("/")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-            continue
-        out.append(_component(part))
-        if not last:
-            out.append("/")
-    return re.compile("".join(out) + r"\Z")
-
-
-def _component(part: str) -> str:
-    rx, i = [], 0
-    while i < len(part):
-        c = part[i]
-        if c == "*":
-            rx.append("[^/]*")
-        elif c == "?":
-            rx.append("[^/]")
-        elif c == "[":
-            j = part.find("]", i + 1)
-            if j < 0:
-                rx.append(re.escape(c))
-            else:
-                body = part[i + 1 : j]
-                neg = body.startswith("!")
-                body = (body[1:] if neg else body).replace("\\", "\\\\").replace("^", "\\^")
-                rx.append(("[^" if neg else "[") + body + "]")
-                i = j
-        else:
-            rx.append(re.escape(c))
-        i += 1
-    return "".join(rx)
-
-
-def _walk(top: Path, include: list[re.Pattern], exclude: list[re.Pattern]) -> list[Path]:
-    """Files under `top` matching an include pattern and no exclude pattern; excluded
-    directories are not entered."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(top):
-        rel_dir = os.path.relpath(dirpath, top)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        if rel_dir and hf_export.is_saved_dataset(dirpath):  # one input, not its files
-            dirnames[:] = []
-            if any(x.match(rel_dir[:-1]) for x in include):
-                found.append(rel_dir[:-1])
-            continue
-        hf_export.check_not_dataset_dict(dirpath)
-        dirnames[:] = [
-            d
-            for d in dirnames
-            if not any(x.match(rel_dir + d) or x.match(rel_dir + d + "/") for x in exclude)
-        ]
-        for name in filenames:
-            rel = rel_dir + name
-            if any(x.match(rel) for x in include) and not any(x.match(rel) for x in exclude):
-                found.append(rel)
-    return [top / r for r in sorted(found)]
-
-
-def find_inputs(inputs: list[str], globs: list[str], excludes: tuple[str, ...] = ()) -> list[Path]:
-    """Expand files and directories into an ordered, de-duplicated file list. Inside a directory,
-    files are kept when their relative path matches a glob and no exclude (`**` spans
-    directories; a directory matching an exclude, or `pattern/*`, is skipped whole). A `datasets`
-    save_to_disk folder is one input (given directly, or found inside a directory)."""
-    include = [glob_regex(g) for g in globs]
-    exclude = [glob_regex(x) for x in excludes]
-    exclude += [glob_regex(x[: -len(s)]) for x in excludes for s in ("/*", "/**") if x.endswith(s)]
-    out: list[Path] = []
-    seen: set[str] = set()
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir() and hf_export.is_saved_dataset(p):
-            files = [p]
-        elif p.is_dir():
-            files = _walk(p, include, exclude)
-        elif p.exists():
-            files = [p]
-        else:
-            raise InputError(f"{item}: input not found")
-        for f in files:
-            key = os.path.normpath(os.path.abspath(f))
-            if key not in seen:
-                seen.add(key)
-                out.append(f)
-    return out
+    tokenizer: TokenizerSpec
+    text_field: str = "text"
+    max_len: int | None = None
+    long_docs: str = "split"
+    max_doc_bytes: int = MAX_DOC_BYTES
+    min_tokens: int = 0
 
 
 @dataclass
 class Block:
-    """Raw documents to tokenize: ``kind`` is text/jsonl/parquet/error."""
+    """Raw documents to tokenize. ``kind``: "text" (``items``: whole files), "jsonl" (raw
+    lines), "parquet" (values), "piece" (bytes [start, end) of a text file over
+    --max-doc-bytes: piece number ``part``, or the kept head under --long-docs truncate with
+    part -1), "long" (a text file over --max-doc-bytes dropped unread) or "error"."""
 
     kind: str
     path: str
-    start: int = 0  # first line (jsonl, 1-based) or row (parquet, 0-based)
+    start: int = 0  # first line (jsonl, 1-based), row (parquet, 0-based) or byte (piece)
     items: list = field(default_factory=list)  # text: paths; jsonl: raw lines; parquet: values
     nbytes: int = 0
     error: str | None = None  # a read error found by the main process (kind == "error")
-
-
-@dataclass
-class BlockResult:
-    """Tokenized documents of one block, in order, with the outcome counts."""
-
-    sources: list[str] = field(default_factory=list)
-    tokens: list[np.ndarray] = field(default_factory=list)
-    bad: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
-    documents: int = 0
-    empty: int = 0
-    split: int = 0
-    truncated: int = 0
-    dropped: int = 0
-    nbytes: int = 0
+    end: int = 0  # piece: the byte after its last
+    part: int = 0  # piece: its number (-1: the head kept by --long-docs truncate)
 
 
 class _ZstdStream(io.RawIOBase):
@@ -164,9 +66,9 @@ class _ZstdStream(io.RawIOBase):
     ends inside a frame raises EOFError (a truncated file is bad input, not a shorter one), and
     corrupt data raises ValueError."""
 
-    def __init__(self, path: Path, zstandard) -> None:
+    def __init__(self, f: io.BufferedIOBase, zstandard) -> None:
         self._z = zstandard
-        self._f = open(path, "rb")
+        self._f = f
         self._d = zstandard.ZstdDecompressor().decompressobj()
         self._pending = b""  # compressed bytes not fed yet (the start of the next frame)
         self._in_frame = False
@@ -202,10 +104,11 @@ class _ZstdStream(io.RawIOBase):
         super().close()
 
 
-def _open_text_stream(path: Path):
+@contextlib.contextmanager
+def _open_text_stream(path: Path) -> Iterator[io.BufferedIOBase]:
+    """A binary stream of the file's (decompressed) bytes; a regular file only."""
     name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
+    zstandard = None
     if name.endswith((".zst", ".zstd")):
         try:
             import zstandard
@@ -213,17 +116,48 @@ def _open_text_stream(path: Path):
             raise InputError(
                 f"{path}: reading .zst input needs the 'zstandard' package: pip install 'mixlen[zst]'"
             ) from exc
-        return io.BufferedReader(_ZstdStream(path, zstandard), 1 << 20)
-    return open(path, "rb")
+    with open_regular(path) as f:
+        if zstandard is not None:
+            with io.BufferedReader(_ZstdStream(f, zstandard), 1 << 20) as r:
+                yield r
+        elif name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=f, mode="rb") as g:
+                yield g
+        else:
+            yield f
 
 
-def _iter_jsonl(path: Path) -> Iterator[Block]:
+def _skip_line(raw) -> int:
+    """Read and forget the rest of a line (bounded chunks); the bytes skipped."""
+    n = 0
+    while True:
+        chunk = raw.readline(_SKIP_CHUNK)
+        n += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return n
+
+
+def _iter_jsonl(path: Path, limit: int) -> Iterator[Block]:
+    """Blocks of raw lines; a line over `limit` bytes (its newline aside) is an "error" block
+    naming the line, never held whole."""
     block = Block("jsonl", str(path), start=1)
     line_no = 0
     try:
         with _open_text_stream(path) as raw:
-            for line in raw:
+            while line := raw.readline(limit + 1):
                 line_no += 1
+                if len(line) > limit and not line.endswith(b"\n"):
+                    n = len(line) + _skip_line(raw)
+                    if block.items:
+                        yield block
+                    yield Block(
+                        "error",
+                        f"{path}:{line_no}",
+                        nbytes=n,
+                        error=f"line of {n:,} bytes is longer than --max-doc-bytes ({limit:,})",
+                    )
+                    block = Block("jsonl", str(path), start=line_no + 1)
+                    continue
                 if not block.items:
                     block.start = line_no
                 block.items.append(line)
@@ -231,6 +165,9 @@ def _iter_jsonl(path: Path) -> Iterator[Block]:
                 if block.nbytes >= BLOCK_BYTES:
                     yield block
                     block = Block("jsonl", str(path), start=line_no + 1)
+    except NotRegularFile as exc:  # replaced since the inputs were listed
+        yield Block("error", str(path), error=exc.reason)
+        return
     except InputError:
         raise
     except (OSError, EOFError, ValueError) as exc:  # unreadable, truncated or corrupt compression
@@ -243,34 +180,111 @@ def _iter_jsonl(path: Path) -> Iterator[Block]:
         yield block
 
 
+def batch_rows(value_bytes: float) -> int:
+    """Rows per parquet/Arrow batch for values of about `value_bytes` each: BLOCK_BYTES a batch,
+    between 1 and 4096 rows."""
+    return int(max(1, min(4096, BLOCK_BYTES // max(1.0, value_bytes))))
+
+
+def _parquet_value_bytes(pf, text_field: str) -> float:
+    """The largest average uncompressed bytes per row of `text_field` over the row groups."""
+    md = pf.metadata
+    cols = [j for j in range(md.num_columns) if md.schema.column(j).path == text_field]
+    worst = 0.0
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        for j in cols:
+            worst = max(worst, rg.column(j).total_uncompressed_size / max(1, rg.num_rows))
+    return worst
+
+
 def _iter_parquet(path: Path, text_field: str) -> Iterator[Block]:
     import pyarrow.parquet as pq
 
+    try:
+        problem = not_regular_reason(path)  # checked first: pyarrow would block on a FIFO
+    except OSError as exc:
+        problem = f"cannot read file: {exc.strerror or exc}"
+    if problem:
+        yield Block("error", str(path), error=problem)
+        return
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:
         yield Block("error", str(path), error=f"cannot read parquet file: {exc}")
         return
-    names = pf.schema_arrow.names
-    if text_field not in names:
-        yield Block(
-            "error",
-            str(path),
-            error=f"missing text field {text_field!r} (columns: {', '.join(names)})",
-        )
+    with contextlib.closing(pf):
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            yield Block(
+                "error",
+                str(path),
+                error=f"missing text field {text_field!r} (columns: {', '.join(names)})",
+            )
+            return
+        row = 0
+        try:
+            rows = batch_rows(_parquet_value_bytes(pf, text_field))
+            for batch in pf.iter_batches(batch_size=rows, columns=[text_field]):
+                values = batch.column(0).to_pylist()
+                nbytes = batch.nbytes
+                yield Block("parquet", str(path), start=row, items=values, nbytes=nbytes)
+                row += len(values)
+        except Exception as exc:
+            yield Block("error", f"{path}#{row}", error=f"cannot read parquet file: {exc}")
+
+
+def cut_points(read: Callable[[int, int], bytes], size: int, limit: int) -> list[int]:
+    """Where to cut `size` bytes into pieces of at most `limit` bytes: [0, c1, ..., size].
+    `read(n, offset)` gives bytes. A piece ends after the last line break in its last
+    CUT_WINDOW bytes (at most half the piece), else after the last space or tab there, else
+    before the last UTF-8 character start, so valid UTF-8 stays valid in every piece."""
+    cuts = [0]
+    window = max(1, min(CUT_WINDOW, limit // 2))
+    while size - cuts[-1] > limit:
+        lo = cuts[-1]
+        hi = lo + limit
+        start = max(lo + 1, hi - window)
+        buf = read(hi + 1 - start, start)  # bytes start..hi; the one at hi starts the next piece
+        head = buf[: hi - start]
+        cut = hi
+        for sep in (b"\n", b" ", b"\t"):
+            k = head.rfind(sep)
+            if k >= 0:
+                cut = start + k + 1
+                break
+        else:
+            for k in range(len(buf) - 1, max(0, len(buf) - 5), -1):
+                if buf[k] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+                    cut = start + k
+                    break
+        cuts.append(cut)
+    cuts.append(size)
+    return cuts
+
+
+def _long_text_blocks(path: Path, size: int, s: TokenizeSettings) -> Iterator[Block]:
+    """A text file over --max-doc-bytes: pieces, the kept head, or one dropped document."""
+    if s.long_docs == "drop":
+        yield Block("long", str(path), nbytes=size)
         return
-    row = 0
     try:
-        for batch in pf.iter_batches(batch_size=4096, columns=[text_field]):
-            values = batch.column(0).to_pylist()
-            nbytes = batch.nbytes
-            yield Block("parquet", str(path), start=row, items=values, nbytes=nbytes)
-            row += len(values)
-    except Exception as exc:
-        yield Block("error", f"{path}#{row}", error=f"cannot read parquet file: {exc}")
+        with open_regular(path) as f:
+            fd = f.fileno()
+            cuts = cut_points(lambda n, off: os.pread(fd, n, off), size, s.max_doc_bytes)
+    except (NotRegularFile, OSError) as exc:
+        reason = getattr(exc, "reason", None) or f"cannot read file: {exc.strerror or exc}"
+        yield Block("error", str(path), error=reason)
+        return
+    if s.long_docs == "truncate":
+        yield Block("piece", str(path), start=0, end=cuts[1], nbytes=size, part=-1)
+        return
+    for j in range(len(cuts) - 1):
+        a, b = cuts[j], cuts[j + 1]
+        yield Block("piece", str(path), start=a, end=b, nbytes=b - a, part=j)
 
 
-def iter_blocks(files: list[Path], text_field: str) -> Iterator[Block]:
+def iter_blocks(files: list[Path], s: TokenizeSettings) -> Iterator[Block]:
     """Raw blocks of all inputs, in input order."""
     text = Block("text", "")
     for f in files:
@@ -280,6 +294,12 @@ def iter_blocks(files: list[Path], text_field: str) -> Iterator[Block]:
                 size = f.stat().st_size
             except OSError:
                 size = 0
+            if size > s.max_doc_bytes:
+                if text.items:
+                    yield text
+                    text = Block("text", "")
+                yield from _long_text_blocks(f, size, s)
+                continue
             text.items.append(str(f))
             text.nbytes += size
             if text.nbytes >= BLOCK_BYTES or len(text.items) >= BLOCK_FILES:
@@ -290,140 +310,10 @@ def iter_blocks(files: list[Path], text_field: str) -> Iterator[Block]:
             yield text
             text = Block("text", "")
         if kind == "jsonl":
-            yield from _iter_jsonl(f)
+            yield from _iter_jsonl(f, s.max_doc_bytes)
         elif kind == "hf":
-            yield from hf_export.iter_saved_dataset(f, text_field, Block)
+            yield from hf_export.iter_saved_dataset(f, s.text_field, Block, batch_rows)
         else:
-            yield from _iter_parquet(f, text_field)
+            yield from _iter_parquet(f, s.text_field)
     if text.items:
         yield text
-
-
-# ---- worker side ---------------------------------------------------------------------------
-
-_WORKER: dict = {}
-
-
-@dataclass(frozen=True)
-class TokenizeSettings:
-    """What a worker needs to tokenize blocks."""
-
-    tokenizer: TokenizerSpec
-    text_field: str = "text"
-    max_len: int | None = None
-    long_docs: str = "split"
-
-
-def init_worker(settings: TokenizeSettings) -> None:
-    """Pool initializer: build the tokenizer once per process."""
-    _WORKER["settings"] = settings
-    _WORKER["tokenizer"] = settings.tokenizer.build()
-
-
-def _utf8_error(exc: UnicodeDecodeError) -> str:
-    return f"not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
-
-
-def _add_doc(
-    res: BlockResult, source: str, text: object, tok: Tokenizer, s: TokenizeSettings
-) -> None:
-    if not isinstance(text, str):
-        res.bad.append(
-            (source, f"text field {s.text_field!r} is {type(text).__name__}, expected a string")
-        )
-        return
-    res.documents += 1
-    if not text:
-        res.empty += 1
-        return
-    try:
-        ids = tok.encode(text)
-    except UnicodeEncodeError as exc:  # lone surrogates ("\ud800" in JSON) are not UTF-8
-        res.documents -= 1
-        res.bad.append((source, f"text is not valid Unicode ({exc.reason} at {exc.start})"))
-        return
-    n = len(ids)
-    if n == 0:
-        res.empty += 1
-        return
-    if s.max_len is not None and n > s.max_len:
-        if s.long_docs == "drop":
-            res.dropped += 1
-            return
-        if s.long_docs == "truncate":
-            res.truncated += 1
-            ids = ids[: s.max_len]
-        else:
-            res.split += 1
-            for part, start in enumerate(range(0, n, s.max_len)):
-                res.sources.append(f"{source}@{part}")
-                res.tokens.append(ids[start : start + s.max_len])
-            return
-    res.sources.append(source)
-    res.tokens.append(ids)
-
-
-def process_block(block: Block) -> BlockResult:
-    """Parse and tokenize one block; bad records are collected, never raised."""
-    s: TokenizeSettings = _WORKER["settings"]
-    tok: Tokenizer = _WORKER["tokenizer"]
-    res = BlockResult(nbytes=block.nbytes)
-    if block.kind == "error":
-        res.bad.append((block.path, block.error or "unreadable"))
-    elif block.kind == "text":
-        for path in block.items:
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read()
-            except OSError as exc:
-                res.bad.append((path, f"cannot read file: {exc.strerror or exc}"))
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                res.bad.append((path, _utf8_error(exc)))
-                continue
-            _add_doc(res, path, text, tok, s)
-    elif block.kind == "jsonl":
-        for i, line in enumerate(block.items):
-            where = f"{block.path}:{block.start + i}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                res.bad.append((where, _utf8_error(exc)))
-                continue
-            except json.JSONDecodeError as exc:
-                res.bad.append((where, f"invalid JSON: {exc.msg} (column {exc.colno})"))
-                continue
-            except RecursionError:
-                res.bad.append((where, "invalid JSON: nested too deeply"))
-                continue
-            except ValueError as exc:  # e.g. an integer beyond Python's digit limit
-                res.bad.append((where, f"invalid JSON: {exc}"))
-                continue
-            if not isinstance(obj, dict):
-                res.bad.append((where, f"expected a JSON object, got {type(obj).__name__}"))
-                continue
-            if s.text_field not in obj:
-                res.bad.append((where, f"missing text field {s.text_field!r}"))
-                continue
-            text = obj[s.text_field]
-            _add_doc(res, where, text, tok, s)
-    elif block.kind == "parquet":
-        for i, text in enumerate(block.items):
-            where = f"{block.path}#{block.start + i}"
-            if text is None:
-                res.bad.append((where, f"text field {s.text_field!r} is null"))
-                continue
-            if isinstance(text, bytes):
-                try:
-                    text = text.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    res.bad.append((where, _utf8_error(exc)))
-                    continue
-            _add_doc(res, where, text, tok, s)
-    else:  # pragma: no cover - internal
-        raise AssertionError(block.kind)
-    return res

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from datapipe.errors import InputError
+from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_bytes, read_bounded_text
+from datapipe.ingest.lossy import LossCheck, Lost
 
 BYTES_BOS = 256
 BYTES_EOS = 257
@@ -19,6 +21,7 @@ _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[SEP]")
 _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
 # files of a saved tokenizer folder that name its special tokens; later files win
 _SPECIAL_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+TOKENIZER_FILE_LIMIT = 1 << 30  # tokenizer.json: refused above this size (large vocabularies)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Tokenizer:
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    lossy: bool = False  # can drop characters silently (then `lost_chars` counts them)
 
     @property
     def dtype(self) -> np.dtype:
@@ -69,6 +73,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
+
+    def lost_chars(self, text: str) -> Lost | None:
+        """The characters of `text` that `encode` drops without a trace (None: none)."""
+        return None
 
     def describe(self) -> dict:
         raise NotImplementedError
@@ -109,13 +117,18 @@ class HFTokenizer(Tokenizer):
                 f"{flag} needs the 'tokenizers' package: pip install 'mixlen[hf]'"
             ) from exc
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            self._tok = _HFTok.from_str(raw.decode("utf-8"))
+            raw = read_bounded_bytes(path, TOKENIZER_FILE_LIMIT, "the tokenizer file")
+            text = raw.decode("utf-8")
+            self._tok = _HFTok.from_str(text)
+            spec = json.loads(text)
+        except InputError:
+            raise
         except OSError as exc:
             raise InputError(f"{path}: cannot read tokenizer file: {exc.strerror or exc}") from exc
         except Exception as exc:
             raise InputError(f"{path}: not a valid Hugging Face tokenizer.json ({exc})") from exc
+        self._loss = LossCheck.build(self._tok, spec) if isinstance(spec, dict) else None
+        self.lossy = self._loss is not None
         self.path, self.folder = path, folder
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -158,6 +171,9 @@ class HFTokenizer(Tokenizer):
             ids.append(self.eos_id)
         return np.asarray(ids, dtype=self.dtype)
 
+    def lost_chars(self, text: str) -> Lost | None:
+        return self._loss.lost(text) if self._loss is not None else None
+
     def describe(self) -> dict:
         if self.folder is not None:
             return {"kind": "hf-dir", "path": self.folder, "sha256": self.sha256}
@@ -173,9 +189,8 @@ def special_token_names(folder: str) -> dict[str, str | None]:
         if not os.path.exists(p):
             continue
         try:
-            with open(p) as f:
-                conf = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
+            conf = json.loads(read_bounded_text(p, CONFIG_FILE_LIMIT, "the tokenizer config"))
+        except (OSError, json.JSONDecodeError, RecursionError) as exc:
             raise InputError(f"{p}: cannot read tokenizer config ({exc})") from None
         if not isinstance(conf, dict):
             raise InputError(f"{p}: expected a JSON object")

@@ -28,34 +28,7 @@ backward; each direction hides under the compute of its own pass and only the ex
 Decisions use integer nanoseconds (int64). Float arithmetic is plain IEEE float64 on numpy arrays
 (no fast-math, no fused multiply-add), rounded once per term, so every rank computes the same integers.
 
-Cost file schema (``--cost cost.json``, ``schema`` = ``"mixlen-cost/2"``)::
-
-    {
-      "schema": "mixlen-cost/2",
-      "name": "llama-7b@h100",          # free text
-      "a": 2.2e-09,                      # seconds per S^2 of one sample (fwd+bwd, all layers)
-      "b": 9.1e-05,                      # seconds per position (fwd+bwd, all layers, incl. LM head)
-      "c": 0.002,                        # seconds per micro-batch (launch, optimizer-free overheads)
-      "d": 0.0,                          # seconds per T^2, T a rank's positions in one micro-batch
-      "step": 0.0,                       # seconds per optimizer step around the micro-batches
-      "attn_n_half": 512,                # positions at which a chunk's attention runs at half rate
-      "kv_bytes_per_token": 524288,      # K+V bytes one position contributes over all layers
-      "link_bytes_per_s": 5.0e10,        # ring link per rank (bytes/s, one direction; across nodes)
-      "node_link_bytes_per_s": 3.0e11,   # ring link inside a node (used when ranks_per_node > 0)
-      "ranks_per_node": 8,               # 0: one link for every group
-      "hop_latency_s": 2.0e-05,          # fixed time of one ring hop (one layer, one pass)
-      "overlap": 0.9,                    # fraction of ring time that can hide under attention
-      "comm_passes": 3,                  # ring passes per layer: fwd K/V, bwd K/V, bwd dK/dV
-      "num_layers": 32,                  # l in ByteScale's Eq. 3; also the ring's hops per pass
-      "act_bytes_per_token_layer": 186504, # saved activation bytes per position per layer
-      "offload_bytes_per_s": 3.2e10      # host link (PCIe) bandwidth, one direction
-    }
-
-Required: a, b, c, kv_bytes_per_token, link_bytes_per_s, num_layers, act_bytes_per_token_layer,
-offload_bytes_per_s, and for /2 also attn_n_half, hop_latency_s, overlap (``d`` and ``step`` are
-optional, 0 when absent, and written only when not 0, so older files keep their hashes). ``mixlen-cost/1`` files
-(written before the ring terms existed) still load: they have none of the new keys, which then take
-the values that reproduce their costs exactly (attn_n_half 0, hop_latency_s 0, overlap 1, one link).
+The cost file schema (``--cost cost.json``, ``"schema": "mixlen-cost/2"``) is in docs/PLAN.md.
 ``mixlen calibrate`` writes /2 files; presets (:func:`preset`) build the same object from a model
 shape and a device's rates.
 """

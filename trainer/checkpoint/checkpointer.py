@@ -168,9 +168,12 @@ def _job_of(path: str) -> str | None:
         return None
 
 
-def check_run_matches(path: str, cfg: TrainerConfig, stream: LengthAwareStream) -> dict[str, Any]:
+def check_run_matches(
+    path: str, cfg: TrainerConfig, stream: LengthAwareStream, fingerprint: str | None = None
+) -> dict[str, Any]:
     """ConfigError if checkpoint `path` belongs to a run with other settings (naming the keys)
-    or another dataset; returns its saved stream state."""
+    or another dataset (other sample lengths; or, unless `data.allow_other_dataset`, another
+    dataset fingerprint than `fingerprint`); returns its saved stream state."""
     try:
         saved = read_json(os.path.join(path, RUN_FILE))
         config, stream_state = saved["config"], saved["stream"]
@@ -188,6 +191,14 @@ def check_run_matches(path: str, cfg: TrainerConfig, stream: LengthAwareStream) 
             f"checkpoint.resume: {path} was saved on another dataset (data.path "
             f"{config.get('data', {}).get('path')!r} then, {cfg.data.path!r} now: the sample "
             "lengths differ)"
+        )
+    then = saved.get("dataset_fingerprint")
+    if then and fingerprint and then != fingerprint and not cfg.data.allow_other_dataset:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was saved on dataset {then} and data.path "
+            f"{cfg.data.path!r} is dataset {fingerprint} (the same sample lengths, other "
+            "contents: `mixlen verify` prints a dataset's fingerprint); resume on the dataset it "
+            "was saved on, or set data.allow_other_dataset = true for a re-sharded copy of it"
         )
     return stream_state
 
@@ -214,6 +225,7 @@ class Checkpointer:
         self.resumed = False  # set by resume(): this run continues a checkpoint
         self._run_dict = run.to_dict()
         self.ours: list[int] = []  # steps of the checkpoints this run resumed from or saved
+        self.fingerprint: str | None = None  # the dataset's, recorded and checked on resume
         self._lock: DirLock | None = None
 
     def lock(self) -> None:
@@ -310,7 +322,7 @@ class Checkpointer:
 
     def _load(self, path: str, stream: LengthAwareStream) -> int:
         """Load the verified checkpoint `path` after checking it belongs to this run."""
-        stream_state = check_run_matches(path, self.run, stream)
+        stream_state = check_run_matches(path, self.run, stream, self.fingerprint)
         try:
             SafeReader(path).read_metadata()  # refused here, before DCP logs its own traceback
             run = load_checkpoint(path, self.state, self.scheduler, self.comm, self.device)
@@ -342,6 +354,7 @@ class Checkpointer:
             "format": CHECKPOINT_FORMAT,
             "config": json.loads(json.dumps(self._run_dict)),
             "stream": stream_state,
+            "dataset_fingerprint": self.fingerprint,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
         }
         path = save_checkpoint(

@@ -7,7 +7,8 @@ import os
 import textwrap
 from typing import Any
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, InputError
+from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_text
 from datapipe.settings import Names, check, from_mapping, rows
 from trainer.config.job import TrainerConfig, from_dict
 
@@ -41,16 +42,18 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
 
 
 def _read(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed TOML file (ConfigError naming the file)."""
+    """The parsed TOML file (ConfigError naming the file): a regular file of at most 16 MiB,
+    refused before reading otherwise (a device or a FIFO would never end)."""
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
+        return tomllib.loads(read_bounded_text(path, CONFIG_FILE_LIMIT, "a config file"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: cannot read config (No such file or directory)") from None
+    except InputError as exc:
+        if "UTF-8" in str(exc) or "utf-8" in str(exc):
+            raise ConfigError(f"{path}: not a text (TOML) file") from None
+        raise ConfigError(str(exc)) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text (TOML) file") from None
 
 
 def load_config(

@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapipe.fetch import MemoryFetcher
+from datapipe.fetch import MemoryFetcher, rank_pieces
 from datapipe.plan.planner import Planner
 from datapipe.stream import greedy_boundaries
-from trainer.data import rank_pieces
 from trainer.eval.buckets import BucketLosses
 from trainer.eval.passkey import PasskeyCase
 from trainer.parallel.executor import HDPExecutor

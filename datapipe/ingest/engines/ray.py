@@ -38,14 +38,21 @@ from datapipe.errors import InputError, MixlenError
 from datapipe.formats import build_writer
 from datapipe.formats.base import ShardInfo
 from datapipe.index import INDEX_FILE
-from datapipe.ingest import sources
+from datapipe.ingest import sources, worker
+from datapipe.ingest.engines.base import (
+    NOTE_COUNTS,
+    EngineResult,
+    EngineRun,
+    Written,
+    write_metadata,
+)
+from datapipe.ingest.worker import BLOCK_COUNT_KEYS
 from datapipe.progress import input_sizes, progress
 
 TASK_BYTES = 64 << 20  # most input bytes per tokenize task
 TASKS_PER_WORKER = 4  # at least this many tasks per worker when the inputs allow it
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
 SPILL_DIR = ".spill"
-_COUNT_KEYS = ("documents", "empty", "split", "truncated", "dropped")
 
 
 @dataclass(frozen=True)
@@ -97,52 +104,62 @@ def _describe(block: sources.Block) -> str:
     return block.items[0] + (f" (or one of the {more} text files after it)" if more else "")
 
 
+def _tokenize_group(job: Job, paths: list[str], spill, out: dict, where: list[str]) -> None:
+    """Tokenize the files in order, spilling tokens to `spill` and collecting into `out`;
+    `where[0]` follows the input being read (for a failure's message)."""
+    fail_on = os.environ.get(FAIL_HOOK_ENV)
+    notes: list[tuple[str, str, str]] = []
+    note_counts: dict[str, int] = {}
+    counts = dict.fromkeys(BLOCK_COUNT_KEYS, 0)
+    for block in sources.iter_blocks([Path(p) for p in paths], job.settings):
+        where[0] = _describe(block)
+        files = block.items if block.kind == "text" else [block.path]
+        hit = [f for f in files if fail_on and fail_on in f]
+        if hit:
+            where[0] = hit[0]
+            raise RuntimeError(f"planted failure ({FAIL_HOOK_ENV})")
+        res = worker.process_block(block)
+        for kind, at, reason in res.notes:
+            if job.strict:  # the driver raises the first one in input order
+                out.update(error=f"{at}: {reason}", kind="note")
+                return
+            note_counts[kind] = note_counts.get(kind, 0) + 1
+            if sum(n[0] == kind for n in notes) < job.max_reported:
+                notes.append((kind, at, reason))
+        for key, n in res.counts.items():
+            counts[key] += n
+        for src, toks in zip(res.sources, res.tokens):
+            spill.write(np.ascontiguousarray(toks, dtype=job.dtype).tobytes())
+            out["lengths"].append(len(toks))
+            out["names"].append(src)
+        out["nbytes"] += res.nbytes
+    out.update(notes=json.dumps(notes), note_counts=json.dumps(note_counts))
+    out.update(counts=json.dumps(counts))
+
+
 def tokenize_task(job: Job, row: dict) -> dict:
     """Stage 1: tokenize one group of files and spill the result. Failures come back as data:
-    `error` names the input, `kind` is "bad" (a bad record under --strict) or "task"."""
+    `error` names the input, `kind` is "note" (a bad, special or lossy input under --strict)
+    or "task"."""
     idx, paths = int(row["idx"]), [str(p) for p in row["paths"]]
-    out = {"idx": idx, "error": "", "kind": "", "samples": 0, "bad": "[]", "bad_count": 0}
-    out.update({k: 0 for k in (*_COUNT_KEYS, "nbytes")})
-    current = paths[0]
+    out: dict = {"idx": idx, "error": "", "kind": "", "samples": 0, "nbytes": 0}
+    out.update(notes="[]", note_counts="{}", counts="{}", lengths=[], names=[])
+    where = [paths[0]]
     try:
-        if sources._WORKER.get("settings") != job.settings:
-            sources.init_worker(job.settings)
-        fail_on = os.environ.get(FAIL_HOOK_ENV)
+        if worker._WORKER.get("settings") != job.settings:
+            worker.init_worker(job.settings)
         base = _spill_base(job.root, idx)
-        lengths: list[int] = []
-        names: list[str] = []
-        bad: list[tuple[str, str]] = []
         with open(base + ".bin.tmp", "wb") as spill:
-            for block in sources.iter_blocks([Path(p) for p in paths], job.settings.text_field):
-                current = _describe(block)
-                files = block.items if block.kind == "text" else [block.path]
-                hit = [f for f in files if fail_on and fail_on in f]
-                if hit:
-                    current = hit[0]
-                    raise RuntimeError(f"planted failure ({FAIL_HOOK_ENV})")
-                res = sources.process_block(block)
-                for where, reason in res.bad:
-                    if job.strict:  # the driver raises the first one in input order
-                        out.update(error=f"{where}: {reason}", kind="bad")
-                        return out
-                    out["bad_count"] += 1
-                    if len(bad) < job.max_reported:
-                        bad.append((where, reason))
-                for key in _COUNT_KEYS:
-                    out[key] += getattr(res, key)
-                for src, toks in zip(res.sources, res.tokens):
-                    spill.write(np.ascontiguousarray(toks, dtype=job.dtype).tobytes())
-                    lengths.append(len(toks))
-                    names.append(src)
-                out["nbytes"] += res.nbytes
-        os.replace(base + ".bin.tmp", base + ".bin")
-        np.save(base + ".len.npy", np.asarray(lengths, np.int64))
-        with open(base + ".src.json", "w") as f:
-            json.dump(names, f)
-        out["samples"] = len(lengths)
-        out["bad"] = json.dumps(bad)
+            _tokenize_group(job, paths, spill, out, where)
+        if not out["error"]:
+            os.replace(base + ".bin.tmp", base + ".bin")
+            np.save(base + ".len.npy", np.asarray(out["lengths"], np.int64))
+            with open(base + ".src.json", "w") as f:
+                json.dump(out["names"], f)
+            out["samples"] = len(out["lengths"])
     except Exception as exc:  # named by input file; the driver turns it into the run's error
-        out.update(error=f"{current}: {type(exc).__name__}: {exc}", kind="task")
+        out.update(error=f"{where[0]}: {type(exc).__name__}: {exc}", kind="task")
+    del out["lengths"], out["names"]
     return out
 
 
@@ -294,20 +311,12 @@ def bar_step(items: list[dict], row: dict) -> int:
 # --- driver ----------------------------------------------------------------------------------------
 
 
-def write_dataset(
-    cfg,
-    files: list[Path],
-    tokenizer,
-    settings: sources.TokenizeSettings,
-    root: str,
-    warn: Callable[[str], None],
-    pause_marker: str | None = None,
-) -> tuple[dict, list[tuple[str, str]], int]:
-    """The Ray engine's `_write_dataset` (same arguments and result as the local engine's)."""
-    from datapipe.ingest.preprocess import no_samples, note_bad, write_metadata
-
+def write_dataset(run: EngineRun) -> EngineResult:
+    """Tokenize `run.files` in Ray Data tasks and write shards, index.parquet and manifest.json
+    into `run.root` (the local engine's dataset; only shard boundaries differ)."""
+    cfg, files, tokenizer, root, tally = run.cfg, run.files, run.tokenizer, run.root, run.tally
     job = Job(
-        settings,
+        run.settings,
         root,
         cfg.format,
         tokenizer.dtype.name,
@@ -328,20 +337,20 @@ def write_dataset(
             sum(sizes.values()), "tokenize (ray)", "B", cfg.progress, unit_scale=True
         ) as bar:
             tok = _run_tasks(partial(tokenize_task, job), items, bar)
-        counts = {"documents": 0, "empty": 0, "bad": 0, "split": 0, "truncated": 0, "dropped": 0}
-        bad_examples: list[tuple[str, str]] = []
-        for r in tok:
-            if r["kind"] == "bad":
+        for r in tok:  # in input order, as the local engine notes them
+            if r["kind"] == "note":
                 raise InputError(r["error"])
             if r["kind"] == "task":
                 raise MixlenError(f"--engine ray: a tokenize task failed on {r['error']}")
-            for where, reason in json.loads(r["bad"]):
-                note_bad(cfg, where, reason, counts, bad_examples, warn)
-            counts["bad"] += r["bad_count"] - len(json.loads(r["bad"]))
-            for key in _COUNT_KEYS:
-                counts[key] += r[key]
+            kept = json.loads(r["notes"])
+            for kind, where, reason in kept:
+                tally.note(kind, where, reason)
+            for kind, n in json.loads(r["note_counts"]).items():
+                tally.counts[NOTE_COUNTS[kind]] += n - sum(k[0] == kind for k in kept)
+            for key, n in json.loads(r["counts"]).items():
+                tally.counts[key] += n
         if not sum(r["samples"] for r in tok):
-            raise no_samples(counts, bad_examples)
+            raise tally.no_samples()
         first = np.concatenate([[0], np.cumsum([r["samples"] for r in tok])]).astype(np.int64)
         # stage 2: write the parts with global sample ids
         parts = [{"idx": r["idx"], "first_id": int(first[k])} for k, r in enumerate(tok)]
@@ -351,19 +360,17 @@ def write_dataset(
         if r["error"]:
             paths = ", ".join(groups[r["idx"]])
             raise MixlenError(f"--engine ray: the write task for {paths} failed: {r['error']}")
-    written = merge_parts(cfg.format, root, len(groups), counts)
+    written = merge_parts(cfg.format, root, len(groups))
     written.engine = {"name": "ray", "address": cfg.ray_address, "tasks": len(groups)}
     shutil.rmtree(os.path.join(root, SPILL_DIR), ignore_errors=True)
     nbytes = sum(r["nbytes"] for r in tok)
-    return write_metadata(cfg, root, tokenizer, written), bad_examples, nbytes
+    return EngineResult(write_metadata(run, written), nbytes)
 
 
-def merge_parts(fmt: str, root: str, num_parts: int, counts: dict[str, int]):
+def merge_parts(fmt: str, root: str, num_parts: int) -> Written:
     """Merge part-00000 .. part-{num_parts-1} into one dataset's shard list and index columns
     (MDS: also one index.json through merge_index); removes the parts' own index files."""
     import pyarrow.parquet as pq
-
-    from datapipe.ingest.preprocess import Written
 
     shards: list[ShardInfo] = []
     cols: dict[str, list] = {"num_tokens": [], "shard": [], "first_row": [], "source": []}
@@ -393,7 +400,6 @@ def merge_parts(fmt: str, root: str, num_parts: int, counts: dict[str, int]):
         np.concatenate(cols["shard"]).astype(np.int32),
         np.concatenate(cols["first_row"]).astype(np.int64),
         cols["source"],
-        counts,
         shards,
         {},
     )

@@ -1,0 +1,90 @@
+"""`mixlen calibrate`: a cost file from the real model's timings (one process, two gloo
+processes), the model a training config trains, and its per-step term."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from datapipe.errors import ConfigError
+
+
+def test_calibrate_writes_a_loadable_cost_file(tmp_path):
+    from datapipe.plan.cost import load
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["calibrate", "--model", "debug", "--out", str(out), "--lengths", "16,32,64"]
+    assert main([*args, "--repeats", "1", "--packs", "4x16,2x32"]) == 0
+    cost = load(out)
+    assert cost.num_layers == 2 and min(cost.a, cost.b, cost.c) >= 0
+    assert cost.a * 64 * 64 + cost.b * 64 + cost.c > 0
+    assert (cost.attn_n_half, cost.hop_latency_s, cost.overlap) == (0.0, 0.0, 1.0)  # no rings
+    cal = json.loads(out.read_text())["calibration"]
+    local = [t["lengths"] for t in cal["timings"] if t["kind"] == "local"]
+    assert local == [[16], [32], [64], [16] * 4, [32] * 2]
+    steps = [t for t in cal["timings"] if t["kind"] == "step"]
+    assert [t["lengths"] for t in steps] == [[16] * 4, [32] * 2]  # one per pack, whole steps
+    assert cost.step == pytest.approx(float(np.median([t["seconds"] for t in steps])))
+    assert cost.step > 0  # AdamW's apply and the plan check cost something
+    assert cal["fitted_terms"] == ["a", "b", "c", "d", "step"] and "local" in cal["residuals"]
+    assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
+    assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
+
+
+def test_calibrate_the_config_s_model(tmp_path, capsys):
+    """`mixlen calibrate CONFIG.toml` times the model the run trains (here 4 layers and another
+    vocabulary), records its shape, and writes the config's parallel.cost; a run with planned
+    offload then validates (it was refused with a 2-layer cost file), and a model that differs
+    from the one timed is named key by key."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+    from trainer.config.toml import load_config
+
+    out = tmp_path / "cost.json"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        '[model]\nname = "debug"\nn_layers = 4\nvocab_size = 300\n'
+        f'[data]\npath = "unused"\n[train]\ndtype = "float64"\n'
+        f'[parallel]\ncapacity = 512\ncost = "{out}"\n[offload]\nenabled = true\n'
+    )
+    with pytest.raises(ConfigError, match="parallel.cost: cannot read|parallel.cost"):
+        load_config(cfg)  # the file does not exist yet
+    args = ["calibrate", str(cfg), "--lengths", "16,32,64", "--repeats", "1", "--packs", "2x16"]
+    assert main(args) == 0
+    cal = json.loads(out.read_text())["calibration"]
+    assert cal["shape"]["n_layers"] == 4 and cal["shape"]["vocab_size"] == 300
+    assert cal["dtype"] == "float64"
+    assert [2, 256] in [[len(t["lengths"]), t["lengths"][0]] for t in cal["timings"]]  # C-sized
+    assert load(out).num_layers == 4
+    run = load_config(cfg)  # validates: offload plans Eq. 3 with the timed model's 4 layers
+    assert run.parallel.timed_shape_differences(run.model.shape()) == []
+    other = load_config(cfg, ["model.dim=64", "offload.enabled=false"])
+    assert other.parallel.timed_shape_differences(other.model.shape()) == ["dim 128 -> 64"]
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        load_config(cfg, ["model.n_layers=2"])  # offload: the cost's 4 layers are not the model's
+    assert main(["calibrate", str(cfg), "--model", "small"]) == 2
+    assert "come from the config file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_two_processes_fits_ring_terms(tmp_path):
+    """Two gloo processes: hops and rings are timed and every ring term is fitted (a 16 MiB hop:
+    the link shows above the hop latency even on a loaded box; with 256 KiB it did not once)."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["calibrate", "--out", str(out), "--nproc", "2", "--repeats", "1"]
+    args += ["--lengths", "64,128,256", "--ring-lengths", "128,256", "--hop-bytes", "1024,16777216"]
+    args += ["--packs", "4x32,2x64"]
+    assert main(args) == 0
+    cost = load(out)
+    cal = json.loads(out.read_text())["calibration"]
+    assert set(cal["fitted_terms"]) >= {"hop_latency_s", "link_bytes_per_s", "overlap"}
+    kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
+    assert kinds == {("local", 1), ("hop", 2), ("ring", 2), ("step", 2)}
+    assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
+    assert cal["nproc"] == 2 and cal["clock"] == "wall"

@@ -1,0 +1,194 @@
+"""Tokenizers that cannot represent some input (issue 23 case 3): a tokenizer.json whose BPE
+vocabulary lacks characters of the text and has no unk token or byte fallback stored "zzzz" as
+BOS+EOS, exit 0, "bad 0". Now the dropped characters are counted per run and per document
+(`unknown_chars`, `unknown_docs`), the first documents are named, --strict stops at the first
+one, and a warning comes before tokenizing. The count is checked against an independent
+reference: the same tokenizer with an unk token, whose unk tokens' offsets mark every character
+the model could not represent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from datapipe.index import read_index
+from datapipe.ingest.lossy import bytes_to_unicode
+from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+from datapipe.ingest.tokenizer import HFTokenizer
+from tools.cli import main as cli_main
+
+SPECIAL = ["<s>", "</s>"]
+
+
+def _spec(model: dict, pre: dict | None = None, normalizer: dict | None = None) -> dict:
+    """A tokenizer.json: <s> and </s> as added tokens 0 and 1, then the model's vocabulary."""
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for t in model.pop("tokens"):
+        vocab.setdefault(t, len(vocab))
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, t in enumerate(SPECIAL)
+    ]  # fmt: skip
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre,
+        "post_processor": None,
+        "decoder": None,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": vocab,
+            "merges": [],
+            **model,
+        },  # fmt: skip
+    }
+
+
+BYTE_SYMBOLS = bytes_to_unicode()
+CASES = {  # name -> tokenizer.json; all lose the characters their vocabularies lack
+    "whitespace": _spec(
+        {"tokens": list("abc") + ["ab"], "merges": [["a", "b"]]}, {"type": "Whitespace"}
+    ),  # fmt: skip
+    "byte-level": _spec(
+        {"tokens": [BYTE_SYMBOLS[b] for b in b"abc \n"] + [BYTE_SYMBOLS[0xC3]]},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ),
+    "metaspace-lowercase": _spec(
+        {"tokens": ["a", "b", "c", "\u2581"]},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+        {"type": "Lowercase"},
+    ),
+    "prefix": _spec(
+        {"tokens": ["a", "b", "##a", "##c", "c"], "continuing_subword_prefix": "##"},
+        {"type": "WhitespaceSplit"},
+    ),
+}
+
+
+def _write(tmp: Path, spec: dict, name: str = "tok.json") -> str:
+    path = tmp / name
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def _reference_lost(spec: dict, text: str) -> int:
+    """Characters the model cannot represent, by the library itself: the same tokenizer with an
+    unk token (not fused); each unk token's offsets cover one character it stands for."""
+    from tokenizers import Tokenizer
+
+    ref = json.loads(json.dumps(spec))
+    ref["model"]["unk_token"] = "<unk>"
+    ref["model"]["vocab"]["<unk>"] = len(ref["model"]["vocab"])
+    tok = Tokenizer.from_str(json.dumps(ref))
+    unk = ref["model"]["vocab"]["<unk>"]
+    enc = tok.encode(text)
+    return len({off for i, off in zip(enc.ids, enc.offsets) if i == unk})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(st.sampled_from(list("abcABz \n\té✓日")), max_size=40))
+@example(text="zA é✓日\tabc ab\n<s>z")
+def test_lost_characters_match_the_unk_reference(tmp_path_factory, case: str, text: str) -> None:
+    tmp = tmp_path_factory.mktemp(case)
+    tok = HFTokenizer(_write(tmp, CASES[case]))
+    assert tok.lossy
+    lost = tok.lost_chars(text)
+    want = _reference_lost(CASES[case], text)
+    assert (lost.count if lost else 0) == want, (text, lost)
+    if text == "zA é✓日\tabc ab\n<s>z":  # the example: every case loses some of it
+        assert want >= 3
+
+
+def test_unknown_chars_counted_named_and_strict(tmp_path: Path, capsys) -> None:
+    """The issue's reproduction ("zzzz" became BOS+EOS with exit 0): counted, the document
+    named, a warning before tokenizing; --strict stops at it (exit 2, nothing left behind)."""
+    tok = _write(tmp_path, CASES["whitespace"])
+    data = tmp_path / "d.jsonl"
+    texts = ["ab c", "zzzz", "a z b zz", "abc"]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    warnings: list[str] = []
+    res = preprocess(
+        PreprocessConfig([str(data)], str(tmp_path / "o"), tokenizer=tok, progress=False),
+        warn=warnings.append,
+    )
+    c = res.manifest["counts"]
+    assert c["unknown_chars"] == 4 + 3 and c["unknown_docs"] == 2 and c["bad"] == 0
+    assert warnings[0].startswith(f"warning: {tok}: the tokenizer has no unk token and no byte")
+    assert warnings[1:] == [
+        f"{data}:2: 4 characters outside the tokenizer's vocabulary dropped (first 'z'; it has "
+        "no unk token or byte fallback)",
+        f"{data}:3: 3 characters outside the tokenizer's vocabulary dropped (first 'z'; it has "
+        "no unk token or byte fallback)",
+    ]
+    assert [w for w, _ in res.manifest["reported"]["unknown"]] == [f"{data}:2", f"{data}:3"]
+    # <s> ab c </s>, <s> </s>, <s> a b </s>, <s> ab c </s>
+    assert read_index(str(tmp_path / "o")).num_tokens.tolist() == [4, 2, 4, 4]
+    out = tmp_path / "strict"
+    argv = ["preprocess", str(data), "--tokenizer", tok, "--out", str(out), "--quiet"]
+    assert cli_main([*argv, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {data}:2: 4 characters outside the tokenizer's vocabulary" in err
+    assert "Traceback" not in err and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".strict")]
+    assert cli_main(argv[:-3] + ["--out", str(tmp_path / "o2"), "--quiet"]) == 0
+    assert "unknown_chars 7 in 2 documents" in capsys.readouterr().out
+
+
+def test_tokenizers_that_lose_nothing_are_not_checked(tmp_path: Path) -> None:
+    """No check and no warning where nothing can be lost: a byte-level BPE with all 256 byte
+    symbols (the demo's), a BPE with an unk token or byte fallback, a WordPiece model."""
+    asset = HFTokenizer(str(ROOT / "tests" / "assets" / "bpe-stdlib.json"))
+    assert not asset.lossy and asset.lost_chars("zzzz ✓ 日本") is None
+    for key, value in (("unk_token", "c"), ("byte_fallback", True)):
+        spec = json.loads(json.dumps(CASES["whitespace"]))
+        spec["model"][key] = value
+        assert not HFTokenizer(_write(tmp_path, spec)).lossy, key
+    wp = json.loads(json.dumps(CASES["whitespace"]))
+    wp["model"] = {"type": "WordPiece", "unk_token": "a", "continuing_subword_prefix": "##",
+                   "max_input_chars_per_word": 100, "vocab": wp["model"]["vocab"]}  # fmt: skip
+    assert not HFTokenizer(_write(tmp_path, wp)).lossy
+    src = tmp_path / "t.txt"
+    src.write_text("zzzz")
+    warnings: list[str] = []
+    preprocess(
+        PreprocessConfig(
+            [str(src)],
+            str(tmp_path / "o"),
+            tokenizer=str(ROOT / "tests" / "assets" / "bpe-stdlib.json"),
+            progress=False,
+        ),  # fmt: skip
+        warn=warnings.append,
+    )
+    assert warnings == []
+
+
+def test_a_tokenizer_error_is_a_bad_document(tmp_path: Path) -> None:
+    """A BPE whose unk token is missing from its vocabulary raises on unknown text: that
+    document is bad, named, and the run goes on (no traceback)."""
+    spec = json.loads(json.dumps(CASES["whitespace"]))
+    spec["model"]["unk_token"] = "<unk>"  # not in the vocabulary
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "zz"}) + "\n" + json.dumps({"text": "ab"}) + "\n")
+    warnings: list[str] = []
+    res = preprocess(
+        PreprocessConfig(
+            [str(src)], str(tmp_path / "o"), tokenizer=_write(tmp_path, spec), progress=False
+        ),  # fmt: skip
+        warn=warnings.append,
+    )
+    assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
+    assert warnings[0].startswith(f"skipped {src}:1: the tokenizer failed: ")
