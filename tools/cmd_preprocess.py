@@ -133,6 +133,8 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     """Where the work runs: processes, Ray, a staging directory for an object-store --out."""
+    from datapipe.ingest.engines import ENGINES
+
     p.add_argument(
         "--workers",
         type=int,
@@ -142,7 +144,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         default="local",
-        choices=["local", "ray"],
+        choices=sorted(ENGINES),
         help="local processes (default) or Ray Data tasks (pip install 'mixlen[ray]')",
     )
     p.add_argument(

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datapipe.errors import ConfigError, InputError, MixlenError
+from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_bytes
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig
 
 SCHEMA = "mixlen-cost/2"
@@ -475,9 +476,9 @@ def from_dict(d: dict, source: str = "cost model") -> CostModel:
 def load(path: str | os.PathLike) -> CostModel:
     """Read a cost file; the model's hash is the sha256 of the file's bytes."""
     try:
-        raw = open(path, "rb").read()
-    except OSError as exc:
-        raise InputError(f"cannot read cost file {path}: {exc.strerror}") from None
+        raw = read_bounded_bytes(path, CONFIG_FILE_LIMIT, "a cost file")
+    except FileNotFoundError:
+        raise InputError(f"cannot read cost file {path}: No such file or directory") from None
     try:
         d = json.loads(raw)
     except json.JSONDecodeError as exc:
