@@ -57,42 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun's own machinery with N local ranks."""
-    import torch
-    from torch.distributed.run import get_args_parser, run
+    from tools.launch import launch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; torchrun passes the env on
-    cmd = [
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--max-restarts",
-        str(args.max_restarts),
-        "--module",
-        "tools.cli",
-        "train",
-        args.config,
-    ]
+    argv = ["train", args.config]
     for o in args.overrides:
-        cmd += ["--set", o]
-    cmd += ["--log-ranks", args.log_ranks] + (["--quiet"] if args.quiet else [])
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    try:
-        run(get_args_parser().parse_args(cmd))
-    except SignalException as exc:  # the launcher was stopped: rank 0 said where
-        return 128 + int(exc.sigval)
-    except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
-        codes = sorted(
-            {f.exitcode for f in getattr(exc, "failures", {}).values()}, key=lambda c: c != 2
-        )
-        what = ", ".join(f"exit code {c}" for c in codes) or type(exc).__name__
-        print(f"mixlen train: stopped, a rank failed ({what})", file=sys.stderr)
-        return 2 if 2 in codes else 1
-    return 0
+        argv += ["--set", o]
+    argv += ["--log-ranks", args.log_ranks] + (["--quiet"] if args.quiet else [])
+    return launch(argv, args.nproc, args.max_restarts)
 
 
 def run(args: argparse.Namespace) -> int:

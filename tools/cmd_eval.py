@@ -1,0 +1,116 @@
+"""`mixlen eval MODEL DATA [--nproc N] [--split val|all] [--json] [--out DIR]`: long-context
+evaluation (trainer/eval/): loss and perplexity by position and by sample length over a dataset's
+held-out samples, and passkey retrieval at every depth of filler up to the model's context, on N
+ranks with the planner and executor of training (long samples on rings).
+
+MODEL is a mixlen checkpoint (a `step-NNNNNNNN` directory, or a checkpoint.dir: its newest) or a
+Hugging Face `save_pretrained` folder; DATA a dataset written by `mixlen preprocess`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from datapipe.errors import ConfigError
+from trainer.model.config import DTYPES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a mixlen checkpoint (or checkpoint.dir) or a Hugging Face folder")
+    p.add_argument("data", help="a dataset written by `mixlen preprocess`")
+    p.add_argument(
+        "--split",
+        choices=("val", "all"),
+        default="val",
+        help="the held-out samples (the checkpoint's data.val_fraction and seed, else "
+        "--val-fraction and --seed) or every sample",
+    )
+    p.add_argument("--val-fraction", type=float, default=None, help="held-out fraction (0.01)")
+    p.add_argument("--seed", type=int, default=None, help="the held-out split's seed (0)")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to launch through torchrun")
+    p.add_argument("--capacity", type=int, default=None, help="positions per rank per micro-batch")
+    p.add_argument("--policy", default="hdp", choices=("hdp", "naive-hdp", "static"))
+    p.add_argument("--cost", default=None, help="a cost preset or file for the planner (debug)")
+    p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
+    p.add_argument("--passkey-lengths", default=None, help="comma list (default 1K, 2K, ...)")
+    p.add_argument("--passkey-depths", default="0,0.25,0.5,0.75,1", help="comma list in [0, 1]")
+    p.add_argument("--tokenizer", default=None, help="the passkey's tokenizer.json (or bytes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="write eval.json and passkey.png into this folder")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+
+def _numbers(flag: str, text: str | None, kind: type) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _options(args: argparse.Namespace):
+    from trainer.eval.cli import EvalOptions
+
+    if not 1 <= args.nproc <= 1 << 16:
+        raise ConfigError(f"--nproc: must be in [1, 65536], got {args.nproc}")
+    if args.capacity is not None and not 1 <= args.capacity <= 1 << 32:
+        raise ConfigError(f"--capacity: must be in [1, 2^32], got {args.capacity}")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        raise ConfigError(f"--val-fraction: must be in (0, 1), got {args.val_fraction}")
+    depths = _numbers("--passkey-depths", args.passkey_depths, float) or []
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"--passkey-depths: each must be in [0, 1], got {depths}")
+    lengths = _numbers("--passkey-lengths", args.passkey_lengths, int)
+    if lengths is not None and any(not 16 <= n <= 1 << 36 for n in lengths):
+        raise ConfigError(f"--passkey-lengths: each must be in [16, 2^36], got {lengths}")
+    return EvalOptions(
+        model=args.model,
+        data=args.data,
+        split=args.split,
+        dtype=args.dtype,
+        capacity=args.capacity,
+        policy=args.policy,
+        cost=args.cost,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        passkey=not args.no_passkey,
+        passkey_lengths=lengths,
+        passkey_depths=depths,
+        tokenizer=args.tokenizer,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.launch import launch, under_torchrun
+
+    opts = _options(args)
+    if args.nproc > 1 and not under_torchrun():
+        argv = [a for a in sys.argv[1:] if a != "--nproc" and a != str(args.nproc)]
+        return launch(argv, args.nproc)
+    from trainer.eval.cli import run_eval
+    from trainer.eval.report import plot_passkey, render
+    from trainer.parallel.runtime import setup_runtime
+
+    rt = setup_runtime(args.device)
+    try:
+        result = run_eval(opts, rt)
+    finally:
+        rt.close()
+    if rt.global_rank != 0:
+        return 0
+    if args.out:
+        from datapipe.files import write_text_atomic
+
+        os.makedirs(args.out, exist_ok=True)
+        write_text_atomic(os.path.join(args.out, "eval.json"), json.dumps(result, indent=1))
+        if result.get("passkey"):
+            plot_passkey(result["passkey"], os.path.join(args.out, "passkey.png"))
+    print(json.dumps(result) if args.json else render(result), end="" if not args.json else "\n")
+    return 0

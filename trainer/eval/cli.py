@@ -1,0 +1,191 @@
+"""`mixlen eval MODEL DATA`: a model (a mixlen checkpoint, or a Hugging Face `save_pretrained`
+folder) evaluated on a mixlen dataset's held-out samples by the run's planner and executor on the
+island's ranks, with loss and perplexity by position and sample-length bucket, and passkey
+retrieval at depths 0-100% in filler up to the model's context. Collective: every rank runs
+`run_eval`; rank 0 reports."""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from datapipe.errors import InputError
+from datapipe.fetch import FetchConfig
+from datapipe.ingest.tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
+from datapipe.plan.cost import resolve
+from datapipe.plan.planner import PlannerConfig
+from datapipe.settings import from_mapping
+from datapipe.shapes import ModelConfig
+from trainer.data import held_out_mask
+from trainer.eval.passkey import make_cases
+from trainer.eval.run import evaluate_passkey, evaluate_samples, fetched, planned_batches
+from trainer.model.transformer import build, torch_dtype
+from trainer.parallel.executor import HDPExecutor
+from trainer.parallel.runtime import Runtime
+
+__all__ = ["EvalOptions", "LoadedModel", "load_model", "run_eval"]
+
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class EvalOptions:
+    """What `mixlen eval` evaluates, and how (None: the checkpoint's setting, else a default)."""
+
+    model: str
+    data: str
+    split: str = "val"
+    dtype: str = "float32"
+    capacity: int | None = None
+    policy: str = "hdp"
+    cost: str | None = None
+    val_fraction: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    passkey: bool = True
+    passkey_lengths: list[int] | None = None
+    passkey_depths: list[float] = field(default_factory=lambda: list(DEPTHS))
+    tokenizer: str | None = None
+
+
+class LoadedModel(NamedTuple):
+    """A model with its weights, its shape, its context (None: unknown), its tokenizer when it
+    has one, and the settings of the run that trained it (a mixlen checkpoint's; else empty)."""
+
+    model: nn.Module
+    shape: ModelConfig
+    context: int | None
+    tokenizer: Tokenizer | None
+    run: dict[str, dict[str, Any]]
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A mixlen checkpoint (a step directory or a checkpoint.dir) or a Hugging Face folder."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
+
+        pre = inspect_pretrained(path)
+        model = build(pre.shape, "meta", dtype).to_empty(device=device)
+        load_pretrained_weights(model, pre)
+        tok = None
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tok = HFTokenizer.from_folder(path)
+        return LoadedModel(model, pre.shape, _context(pre.shape), tok, {})
+    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
+
+    from trainer.checkpoint.files import read_json
+    from trainer.config.job import TrainerConfig
+
+    step = checkpoint_step_dir(path)
+    saved = read_json(os.path.join(step, "run.json"))
+    cfg = from_mapping(TrainerConfig, saved.get("config", {}))
+    shape = cfg.model.shape()
+    model = build(shape, "meta", dtype).to_empty(device=device)
+    weights = read_model_weights(step)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in weights:
+                raise InputError(f"{step}: the checkpoint has no weights for {name}")
+            p.copy_(weights.pop(name).to(dtype))
+    return LoadedModel(model, shape, _context(shape), None, saved.get("config", {}))
+
+
+def _context(shape: ModelConfig) -> int | None:
+    ctx = getattr(shape, "max_position_embeddings", None)
+    return int(ctx) if ctx else None
+
+
+def _eval_ids(opts: EvalOptions, run: dict, n: int) -> np.ndarray:
+    """The evaluated sample ids: the held-out ones (the run's val_fraction and seed, or the
+    options'), or all."""
+    ids = np.arange(n, dtype=np.int64)
+    if opts.split == "all":
+        return ids
+    data = run.get("data", {})
+    frac = opts.val_fraction if opts.val_fraction is not None else data.get("val_fraction", 0.01)
+    seed = opts.seed if opts.seed is not None else data.get("seed", 0)
+    if not frac:
+        raise InputError(
+            f"--split val: {opts.model} trained without a held-out split (data.val_fraction = "
+            "0); give --val-fraction, or --split all"
+        )
+    return ids[held_out_mask(ids, int(seed), float(frac))]
+
+
+def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokenizer:
+    """The passkey's tokenizer: --tokenizer, the model folder's, or the dataset's."""
+    if opts.tokenizer:
+        return TokenizerSpec.parse(opts.tokenizer).build()
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer
+    spec = manifest.get("tokenizer", {"kind": "bytes"})
+    kind, path = spec.get("kind", "bytes"), spec.get("path")
+    if kind != "bytes" and not (path and os.path.exists(path)):
+        raise InputError(
+            f"passkey: the dataset's tokenizer ({kind} {path}) is not on this machine; give "
+            "--tokenizer FILE, or --no-passkey"
+        )
+    return TokenizerSpec(kind, path).build()
+
+
+def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
+    """Evaluate as `opts` says on the runtime's ranks; every rank returns the same result."""
+    loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device)
+    loaded.model.eval()
+    run = loaded.run
+    par = run.get("parallel", {})
+    cap = opts.capacity or par.get("capacity") or 8192
+    json_cost = bool(opts.cost and opts.cost.endswith(".json"))
+    cost = resolve(None, opts.cost) if json_cost else resolve(opts.cost or "debug", None)
+    planner = PlannerConfig(policy=opts.policy, capacity=int(cap)).build(cost, rt.world)
+    ex = HDPExecutor(loaded.model, None, rt.comm, device=rt.device)
+    out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
+    with ExitStack() as stack:
+        fetcher = FetchConfig().build(opts.data)
+        stack.callback(fetcher.close)
+        _check_vocab(loaded.shape, fetcher, opts.data)
+        lengths = np.asarray(fetcher.lengths, dtype=np.int64)
+        ids = _eval_ids(opts, run, lengths.size)
+        if opts.max_tokens:
+            n = int(np.searchsorted(np.cumsum(lengths[ids]), opts.max_tokens, side="right"))
+            ids = ids[: max(n, 1)]
+        plans = planned_batches(planner, ids, lengths[ids], rt.world * int(cap))
+        buckets = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, rt.rank), rt.rank)
+        manifest = fetcher.index.manifest
+    out.update(
+        loss=buckets.loss,
+        perplexity=math.exp(buckets.loss) if buckets.tokens else float("nan"),
+        tokens=buckets.tokens,
+        samples=int((lengths[ids] > 0).sum()),
+        by_position=buckets.by_position(),
+        by_length=buckets.by_length(),
+    )
+    if opts.passkey:
+        out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, int(cap))
+    return out
+
+
+def _check_vocab(shape: ModelConfig, fetcher: Any, data: str) -> None:
+    vocab = int(fetcher.index.manifest.get("vocab_size") or 0)
+    if vocab > shape.vocab_size:
+        raise InputError(
+            f"{data}/manifest.json: vocab_size {vocab} is more than the model's {shape.vocab_size}"
+        )
+
+
+def _passkey(opts, loaded, manifest, planner, ex, rt, cap: int) -> list[dict[str, Any]]:
+    """The passkey cases at every length (default: powers of two from 1,024 to the model's
+    context, or to what the island holds) and depth."""
+    tok = _tokenizer(opts, loaded, manifest)
+    limit = rt.world * cap
+    top = min(loaded.context or limit, limit)
+    lengths = opts.passkey_lengths or [1024 << i for i in range(40) if 1024 << i <= top] or [top]
+    cases = make_cases(tok, list(lengths), list(opts.passkey_depths))
+    return evaluate_passkey(ex, planner, cases, limit, rt.rank)

@@ -1,0 +1,87 @@
+"""`mixlen eval`'s report: tables of the loss by position and by sample length and of the
+passkey cases, and the passkey accuracy as a heatmap of depth against length."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+__all__ = ["plot_passkey", "render"]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def render(result: dict[str, Any]) -> str:
+    """Markdown tables of a `run_eval` result."""
+    lines = [
+        f"mixlen eval {result['model']} on {result['data']} ({result['split']}): "
+        f"{result['samples']} samples, {result['tokens']:,} labelled positions, loss "
+        f"{result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
+        "",
+        "| positions | loss | perplexity | tokens |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in result["by_position"]:
+        lines.append(
+            f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {math.exp(r['loss']):.2f} | "
+            f"{r['tokens']:,} |"
+        )
+    lines += ["", "| sample length | loss | tokens | samples |", "| --- | ---: | ---: | ---: |"]
+    for r in result["by_length"]:
+        lines.append(
+            f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {r['tokens']:,} | "
+            f"{r['samples']} |"
+        )
+    cases = result.get("passkey")
+    if cases:
+        right = sum(c["correct"] for c in cases)
+        lines += [
+            "",
+            f"passkey retrieval: {right} of {len(cases)} answered",
+            "",
+            "| length | depth | answered | answer loss |",
+            "| ---: | ---: | --- | ---: |",
+        ]
+        for c in cases:
+            mark = "yes" if c["correct"] else "no"
+            lines.append(
+                f"| {c['length']:,} | {c['depth']:.0%} | {mark} | {c['answer_loss']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_passkey(cases: list[dict[str, Any]], path: str) -> None:
+    """A heatmap: rows the depths, columns the requested lengths, cells answered (1) or not (0),
+    annotated with the answer loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = sorted({c["requested_length"] for c in cases})
+    depths = sorted({c["depth"] for c in cases})
+    acc = np.full((len(depths), len(lengths)), np.nan)
+    loss = np.full_like(acc, np.nan)
+    for c in cases:
+        i, j = depths.index(c["depth"]), lengths.index(c["requested_length"])
+        acc[i, j], loss[i, j] = float(c["correct"]), c["answer_loss"]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    ax.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("depth of the key")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            if not np.isnan(loss[i, j]):
+                ax.text(j, i, f"{loss[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_title("passkey retrieval (green: answered; number: answer loss)", fontsize=9)
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
