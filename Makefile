@@ -20,7 +20,8 @@ $(STAMP)-$(HASH):
 	rm -f $(STAMP)-*
 	touch $@
 
-# preprocess the standard library (BPE tokens), profile it, calibrate the cost model on this machine,
+# preprocess the standard library (BPE tokens), profile it, calibrate the cost model of the demo's
+# model on this machine,
 # plan its first steps, train `debug` on 4 ranks comparing hdp+widen with the static mesh
 demo: demo-data demo-train
 
@@ -31,7 +32,7 @@ demo-data: install
 		--tokenizer tests/assets/bpe-stdlib.json --workers 2 --max-len 16384 \
 		--out $(DEMO_DIR)/stdlib --overwrite
 	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 8192 --plot $(DEMO_DIR)/stdlib-lengths.png
-	$(VENV)/bin/mixlen calibrate --model debug --vocab-size 4096 --nproc 4 --clock cpu --repeats 1 \
+	$(VENV)/bin/mixlen calibrate configs/demo.toml --nproc 4 --clock cpu --repeats 1 \
 		--lengths 256,1024,2048,4096 --ring-lengths 1024,4096 --ring-sizes 2,4 \
 		--out $(DEMO_DIR)/cost.json
 	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib $(DEMO_PLAN) --policy all --widen --steps 8 \
