@@ -19,7 +19,7 @@ __all__ = ["MODEL_CONFIGS", "ROPE_SETTINGS", "ModelConfig", "RopeScaling", "get_
 
 # the settings of each RoPE scaling type besides `type` and `factor`: (required, optional)
 ROPE_SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "linear": ((), ("original_max_position_embeddings",)),
+    "linear": ((), ()),
     "llama3": (("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
     "yarn": (
         ("original_max_position_embeddings",),
