@@ -18,7 +18,7 @@ from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import ModelConfig, RopeScaling
 from trainer.model.pretrained import apply_overrides, inspect_pretrained, load_pretrained_weights
 from trainer.model.rope import attention_factor, dynamic_inv_freq, inv_freq
-from trainer.model.transformer import build
+from trainer.model.transformer import build, parameter_shapes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
@@ -336,6 +336,20 @@ def test_frequencies_equal_transformers_in_float64(settings):
         got = dynamic_inv_freq(16, 500.0, scaling, lengths)
         for row, n in zip(got, lengths.tolist()):
             torch.testing.assert_close(row, _transformers_rope(settings, n)[0], rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ModelConfig(),
+        ModelConfig(tie_embeddings=False, qkv_bias=True),
+        ModelConfig(dim=48, n_heads=4, n_kv_heads=1, explicit_head_dim=24, n_layers=3),
+    ],
+    ids=["tied", "untied-bias", "head-dim"],
+)
+def test_parameter_shapes_are_the_built_models(shape):
+    built = build(shape, device="meta").named_parameters()
+    assert list(parameter_shapes(shape).items()) == [(n, tuple(p.shape)) for n, p in built]
 
 
 def test_every_family_has_a_case():

@@ -23,7 +23,8 @@ import torch
 from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import ModelConfig
 from trainer.model.families import Family, family_of
-from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, parameter_shapes
+from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from trainer.model.transformer import parameter_shapes
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "plan_shards"]
 

@@ -32,6 +32,7 @@ from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import ModelConfig
 from trainer.model.families import Family, family_of
 from trainer.model.families.base import SHAPE_KEYS
+from trainer.model.transformer import parameter_shapes
 
 __all__ = [
     "CONFIG_FILE",
@@ -43,7 +44,6 @@ __all__ = [
     "apply_overrides",
     "inspect_pretrained",
     "load_pretrained_weights",
-    "parameter_shapes",
     "read_header",
 ]
 
@@ -176,13 +176,6 @@ def _weight_files(path: str) -> dict[str, TensorEntry]:
                 f"{os.path.join(path, file)}: tensor {name} (listed in {INDEX_FILE}) is not in it"
             )
     return tensors
-
-
-def parameter_shapes(shape: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """mixlen parameter name -> shape, from a model built on the meta device."""
-    from trainer.model.transformer import build
-
-    return {n: tuple(p.shape) for n, p in build(shape, device="meta").named_parameters()}
 
 
 def _check_tensors(path: str, pre: Pretrained) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "Transformer",
     "build",
     "build_model",
+    "parameter_shapes",
     "get_config",
     "torch_dtype",
 ]
@@ -177,6 +178,33 @@ class Transformer(nn.Module):
             reduction="sum",
         )
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of `Transformer(cfg)`, in its order, without building it
+    (tests/test_hf_errors.py checks this against a built model)."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    layer: dict[str, tuple[int, ...]] = {
+        "attention_norm.weight": (d,),
+        "attention.wq.weight": (cfg.q_dim, d),
+        **({"attention.wq.bias": (cfg.q_dim,)} if cfg.qkv_bias else {}),
+        "attention.wk.weight": (kv, d),
+        **({"attention.wk.bias": (kv,)} if cfg.qkv_bias else {}),
+        "attention.wv.weight": (kv, d),
+        **({"attention.wv.bias": (kv,)} if cfg.qkv_bias else {}),
+        "attention.wo.weight": (d, cfg.q_dim),
+        "ffn_norm.weight": (d,),
+        "feed_forward.w1.weight": (cfg.ffn_dim, d),
+        "feed_forward.w3.weight": (cfg.ffn_dim, d),
+        "feed_forward.w2.weight": (d, cfg.ffn_dim),
+    }
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    shapes["norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, d)
+    return shapes
 
 
 def build(

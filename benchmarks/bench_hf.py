@@ -1,0 +1,166 @@
+"""Hugging Face checkpoints: load time and peak memory of mixlen's loader beside transformers', and
+export time.
+
+The benchmark writes a random Llama-shaped checkpoint itself (default: Llama 3.2 1B's shape,
+1.24B parameters, bfloat16) with mixlen's `export_hf` into a temporary directory (sharded: 1 GB
+shards with the index; this is the export time), then loads it in a fresh process per run, the
+two loaders interleaved:
+
+- mixlen: `inspect_pretrained` (config.json and the headers) + a model built on the meta device and
+  materialised uninitialised + `load_pretrained_weights` (memory-mapped, one tensor at a time,
+  copied into the parameters);
+- transformers: `AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)` (its default
+  `low_cpu_mem_usage` path).
+
+Peak memory is the process's ru_maxrss, and the same minus the resident size after the imports
+(what the load itself added). The page cache is warm for every run (the file was just written).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hf.py [--repeats 2] [--small]
+
+Prints a table and writes benchmarks/out/bench_hf.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GB = 1e9
+# Llama 3.2 1B: 16 layers of width 2048, 32 query / 8 KV heads, SwiGLU 8192, 128,256 tokens, tied
+SHAPE_1B = dict(
+    vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+    rope_theta=500000.0, tie_embeddings=True, max_position_embeddings=131072,
+    rope_scaling={"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+SHAPE_SMALL = {**SHAPE_1B, "vocab_size": 32000, "dim": 512, "n_layers": 4, "ffn_dim": 1536}
+
+
+def _rss_now() -> int:
+    """Resident bytes of this process now (/proc/self/status VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(loader: str, path: str) -> dict:
+    """One load in this (fresh) process: seconds, peak and post-import resident bytes."""
+    import torch
+
+    if loader == "mixlen":
+        from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
+        from trainer.model.transformer import build
+    else:
+        from transformers import AutoModelForCausalLM
+    base = _rss_now()
+    t0 = time.perf_counter()
+    if loader == "mixlen":
+        pre = inspect_pretrained(path)
+        t_inspect = time.perf_counter() - t0
+        model = build(pre.shape, "meta", torch.bfloat16).to_empty(device="cpu")
+        load_pretrained_weights(model, pre)
+    else:
+        t_inspect = float("nan")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    seconds = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"loader": loader, "seconds": seconds, "inspect_s": t_inspect, "params": params,
+            "peak_rss": peak, "base_rss": base, "end_rss": _rss_now()}  # fmt: skip
+
+
+def write_checkpoint(path: str, shape_kw: dict, shard_bytes: int) -> dict:
+    """A random bfloat16 model of `shape_kw` exported to `path`; returns sizes and the export time."""
+    import torch
+
+    from datapipe.shapes import ModelConfig
+    from trainer.model.export import export_hf
+    from trainer.model.transformer import parameter_shapes
+
+    shape = ModelConfig(**shape_kw)
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        name: (torch.randn(s, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        for name, s in parameter_shapes(shape).items()
+    }
+    t0 = time.perf_counter()
+    files = export_hf(weights, shape, "LlamaForCausalLM", path, shard_bytes=shard_bytes)
+    seconds = time.perf_counter() - t0
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    return {"params": shape.num_params(), "bytes": size, "files": files, "export_s": seconds}
+
+
+def run_child(loader: str, path: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", loader, path],
+        check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2, help="loads per loader (interleaved)")
+    ap.add_argument("--small", action="store_true", help="a 50M-parameter shape (a quick check)")
+    ap.add_argument("--shard-gb", type=float, default=1.0)
+    ap.add_argument(
+        "--dir", default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
+    ap.add_argument("--child", nargs=2, metavar=("LOADER", "DIR"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    tmp = tempfile.mkdtemp(prefix="bench_hf_", dir=args.dir)
+    path = os.path.join(tmp, "model")
+    try:
+        ckpt = write_checkpoint(
+            path, SHAPE_SMALL if args.small else SHAPE_1B, int(args.shard_gb * GB)
+        )
+        print(f"checkpoint: {ckpt['params'] / 1e9:.2f}B parameters, {ckpt['bytes'] / GB:.2f} GB "
+              f"in {len(ckpt['files'])} files; export_hf {ckpt['export_s']:.1f} s")  # fmt: skip
+        runs = [
+            run_child(loader, path)
+            for _ in range(args.repeats)
+            for loader in ("mixlen", "transformers")
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"\n| loader | load s (best of {args.repeats}) | peak RSS GB | peak - RSS after imports GB |"
+    )
+    print("| --- | ---: | ---: | ---: |")
+    summary = {}
+    for loader in ("mixlen", "transformers"):
+        mine = [r for r in runs if r["loader"] == loader]
+        best = min(mine, key=lambda r: r["seconds"])
+        added = max(r["peak_rss"] - r["base_rss"] for r in mine)
+        summary[loader] = {
+            "seconds": best["seconds"],
+            "peak_rss": max(r["peak_rss"] for r in mine),
+            "added_rss": added,
+        }
+        print(
+            f"| {loader} | {best['seconds']:.2f} | {summary[loader]['peak_rss'] / GB:.2f} | {added / GB:.2f} |"
+        )
+    os.makedirs(os.path.join(ROOT, "benchmarks", "out"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "out", "bench_hf.json"), "w") as f:
+        json.dump(
+            {"checkpoint": ckpt, "runs": runs, "summary": summary, "args": vars(args)}, f, indent=2
+        )
+
+
+if __name__ == "__main__":
+    main()
