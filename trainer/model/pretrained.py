@@ -5,9 +5,10 @@ A folder holds `config.json` and either `model.safetensors` or shards listed by
 only config.json, the index and the safetensors headers: the architecture's family
 (trainer.model.families), the shape, and every tensor the shape needs present exactly once with
 its shape and a float dtype, nothing left over, every listed file there, so a launcher refuses a
-bad folder before any rank starts. `load_pretrained_weights` then reads one tensor at a time
-through safetensors' memory-mapped `safe_open` and copies it into the model's parameter in place
-(cast to its dtype), so a process never holds a second copy of the model. Errors are
+bad folder before any rank starts. `load_pretrained_weights` then maps one tensor at a time
+with safetensors' memory-mapped `safe_open` and copies it into the model's parameter in place
+(cast to its dtype), so a process never holds a second copy of the model (nor more than one
+tensor's pages of the file). Errors are
 `InputError`s naming the file and the tensor (or key).
 
 `apply_overrides` merges a run's `[model]` keys with the pretrained shape: `rope_theta`,
@@ -242,24 +243,20 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
     if set(params) != set(pre.names):
         odd = sorted(set(params) ^ set(pre.names))[:4]
         raise ValueError(f"{pre.path}: the model's parameters are not this shape's (e.g. {odd})")
-    by_file: dict[str, list[str]] = {}
     for mine, hf in pre.names.items():
         p, e = params[mine], pre.tensors[hf]
         if p.is_meta or tuple(p.shape) != e.shape:
             raise ValueError(
                 f"{pre.path}: parameter {mine} {tuple(p.shape)} cannot take {hf} {e.shape}"
             )
-        by_file.setdefault(e.file, []).append(mine)
-    for file, mines in sorted(by_file.items()):
-        fpath = os.path.join(pre.path, file)
-        hf = ""
+    for mine, hf in pre.names.items():
+        # one mapping per tensor: only that tensor's pages are mapped while it is copied
+        fpath = os.path.join(pre.path, pre.tensors[hf].file)
         try:
             with safe_open(fpath, framework="pt", device="cpu") as f:
-                for mine in mines:
-                    hf = pre.names[mine]
-                    params[mine].copy_(f.get_tensor(hf))
+                params[mine].copy_(f.get_tensor(hf))
         except (OSError, RuntimeError, ValueError) as exc:
-            raise InputError(f"{fpath}: cannot read tensor {hf or '(header)'} ({exc})") from None
+            raise InputError(f"{fpath}: cannot read tensor {hf} ({exc})") from None
     return pre
 
 
