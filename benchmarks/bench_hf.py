@@ -10,7 +10,9 @@ two loaders interleaved:
   materialised uninitialised + `load_pretrained_weights` (memory-mapped, one tensor at a time,
   copied into the parameters);
 - transformers: `AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)` (its default
-  `low_cpu_mem_usage` path).
+  `low_cpu_mem_usage` path), whose parameters stay backed by the files' memory mapping until
+  used; and the same followed by reading one element per page of every parameter
+  (transformers+touch: the whole model resident, as after a first forward).
 
 Peak memory is the process's ru_maxrss, and the same minus the resident size after the imports
 (what the load itself added). The page cache is warm for every run (the file was just written).
@@ -43,6 +45,7 @@ SHAPE_1B = dict(
     rope_scaling={"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )  # fmt: skip
+LOADERS = ("mixlen", "transformers", "transformers+touch")
 SHAPE_SMALL = {**SHAPE_1B, "vocab_size": 32000, "dim": 512, "n_layers": 4, "ffn_dim": 1536}
 
 
@@ -59,10 +62,16 @@ def child(loader: str, path: str) -> dict:
     """One load in this (fresh) process: seconds, peak and post-import resident bytes."""
     import torch
 
+    # one-time imports before the clock and the baseline: torch's meta-device kernels (the
+    # trainer builds every model on the meta device anyway), transformers' Llama modules
     if loader == "mixlen":
+        from datapipe.shapes import ModelConfig
         from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
         from trainer.model.transformer import build
+
+        build(ModelConfig(), "meta")
     else:
+        import transformers.models.llama.modeling_llama  # noqa: F401
         from transformers import AutoModelForCausalLM
     base = _rss_now()
     t0 = time.perf_counter()
@@ -77,6 +86,10 @@ def child(loader: str, path: str) -> dict:
         load_pretrained_weights(model, pre)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        if loader == "transformers+touch":  # one element per page: the whole model resident
+            for p in model.parameters():
+                flat = p.detach().reshape(-1)
+                flat[:: 4096 // flat.element_size()].float().sum()
     seconds = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -113,6 +126,34 @@ def run_child(loader: str, path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def report(runs: list[dict], repeats: int) -> dict:
+    """Print the table (each loader's fastest run; the largest memory figures) and return it."""
+    print(f"\n| loader | load s (best of {repeats}) | inspect ms | build s | weights s "
+          "| peak RSS GB | peak - after imports GB | RSS at the end GB |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    summary = {}
+    for loader in LOADERS:
+        mine = [r for r in runs if r["loader"] == loader]
+        best = min(mine, key=lambda r: r["seconds"])
+        row = {
+            "seconds": best["seconds"],
+            "inspect_ms": best["inspect_s"] * 1e3,
+            "build_s": best["build_s"],
+            "weights_s": best["seconds"] - best["inspect_s"] - best["build_s"],  # the copies
+            "peak_rss": max(r["peak_rss"] for r in mine),
+            "added_rss": max(r["peak_rss"] - r["base_rss"] for r in mine),
+            "end_rss": max(r["end_rss"] for r in mine),
+        }
+        summary[loader] = row
+        parts = " | ".join(
+            "-" if row[k] != row[k] else f"{row[k]:.{digits}f}"  # nan: not measured
+            for k, digits in (("inspect_ms", 1), ("build_s", 2), ("weights_s", 2))
+        )
+        print(f"| {loader} | {row['seconds']:.2f} | {parts} | {row['peak_rss'] / GB:.2f} "
+              f"| {row['added_rss'] / GB:.2f} | {row['end_rss'] / GB:.2f} |")  # fmt: skip
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="loads per loader (interleaved)")
@@ -134,30 +175,10 @@ def main() -> None:
         )
         print(f"checkpoint: {ckpt['params'] / 1e9:.2f}B parameters, {ckpt['bytes'] / GB:.2f} GB "
               f"in {len(ckpt['files'])} files; export_hf {ckpt['export_s']:.1f} s")  # fmt: skip
-        runs = [
-            run_child(loader, path)
-            for _ in range(args.repeats)
-            for loader in ("mixlen", "transformers")
-        ]
+        runs = [run_child(loader, path) for _ in range(args.repeats) for loader in LOADERS]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        f"\n| loader | load s (best of {args.repeats}) | peak RSS GB | peak - RSS after imports GB |"
-    )
-    print("| --- | ---: | ---: | ---: |")
-    summary = {}
-    for loader in ("mixlen", "transformers"):
-        mine = [r for r in runs if r["loader"] == loader]
-        best = min(mine, key=lambda r: r["seconds"])
-        added = max(r["peak_rss"] - r["base_rss"] for r in mine)
-        summary[loader] = {
-            "seconds": best["seconds"],
-            "peak_rss": max(r["peak_rss"] for r in mine),
-            "added_rss": added,
-        }
-        print(
-            f"| {loader} | {best['seconds']:.2f} | {summary[loader]['peak_rss'] / GB:.2f} | {added / GB:.2f} |"
-        )
+    summary = report(runs, args.repeats)
     os.makedirs(os.path.join(ROOT, "benchmarks", "out"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "out", "bench_hf.json"), "w") as f:
         json.dump(
