@@ -28,9 +28,7 @@ from trainer.model.transformer import parameter_shapes
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "plan_shards"]
 
-DEFAULT_SHARD_BYTES = (
-    2 * 1000**3
-)  # 2 GB shards (tensor bytes), like transformers' 5GB default but smaller
+DEFAULT_SHARD_BYTES = 2 * 1000**3  # tensor bytes per shard
 
 
 def plan_shards(names: Sequence[str], nbytes: Mapping[str, int], limit: int) -> list[list[str]]:
@@ -134,8 +132,10 @@ def _install(tmp: str, out_dir: str, overwrite: bool) -> None:
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     _fsync(parent)
-    if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    if old is not None and os.path.isdir(old):
+        shutil.rmtree(old)
+    elif old is not None:
+        os.remove(old)
 
 
 def export_hf(
@@ -160,6 +160,7 @@ def export_hf(
     (bos, eos, pad) are carried over; `tokenizer_files`: copied into the folder.
     Raises InputError (destination exists, a tokenizer file missing), ConfigError (no declared
     context), ValueError (weights not of the shape)."""
+    out_dir = os.path.normpath(os.fspath(out_dir))
     fam = family_of(family) if isinstance(family, str) else family
     names = _hf_tensors(weights, shape, fam)
     context = max_position_embeddings or shape.max_position_embeddings

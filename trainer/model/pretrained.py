@@ -52,6 +52,7 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 # [model] keys that replace the pretrained values instead of contradicting them
 CONTEXT_KEYS = ("rope_theta", "rope_scaling", "max_position_embeddings", "init_std")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
@@ -128,6 +129,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         try:
             dtype, shape, (a, b) = str(info["dtype"]), tuple(info["shape"]), info["data_offsets"]
             ok = all(isinstance(s, int) and s >= 0 for s in shape) and 0 <= a <= b <= data
+            if dtype in _ITEMSIZE:  # a float tensor's bytes are its elements'
+                ok = ok and b - a == _numel(shape) * _ITEMSIZE[dtype]
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:

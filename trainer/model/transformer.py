@@ -8,8 +8,9 @@ cost presets read them too. The forward takes one packed micro-batch: ``input_id
 dataset's uint16/uint32, widened on the device), ``position_ids`` [T] (position within
 its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
 (`trainer.attention.local.AttentionContext`, e.g. `trainer.attention.ring.RingAttention`) that decides how the
-layers attend. Given ``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the
-number of labelled tokens; the caller divides by the step's labelled-token count.
+layers attend (with dynamic NTK RoPE it also gives each position's document length). Given
+``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the number of labelled
+tokens; the caller divides by the step's labelled-token count.
 """
 
 from __future__ import annotations

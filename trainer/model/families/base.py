@@ -178,6 +178,8 @@ class LlamaStyle(Family):
                 f"(supported: default, {', '.join(ROPE_SETTINGS)})"
             )
         settings = {k: v for k, v in rs.items() if k not in ("rope_type", "type")}
+        if kind == "linear":  # transformers reads no original context for linear scaling
+            settings.pop("original_max_position_embeddings", None)
         if kind == "dynamic":
             settings["original_max_position_embeddings"] = max_pos
         elif kind == "yarn" and settings.get("original_max_position_embeddings") is None:
