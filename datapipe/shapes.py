@@ -1,21 +1,143 @@
 """Model shapes: the one definition of each named network, used by the planner's cost presets
 (FLOPs and bytes per position) and by the trainer, which builds the network from the same object.
 
-Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP of width `ffn_dim`.
+Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP of width `ffn_dim`;
+optionally biases on the Q, K and V projections (Qwen2), a head dimension other than
+dim / n_heads, and a RoPE scaling rule (`RopeScaling`: linear, llama3, yarn, dynamic NTK, with
+transformers' formulas in trainer.model.rope).
 Imports nothing heavier than the standard library (the planner must start fast).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["MODEL_CONFIGS", "ModelConfig", "get_config"]
+__all__ = ["DTYPES", "MODEL_CONFIGS", "ROPE_SETTINGS", "ModelConfig", "RopeScaling", "get_config"]
+
+DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
+
+# the settings of each RoPE scaling type besides `type` and `factor`: (required, optional)
+ROPE_SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": ((), ()),
+    "llama3": (("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
+    "yarn": (
+        ("original_max_position_embeddings",),
+        ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"),
+    ),
+    "dynamic": (("original_max_position_embeddings",), ()),
+}
+_FLOAT_SETTINGS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling rule (the settings of transformers' `rope_scaling`, same names).
+
+    `original_max_position_embeddings` is the context the base frequencies were trained for:
+    llama3 and yarn scale relative to it, and dynamic NTK starts stretching the base for documents
+    longer than it. yarn's `beta_fast` / `beta_slow` default to 32 / 1, its `attention_factor`
+    (which multiplies cos and sin) to one derived from `factor` (and `mscale`, `mscale_all_dim`),
+    `truncate` (round the correction range to whole dimensions) to true.
+    Settings are refused with the key named: `rope_scaling.<key>`."""
+
+    type: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_SETTINGS:
+            raise ValueError(
+                f"rope_scaling.type: unknown {self.type!r} (known: {', '.join(ROPE_SETTINGS)})"
+            )
+        required, optional = ROPE_SETTINGS[self.type]
+        for f in dataclasses.fields(self)[2:]:
+            value = getattr(self, f.name)
+            if value is None:
+                if f.name in required:
+                    raise ValueError(f"rope_scaling.{f.name}: required for type {self.type!r}")
+            elif f.name not in required + optional:
+                raise ValueError(
+                    f"rope_scaling.{f.name}: not a setting of type {self.type!r} (its settings: "
+                    f"{', '.join(('factor', *required, *optional))})"
+                )
+        for name in _FLOAT_SETTINGS:
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_number(value):
+                    raise ValueError(f"rope_scaling.{name}: must be a number, got {value!r}")
+                object.__setattr__(self, name, float(value))
+        if not self.factor >= 1.0:
+            raise ValueError(f"rope_scaling.factor: must be >= 1, got {self.factor}")
+        omp = self.original_max_position_embeddings
+        if omp is not None and not (
+            isinstance(omp, int) and not isinstance(omp, bool) and omp >= 1
+        ):
+            raise ValueError(
+                f"rope_scaling.original_max_position_embeddings: must be an int >= 1, got {omp!r}"
+            )
+        if self.truncate is not None and not isinstance(self.truncate, bool):
+            raise ValueError(f"rope_scaling.truncate: must be true or false, got {self.truncate!r}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        for name in ("low_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"rope_scaling.{name}: must be > 0, got {value}")
+        lo, hi = self.low_freq_factor, self.high_freq_factor
+        if lo is not None and hi is not None and not hi > lo:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor: must be > low_freq_factor ({lo}), got {hi}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RopeScaling:
+        """From a mapping of setting names (a TOML table); unknown keys are refused."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in known:
+                raise ValueError(f"rope_scaling.{key}: unknown setting (known: {', '.join(known)})")
+        for key in ("type", "factor"):
+            if key not in d:
+                raise ValueError(f"rope_scaling.{key}: required")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings that are set (the form `from_dict` reads)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the decoder. `ffn_dim` is the SwiGLU hidden width."""
+    """Shape of the decoder. `ffn_dim` is the SwiGLU hidden width; `qkv_bias`: the Q, K and V
+    projections have biases (Qwen2); `explicit_head_dim`: the attention head width when it is not
+    dim / n_heads (config.json's `head_dim`); `rope_scaling`: a `RopeScaling` (a mapping of its
+    settings is converted); `max_position_embeddings`: the context the model is declared for
+    (written to an exported config.json; None: not declared)."""
 
     vocab_size: int = 258
     dim: int = 128
@@ -27,25 +149,51 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    qkv_bias: bool = False
+    explicit_head_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if isinstance(self.rope_scaling, Mapping):  # a TOML table, or asdict() of a config
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.explicit_head_dim is not None and not self.explicit_head_dim >= 1:
+            raise ValueError(f"head_dim must be >= 1, got {self.explicit_head_dim}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
+        mp = self.max_position_embeddings
+        if mp is not None and not mp >= 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {mp}")
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head."""
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection's output (n_heads x head_dim; dim unless head_dim is
+        explicit)."""
+        return self.n_heads * self.head_dim
 
     def num_params(self) -> int:
         """Number of parameters of the built model."""
         hd = self.head_dim
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.qkv_bias:
+            attn += hd * (self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.ffn_dim
         layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -55,7 +203,7 @@ class ModelConfig:
     def attn_proj_flops_per_token(self) -> float:
         """Forward FLOPs per position of one layer's Q, K, V and O projections."""
         kv = self.n_kv_heads * self.head_dim
-        return 2.0 * (2 * self.dim * self.dim + 2 * self.dim * kv)
+        return 2.0 * (2 * self.dim * self.q_dim + 2 * self.dim * kv)
 
     def mlp_flops_per_token(self) -> float:
         """Forward FLOPs per position of one layer's SwiGLU MLP (three matmuls)."""
@@ -64,7 +212,7 @@ class ModelConfig:
     def attn_core_flops_per_s2(self) -> float:
         """Forward FLOPs of one layer's causal attention core per S^2 (QK^T and PV over S^2/2
         pairs)."""
-        return 2.0 * self.dim
+        return 2.0 * self.q_dim
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         """K and V bytes of one position over all layers (KV heads, un-expanded)."""
@@ -76,14 +224,14 @@ class ModelConfig:
         `dtype_bytes` bytes; the norms and the log-sum-exp keep at least float32 (4 bytes).
 
         In the compute dtype: per RMSNorm its normalised input and its output (2 x 2 dim), the
-        rotated Q, K and V and the attention output (2 dim + 2 KV dim), and the SwiGLU's w1 and w3
+        rotated Q, K and V and the attention output (2 q_dim + 2 KV dim), and the SwiGLU's w1 and w3
         outputs, the SiLU and the product (4 ffn_dim). At >= float32: per RMSNorm its float input
         and reciprocal RMS (2 x (dim + 1)), the log-sum-exp per query head. The rope tables are
         shared by all layers and not counted. `tests/test_offload.py` checks this against a count
         of the saved tensors."""
         kv = self.n_kv_heads * self.head_dim
         acc = max(int(dtype_bytes), 4)
-        low = 6 * self.dim + 2 * kv + 4 * self.ffn_dim
+        low = 4 * self.dim + 2 * self.q_dim + 2 * kv + 4 * self.ffn_dim
         return float(dtype_bytes * low + acc * (2 * self.dim + self.n_heads + 2))
 
 

@@ -404,6 +404,11 @@ class AttentionContext(Protocol):
         """Attention output [T, H_q, D] for this rank's tokens."""
         ...
 
+    def doc_lengths(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Length of each token's document (its largest position + 1, over all ranks holding
+        it), int64 [T] on position_ids' device. Only dynamic RoPE asks."""
+        ...
+
 
 class LocalAttention:
     """Document-masked attention over the tokens of this rank alone."""
@@ -416,3 +421,16 @@ class LocalAttention:
 
     def attend(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         return attend(q_THD, k_TKD, v_TKD, self.cu_seqlens, backend=self.backend)[0]
+
+    def doc_lengths(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Per token, the largest position of its document (cu_seqlens) + 1."""
+        dev = position_ids.device
+        sizes = torch.as_tensor(self.cu_seqlens, device=dev).diff()
+        if int(sizes.sum()) != position_ids.shape[0]:
+            raise ValueError(
+                f"cu_seqlens cover {int(sizes.sum())} tokens, position_ids {position_ids.shape[0]}"
+            )
+        doc = torch.repeat_interleave(torch.arange(sizes.numel(), device=dev), sizes)
+        last = torch.full((sizes.numel(),), -1, dtype=torch.int64, device=dev)
+        last = last.scatter_reduce(0, doc, position_ids.long(), reduce="amax")
+        return (last + 1)[doc]

@@ -182,6 +182,19 @@ class RingAttention:
     def attend(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         return ring_attend(q_THD, k_TKD, v_TKD, self)[0]
 
+    def doc_lengths(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Per local token, the length of its whole sample (the layout's), the same on every
+        member of the group."""
+        lay = self.layout
+        counts = lay.front_sizes(self.p) + lay.back_sizes(self.p)
+        if int(counts.sum()) != position_ids.shape[0]:
+            raise ValueError(
+                f"member {self.p} holds {int(counts.sum())} tokens, position_ids "
+                f"{position_ids.shape[0]}"
+            )
+        lengths = np.repeat(np.asarray(lay.lengths, dtype=np.int64), counts)
+        return torch.from_numpy(lengths).to(position_ids.device)
+
     # -- forward / backward bodies (no autograd) --
 
     def _forward(

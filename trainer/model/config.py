@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 from datapipe.errors import ConfigError
 from datapipe.settings import Names, setting
-from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
+from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, get_config
 
 __all__ = ["DTYPES", "ModelSection"]
-
-DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
 
 _SHAPE_HELP = "replaces the named shape's value (default: the shape's own)"
 

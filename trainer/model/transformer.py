@@ -1,13 +1,16 @@
-"""A Llama-style decoder over packed micro-batches: RMSNorm, RoPE from position_ids, SwiGLU,
-grouped-query attention, tied or untied embeddings.
+"""A Llama-style decoder over packed micro-batches: RMSNorm, RoPE from position_ids (with the
+shape's scaling rule, trainer.model.rope), SwiGLU, grouped-query attention, optional Q/K/V
+biases, tied or untied embeddings. Parameter names are mixlen's own; trainer/model/families/ maps
+them to each Hugging Face architecture's tensor names.
 
 Shapes (`ModelConfig`, `MODEL_CONFIGS`) are defined once in datapipe.shapes, where the planner's
 cost presets read them too. The forward takes one packed micro-batch: ``input_ids`` [T] (any integer dtype: the fetch keeps the
 dataset's uint16/uint32, widened on the device), ``position_ids`` [T] (position within
 its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
 (`trainer.attention.local.AttentionContext`, e.g. `trainer.attention.ring.RingAttention`) that decides how the
-layers attend. Given ``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the
-number of labelled tokens; the caller divides by the step's labelled-token count.
+layers attend (with dynamic NTK RoPE it also gives each position's document length). Given
+``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the number of labelled
+tokens; the caller divides by the step's labelled-token count.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapipe.plan.loss import IGNORE_INDEX
-from datapipe.shapes import MODEL_CONFIGS, ModelConfig, get_config
+from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, get_config
 from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
-from trainer.model.config import DTYPES
+from trainer.model.rope import Rope, apply_rope
 
 __all__ = [
     "MODEL_CONFIGS",
@@ -31,6 +34,7 @@ __all__ = [
     "Transformer",
     "build",
     "build_model",
+    "parameter_shapes",
     "get_config",
     "torch_dtype",
 ]
@@ -55,32 +59,14 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim/2] of the rotary angles (computed in float64: positions reach millions)."""
-    inv_freq = theta ** -(
-        torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
-    )
-    ang_TF = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]
-    return ang_TF.cos().to(dtype), ang_TF.sin().to(dtype)
-
-
-def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x[i], x[i + D/2]) of every head by the token's angles."""
-    x1, x2 = x_THD.chunk(2, dim=-1)
-    c, s = cos_TF[:, None, :], sin_TF[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
 
     def forward(
         self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
@@ -130,13 +116,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rope = Rope(cfg)  # tables only, no parameters or buffers
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, std) weights, residual output projections scaled by 1/sqrt(2 * n_layers),
-        norms at 1. Also used after materialising a meta-device model (`to_empty`)."""
+        norms at 1, biases at 0. Also used after materialising a meta-device model (`to_empty`)."""
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
@@ -145,6 +132,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("wo.weight", "w2.weight")):
                 p.normal_(0.0, out_std, generator=gen)
             else:
@@ -170,7 +159,9 @@ class Transformer(nn.Module):
         if input_ids.dtype not in (torch.int32, torch.int64):  # narrow token dtypes (uint16)
             input_ids = input_ids.to(torch.int32)  # widened here, on the model's device
         h = self.tok_embeddings(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        # dynamic NTK only: each position's document length, from the attention context
+        lengths = attn.doc_lengths(position_ids) if self.rope.needs_lengths else None
+        cos, sin = self.rope.cos_sin(position_ids, h.dtype, lengths)
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
         h = self.norm(h)
@@ -187,6 +178,33 @@ class Transformer(nn.Module):
             reduction="sum",
         )
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of `Transformer(cfg)`, in its order, without building it
+    (tests/test_hf_errors.py checks this against a built model)."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    layer: dict[str, tuple[int, ...]] = {
+        "attention_norm.weight": (d,),
+        "attention.wq.weight": (cfg.q_dim, d),
+        **({"attention.wq.bias": (cfg.q_dim,)} if cfg.qkv_bias else {}),
+        "attention.wk.weight": (kv, d),
+        **({"attention.wk.bias": (kv,)} if cfg.qkv_bias else {}),
+        "attention.wv.weight": (kv, d),
+        **({"attention.wv.bias": (kv,)} if cfg.qkv_bias else {}),
+        "attention.wo.weight": (d, cfg.q_dim),
+        "ffn_norm.weight": (d,),
+        "feed_forward.w1.weight": (cfg.ffn_dim, d),
+        "feed_forward.w3.weight": (cfg.ffn_dim, d),
+        "feed_forward.w2.weight": (d, cfg.ffn_dim),
+    }
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    shapes["norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, d)
+    return shapes
 
 
 def build(

@@ -1,0 +1,298 @@
+"""Hand-back to Hugging Face: `export_hf` of a loaded model is the input folder's tensors bit for bit;
+transformers' `from_pretrained` reads an export without missing or unexpected weights and gives
+mixlen's logits (trained weights, a context-extension override); exports are atomic; the model's
+weights come back whole from a DCP checkpoint of 2 ranks at zero 1."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+from _dcp_join import save_as_ranks
+from _hf_reference import CASES, ORIGINAL, assert_close_per_doc, hf_model, packed, save
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from datapipe.errors import InputError
+from trainer.checkpoint.files import write_checksums
+from trainer.checkpoint.state import ModelState
+from trainer.checkpoint.weights import read_model_weights
+from trainer.model.export import export_hf
+from trainer.model.pretrained import apply_overrides, inspect_pretrained, load_pretrained_weights
+from trainer.model.transformer import build
+from trainer.parallel.zero import ZeroOptimizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+LENGTHS = [70, 9, 41, 100]
+
+
+def all_tensors(path: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def load(path: str, dtype: torch.dtype = torch.float32, shape=None) -> torch.nn.Module:
+    pre = inspect_pretrained(path)
+    model = build(shape or pre.shape, dtype=dtype)
+    load_pretrained_weights(model, pre)
+    return model
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """Collect transformers' logged warnings and Python warnings raised inside."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield records
+    root.removeHandler(handler)
+    records.extend(str(w.message) for w in caught)
+
+
+def hf_load(path: str) -> torch.nn.Module:
+    """transformers' from_pretrained, checking it reports no missing, unexpected or mismatched
+    weights in its loading info or its log."""
+    with transformers_warnings() as logged:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        )
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == [], info
+    assert info["mismatched_keys"] == [] and info["error_msgs"] == [], info
+    bad = [m for m in logged if "weight" in m.lower() or "initialized" in m.lower()]
+    assert bad == [], bad
+    return model.eval()
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(d[None]).logits[0] for d in torch.split(ids, lengths)])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("case", "dtype", "shard_bytes"),
+    [
+        ("llama-tied", torch.float32, 2 * 1000**3),
+        ("llama-linear", torch.bfloat16, 2 * 1000**3),
+        ("qwen2", torch.bfloat16, 30_000),
+        ("mistral", torch.float32, 30_000),
+    ],
+)
+def test_export_of_a_load_is_the_input_bit_for_bit(tmp_path, case, dtype, shard_bytes):
+    src = save(hf_model(case), str(tmp_path / "src"), dtype=dtype)
+    pre = inspect_pretrained(src)
+    model = load(src, dtype)
+    weights = dict(model.named_parameters())
+    files = export_hf(
+        weights,
+        pre.shape,
+        pre.family,
+        str(tmp_path / "out"),
+        base_config=pre.config,
+        shard_bytes=shard_bytes,
+    )
+    got, want = all_tensors(str(tmp_path / "out")), all_tensors(src)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype == dtype and torch.equal(got[name], t), name
+    again = inspect_pretrained(str(tmp_path / "out"))
+    assert again.shape == pre.shape and again.family is pre.family
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
+    for key in ("bos_token_id", "eos_token_id"):  # Llama's config.json has them, Qwen2's not
+        assert config.get(key) == pre.config.get(key)
+    sharded = sum(f.endswith(".safetensors") for f in files) > 1
+    assert sharded == (shard_bytes < 10**6) == ("model.safetensors.index.json" in files)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["llama-tied", "llama-yarn", "llama-dynamic", "qwen2", "mistral"])
+def test_transformers_reads_a_trained_export_and_gives_mixlens_logits(tmp_path, case):
+    src = save(hf_model(case), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    model = load(src)
+    with torch.no_grad():  # "training": every weight moves
+        gen = torch.Generator().manual_seed(7)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    export_hf(
+        dict(model.named_parameters()),
+        pre.shape,
+        pre.family,
+        str(tmp_path / "out"),
+        shard_bytes=50_000,
+    )
+    hf = hf_load(str(tmp_path / "out"))
+    ids, pos, cu = packed(LENGTHS, pre.shape.vocab_size, seed=8)
+    with torch.no_grad():
+        mine = model(ids, pos, cu)
+    # documents shortest first: transformers' dynamic NTK keeps the longest length it has seen
+    order = sorted(range(len(LENGTHS)), key=lambda i: LENGTHS[i])
+    by_doc = torch.split(ids, LENGTHS)
+    want = dict(zip(order, (hf_logits(hf, by_doc[i], [LENGTHS[i]]) for i in order)))
+    assert_close_per_doc(mine, torch.cat([want[i] for i in range(len(LENGTHS))]), LENGTHS, 1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_context_extension_overrides_travel_into_the_export(tmp_path):
+    """A Llama extended with a larger base and llama3 scaling to 4x its context: the exported
+    config.json carries them and transformers computes what mixlen computes."""
+    src = save(hf_model("llama-tied", max_position_embeddings=ORIGINAL), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    scaling = {
+        "type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ORIGINAL,
+    }
+    shape = apply_overrides(
+        pre.shape,
+        {
+            "rope_theta": 2000.0,
+            "rope_scaling": scaling,
+            "max_position_embeddings": 4 * ORIGINAL,
+            "dim": 64,
+        },
+        src + "/config.json",
+    )
+    model = load(src, shape=shape)
+    export_hf(dict(model.named_parameters()), shape, "LlamaForCausalLM", str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_theta"] == 2000.0 and config["max_position_embeddings"] == 4 * ORIGINAL
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        **{k: v for k, v in scaling.items() if k != "type"},
+    }
+    hf = hf_load(str(tmp_path / "out"))
+    ids, pos, cu = packed(LENGTHS, shape.vocab_size, seed=9)
+    with torch.no_grad():
+        mine = model(ids, pos, cu)
+    assert_close_per_doc(mine, hf_logits(hf, ids, LENGTHS), LENGTHS, 1e-5)
+
+
+def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path, monkeypatch):
+    src = save(hf_model("llama-tied"), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    weights = dict(load(src).named_parameters())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(InputError, match="out: already exists"):
+        export_hf(weights, pre.shape, pre.family, str(out))
+    assert os.listdir(out) == ["keep.txt"]
+
+    import safetensors.torch
+
+    calls = []
+
+    def failing_save(*args, **kwargs):  # the disk fills up after the first shard
+        if calls:
+            raise OSError(28, "No space left on device")
+        calls.append(args)
+        return real_save(*args, **kwargs)
+
+    real_save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        export_hf(weights, pre.shape, pre.family, str(out), shard_bytes=30_000, overwrite=True)
+    assert os.listdir(out) == ["keep.txt"]  # untouched
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+    with pytest.raises(InputError, match="tok.json: tokenizer file missing"):
+        export_hf(
+            weights,
+            pre.shape,
+            pre.family,
+            str(tmp_path / "o2"),
+            tokenizer_files=[str(tmp_path / "tok.json")],
+        )
+    (tmp_path / "tok.json").write_text("{}")
+    files = export_hf(
+        weights,
+        pre.shape,
+        pre.family,
+        str(tmp_path / "o2"),
+        tokenizer_files=[str(tmp_path / "tok.json")],
+    )
+    assert "tok.json" in files and (tmp_path / "o2" / "tok.json").read_text() == "{}"
+
+
+def _flat(sd: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class _Rank:
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefixed", [False, True], ids=["one-island", "islands"])
+def test_dcp_checkpoint_of_2_ranks_at_zero_1_reads_back_whole(tmp_path, prefixed):
+    src = save(hf_model("qwen2"), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    model = load(src)
+    sds = []
+    for r in range(2):  # each fake rank's DCP state: its weights and its optimizer slice
+        net = copy.deepcopy(model)
+        zero = ZeroOptimizer(list(net.parameters()), _Rank(r, 2), level=1)
+        zero.exp_avg.fill_(r + 1.0)
+        sds.append(_flat(ModelState(net, zero, island=0, prefixed=prefixed).state_dict()))
+    assert any(k.startswith("island0.model." if prefixed else "model.") for k in sds[0])
+    step = tmp_path / "ckpt" / "step-00000002"
+    step.mkdir(parents=True)
+    save_as_ranks(str(step), sds)
+    write_checksums(str(step))
+    got = read_model_weights(str(tmp_path / "ckpt"))  # the newest complete checkpoint under it
+    want = dict(model.named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t.detach()), name
+    export_hf(got, pre.shape, pre.family, str(tmp_path / "out"))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(all_tensors(src).values(), all_tensors(str(tmp_path / "out")).values())
+    )
+    with open(next(step.glob("*.distcp")), "r+b") as f:  # a flipped byte is named
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(InputError, match=r"step-00000002: .*distcp: XXH3-64 checksum differs"):
+        read_model_weights(str(step))
+    with pytest.raises(InputError, match="neither a checkpoint nor"):
+        read_model_weights(str(tmp_path / "src"))
+
+
+def test_every_case_is_a_known_family():
+    from trainer.model.families import FAMILIES
+
+    assert {cls.__name__ for cls, _, _ in CASES.values()} == set(FAMILIES)
