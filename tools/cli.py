@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("tools.cmd_simulate", "predict step times at scale on synthetic lengths"),
     "calibrate": ("tools.cmd_calibrate", "fit the cost model by timing the real model"),
     "train": ("tools.cmd_train", "train a model from a TOML config"),
+    "export": ("tools.cmd_export", "write a training checkpoint as a Hugging Face model folder"),
     "eval": ("tools.cmd_eval", "loss by position and passkey retrieval of a model on a dataset"),
 }
 

@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "TrainData",
     "Validation",
+    "check_special_ids",
     "held_out_mask",
 ]
 
@@ -109,6 +110,20 @@ class Step:
     stream_state: dict[str, Any]
     microbatches: list[PackedMicroBatch]
     wait_s: float
+
+
+def check_special_ids(manifest: dict, config: dict, data: str, model: str) -> None:
+    """ConfigError naming the id that differs when the dataset's BOS/EOS are not the model's
+    (config.json's bos_token_id / eos_token_id; a list of EOS ids holds any of them)."""
+    for ours, theirs in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id")):
+        a, b = manifest.get(ours), config.get(theirs)
+        if a is None or b is None or a == b or (isinstance(b, list) and a in b):
+            continue
+        raise ConfigError(
+            f"{data}/manifest.json: {ours} {a}, but {model}/config.json has {theirs} {b}: the "
+            f"dataset was tokenized with another tokenizer than the model's (preprocess it with "
+            f"--tokenizer-from {model})"
+        )
 
 
 def held_out_mask(sample_ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
@@ -222,7 +237,8 @@ class TrainData:
         if vocab_size < manifest_vocab:
             raise ConfigError(
                 f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
-                f"({cfg.path}/manifest.json vocab_size)"
+                f"({cfg.path}/manifest.json vocab_size): the model has no embedding for some of "
+                "its token ids"
             )
         if not manifest_vocab:  # the fetch refuses token ids the model has no embedding for
             self.fetcher.vocab_size = vocab_size

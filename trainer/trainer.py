@@ -35,6 +35,7 @@ from trainer.hooks import Interrupted, TrainingInterrupted, load_hooks, signals_
 from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
+from trainer.model.config import pretrained_of
 from trainer.model.transformer import build_model, torch_dtype
 from trainer.offload.manager import activation_manager
 from trainer.offload.plan import OffloadSummary
@@ -142,7 +143,9 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         seed_all(cfg.train.seed)
         dtype = torch_dtype(cfg.train.dtype)
-        self.model, master = build_model(cfg.model.shape(), dtype, rt.device, seed=cfg.train.seed)
+        pre = pretrained_of(cfg.model)  # a Hugging Face folder's weights, or None
+        shape = cfg.model.shape()
+        self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, pre)
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)

@@ -21,10 +21,10 @@ from datapipe.errors import ConfigError
 from datapipe.plan.cost import CostModel
 from datapipe.settings import Names, check, from_mapping, setting, values
 from trainer.checkpoint.config import CheckpointConfig
-from trainer.data import DataConfig, PlannerSpec, TrainData
+from trainer.data import DataConfig, PlannerSpec, TrainData, check_special_ids
 from trainer.islands.config import CO2Config
 from trainer.metrics import MetricsConfig
-from trainer.model.config import DTYPES, ModelSection
+from trainer.model.config import DTYPES, ModelSection, pretrained_of
 from trainer.offload.config import OffloadConfig, checkpoint_every
 from trainer.parallel.config import ParallelConfig
 
@@ -174,7 +174,7 @@ class TrainerConfig:
             num_islands=self.key(self.parallel, "islands"),
             island=self.key(self.parallel, "islands"),
         )
-        return TrainData(
+        data = TrainData(
             self.data,
             self.planner_spec(num_ranks),
             global_batch_tokens=self.train.global_batch_tokens,
@@ -186,6 +186,10 @@ class TrainerConfig:
             island=island,
             islands=self.parallel.islands,
         )
+        if self.model.pretrained:
+            pre = pretrained_of(self.model)
+            check_special_ids(data.fetcher.index.manifest, pre.config, self.data.path, pre.path)
+        return data
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}} as the keys are written (inline keys in their section)."""

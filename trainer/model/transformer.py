@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -219,14 +220,24 @@ def build(
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    pretrained: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
-    """(compute model, master weights) of `cfg`, initialised from `seed`: one module for
+    """(compute model, master weights) of `cfg`, initialised from `seed`, or with the weights of
+    `pretrained` (an inspected Hugging Face folder, trainer.model.pretrained): one module for
     float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
     master_dtype = accum_dtype(dtype)
-    # built on the meta device and materialised once: the weights are initialised exactly once
+    # built on the meta device and materialised once: the weights are written exactly once
     master = build(cfg, "meta", master_dtype).to_empty(device=device)
-    master.init_weights(seed)
+    if pretrained is None:
+        master.init_weights(seed)
+    else:
+        from trainer.model.pretrained import load_pretrained_weights
+
+        load_pretrained_weights(master, pretrained)
     if dtype == master_dtype:
         return master, master
     return copy.deepcopy(master).to(dtype), master

@@ -1,0 +1,113 @@
+"""`mixlen export CKPT_DIR --hf OUT_DIR [--dtype bfloat16]`: a training checkpoint (a
+`step-NNNNNNNN` directory, or a checkpoint.dir: its newest complete one; saved under any number
+of ranks and ZeRO level) as a Hugging Face `save_pretrained` folder that transformers'
+`AutoModelForCausalLM.from_pretrained` loads: config.json with the run's RoPE settings and
+context, sharded safetensors with their index, and the tokenizer files when the run had them,
+written into a temporary folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from datapipe.errors import ConfigError, InputError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT_DIR", help="a step directory or a checkpoint.dir")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the folder to write")
+    p.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="stored dtype"
+    )
+    p.add_argument("--island", type=int, default=0, help="with co2/diloco islands: whose weights")
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="the context config.json declares (default: model.max_position_embeddings, the "
+        "pretrained model's, or the dataset's longest sample)",
+    )
+    p.add_argument("--shard-size", type=int, default=2_000_000_000, help="bytes per shard")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+
+
+def _tokenizer_files(run: dict, model_dir: str | None) -> list[str]:
+    """The tokenizer files of the pretrained folder, else the dataset's tokenizer.json."""
+    if model_dir:
+        return [
+            os.path.join(model_dir, n)
+            for n in TOKENIZER_FILES
+            if os.path.isfile(os.path.join(model_dir, n))
+        ]
+    data = run.get("data", {}).get("path")
+    try:
+        from datapipe.index import read_manifest
+
+        tok = read_manifest(data).get("tokenizer", {}) if data else {}
+    except (InputError, OSError):
+        return []
+    if tok.get("kind") == "hf-dir" and tok.get("path"):
+        return _tokenizer_files(run, tok["path"])
+    if tok.get("kind") == "hf" and tok.get("path") and os.path.isfile(tok["path"]):
+        return [tok["path"]]
+    return []
+
+
+def _context(args, shape, run: dict) -> int:
+    if args.max_position_embeddings:
+        return args.max_position_embeddings
+    if shape.max_position_embeddings:
+        return int(shape.max_position_embeddings)
+    data = run.get("data", {}).get("path")
+    try:
+        from datapipe.index import read_lengths
+
+        return int(read_lengths(data).max())
+    except (InputError, OSError, TypeError, ValueError):
+        raise ConfigError(
+            "--max-position-embeddings: needed (the model declares no context and the run's "
+            "dataset is not here to measure)"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from datapipe.settings import from_mapping
+    from trainer.checkpoint.files import read_json
+    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
+    from trainer.config.job import TrainerConfig
+    from trainer.model.config import pretrained_of
+    from trainer.model.export import export_hf
+
+    if not 1 << 20 <= args.shard_size <= 1 << 40:
+        raise ConfigError(f"--shard-size: must be in [1 MiB, 1 TiB], got {args.shard_size}")
+    step = checkpoint_step_dir(args.checkpoint)
+    run_cfg = read_json(os.path.join(step, "run.json")).get("config", {})
+    cfg = from_mapping(TrainerConfig, run_cfg)
+    shape = cfg.model.shape()
+    pre = pretrained_of(cfg.model)
+    weights = read_model_weights(step, island=args.island)
+    files = export_hf(
+        weights,
+        shape,
+        pre.family if pre is not None else "LlamaForCausalLM",
+        args.hf,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        tokenizer_files=_tokenizer_files(run_cfg, pre.path if pre is not None else None),
+        max_position_embeddings=_context(args, shape, run_cfg),
+        base_config=pre.config if pre is not None else None,
+        shard_bytes=args.shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.hf}: {', '.join(sorted(files))} (from {step})")
+    return 0
