@@ -1,0 +1,145 @@
+"""Pretrained models through the whole job: `[model] pretrained` with a longer RoPE base, 2 steps
+on 2 gloo ranks at ZeRO 1, `mixlen export`, and transformers' `from_pretrained` of the export
+giving mixlen's logits on the trained weights; `mixlen eval` on a Hugging Face folder against
+transformers' own per-token cross-entropy (float64); and the errors a mismatched dataset gets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _hf_reference import F64, float64_reference, hf_model, save
+from _train_worker import make_dataset, train_config
+
+from datapipe.errors import ConfigError
+from tools.cli import main as cli_main
+from trainer.config.toml import to_toml
+from trainer.model.config import ModelSection
+from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
+from trainer.model.transformer import build
+
+ROOT = Path(__file__).resolve().parent.parent
+BYTES_IDS = {"vocab_size": 300, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"), n_docs=40)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    model = hf_model("llama-llama3", **BYTES_IDS, max_position_embeddings=1024)
+    return model, save(model, str(tmp_path_factory.mktemp("hf") / "llama"))
+
+
+def _mixlen(path: str, weights: dict | None, dtype: torch.dtype) -> torch.nn.Module:
+    pre = inspect_pretrained(path)
+    model = build(pre.shape, "meta", dtype).to_empty(device="cpu")
+    if weights is None:
+        load_pretrained_weights(model, pre)
+    else:
+        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama, tmp_path, caplog):
+    """2 steps on 2 gloo ranks (zero 1) from a Llama folder with rope_theta raised, exported:
+    transformers loads the folder without missing or unexpected weights, its config has the run's
+    RoPE base, and its logits equal mixlen's on the trained weights (float32, 1e-5 in norm); the
+    weights moved from the pretrained ones."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint.weights import read_model_weights
+
+    _, src = llama
+    run = tmp_path / "run"
+    c = train_config(dataset, str(run), train={"steps": 2, "eval_interval": 0})
+    c.model = ModelSection(pretrained=src, rope_theta=2000.0)
+    c.parallel.zero = 1
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(to_toml(c))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MIXLEN_DIST_TIMEOUT": "90"}
+    cmd = [sys.executable, "-m", "tools.cli", "train", str(cfg), "--nproc", "2", "--quiet"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "export"
+    assert cli_main(["export", str(run / "ckpt"), "--hf", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 2000.0 and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        hf = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    assert not [r for r in caplog.records if "weights" in r.getMessage()], caplog.text
+    trained = read_model_weights(str(run / "ckpt"))
+    mine = _mixlen(str(out), trained, torch.float32)
+    before = dict(_mixlen(src, None, torch.float32).named_parameters())
+    assert any(not torch.equal(before[k], v) for k, v in trained.items())
+    ids = torch.randint(0, 258, (300,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = mine(ids, torch.arange(300))
+        want = hf(ids[None]).logits[0]
+    assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+def test_eval_on_a_hugging_face_folder_equals_transformers(dataset, llama, tmp_path, capsys):
+    """`mixlen eval HF_DIR DATA --split all --dtype float64`: the overall and position-bucket
+    losses equal transformers' per-token cross-entropy of each sample alone (float64, 1e-9)."""
+    model, src = llama
+    assert cli_main(["eval", src, dataset, "--split", "all", "--dtype", "float64", "--json",
+                     "--no-passkey", "--capacity", "4096"]) == 0  # fmt: skip
+    got = json.loads(capsys.readouterr().out)
+    from datapipe.fetch import FetchConfig
+
+    ref = model.to(F64)
+    sums: dict[int, list[float]] = {}
+    total, count = 0.0, 0
+    with FetchConfig().build(dataset) as fetcher, float64_reference(ref), torch.no_grad():
+        for i, n in enumerate(fetcher.lengths.tolist()):
+            if n < 2:
+                continue
+            ids = torch.from_numpy(fetcher.fetch(np.array([[i, 0, n]])).input_ids.astype(np.int64))
+            loss = F.cross_entropy(ref(ids[None]).logits[0][:-1], ids[1:], reduction="none")
+            for p, x in enumerate(loss.tolist()):
+                sums.setdefault(0 if p < 1024 else p.bit_length() - 10, []).append(x)
+            total, count = total + float(loss.sum()), count + n - 1
+    assert got["tokens"] == count and got["loss"] == pytest.approx(total / count, rel=1e-9)
+    for r in got["by_position"]:
+        k = 0 if r["start"] == 0 else (r["start"] // 1024).bit_length()
+        want = sums[k]
+        assert r["tokens"] == len(want) and r["loss"] == pytest.approx(
+            sum(want) / len(want), rel=1e-9
+        )
+
+
+def test_a_dataset_the_model_cannot_read_is_refused(dataset, tmp_path) -> None:
+    """A vocabulary smaller than the dataset's ids, and BOS/EOS ids that differ from the
+    dataset's, are errors naming both sides before training."""
+    from contextlib import ExitStack
+
+    small = save(hf_model("llama-llama3", vocab_size=97), str(tmp_path / "small"))
+    c = train_config(dataset, str(tmp_path / "r"), parallel={"capacity": 1024})
+    c.model = ModelSection(pretrained=small)
+    with pytest.raises(ConfigError, match=r"model: vocab_size 97 < the dataset's 258"):
+        with ExitStack() as st:
+            c.train_data(0, 1, st, validation=False)
+    other = save(hf_model("llama-llama3", vocab_size=300, bos_token_id=1), str(tmp_path / "o"))
+    c.model = ModelSection(pretrained=other)
+    with pytest.raises(ConfigError, match=r"bos_id 256, but .*config.json has bos_token_id 1"):
+        with ExitStack() as st:
+            c.train_data(0, 1, st, validation=False)
+    c.model = ModelSection(pretrained=other, n_layers=5)
+    with pytest.raises(
+        ConfigError, match=r"model.n_layers = 5 contradicts .*num_hidden_layers = 2"
+    ):
+        c.model.shape()
