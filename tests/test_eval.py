@@ -5,6 +5,8 @@ scored against each case alone)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +158,33 @@ def test_passkey_scoring_equals_each_case_alone() -> None:
     assert [r["key"] for r in got] == [c.key for c in cases]
     for r, (loss, correct) in zip(got, want):
         assert r["answer_loss"] == pytest.approx(loss, rel=1e-9) and r["correct"] == correct
+
+
+def test_mixlen_eval_on_a_checkpoint(tmp_path, capsys) -> None:
+    """`mixlen eval CKPT DATA`: a mixlen checkpoint's held-out samples (its val_fraction and
+    seed), the table, --json's fields, eval.json and the passkey heatmap written with --out; the
+    overall loss is the training run's own held-out loss at that step."""
+    from _train_worker import make_dataset, train_config
+
+    from tools.cli import main as cli_main
+    from trainer.train import run_training
+
+    data = make_dataset(str(tmp_path / "ds"), n_docs=40)
+    c = train_config(data, str(tmp_path / "run"), train={"steps": 2, "eval_interval": 2},
+                     parallel={"policy": "single", "capacity": 4096})  # fmt: skip
+    c.data.val_tokens = 1 << 20  # the whole held-out split, as mixlen eval takes it
+    summary = run_training(c)
+    out = tmp_path / "eval"
+    args = ["eval", str(tmp_path / "run" / "ckpt"), data, "--out", str(out), "--passkey-lengths",
+            "600,1200", "--passkey-depths", "0,1"]  # fmt: skip
+    assert cli_main([*args, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) >= {"loss", "tokens", "by_position", "by_length", "passkey", "perplexity"}
+    assert got["loss"] == pytest.approx(summary["val_losses"][-1][1], rel=1e-6)
+    assert all(set(r) == {"start", "end", "loss", "tokens"} for r in got["by_position"])
+    assert len(got["passkey"]) == 4 and {p["depth"] for p in got["passkey"]} == {0.0, 1.0}
+    assert json.loads((out / "eval.json").read_text())["loss"] == got["loss"]
+    assert (out / "passkey.png").stat().st_size > 1000
+    assert cli_main([*args[:3], "--no-passkey"]) == 0
+    text = capsys.readouterr().out
+    assert "| positions | loss | perplexity | tokens |" in text and "passkey" not in text

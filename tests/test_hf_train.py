@@ -143,3 +143,29 @@ def test_a_dataset_the_model_cannot_read_is_refused(dataset, tmp_path) -> None:
         ConfigError, match=r"model.n_layers = 5 contradicts .*num_hidden_layers = 2"
     ):
         c.model.shape()
+
+
+def test_the_readme_context_extension_example_loads(dataset, tmp_path) -> None:
+    """configs/extend-llama3.toml on a tiny Llama-3-style folder (trained "at 8K"): the shape keeps
+    the folder's and takes the config's llama3 scaling and 64K context; its RoPE frequencies are
+    transformers' llama3 rule's."""
+    from transformers import LlamaConfig, modeling_rope_utils
+
+    from trainer.config.toml import load_config
+    from trainer.model.rope import inv_freq
+
+    src = save(
+        hf_model("llama-tied", **BYTES_IDS, max_position_embeddings=8192), str(tmp_path / "m")
+    )
+    sets = [f'model.pretrained="{src}"', f'data.path="{dataset}"', 'parallel.cost="debug"']
+    cfg = load_config(ROOT / "configs" / "extend-llama3.toml", sets)
+    shape = cfg.model.shape()
+    assert shape.max_position_embeddings == 65536 and shape.rope_scaling.type == "llama3"
+    assert shape.rope_scaling.factor == 8.0 and shape.dim == 64 and shape.vocab_size == 300
+    hf = LlamaConfig(**{**json.loads((Path(src) / "config.json").read_text()),
+                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}})  # fmt: skip
+    want, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    got = inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+    assert torch.allclose(got.double(), want.double(), rtol=1e-6)
