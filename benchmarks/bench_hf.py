@@ -18,6 +18,12 @@ Peak memory is the process's ru_maxrss, and the same minus the resident size aft
 (what the load itself added). The page cache is warm for every run (the file was just written).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hf.py [--repeats 2] [--small]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hf.py --eval [--data .demo/stdlib]
+
+`--eval`: `mixlen eval` throughput on 1 and 2 ranks (tokens of the held-out positions per second of
+the whole command, and of the evaluation alone, from its start-up-free timing line): a random
+Llama-shaped folder of EVAL_SHAPE with the dataset's vocabulary, the dataset's samples
+(`--split all --max-tokens`), no passkey.
 
 Prints a table and writes benchmarks/out/bench_hf.json.
 """
@@ -154,6 +160,44 @@ def report(runs: list[dict], repeats: int) -> dict:
     return summary
 
 
+EVAL_SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=768, tie_embeddings=True)
+
+
+def bench_eval(data: str, max_tokens: int, capacity: int) -> dict:
+    """`mixlen eval` of a random folder on `data` with 1 and 2 ranks: wall seconds, tokens/s."""
+    from datapipe.index import read_manifest
+
+    vocab = int(read_manifest(data).get("vocab_size") or 258)
+    tmp = tempfile.mkdtemp(prefix="bench_hf_eval_")
+    path = os.path.join(tmp, "model")
+    rows = []
+    try:
+        write_checkpoint(
+            path, {**EVAL_SHAPE, "vocab_size": vocab, "max_position_embeddings": 16384}, int(GB)
+        )
+        for nproc in (1, 2):
+            cmd = [sys.executable, "-m", "tools.cli", "eval", path, data, "--split", "all",
+                   "--max-tokens", str(max_tokens), "--no-passkey", "--json", "--nproc",
+                   str(nproc), "--capacity", str(capacity), "--dtype", "float32"]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t0
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"ranks": nproc, "tokens": res["tokens"], "wall_s": wall,
+                         "eval_s": res.get("seconds"), "tokens_per_s": res["tokens"] / wall,
+                         "eval_tokens_per_s": res["tokens"] / res["seconds"] if res.get("seconds") else None})  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"mixlen eval: {EVAL_SHAPE} with vocab {vocab} on {data}, capacity {capacity}")
+    print("| ranks | tokens | command s | tokens/s | evaluation s | tokens/s (evaluation) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['ranks']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['eval_s']:.1f} | {r['eval_tokens_per_s']:,.0f} |")  # fmt: skip
+    return {"eval": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="loads per loader (interleaved)")
@@ -163,7 +207,17 @@ def main() -> None:
         "--dir", default=None, help="where to write the checkpoint (default: a temp dir)"
     )
     ap.add_argument("--child", nargs=2, metavar=("LOADER", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--eval", action="store_true", help="mixlen eval throughput on 1 and 2 ranks")
+    ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
+    ap.add_argument("--max-tokens", type=int, default=300_000)
+    ap.add_argument("--capacity", type=int, default=8192)
     args = ap.parse_args()
+    if args.eval:
+        res = bench_eval(args.data, args.max_tokens, args.capacity)
+        os.makedirs(os.path.join(ROOT, "benchmarks", "out"), exist_ok=True)
+        with open(os.path.join(ROOT, "benchmarks", "out", "bench_hf_eval.json"), "w") as f:
+            json.dump({**res, "args": vars(args)}, f, indent=2)
+        return
     if args.child:
         print(json.dumps(child(*args.child)))
         return

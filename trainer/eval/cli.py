@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -78,9 +79,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tok = HFTokenizer.from_folder(path)
         return LoadedModel(model, pre.shape, _context(pre.shape), tok, {})
-    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
-
     from trainer.checkpoint.files import read_json
+    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
     from trainer.config.job import TrainerConfig
 
     step = checkpoint_step_dir(path)
@@ -138,6 +138,7 @@ def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokeni
 def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     """Evaluate as `opts` says on the runtime's ranks; every rank returns the same result."""
     loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device)
+    t0 = time.perf_counter()
     loaded.model.eval()
     run = loaded.run
     par = run.get("parallel", {})
@@ -167,6 +168,7 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
         by_position=buckets.by_position(),
         by_length=buckets.by_length(),
     )
+    out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
         out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, int(cap))
     return out
