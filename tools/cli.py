@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
     parser = build_parser(command)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (a command that re-launches itself reuses it)
     if args.command is None:
         parser.print_help()
         return 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from datapipe.errors import ConfigError
 from trainer.model.config import DTYPES
@@ -87,13 +86,25 @@ def _options(args: argparse.Namespace):
     )
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line without its --nproc (each rank runs one process)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from tools.launch import launch, under_torchrun
 
     opts = _options(args)
     if args.nproc > 1 and not under_torchrun():
-        argv = [a for a in sys.argv[1:] if a != "--nproc" and a != str(args.nproc)]
-        return launch(argv, args.nproc)
+        return launch(_without_nproc(args.argv), args.nproc)
     from trainer.eval.cli import run_eval
     from trainer.eval.report import plot_passkey, render
     from trainer.parallel.runtime import setup_runtime
