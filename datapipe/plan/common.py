@@ -7,19 +7,17 @@ Times are int64 nanoseconds from datapipe.plan.cost; rank times come from the sl
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from datapipe.errors import MixlenError
 from datapipe.plan.buckets import group_by_bucket_kernel
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.packing import bfd_kernel
 from datapipe.plan.stepplan import StepPlan, replay_kernel
-
-if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
 
 
 class Layout(NamedTuple):
@@ -80,7 +78,7 @@ def lower_bound_terms(
 
 
 def too_long(
-    config: PlannerConfig, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
+    config: PlannerSettings, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
 ) -> None:
     """MixlenError naming the longest sample above `limit` (none: return), and the settings (as
     the user wrote them) that would make room."""
@@ -96,7 +94,7 @@ def too_long(
 
 def assemble(
     policy: str,
-    config: PlannerConfig,
+    config: PlannerSettings,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -178,7 +176,7 @@ def pack_local(
     return off, short_idx[order]
 
 
-def dynamic_limit(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+def dynamic_limit(config: PlannerSettings, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
     """Longest sample a group of N ranks holds, per sample: N * C, or N * C_eff(r) with offload
     (r: the largest ratio whose copies hide under the sample's forward)."""
     n, cap = config.num_ranks, config.capacity
@@ -189,7 +187,7 @@ def dynamic_limit(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -
 
 
 def dynamic_groups(
-    config: PlannerConfig,
+    config: PlannerSettings,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -320,7 +318,7 @@ def retime_spanning(
 
 
 def dynamic_layout(
-    config: PlannerConfig,
+    config: PlannerSettings,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
@@ -351,7 +349,7 @@ def dynamic_layout(
 
 def assemble_dynamic(
     policy: str,
-    config: PlannerConfig,
+    config: PlannerSettings,
     cost: CostModel,
     lengths: np.ndarray,
     sample_ids: np.ndarray,

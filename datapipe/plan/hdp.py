@@ -10,7 +10,6 @@ instead when it is estimated faster, so hdp+widen is never estimated slower than
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,19 +23,17 @@ from datapipe.plan.common import (
     gather,
     lower_bound_terms,
 )
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
 from datapipe.plan.widen import widen
-
-if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
 
 DESCRIPTION = "dynamic groups, cost-balanced (rings first, LPT, improvement pass)"
 fits = dynamic_limit
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlannerSettings, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch with hdp (and widen, if configured)."""
     n_ranks, cap = config.num_ranks, config.capacity
@@ -80,7 +77,7 @@ def plan(
 
 
 def static_mesh(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlannerSettings, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan | None:
     """widen's last candidate: the batch on a static DP x CP mesh, the faster (by estimate) of the
     mesh its longest sample needs and, with `max_context` set, the mesh static itself would use

@@ -5,8 +5,6 @@ tokens, first fit into waves of N ranks (one micro-batch per rank per wave).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from datapipe.plan.common import (
@@ -16,19 +14,17 @@ from datapipe.plan.common import (
     gather,
     lower_bound_terms,
 )
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.schedule import place_waves
 from datapipe.plan.stepplan import StepPlan
-
-if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
 
 DESCRIPTION = "dynamic groups, token waves, no balancing (ByteScale Alg. 1)"
 fits = dynamic_limit
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlannerSettings, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch with naive-hdp."""
     n_ranks = config.num_ranks

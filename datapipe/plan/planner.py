@@ -15,13 +15,14 @@ is an error naming the sample. Times are int64 nanoseconds from datapipe.plan.co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 
-from datapipe.errors import ConfigError, MixlenError, UserKeys
+from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan import hdp, naive_hdp, single, static
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
 
@@ -36,43 +37,16 @@ POLICIES: dict[str, ModuleType] = {
 
 
 @dataclass(frozen=True)
-class PlannerConfig(UserKeys):
-    """Planner settings; `build(cost)` returns a Planner."""
-
-    policy: str = "hdp"
-    num_ranks: int = 8
-    capacity: int = 8192
-    offload: bool = False
-    max_context: int | None = None  # static: the run's longest context (default: batch maximum)
-    seed: int = 0
-    improve_rounds: int = 4  # hdp: improvement pass budget, in multiples of N moves
-    widen: bool = False  # hdp: also try groups wider than the smallest (docs/PLAN.md, "Widen")
-    keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+class PlannerConfig(PlannerSettings):
+    """Planner settings (declared in datapipe.plan.config); `build(cost)` returns a Planner."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting as the user wrote it."""
-        k = self.key
         if self.policy not in POLICIES:
             raise ConfigError(
-                f"{k('policy')}: unknown '{self.policy}' (known: {', '.join(POLICIES)})"
+                f"{self.key('policy')}: unknown '{self.policy}' (known: {', '.join(POLICIES)})"
             )
-        if not (isinstance(self.num_ranks, int) and self.num_ranks >= 1):
-            raise ConfigError(f"{k('num_ranks')}: must be an int >= 1, got {self.num_ranks!r}")
-        if not (isinstance(self.capacity, int) and self.capacity >= 1):
-            raise ConfigError(f"{k('capacity')}: must be an int >= 1, got {self.capacity!r}")
-        if self.max_context is not None and self.max_context < 1:
-            raise ConfigError(f"{k('max_context')}: must be >= 1, got {self.max_context!r}")
-        if not isinstance(self.widen, bool):
-            raise ConfigError(f"{k('widen')}: must be a bool, got {self.widen!r}")
-        if self.widen and self.policy != "hdp":
-            raise ConfigError(
-                f"{k('widen')}: only the hdp policy widens groups, not '{self.policy}' "
-                "(unset widen)"
-            )
-        if self.policy == "single" and self.num_ranks != 1:
-            raise ConfigError(
-                f"{k('num_ranks')}: the single policy plans one rank, got {self.num_ranks}"
-            )
+        super().validate()
 
     def build(self, cost: CostModel) -> Planner:
         self.validate()

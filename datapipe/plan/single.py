@@ -6,28 +6,24 @@ length). Times come from the cost model like every other policy's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from datapipe.plan.common import assemble, local_times
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
 from datapipe.stream import greedy_boundaries
 
-if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
-
 DESCRIPTION = "one rank, whole samples in batch order (the single-process layout)"
 
 
-def fits(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+def fits(config: PlannerSettings, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
     """Any sample fits: a long one gets a micro-batch of its own."""
     return np.full(np.shape(lengths), np.iinfo(np.int64).max, dtype=np.int64)
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlannerSettings, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch on one rank."""
     cap = config.capacity

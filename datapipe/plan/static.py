@@ -6,18 +6,14 @@ to DP replicas round-robin by decreasing tokens (equal micro-batch counts, token
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numba import njit
 
 from datapipe.errors import MixlenError
 from datapipe.plan.common import assemble, group_times, lower_bound_ns, pack_local, too_long
+from datapipe.plan.config import PlannerSettings
 from datapipe.plan.cost import CostModel
 from datapipe.plan.stepplan import StepPlan
-
-if TYPE_CHECKING:
-    from datapipe.plan.planner import PlannerConfig
 
 DESCRIPTION = "fixed DP x CP mesh, every sample split over the CP group"
 
@@ -33,7 +29,7 @@ def static_cp_degree(num_ranks: int, capacity: int, max_context: int) -> int:
     )
 
 
-def fits(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+def fits(config: PlannerSettings, cost: CostModel, lengths: np.ndarray) -> np.ndarray:
     """Longest sample the mesh holds, per sample: N * C, or max_context when that is set."""
     limit = config.num_ranks * config.capacity
     if config.max_context is not None:
@@ -42,7 +38,7 @@ def fits(config: PlannerConfig, cost: CostModel, lengths: np.ndarray) -> np.ndar
 
 
 def plan(
-    config: PlannerConfig, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlannerSettings, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch on the static DP x CP mesh."""
     n_ranks, cap = config.num_ranks, config.capacity
