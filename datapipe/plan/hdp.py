@@ -15,7 +15,7 @@ import numpy as np
 
 from datapipe.errors import MixlenError
 from datapipe.plan import static
-from datapipe.plan.balance import hdp_schedule
+from datapipe.plan.balance import hdp_schedule, rebalance_tail
 from datapipe.plan.common import (
     assemble_dynamic,
     dynamic_layout,
@@ -42,13 +42,17 @@ def plan(
     layout, caps = dynamic_layout(config, cost, lengths, sample_ids, target_ns=lb)
     budget = int(config.improve_rounds) * n_ranks
     sched = hdp_schedule(layout.kg, layout.g_time, layout.b_time, n_ranks, budget)
+    layout, sched = rebalance_tail(layout, sched, lengths, cost, cap, budget)
     meta: dict = {}
     if config.widen:
         # widen compares candidates timed as placed groups are planned: its work bound likewise
         planned_bound = lower_bound_terms(cost, lengths, n_ranks, cap, best_case=False)[0]
-        layout, sched, meta = widen(
+        won, sched, meta = widen(
             cost, lengths, caps, cap, n_ranks, budget, planned_bound, layout, sched
         )
+        if won is not layout:  # a widened candidate: its tail sample by sample as well
+            layout, sched = rebalance_tail(won, sched, lengths, cost, cap, budget)
+            meta["widen_filled"] = int(layout.g_items.shape[0] - layout.kg.shape[0])
     # slot keys: group g (in placement order) at 2g+1, gap fillers at 2g, tails after all groups
     kg, g_order = layout.kg, sched.g_order
     n_g = kg.shape[0]
@@ -70,7 +74,7 @@ def plan(
         mesh = static_mesh(config, cost, lengths, sample_ids)
         out.meta["widen_candidates"] += mesh is not None
         if mesh is not None and mesh.makespan_ns < out.makespan_ns:
-            meta = {**out.meta, "widened": 0, "widen_filled": 0, "spread": 0}
+            meta = {**out.meta, "widened": 0, "widen_filled": 0}
             meta["static_mesh"] = {"cp": mesh.meta["cp"], "dp": mesh.meta["dp"]}
             return dataclasses.replace(mesh, policy="hdp", meta=meta)
     return out

@@ -29,7 +29,8 @@ def plan(
     """Plan one global batch with naive-hdp."""
     n_ranks = config.num_ranks
     lb = max(lower_bound_terms(cost, lengths, n_ranks, config.capacity))
-    layout, caps = dynamic_layout(config, cost, lengths, sample_ids, target_ns=None)
+    # local samples over enough micro-batches that, with the rings, every rank gets one
+    layout, caps = dynamic_layout(config, cost, lengths, sample_ids, None, spread_over=n_ranks)
     # waves: micro-batches by decreasing tokens, first fit, one per rank per wave
     b_off, b_items = layout.b_off, layout.b_items
     n_bins = b_off.shape[0] - 1

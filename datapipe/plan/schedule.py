@@ -379,3 +379,62 @@ def place_waves(k: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
         while first < n_waves and used[first] == n_ranks:
             first += 1
     return out, wave
+
+
+@njit(cache=True)
+def spread_samples(
+    w: np.ndarray, s: np.ndarray, cap: int, c_ns: int, d_ns: float, load: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples, in the given order (by decreasing time), each onto the least-loaded rank (ties:
+    the lowest), into the fullest of that rank's micro-batches that still has room for its s
+    positions (at most `cap`), else into a new one. `load` is updated: w per sample, c_ns per
+    new micro-batch, d_ns*T^2 for a micro-batch of T positions. Returns (micro-batch of each
+    sample, numbered by opening; rank of each micro-batch). The rank heap is written out here:
+    a call passing arrays costs numba atomic reference counting per sample."""
+    n = load.shape[0]
+    m = w.shape[0]
+    heap = np.argsort(load, kind="mergesort").astype(np.int64)  # sorted by (load, rank): a heap
+    last = -np.ones(n, dtype=np.int64)  # each rank's newest micro-batch (then `prev` links)
+    prev = np.empty(m, dtype=np.int64)
+    pos = np.empty(m, dtype=np.int64)  # positions per micro-batch
+    mb_of = np.empty(m, dtype=np.int64)
+    mb_rank = np.empty(m, dtype=np.int64)
+    n_mb = 0
+    for i in range(m):
+        r = heap[0]
+        best = -1
+        b = last[r]
+        while b >= 0:  # best fit among the rank's micro-batches
+            if pos[b] + s[i] <= cap and (best < 0 or pos[b] > pos[best]):
+                best = b
+            b = prev[b]
+        if best >= 0:
+            p = pos[best]
+            q = p + s[i]
+            load[r] += w[i] + np.int64(d_ns * q * q + 0.5) - np.int64(d_ns * p * p + 0.5)
+            pos[best] = q
+        else:
+            load[r] += c_ns + w[i] + np.int64(d_ns * s[i] * s[i] + 0.5)
+            best = n_mb
+            pos[best] = s[i]
+            prev[best] = last[r]
+            last[r] = best
+            mb_rank[best] = r
+            n_mb += 1
+        mb_of[i] = best
+        j = 0  # sift the grown rank down
+        while True:
+            c = 2 * j + 1
+            if c >= n:
+                break
+            if c + 1 < n:
+                x, y = heap[c + 1], heap[c]
+                if load[x] < load[y] or (load[x] == load[y] and x < y):
+                    c += 1
+            x, y = heap[c], heap[j]
+            if load[x] < load[y] or (load[x] == load[y] and x < y):
+                heap[c], heap[j] = y, x
+                j = c
+            else:
+                break
+    return mb_of, mb_rank[:n_mb]

@@ -50,7 +50,8 @@ def plan(
     n_dp = n_ranks // cp
     live = np.flatnonzero(lengths > 0)
     share = -(-lengths[live] // cp)  # each member's positions are at most ceil(S / cp)
-    b_off, b_pos = pack_local(np.arange(live.shape[0], dtype=np.int64), share, cap)
+    # at least one micro-batch per DP replica when there are that many samples
+    b_off, b_pos = pack_local(np.arange(live.shape[0], dtype=np.int64), share, cap, n_dp)
     b_items = live[b_pos]
     n_bins = b_off.shape[0] - 1
     if n_bins:

@@ -18,7 +18,6 @@ from datapipe.plan.schedule import max_tree, max_tree_first, max_tree_set
 WIDEN_SLACK = 1 / 256  # skip the search when the plan is within this of the work bound
 WIDEN_EVALS = 12  # widened candidates evaluated at most (besides the plain plan)
 WIDEN_FILLS = 2  # fill candidates after them: spare room of widened groups, of all groups
-# then one spread candidate (local micro-batches re-packed smaller when fewer than the ranks)
 WIDEN_LAMBDA_STEP = 1.25  # geometric step of the scalar family's target
 
 
@@ -47,17 +46,15 @@ def widen(
     3. fill: short samples whose zigzag pair fits a group's spare room (C - ceil(S/k) per member;
        groups without offload) join that group's micro-batch (first fit, longest sample and widest
        group first) and the rest is packed again; once into widened groups only, once into all;
-    4. spread: with fewer local micro-batches than ranks, the local samples packed again into
-       micro-batches of max(longest, ceil(local tokens / N)) positions, so all ranks get work.
 
     Candidates are scheduled with the plain plan's winning order/placement rule; the best one is
-    scheduled again with all rules. At most WIDEN_EVALS + WIDEN_FILLS + 1 candidates. The plain plan
-    is one, so the
-    estimate never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
+    scheduled again with all rules. At most WIDEN_EVALS + WIDEN_FILLS candidates. The plain plan
+    (its tail already balanced sample by sample, balance.rebalance_tail) is one, so the estimate
+    never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
     widened or not, finishes before T)."""
     plain = layout
     kg0, jg0 = plain.kg, plain.jg
-    meta = {"widen": True, "widen_candidates": 0, "widened": 0, "widen_filled": 0, "spread": 0}
+    meta = {"widen": True, "widen_candidates": 0, "widened": 0, "widen_filled": 0}
     n_g = kg0.shape[0]
     if sched.makespan <= work_bound + work_bound * WIDEN_SLACK:
         return layout, sched, meta
@@ -159,20 +156,6 @@ def widen(
                     local_times(cost, lengths, b_off, b_items),
                 )
             )
-    # 4. spread: fewer positions per local micro-batch, so that there are enough of them to keep
-    # every rank busy (packing to C leaves ranks idle when a batch holds less than N * C)
-    n_bins = best.b_off.shape[0] - 1
-    if 0 < n_bins < n_ranks:
-        loc = np.sort(best.b_items)
-        spread_cap = max(int(lengths[loc].max()), -(-int(lengths[loc].sum()) // n_ranks))
-        if spread_cap < cap:
-            b_off, b_items = pack_local(loc, lengths, spread_cap)
-            if evaluate(
-                best._replace(
-                    b_off=b_off, b_items=b_items, b_time=local_times(cost, lengths, b_off, b_items)
-                )
-            ):
-                meta["spread"] = int(b_off.shape[0] - 1 - n_bins)
     if best is not plain:  # the winner with every order/placement rule
         full = hdp_schedule(best.kg, best.g_time, best.b_time, n_ranks, budget)
         if full.makespan < best_sched.makespan:
