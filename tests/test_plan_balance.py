@@ -301,3 +301,17 @@ def test_idle_rank_filled_without_raising_the_step() -> None:
     check_plan(p)
     assert p.microbatch_counts().min() >= 1
     assert p.makespan_ns <= packed
+
+
+def test_widen_never_slower_than_plain_after_node_retiming() -> None:
+    """43 ranks in nodes of 8 (llama-7b@h100): widen compares candidates with groups timed on
+    the link between nodes, as placement may put them; the plain plan's ring of 7 lands inside one
+    node and is re-timed on NVLink, which makes it faster than the widened candidate that won the
+    comparison. hdp+widen returns the faster of the two as replayed."""
+    lengths = [12932, 16, 10, 9, 8, 7, 7, 7, 6, 6, 6, 5, 5, 5, 4, 4, 3]
+    cost = C.preset("llama-7b")
+    h = plan("hdp", lengths, 43, 2048, cost)
+    w = plan("hdp", lengths, 43, 2048, cost, widen=True)
+    check_plan(w)
+    assert cost.ranks_per_node == 8 and h.group_sizes.max() == 7
+    assert w.makespan_ns <= h.makespan_ns
