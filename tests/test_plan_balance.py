@@ -235,7 +235,8 @@ def test_hdp_spreads_short_work_over_idle_ranks() -> None:
 
 def spread_samples_ref(w, s, cap: int, c_ns: int, d_ns: float, load) -> tuple[list, list]:
     """schedule.spread_samples in plain Python: each sample to the least-loaded rank (lowest on
-    ties), into the fullest of its micro-batches with room (the newest on ties), else a new one."""
+    ties), into its newest micro-batch if that has room, else the fullest older one with room (the
+    newest on ties), else a new one."""
     load = [int(x) for x in load]
     pos: list[int] = []
     mb_rank: list[int] = []
@@ -246,9 +247,10 @@ def spread_samples_ref(w, s, cap: int, c_ns: int, d_ns: float, load) -> tuple[li
 
     for wi, si in zip(w.tolist(), s.tolist()):
         r = min(range(len(load)), key=lambda x: (load[x], x))
-        fits = [b for b in range(len(pos)) if mb_rank[b] == r and pos[b] + si <= cap]
+        mine = [b for b in range(len(pos)) if mb_rank[b] == r]
+        fits = [b for b in mine if pos[b] + si <= cap]
         if fits:
-            b = max(fits, key=lambda x: (pos[x], x))
+            b = mine[-1] if mine[-1] in fits else max(fits, key=lambda x: (pos[x], x))
             load[r] += wi + size(pos[b] + si) - size(pos[b])
             pos[b] += si
         else:
