@@ -176,12 +176,78 @@ def bench_references(
     return rows
 
 
+def regime_batch(rng: np.random.Generator, n: int, cap: int) -> np.ndarray:
+    """One step of 0.001 to 20 times N x C tokens: lognormal short samples (median 0.1% to 100% of
+    C, sigma 0 to 2; at most 3,000), each a long one (C to N x C) with probability 0, 1% or 10%."""
+    f = float(np.exp(rng.uniform(np.log(1e-3), np.log(20))))
+    med = float(np.exp(rng.uniform(np.log(1e-3), 0)))
+    sigma, long_p = float(rng.uniform(0, 2)), float(rng.choice([0, 0, 0.01, 0.1]))
+    target, out, tot = max(1, int(f * n * cap)), [], 0
+    while tot < target and len(out) < 3000:
+        if rng.random() < long_p and n > 1:
+            s = int(rng.integers(cap + 1, n * cap + 1))
+        else:
+            s = int(min(cap, max(1, rng.lognormal(np.log(med * cap), sigma))))
+        out.append(s)
+        tot += s
+    return np.array(out, np.int64)
+
+
+def regimes(count: int) -> list:
+    """hdp and hdp+widen on `count` seeded steps from one sample to 20 times N x C (N 1..64, C
+    256 / 2,048 / 16,384; presets debug, small, llama-7b in turn): makespan / lower bound, and
+    how many steps with at least N samples leave a rank idle."""
+    costs = [costmod.preset(m) for m in ("debug", "small", "llama-7b")]
+    rng = np.random.default_rng(7)
+    rows: dict = {"hdp": [], "hdp+widen": []}
+    idle = {k: 0 for k in rows}
+    enough = 0
+    for i in range(count):
+        n, cap = int(rng.integers(1, 65)), int(rng.choice([256, 2048, 16384]))
+        lengths = regime_batch(rng, n, cap)
+        enough += lengths.size >= n
+        for name in rows:
+            cfg = PlannerConfig(num_ranks=n, capacity=cap, widen=name.endswith("widen"))
+            p = cfg.build(costs[i % 3]).plan(lengths)
+            rows[name].append(p.makespan_ns / p.lower_bound_ns)
+            idle[name] += lengths.size >= n and bool((p.microbatch_counts() == 0).any())
+    out = []
+    for name, r in rows.items():
+        r = np.array(r)
+        out.append(
+            {
+                "policy": name,
+                "steps": count,
+                "mean": float(r.mean()),
+                "p90": float(np.percentile(r, 90)),
+                "worst": float(r.max()),
+                "share_over_1_05": float((r > 1.05).mean()),
+                "idle_rank_steps": int(idle[name]),
+                "steps_with_n_samples": int(enough),
+            }
+        )
+        print(
+            f"  {name:<10} mean {r.mean():.3f}  p90 {np.percentile(r, 90):.3f}  worst "
+            f"{r.max():.2f}  > 1.05: {(r > 1.05).mean():.1%}  idle rank in "
+            f"{idle[name]} of {enough} steps with >= N samples"
+        )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-binpacking", action="store_true")
+    ap.add_argument(
+        "--regimes", type=int, default=0, help="only: hdp's balance over this many seeded steps"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "bench_plan.json"))
     args = ap.parse_args()
+    if args.regimes:
+        print(f"{args.regimes} steps from 1 sample to 20 x N x C (makespan / lower bound):")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"regimes": regimes(args.regimes)}, indent=1))
+        return 0
     cost = costmod.preset("llama-7b")
     a, b = case_a(), case_b()
     rows = bench_case("a", a, 1024, 8192, args.repeats, cost)
