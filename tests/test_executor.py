@@ -54,7 +54,7 @@ def test_idle_ranks_and_tiny_samples():
 
     ((ref, g_ref),) = run_threads(1, run)
     out = run_threads(4, run)
-    assert out[0][0].microbatches.count(0) >= 2  # two local micro-batches at most on 4 ranks
+    assert out[0][0].microbatches.count(0) >= 1  # three samples on 4 ranks: one runs none
     assert out[0][0].n_labels == 9 + 6 + 0 == ref.n_labels
     torch.testing.assert_close(out[0][1], g_ref, rtol=1e-12, atol=0)
     assert abs(out[0][0].loss - ref.loss) <= 1e-12 * ref.loss

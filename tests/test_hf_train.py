@@ -53,11 +53,14 @@ def _mixlen(path: str, weights: dict | None, dtype: torch.dtype) -> torch.nn.Mod
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama, tmp_path, caplog):
+def test_train_from_pretrained_then_export_loads_in_transformers(
+    dataset, llama, tmp_path, caplog, capsys
+):
     """2 steps on 2 gloo ranks (zero 1) from a Llama folder with rope_theta raised, exported:
     transformers loads the folder without missing or unexpected weights, its config has the run's
     RoPE base, and its logits equal mixlen's on the trained weights (float32, 1e-5 in norm); the
-    weights moved from the pretrained ones."""
+    weights moved from the pretrained ones; `mixlen eval --nproc 2` of the checkpoint gives the
+    one-rank losses."""
     from transformers import AutoModelForCausalLM
 
     from trainer.checkpoint.weights import read_model_weights
@@ -90,6 +93,16 @@ def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama,
         got = mine(ids, torch.arange(300))
         want = hf(ids[None]).logits[0]
     assert (got - want).norm() <= 1e-5 * want.norm()
+    # the trained checkpoint evaluated on 2 gloo ranks (capacity 256: long samples on rings) and on
+    # one, in process: the same losses
+    ev = ["eval", str(run / "ckpt"), dataset, "--split", "all", "--json", "--no-passkey"]
+    two = subprocess.run([sys.executable, "-m", "tools.cli", *ev, "--nproc", "2", "--capacity",
+                          "256"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert cli_main([*ev, "--capacity", "1024"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    got2 = json.loads(two.stdout.strip().splitlines()[-1])
+    assert got2["tokens"] == one["tokens"] and got2["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
 def test_eval_on_a_hugging_face_folder_equals_transformers(dataset, llama, tmp_path, capsys):

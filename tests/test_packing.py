@@ -89,6 +89,18 @@ def test_bfd_block_structure_matches_reference(inst) -> None:
     assert bins.tolist() == ref.best_fit_decreasing_ref(lengths.tolist(), capacity)
 
 
+@settings(deadline=None, max_examples=40)
+@given(inst=instances(max_items=60, max_capacity=packing.DENSE_MAX_CAPACITY), data=st.data())
+def test_bfd_dense_deep_bitset_matches_reference(inst, data) -> None:
+    """The direct-index structure up to its largest capacity (4-5 bitset levels), items scaled up
+    so free-space values spread over the whole range."""
+    lengths, capacity = inst
+    scale = data.draw(st.integers(1, max(1, packing.DENSE_MAX_CAPACITY // max(capacity, 1))))
+    lengths, capacity = lengths * scale, capacity * scale
+    bins = packing._bfd(lengths, capacity, True) if lengths.size else np.empty(0, np.int64)
+    assert bins.tolist() == ref.best_fit_decreasing_ref(lengths.tolist(), capacity)
+
+
 @pytest.mark.parametrize("name,pack,pack_ref", PACKERS)
 @settings(deadline=None, max_examples=40)
 @given(inst=instances(max_items=60, max_capacity=1 << 50))

@@ -21,7 +21,7 @@ from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan import cost as C
 from datapipe.plan import widen as W
 from datapipe.plan.check import check_plan
-from datapipe.plan.common import group_times, lower_bound_ns, lower_bound_terms
+from datapipe.plan.common import group_times, lower_bound_ns
 from datapipe.plan.planner import PlannerConfig
 from datapipe.plan.static import static_cp_degree
 from datapipe.plan.zigzag import smallest_group
@@ -148,78 +148,6 @@ def _eq3_ranks(cost: C.CostModel, s: int, cap: int) -> int:
             d += 1
         best = d if best is None else min(best, d)
     return best
-
-
-def reference_lower_bound(cost: C.CostModel, lengths, n: int, cap: int) -> tuple[int, int]:
-    """lower_bound_ns's rule, spelled out sample by sample in plain Python (the cost model's
-    documented terms, each rounded once to integer ns as the cost module states): a sample of
-    S > 0 tokens on its smallest group k = ceil(S / C) (whose largest zigzag pair is ceil(S / k)
-    <= C) has the member share a*S^2/k / eff(S/k) + b*S/k (eff(x) = x / (x + attn_n_half)) plus,
-    on a ring, its ring time (hops * latency + K/V bytes over the link: the node link when the
-    group fits in a node, the best case) not hidden under its attention. Work bound:
-    ceil((sum of k * share + c * ceil(tokens / C)) / N); share bound: the largest share + c."""
-    c_ns = round(cost.c * 1e9)
-    h = cost.attn_n_half
-    shares, ranks, tokens = [], [], 0
-    for s in (int(x) for x in lengths):
-        if s <= 0:
-            continue
-        k = -(-s // cap)
-        # a*S^2/k / eff(S/k) = a*S*(S + h*k)/k, in the cost module's order of operations
-        attn_s = cost.a * s * (s + h * k) / k
-        share = round((cost.a * s * (s + h * k) + cost.b * s) / k * 1e9)
-        if k > 1:
-            attn = round(attn_s * 1e9)
-            ring_bytes = cost.comm_passes * (k - 1) * (s / k) * cost.kv_bytes_per_token
-            inside = cost.ranks_per_node and k <= cost.ranks_per_node
-            link = cost.node_link_bytes_per_s if inside else cost.link_bytes_per_s
-            hops = cost.num_layers * (cost.comm_passes * (k - 1) + 1)
-            ring = round((ring_bytes / link + hops * cost.hop_latency_s) * 1e9)
-            hide = round(ring * cost.overlap)
-            share += ring - hide + max(hide - attn, 0)
-        shares.append(share)
-        ranks.append(k)
-        tokens += s
-    if not shares:
-        return 0, 0
-    total = sum(k * t for k, t in zip(ranks, shares)) + c_ns * -(-tokens // cap)
-    return -(-total // n), max(shares) + c_ns
-
-
-# slow links: rings expose most of their traffic
-SLOW_LINK = C.CostModel(1e-9, 2e-6, 3e-5, 4096.0, 1e8, 4, 2000.0, 5e8, name="slow-link")
-
-
-@given(
-    st.integers(1, 64),
-    st.sampled_from([1, 7, 64, 4096]),
-    st.lists(st.integers(0, 10**6), max_size=40),
-    st.sampled_from([DEBUG, C.preset("llama-7b"), OFFLOAD, SLOW_LINK]),
-)
-@settings(deadline=None, max_examples=150)
-def test_lower_bound_is_its_formula(n: int, cap: int, raw: list[int], cost) -> None:
-    lengths = np.array([x % (n * cap + 1) for x in raw], dtype=np.int64)
-    want = reference_lower_bound(cost, lengths, n, cap)
-    assert lower_bound_terms(cost, lengths, n, cap) == want
-    assert lower_bound_ns(cost, lengths, n, cap) == max(want)
-    for policy in ("hdp", "naive-hdp", "static"):  # what the plans record for reports
-        assert plan(policy, lengths, n, cap, cost).lower_bound_ns == max(want), policy
-
-
-def test_lower_bound_terms_each_decide() -> None:
-    """Hand-made cases where each term wins, with and without exposed ring traffic."""
-    # many short samples on few ranks: total work / N decides
-    short = np.full(40, 60, dtype=np.int64)
-    work, share = reference_lower_bound(DEBUG, short, 4, 64)
-    assert lower_bound_ns(DEBUG, short, 4, 64) == work > share
-    # one long sample on many ranks: its member share (plus c) decides; on a slow link its ring
-    # traffic shows
-    one = np.array([4000, 10], dtype=np.int64)
-    work, share = reference_lower_bound(SLOW_LINK, one, 64, 64)
-    assert lower_bound_ns(SLOW_LINK, one, 64, 64) == share > work
-    k = -(-4000 // 64)
-    hidden = round((SLOW_LINK.a * 4000 * 4000 + SLOW_LINK.b * 4000) / k * 1e9)
-    assert share > hidden + SLOW_LINK.c_ns  # the exposed traffic is part of the bound
 
 
 def test_offload_shrinks_groups_and_hdp_keeps_makespan() -> None:
@@ -558,20 +486,3 @@ def test_config_errors() -> None:
         PlannerConfig(capacity=0).build(DEBUG, num_ranks=8)
     with pytest.raises(MixlenError, match=">= 0"):
         plan("hdp", [3, -1], 2, 8)
-
-
-def test_widen_spreads_short_work_over_idle_ranks() -> None:
-    """24 samples of 600 tokens on 4 ranks with C = 8192: packing to C makes two micro-batches and
-    leaves two ranks idle; widen re-packs them 6 per micro-batch, one per rank (the step takes
-    c + 6 samples' compute instead of c + 13's)."""
-    lengths = [600] * 24
-    h = plan("hdp", lengths, 4, 8192)
-    w = plan("hdp", lengths, 4, 8192, widen=True)
-    check_plan(w)
-    assert h.num_microbatches == 2 and (h.rank_time_ns == 0).sum() == 2
-    assert w.num_microbatches == 4 and sorted(w.group_ranks.tolist()) == [0, 1, 2, 3]
-    one = DEBUG.a * 600 * 600 + DEBUG.b * 600  # seconds, a whole 600-token sample (n_half 0)
-    assert DEBUG.attn_n_half == 0
-    assert w.makespan_ns == pytest.approx((DEBUG.c + 6 * one) * 1e9, abs=8)
-    assert h.makespan_ns == pytest.approx((DEBUG.c + 13 * one) * 1e9, abs=8)  # 13 + 11
-    assert w.meta["spread"] == 2

@@ -1,6 +1,7 @@
 """The code's shape, checked: no import cycle among mixlen's modules (every import, lazy ones
-included, walked statically), `datapipe` never importing `trainer` or `tools`, production code never
-importing the test support in `trainer/testing/`, modules of at most 500 lines and functions of at
+included, walked statically), `datapipe` never importing `trainer` or `tools`, the planning,
+stream and index modules never importing torch, production code never importing the test support
+in `trainer/testing/`, modules of at most 500 lines and functions of at
 most 80 outside benchmarks, and docs/ARCHITECTURE.md's folder table naming every module there is."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("datapipe", "trainer", "tools")
+LIGHT = ("datapipe.index", "datapipe.stream", "datapipe.settings", "datapipe.shapes")
 
 
 def module_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
@@ -98,6 +100,17 @@ def test_layering() -> None:
             assert not {d for d in deps if not d.startswith("datapipe")}, mod
         if not mod.startswith("trainer.testing"):
             assert not {d for d in deps if d.startswith("trainer.testing")}, mod
+
+
+def test_planning_and_streaming_never_import_torch() -> None:
+    """The planner, the stream and the index start fast: no torch, no streaming library."""
+    mods = module_files()
+    light = [m for m in mods if m.startswith("datapipe.plan") or m in LIGHT]
+    for mod in light:
+        tree = ast.parse(mods[mod].read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {n.split(".")[0] for n in names} & {"torch", "streaming"}, mod
 
 
 def test_sizes() -> None:

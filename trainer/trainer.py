@@ -12,6 +12,7 @@ Every resource is released through one ExitStack (`close()`), also when building
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -36,6 +37,7 @@ from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
 from trainer.model.config import pretrained_of
+from trainer.model.pretrained import load_pretrained_weights
 from trainer.model.transformer import build_model, torch_dtype
 from trainer.offload.manager import activation_manager
 from trainer.offload.plan import OffloadSummary
@@ -144,8 +146,9 @@ class Trainer:
         seed_all(cfg.train.seed)
         dtype = torch_dtype(cfg.train.dtype)
         pre = pretrained_of(cfg.model)  # a Hugging Face folder's weights, or None
+        load = None if pre is None else functools.partial(load_pretrained_weights, pretrained=pre)
         shape = cfg.model.shape()
-        self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, pre)
+        self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, load)
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)

@@ -77,29 +77,8 @@ def check_plan(plan: StepPlan, check_times: bool = True) -> None:
                 fail(f"rank {r} slot {mb.slot}: {used} positions > capacity {mb.capacity}")
             for sid, s, e in mb.pieces:
                 covered[pos_of[sid]].append((s, e))
-    for i, iv in enumerate(covered):
-        iv.sort()
-        at = 0
-        for s, e in iv:
-            if s != at:
-                fail(
-                    f"sample {ids[i]}: tokens from {min(s, at)} computed {'twice' if s < at else 'never'}"
-                )
-            at = e
-        if at != lengths[i]:
-            fail(f"sample {ids[i]}: covered up to {at} of {lengths[i]} tokens")
-    for slot, members in by_slot.items():
-        ref = next(iter(members.values()))
-        if set(members) != set(ref.group):
-            fail(f"slot {slot}: run by {sorted(members)} but its group is {ref.group}")
-        for mb in members.values():
-            if (mb.group, mb.group_pieces, mb.capacity, mb.offload_ratio) != (
-                ref.group,
-                ref.group_pieces,
-                ref.capacity,
-                ref.offload_ratio,
-            ):
-                fail(f"slot {slot}: group members disagree")
+    _check_coverage(covered, ids, lengths)
+    _check_groups(by_slot)
     clock = rendezvous_replay(
         [[(mb.slot, mb.group) for mb in mbs] for mbs in views],
         {s: int(plan.mb_time_ns[s]) for s in by_slot},
@@ -111,6 +90,40 @@ def check_plan(plan: StepPlan, check_times: bool = True) -> None:
             fail("recorded rank times differ from the blocking-rendezvous replay")
         if plan.makespan_ns != max(clock, default=0):
             fail("recorded makespan is not the largest rank time")
+
+
+def _check_coverage(
+    covered: list[list[tuple[int, int]]], ids: list[int], lengths: list[int]
+) -> None:
+    """Every position of every sample computed exactly once (covered: its computed ranges)."""
+    for i, iv in enumerate(covered):
+        iv.sort()
+        at = 0
+        for s, e in iv:
+            if s != at:
+                raise PlanError(
+                    f"sample {ids[i]}: tokens from {min(s, at)} computed {'twice' if s < at else 'never'}"
+                )
+            at = e
+        if at != lengths[i]:
+            raise PlanError(f"sample {ids[i]}: covered up to {at} of {lengths[i]} tokens")
+
+
+def _check_groups(by_slot: dict[int, dict[int, PlannedMicroBatch]]) -> None:
+    """Each slot is run by exactly its group, whose members agree on group, pieces, capacity and
+    offload ratio."""
+    for slot, members in by_slot.items():
+        ref = next(iter(members.values()))
+        if set(members) != set(ref.group):
+            raise PlanError(f"slot {slot}: run by {sorted(members)} but its group is {ref.group}")
+        for mb in members.values():
+            if (mb.group, mb.group_pieces, mb.capacity, mb.offload_ratio) != (
+                ref.group,
+                ref.group_pieces,
+                ref.capacity,
+                ref.offload_ratio,
+            ):
+                raise PlanError(f"slot {slot}: group members disagree")
 
 
 def rendezvous_replay(

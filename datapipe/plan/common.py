@@ -7,7 +7,7 @@ Times are int64 nanoseconds from datapipe.plan.cost; rank times come from the sl
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -16,10 +16,9 @@ from datapipe.errors import MixlenError
 from datapipe.plan.buckets import group_by_bucket_kernel
 from datapipe.plan.cost import CostModel
 from datapipe.plan.packing import bfd_kernel
+from datapipe.plan.schedule import spread_samples
+from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan, replay_kernel
-
-if TYPE_CHECKING:
-    from datapipe.plan.setup import PlanSetup
 
 
 class Layout(NamedTuple):
@@ -51,7 +50,9 @@ def group_time_ns(
 def lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int) -> int:
     """max(total work / N, largest member share): each sample on its smallest group with no
     offload (member shares in integer ns with their exposed ring traffic, as the planners charge
-    them), plus c for the fewest rank-micro-batches any plan needs (ceil(tokens / C)). A larger
+    them), plus c per rank-micro-batch: ceil(tokens / C) of them, or N when that is more (the
+    busiest of u ranks runs at least (c * max(ceil(tokens / C), u) + work) / u, which falls as u
+    grows to N; so the bound holds however many micro-batches a plan makes). A larger
     group only adds exposed traffic in total, so this bounds every hdp/naive-hdp plan without
     offload or widening from below (static and widen split more, offload changes group sizes:
     they may go under it)."""
@@ -74,7 +75,10 @@ def lower_bound_terms(
     shares = cost.work_ns(s, 1)
     long_ = np.flatnonzero(k > 1)
     shares[long_] = group_time_ns(cost, s[long_], k[long_], np.zeros_like(long_)) - cost.c_ns
-    total = int((k * shares).sum()) + cost.c_ns * int(-(-int(s.sum()) // capacity))
+    # c per rank-micro-batch: at least ceil(tokens / C) of them, and at least N (whatever the
+    # count: a plan using u <= N ranks takes at least (c * max(count, u) + work) / u)
+    n_mb = max(-(-int(s.sum()) // capacity), num_ranks)
+    total = int((k * shares).sum()) + cost.c_ns * n_mb
     share = int(shares.max()) + cost.c_ns
     return -(-total // num_ranks), share
 
@@ -168,13 +172,24 @@ def gather(src_off: np.ndarray, order: np.ndarray, dst_off: np.ndarray) -> np.nd
 
 
 def pack_local(
-    short_idx: np.ndarray, lengths: np.ndarray, capacity: int
+    short_idx: np.ndarray, lengths: np.ndarray, capacity: int, min_bins: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Best-fit pack samples short_idx into micro-batches: (items_off [B+1], items by bin)."""
+    """Best-fit pack samples short_idx into micro-batches: (items_off [B+1], items by bin). When
+    that makes fewer than min(min_bins, samples) micro-batches, the samples are spread instead,
+    longest first onto the one of min_bins slots with the fewest tokens (a new micro-batch there
+    when its open one has no room), so that many slots each get one or more."""
     if short_idx.size == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    b = bfd_kernel(np.ascontiguousarray(lengths[short_idx]), int(capacity))
-    order, off = group_by_bucket_kernel(b, int(b.max()) + 1)
+    s = np.ascontiguousarray(lengths[short_idx])
+    b = bfd_kernel(s, int(capacity))
+    n_bins = int(b.max()) + 1
+    if n_bins < min(min_bins, short_idx.size):
+        order = np.lexsort((np.arange(s.shape[0]), -s))
+        load = np.zeros(min_bins, dtype=np.int64)
+        mb, mb_rank = spread_samples(s[order], s[order], int(capacity), 0, 0.0, load)
+        b[order] = mb
+        n_bins = mb_rank.shape[0]
+    order, off = group_by_bucket_kernel(b, n_bins)
     return off, short_idx[order]
 
 
@@ -325,17 +340,19 @@ def dynamic_layout(
     lengths: np.ndarray,
     sample_ids: np.ndarray,
     target_ns: int | None,
+    spread_over: int = 0,
 ) -> tuple[Layout, np.ndarray]:
     """(layout, C_eff per offload layer count) of hdp and naive-hdp: one group micro-batch per
     sample that needs k >= 2 ranks or offload, the other samples packed best-fit into local
-    micro-batches of at most C positions."""
+    micro-batches of at most C positions; with `spread_over` = N, into at least as many as the
+    ranks the groups leave (pack_local's min_bins), so that every rank can get one."""
     cap = config.capacity
     k, j = dynamic_groups(config, cost, lengths, sample_ids, target_ns)
     caps = cost.offload_capacity(cap, np.arange(cost.num_layers + 1))
     grp = np.flatnonzero((k >= 2) | (j > 0))
     short = np.flatnonzero((k == 1) & (j == 0))
     kg, jg = k[grp], j[grp]
-    b_off, b_items = pack_local(short, lengths, cap)
+    b_off, b_items = pack_local(short, lengths, cap, spread_over - int(kg.sum()))
     layout = Layout(
         kg=kg,
         jg=jg,

@@ -60,6 +60,7 @@ class VariantResult:
     warmup_ms: float
     metrics: list[PlanMetrics] = field(default_factory=list)
     pass_ms: list[list[float]] = field(default_factory=list)
+    pass_cpu_ms: list[list[float]] = field(default_factory=list)  # the thread's CPU time
 
     @property
     def average(self) -> PlanMetrics:
@@ -127,18 +128,20 @@ def compare(
                 on_plan()
         out[label] = VariantResult(label, [], [], (time.perf_counter() - t0) * 1e3)
     ms: dict[str, list[list[float]]] = {label: [[] for _ in batches] for label in planners}
+    cpu: dict[str, list[list[float]]] = {label: [[] for _ in batches] for label in planners}
     for _ in range(passes):
         for i, (lengths, ids) in enumerate(batches):
             for label, planner in planners.items():
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 plan = planner.plan(lengths, ids)
                 ms[label][i].append((time.perf_counter() - t0) * 1e3)
+                cpu[label][i].append((time.thread_time() - c0) * 1e3)
                 if len(out[label].plans) <= i:
                     out[label].plans.append(plan)
                 if on_plan is not None:
                     on_plan()
     for label, res in out.items():
-        res.pass_ms = ms[label]
+        res.pass_ms, res.pass_cpu_ms = ms[label], cpu[label]
         res.plan_ms = [float(np.median(t)) for t in ms[label]]
         c = cost if cost is not None else planners[label].cost
         res.metrics = [plan_metrics(p, c, t) for p, t in zip(res.plans, res.plan_ms)]

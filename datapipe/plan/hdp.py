@@ -10,14 +10,14 @@ instead when it is estimated faster, so hdp+widen is never estimated slower than
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from datapipe.errors import MixlenError
 from datapipe.plan import static
-from datapipe.plan.balance import hdp_schedule
+from datapipe.plan.balance import Schedule, hdp_schedule, rebalance_tail
 from datapipe.plan.common import (
+    Layout,
     assemble_dynamic,
     dynamic_layout,
     dynamic_limit,
@@ -25,11 +25,9 @@ from datapipe.plan.common import (
     lower_bound_terms,
 )
 from datapipe.plan.cost import CostModel
+from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan
 from datapipe.plan.widen import widen
-
-if TYPE_CHECKING:
-    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "dynamic groups, cost-balanced (rings first, LPT, improvement pass)"
 fits = dynamic_limit
@@ -45,14 +43,48 @@ def plan(
     layout, caps = dynamic_layout(config, cost, lengths, sample_ids, target_ns=lb)
     budget = int(config.improve_rounds) * n_ranks
     sched = hdp_schedule(layout.kg, layout.g_time, layout.b_time, n_ranks, budget)
-    meta: dict = {}
-    if config.widen:
-        # widen compares candidates timed as placed groups are planned: its work bound likewise
-        planned_bound = lower_bound_terms(cost, lengths, n_ranks, cap, best_case=False)[0]
-        layout, sched, meta = widen(
-            cost, lengths, caps, cap, n_ranks, budget, planned_bound, layout, sched
-        )
-    # slot keys: group g (in placement order) at 2g+1, gap fillers at 2g, tails after all groups
+    layout, sched = rebalance_tail(layout, sched, lengths, cost, cap, budget)
+    if not config.widen:
+        return _assemble(config, cost, lengths, sample_ids, layout, caps, sched, {}, lb)
+    # widen compares candidates timed as placed groups are planned: its work bound likewise
+    planned_bound = lower_bound_terms(cost, lengths, n_ranks, cap, best_case=False)[0]
+    won, won_sched, meta = widen(
+        cost, lengths, caps, cap, n_ranks, budget, planned_bound, layout, sched
+    )
+    out = None
+    if won is not layout:  # a widened candidate: its tail sample by sample as well
+        won, won_sched = rebalance_tail(won, won_sched, lengths, cost, cap, budget)
+        filled = {**meta, "widen_filled": int(won.g_items.shape[0] - won.kg.shape[0])}
+        out = _assemble(config, cost, lengths, sample_ids, won, caps, won_sched, filled, lb)
+    # candidates were compared as groups are timed before placement; placed in one node, a group
+    # is re-timed on the node link, which may favour the plain plan after all
+    plain_meta = {**meta, "widened": 0, "widen_filled": 0}
+    plain = _assemble(config, cost, lengths, sample_ids, layout, caps, sched, plain_meta, lb)
+    if out is None or plain.makespan_ns <= out.makespan_ns:
+        out = plain
+    # also when widen stopped near the bound: static may still be a bit faster
+    mesh = static_mesh(config, cost, lengths, sample_ids)
+    out.meta["widen_candidates"] += mesh is not None
+    if mesh is not None and mesh.makespan_ns < out.makespan_ns:
+        meta = {**out.meta, "widened": 0, "widen_filled": 0}
+        meta["static_mesh"] = {"cp": mesh.meta["cp"], "dp": mesh.meta["dp"]}
+        return dataclasses.replace(mesh, policy="hdp", meta=meta)
+    return out
+
+
+def _assemble(
+    config: PlanSetup,
+    cost: CostModel,
+    lengths: np.ndarray,
+    sample_ids: np.ndarray,
+    layout: Layout,
+    caps: np.ndarray,
+    sched: Schedule,
+    meta: dict,
+    lb: int,
+) -> StepPlan:
+    """The StepPlan of a scheduled layout. Slot keys: group g (in placement order) at 2g+1, gap
+    fillers at 2g, tails after all groups."""
     kg, g_order = layout.kg, sched.g_order
     n_g = kg.shape[0]
     g_key = np.empty(n_g, dtype=np.int64)
@@ -66,17 +98,9 @@ def plan(
     mb_key = np.concatenate([g_key, sched.b_key])
     mb_ranks = np.concatenate([g_ranks, sched.b_rank])
     meta = {"improve_moves": int(sched.moves), "gap_fills": int(sched.fills), **meta}
-    out = assemble_dynamic(
+    return assemble_dynamic(
         "hdp", config, cost, lengths, sample_ids, layout, caps, mb_key, mb_ranks, meta, lb
     )
-    if config.widen:  # also when widen stopped near the bound: static may still be a bit faster
-        mesh = static_mesh(config, cost, lengths, sample_ids)
-        out.meta["widen_candidates"] += mesh is not None
-        if mesh is not None and mesh.makespan_ns < out.makespan_ns:
-            meta = {**out.meta, "widened": 0, "widen_filled": 0, "spread": 0}
-            meta["static_mesh"] = {"cp": mesh.meta["cp"], "dp": mesh.meta["dp"]}
-            return dataclasses.replace(mesh, policy="hdp", meta=meta)
-    return out
 
 
 def static_mesh(

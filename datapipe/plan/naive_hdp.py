@@ -5,8 +5,6 @@ tokens, first fit into waves of N ranks (one micro-batch per rank per wave).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from datapipe.plan.common import (
@@ -18,10 +16,8 @@ from datapipe.plan.common import (
 )
 from datapipe.plan.cost import CostModel
 from datapipe.plan.schedule import place_waves
+from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan
-
-if TYPE_CHECKING:
-    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "dynamic groups, token waves, no balancing (ByteScale Alg. 1)"
 fits = dynamic_limit
@@ -33,7 +29,8 @@ def plan(
     """Plan one global batch with naive-hdp."""
     n_ranks = config.num_ranks
     lb = max(lower_bound_terms(cost, lengths, n_ranks, config.capacity))
-    layout, caps = dynamic_layout(config, cost, lengths, sample_ids, target_ns=None)
+    # local samples over enough micro-batches that, with the rings, every rank gets one
+    layout, caps = dynamic_layout(config, cost, lengths, sample_ids, None, spread_over=n_ranks)
     # waves: micro-batches by decreasing tokens, first fit, one per rank per wave
     b_off, b_items = layout.b_off, layout.b_items
     n_bins = b_off.shape[0] - 1

@@ -20,11 +20,12 @@ Data structures (no O(items x bins) scan):
 
 - FFD: a max segment tree over bins' free space whose unopened leaves hold the full capacity, so
   the leftmost leaf with room is either the first-fit bin or the next new bin: O(log bins).
-- BFD: free space values index a 64-ary bitset hierarchy (3 levels for C = 131072; successor
-  query by trailing-zero counts) and each free-space value keeps a skew heap of its bins keyed by bin number:
-  O(log_64 C + amortized log bins). For capacities above `DENSE_MAX_CAPACITY` a sorted list of
-  (free space, bin) keys in blocks of about sqrt(bins) is used instead: O(sqrt(bins)); that
-  only gets slow with very many bins of over 16M tokens each (~1e11 tokens in one call).
+- BFD (datapipe.plan.bestfit): free space values index a 64-ary bitset hierarchy (3 levels for
+  C = 131072; successor query by trailing-zero counts) and each free-space value keeps a skew heap
+  of its bins keyed by bin number: O(log_64 C + amortized log bins). For capacities above
+  `DENSE_MAX_CAPACITY` a sorted list of (free space, bin) keys in blocks of about sqrt(bins) is
+  used instead: O(sqrt(bins)); that only gets slow with very many bins of over 16M tokens each
+  (~1e11 tokens in one call).
 
 Any-fit packings never leave two bins whose contents together fit in one, so neither packer
 opens more than `2 * (sum // capacity) + 2` bins; the kernels size their structures by that.
@@ -37,9 +38,9 @@ import time
 
 import numpy as np
 from numba import njit
-from numba.cpython.unsafe.numbers import trailing_zeros
 
 from datapipe.errors import MixlenError
+from datapipe.plan.bestfit import bfd_blocks, bfd_dense
 
 __all__ = [
     "DENSE_MAX_CAPACITY",
@@ -184,235 +185,6 @@ def ffd_kernel(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def _skew_merge(a: int, b: int, left: np.ndarray, right: np.ndarray) -> int:
-    """Merge two skew heaps of bin numbers (min at the root); -1 is the empty heap."""
-    if a < 0:
-        return b
-    if b < 0:
-        return a
-    if b < a:
-        a, b = b, a
-    root = a
-    cur = a
-    while True:
-        r = right[cur]
-        right[cur] = left[cur]
-        if r < 0:
-            left[cur] = b
-            return root
-        if b < r:
-            r, b = b, r
-        left[cur] = r
-        cur = r
-
-
-@njit(cache=True)
-def _bitset_set(bits: np.ndarray, offs: np.ndarray, nlev: int, x: int) -> None:
-    for lev in range(nlev):
-        w = offs[lev] + (x >> 6)
-        old = bits[w]
-        bits[w] = old | (np.int64(1) << (x & 63))
-        if old != 0:
-            return
-        x >>= 6
-
-
-@njit(cache=True)
-def _bitset_clear(bits: np.ndarray, offs: np.ndarray, nlev: int, x: int) -> None:
-    for lev in range(nlev):
-        w = offs[lev] + (x >> 6)
-        new = bits[w] & ~(np.int64(1) << (x & 63))
-        bits[w] = new
-        if new != 0:
-            return
-        x >>= 6
-
-
-@njit(cache=True)
-def _bitset_succ(bits: np.ndarray, offs: np.ndarray, nwords: np.ndarray, nlev: int, x: int) -> int:
-    """Smallest set index >= x, or -1."""
-    lev = 0
-    idx = x
-    while True:
-        w = idx >> 6
-        if w >= nwords[lev]:
-            return -1
-        word = bits[offs[lev] + w] & (np.int64(-1) << (idx & 63))
-        if word != 0:
-            idx = (w << 6) + trailing_zeros(word)
-            while lev > 0:
-                lev -= 1
-                idx = (idx << 6) + trailing_zeros(bits[offs[lev] + idx])
-            return idx
-        lev += 1
-        if lev == nlev:
-            return -1
-        idx = w + 1
-
-
-@njit(cache=True)
-def _bfd_dense(lengths: np.ndarray, order: np.ndarray, capacity: int, m: int) -> np.ndarray:
-    """Best fit with free space indexed directly: bitset of occupied values + skew heaps."""
-    n = lengths.size
-    bins = np.empty(n, np.int64)
-    # Bitset levels over free-space values 0..capacity.
-    offs = np.zeros(8, np.int64)
-    nwords = np.zeros(8, np.int64)
-    nlev = 0
-    total = 0
-    cnt = capacity + 1
-    while True:
-        words = (cnt + 63) >> 6
-        offs[nlev] = total
-        nwords[nlev] = words
-        total += words
-        nlev += 1
-        if words == 1:
-            break
-        cnt = words
-    bits = np.zeros(total, np.int64)
-    heap_root = np.empty(capacity + 1, np.int32)  # valid only where the bit is set
-    left = np.empty(m, np.int64)
-    right = np.empty(m, np.int64)
-    sorted_lengths = lengths[order]
-    sorted_bins = np.empty(n, np.int64)
-    nbins = 0
-    for k in range(n):
-        length = sorted_lengths[k]
-        r = _bitset_succ(bits, offs, nwords, nlev, length)
-        if r < 0:
-            b = nbins
-            nbins += 1
-            new_r = capacity - length
-        else:
-            b = np.int64(heap_root[r])
-            if length == 0:
-                sorted_bins[k] = b
-                continue
-            rest = _skew_merge(left[b], right[b], left, right)
-            if rest < 0:
-                _bitset_clear(bits, offs, nlev, r)
-            else:
-                heap_root[r] = rest
-            new_r = r - length
-        sorted_bins[k] = b
-        left[b] = -1
-        right[b] = -1
-        w = bits[offs[0] + (new_r >> 6)]
-        if (w >> (new_r & 63)) & 1:
-            heap_root[new_r] = _skew_merge(np.int64(heap_root[new_r]), b, left, right)
-        else:
-            heap_root[new_r] = b
-            _bitset_set(bits, offs, nlev, new_r)
-    assert nbins <= m
-    bins[order] = sorted_bins
-    return bins
-
-
-@njit(cache=True)
-def _blocks_rebuild(kr: np.ndarray, kb: np.ndarray, cnt: np.ndarray, nb: int, per: int) -> int:
-    """Redistribute the sorted keys evenly, `per` per block; returns the new block count."""
-    total = 0
-    for j in range(nb):
-        total += cnt[j]
-    fr = np.empty(total, np.int64)
-    fb = np.empty(total, np.int64)
-    t = 0
-    for j in range(nb):
-        for q in range(cnt[j]):
-            fr[t] = kr[j, q]
-            fb[t] = kb[j, q]
-            t += 1
-    new_nb = max(1, (total + per - 1) // per)
-    for j in range(new_nb):
-        lo = j * per
-        hi = min(total, lo + per)
-        cnt[j] = hi - lo
-        for q in range(lo, hi):
-            kr[j, q - lo] = fr[q]
-            kb[j, q - lo] = fb[q]
-    return new_nb
-
-
-@njit(cache=True)
-def _bfd_blocks(lengths: np.ndarray, order: np.ndarray, capacity: int, m: int) -> np.ndarray:
-    """Best fit for any capacity: sorted (free space, bin) keys in blocks of ~sqrt(bins)."""
-    n = lengths.size
-    bins = np.empty(n, np.int64)
-    half = 8
-    while half * half < m:
-        half += 1
-    bcap = 2 * half  # a block holding bcap keys triggers a rebuild to `half` per block
-    nb_max = m // half + 2
-    kr = np.empty((nb_max, bcap), np.int64)
-    kb = np.empty((nb_max, bcap), np.int64)
-    cnt = np.zeros(nb_max, np.int64)
-    nb = 1
-    nbins = 0
-    for k in range(n):
-        i = order[k]
-        length = lengths[i]
-        # Lower bound: first key with free space >= length.
-        j = 0
-        while j < nb and (cnt[j] == 0 or kr[j, cnt[j] - 1] < length):
-            j += 1
-        if j == nb:
-            b = nbins
-            nbins += 1
-            new_r = capacity - length
-        else:
-            lo = 0
-            hi = cnt[j] - 1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if kr[j, mid] < length:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            r = kr[j, lo]
-            b = kb[j, lo]
-            if length == 0:
-                bins[i] = b
-                continue
-            for q in range(lo, cnt[j] - 1):
-                kr[j, q] = kr[j, q + 1]
-                kb[j, q] = kb[j, q + 1]
-            cnt[j] -= 1
-            new_r = r - length
-        bins[i] = b
-        # Insert (new_r, b): into the first non-empty block whose last key is >= it, else
-        # into the last non-empty block (or block 0 when all are empty).
-        target = -1
-        last_nonempty = 0
-        for jj in range(nb):
-            c = cnt[jj]
-            if c == 0:
-                continue
-            last_nonempty = jj
-            lr = kr[jj, c - 1]
-            if lr > new_r or (lr == new_r and kb[jj, c - 1] > b):
-                target = jj
-                break
-        if target < 0:
-            target = last_nonempty
-        c = cnt[target]
-        q = c
-        while q > 0 and (
-            kr[target, q - 1] > new_r or (kr[target, q - 1] == new_r and kb[target, q - 1] > b)
-        ):
-            kr[target, q] = kr[target, q - 1]
-            kb[target, q] = kb[target, q - 1]
-            q -= 1
-        kr[target, q] = new_r
-        kb[target, q] = b
-        cnt[target] = c + 1
-        if c + 1 == bcap:
-            nb = _blocks_rebuild(kr, kb, cnt, nb, half)
-    assert nbins <= m
-    return bins
-
-
-@njit(cache=True)
 def _bfd(lengths: np.ndarray, capacity: int, dense: bool) -> np.ndarray:
     n = lengths.size
     if n == 0:
@@ -420,8 +192,8 @@ def _bfd(lengths: np.ndarray, capacity: int, dense: bool) -> np.ndarray:
     m = _max_bins(lengths, capacity)
     order = sort_desc_kernel(lengths)
     if dense:
-        return _bfd_dense(lengths, order, capacity, m)
-    return _bfd_blocks(lengths, order, capacity, m)
+        return bfd_dense(lengths, order, capacity, m)
+    return bfd_blocks(lengths, order, capacity, m)
 
 
 @njit(cache=True)

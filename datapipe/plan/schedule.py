@@ -249,15 +249,40 @@ def fill_gaps(t: np.ndarray, gap_size: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
+def winner_tree(load: np.ndarray) -> np.ndarray:
+    """Tournament tree over ranks: node j holds the less loaded of its children's winners (the
+    lower rank on ties), so tree[1] is the least-loaded rank; leaves at len(tree) // 2 + rank,
+    padding -1. After load[r] changes, recompute the path from leaf r's parent to the root (the
+    callers write that loop out)."""
+    n = load.shape[0]
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.empty(2 * size, dtype=np.int64)
+    for j in range(size):
+        tree[size + j] = j if j < n else -1
+    for j in range(size - 1, 0, -1):
+        a, b = tree[2 * j], tree[2 * j + 1]
+        tree[j] = a if b < 0 or (a >= 0 and load[a] <= load[b]) else b
+    return tree
+
+
+@njit(cache=True)
 def place_local(t: np.ndarray, load: np.ndarray) -> np.ndarray:
-    """List scheduling by decreasing time: each micro-batch on the least-loaded rank (load updated)."""
-    heap = _make_heap(load)
+    """List scheduling by decreasing time: each micro-batch on the least-loaded rank (the lowest
+    on ties; load updated), found by a winner tree in O(log N)."""
+    tree = winner_tree(load)
+    size = tree.shape[0] // 2
     out = np.empty(t.shape[0], dtype=np.int64)
     for i in range(t.shape[0]):
-        r = heap[0]
+        r = tree[1]
         out[i] = r
         load[r] += t[i]
-        _sift_down(heap, load.shape[0], 0, load)
+        j = (size + r) >> 1
+        while j >= 1:
+            a, b = tree[2 * j], tree[2 * j + 1]
+            tree[j] = a if b < 0 or load[a] <= load[b] else b
+            j >>= 1
     return out
 
 
@@ -379,3 +404,68 @@ def place_waves(k: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
         while first < n_waves and used[first] == n_ranks:
             first += 1
     return out, wave
+
+
+@njit(cache=True)
+def spread_samples(
+    w: np.ndarray, s: np.ndarray, cap: int, c_ns: int, d_ns: float, load: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples, in the given order (by decreasing time), each onto the least-loaded rank (ties:
+    the lowest), into that rank's newest micro-batch if it has room for the sample's s positions
+    (at most `cap`), else into the fullest of its older ones with room, else into a new one.
+    `load` is updated: w per sample, c_ns per new micro-batch, d_ns*T^2 for a micro-batch of T
+    positions. Returns (micro-batch of each sample, numbered by opening; rank of each
+    micro-batch). The least-loaded rank comes from a winner tree, written out here (a call
+    passing arrays costs numba atomic reference counting per sample). Older micro-batches are
+    searched only when a bound on their room (kept per rank) admits the sample."""
+    n = load.shape[0]
+    m = w.shape[0]
+    tree = winner_tree(load)
+    size = tree.shape[0] // 2
+    last = -np.ones(n, dtype=np.int64)  # each rank's newest micro-batch (then `prev` links)
+    old_room = np.zeros(n, dtype=np.int64)  # at least the most room of its older ones
+    prev = np.empty(m, dtype=np.int64)
+    pos = np.empty(m, dtype=np.int64)  # positions per micro-batch
+    mb_of = np.empty(m, dtype=np.int64)
+    mb_rank = np.empty(m, dtype=np.int64)
+    n_mb = 0
+    for i in range(m):
+        r = tree[1]
+        best = last[r]
+        if best >= 0 and pos[best] + s[i] > cap:
+            best = -1
+            if old_room[r] >= s[i]:  # best fit among the older ones
+                room = 0  # their most room before this sample: a bound for the next search
+                b = prev[last[r]]
+                while b >= 0:
+                    if pos[b] + s[i] <= cap and (best < 0 or pos[b] > pos[best]):
+                        best = b
+                    room = max(room, cap - pos[b])
+                    b = prev[b]
+                old_room[r] = room
+        if best >= 0:
+            p = pos[best]
+            q = p + s[i]
+            load[r] += w[i]
+            if d_ns > 0.0:
+                load[r] += np.int64(d_ns * q * q + 0.5) - np.int64(d_ns * p * p + 0.5)
+            pos[best] = q
+        else:
+            load[r] += c_ns + w[i]
+            if d_ns > 0.0:
+                load[r] += np.int64(d_ns * s[i] * s[i] + 0.5)
+            if last[r] >= 0:
+                old_room[r] = max(old_room[r], cap - pos[last[r]])
+            best = n_mb
+            pos[best] = s[i]
+            prev[best] = last[r]
+            last[r] = best
+            mb_rank[best] = r
+            n_mb += 1
+        mb_of[i] = best
+        j = (size + r) >> 1  # the grown rank's path to the root
+        while j >= 1:
+            a, b = tree[2 * j], tree[2 * j + 1]
+            tree[j] = a if b < 0 or load[a] <= load[b] else b
+            j >>= 1
+    return mb_of, mb_rank[:n_mb]

@@ -6,17 +6,13 @@ length). Times come from the cost model like every other policy's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from datapipe.plan.common import assemble, local_times
 from datapipe.plan.cost import CostModel
+from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan
 from datapipe.stream import greedy_boundaries
-
-if TYPE_CHECKING:
-    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "one rank, whole samples in batch order (the single-process layout)"
 

@@ -6,18 +6,14 @@ to DP replicas round-robin by decreasing tokens (equal micro-batch counts, token
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numba import njit
 
 from datapipe.errors import MixlenError
 from datapipe.plan.common import assemble, group_times, lower_bound_ns, pack_local, too_long
 from datapipe.plan.cost import CostModel
+from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan
-
-if TYPE_CHECKING:
-    from datapipe.plan.setup import PlanSetup
 
 DESCRIPTION = "fixed DP x CP mesh, every sample split over the CP group"
 
@@ -54,7 +50,8 @@ def plan(
     n_dp = n_ranks // cp
     live = np.flatnonzero(lengths > 0)
     share = -(-lengths[live] // cp)  # each member's positions are at most ceil(S / cp)
-    b_off, b_pos = pack_local(np.arange(live.shape[0], dtype=np.int64), share, cap)
+    # at least one micro-batch per DP replica when there are that many samples
+    b_off, b_pos = pack_local(np.arange(live.shape[0], dtype=np.int64), share, cap, n_dp)
     b_items = live[b_pos]
     n_bins = b_off.shape[0] - 1
     if n_bins:

@@ -18,7 +18,6 @@ from datapipe.plan.schedule import max_tree, max_tree_first, max_tree_set
 WIDEN_SLACK = 1 / 256  # skip the search when the plan is within this of the work bound
 WIDEN_EVALS = 12  # widened candidates evaluated at most (besides the plain plan)
 WIDEN_FILLS = 2  # fill candidates after them: spare room of widened groups, of all groups
-# then one spread candidate (local micro-batches re-packed smaller when fewer than the ranks)
 WIDEN_LAMBDA_STEP = 1.25  # geometric step of the scalar family's target
 
 
@@ -47,97 +46,132 @@ def widen(
     3. fill: short samples whose zigzag pair fits a group's spare room (C - ceil(S/k) per member;
        groups without offload) join that group's micro-batch (first fit, longest sample and widest
        group first) and the rest is packed again; once into widened groups only, once into all;
-    4. spread: with fewer local micro-batches than ranks, the local samples packed again into
-       micro-batches of max(longest, ceil(local tokens / N)) positions, so all ranks get work.
 
     Candidates are scheduled with the plain plan's winning order/placement rule; the best one is
-    scheduled again with all rules. At most WIDEN_EVALS + WIDEN_FILLS + 1 candidates. The plain plan
-    is one, so the
-    estimate never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
+    scheduled again with all rules. At most WIDEN_EVALS + WIDEN_FILLS candidates. The plain plan
+    (its tail already balanced sample by sample, balance.rebalance_tail) is one, so the estimate
+    never gets worse; nothing is tried when the plan is within WIDEN_SLACK of T (no plan,
     widened or not, finishes before T)."""
-    plain = layout
-    kg0, jg0 = plain.kg, plain.jg
-    meta = {"widen": True, "widen_candidates": 0, "widened": 0, "widen_filled": 0, "spread": 0}
-    n_g = kg0.shape[0]
+    meta = {"widen": True, "widen_candidates": 0, "widened": 0, "widen_filled": 0}
     if sched.makespan <= work_bound + work_bound * WIDEN_SLACK:
         return layout, sched, meta
-    s_g = lengths[plain.g_items]  # one sample per group in the plain plan
-    k_cap = np.minimum(n_ranks, s_g)  # k <= S: every member gets a non-empty chunk
-    rules = (sched.rule,)
-    best, best_sched = plain, sched
-    seen = {kg0.tobytes()}
-    evals = 0
+    search = _Search(cost, lengths, caps, cap, n_ranks, budget, work_bound, layout, sched)
+    search.scalar_family()
+    search.critical_path()
+    search.fill()
+    best, best_sched = search.best, search.best_sched
+    if best is not layout:  # the winner with every order/placement rule
+        full = hdp_schedule(best.kg, best.g_time, best.b_time, n_ranks, budget)
+        if full.makespan < best_sched.makespan:
+            best_sched = full
+    meta["widen_candidates"] = search.evals
+    meta["widened"] = int((best.kg > layout.kg).sum())
+    meta["widen_filled"] = int(best.g_items.shape[0] - layout.kg.shape[0])
+    return best, best_sched, meta
 
-    def evaluate(cand: Layout) -> bool:
+
+class _Search:
+    """widen's candidates around one plain plan: the best layout and schedule so far, the group
+    size vectors tried, and how many candidates were scheduled."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        lengths: np.ndarray,
+        caps: np.ndarray,
+        cap: int,
+        n_ranks: int,
+        budget: int,
+        work_bound: int,
+        plain: Layout,
+        sched: Schedule,
+    ) -> None:
+        self.cost, self.lengths, self.caps, self.cap = cost, lengths, caps, cap
+        self.n_ranks, self.budget, self.work_bound = n_ranks, budget, work_bound
+        self.plain = plain
+        self.s_g = lengths[plain.g_items]  # one sample per group in the plain plan
+        self.k_cap = np.minimum(n_ranks, self.s_g)  # k <= S: every member gets a non-empty chunk
+        self.rules = (sched.rule,)
+        self.best, self.best_sched = plain, sched
+        self.seen = {plain.kg.tobytes()}
+        self.evals = 0
+
+    def evaluate(self, cand: Layout) -> bool:
         """Schedule a layout; keep it if the makespan improves."""
-        nonlocal best, best_sched, evals
-        s = hdp_schedule(cand.kg, cand.g_time, cand.b_time, n_ranks, budget, rules)
-        evals += 1
-        if s.makespan < best_sched.makespan:
-            best, best_sched = cand, s
+        s = hdp_schedule(cand.kg, cand.g_time, cand.b_time, self.n_ranks, self.budget, self.rules)
+        self.evals += 1
+        if s.makespan < self.best_sched.makespan:
+            self.best, self.best_sched = cand, s
             return True
         return False
 
-    def widened(kk: np.ndarray) -> Layout:
-        jj = np.minimum(np.searchsorted(caps, -(-s_g // kk)), jg0).astype(np.int64)
-        return plain._replace(kg=kk, jg=jj, g_time=group_time_ns(cost, s_g, kk, jj))
+    def widened(self, kk: np.ndarray) -> Layout:
+        """The plain layout with group sizes kk (offload layers lowered to what kk needs)."""
+        jj = np.minimum(np.searchsorted(self.caps, -(-self.s_g // kk)), self.plain.jg)
+        jj = jj.astype(np.int64)
+        return self.plain._replace(kg=kk, jg=jj, g_time=group_time_ns(self.cost, self.s_g, kk, jj))
 
-    # 1. scalar family
-    if (kg0 < k_cap).any():
-        w = cost.work_ns(s_g, 1).astype(np.float64)
-        tw = float(max(work_bound, 1))
+    def scalar_family(self) -> None:
+        """1. k_i(lam) = clip(ceil(W_i / (lam * T)), k_i, min(N, S_i)), lam falling."""
+        kg0, k_cap = self.plain.kg, self.k_cap
+        if not (kg0 < k_cap).any():
+            return
+        w = self.cost.work_ns(self.s_g, 1).astype(np.float64)
+        tw = float(max(self.work_bound, 1))
         lam = float((w / (kg0 * tw)).max())
         for _ in range(64):
-            if evals >= WIDEN_EVALS:
+            if self.evals >= WIDEN_EVALS:
                 break
             lam /= WIDEN_LAMBDA_STEP
             kk = np.clip(np.ceil(w / (lam * tw)).astype(np.int64), kg0, k_cap)
             key = kk.tobytes()
-            if key in seen:
+            if key in self.seen:
                 if (kk == k_cap).all():
                     break
                 continue
-            seen.add(key)
-            if not evaluate(widened(kk)):
+            self.seen.add(key)
+            if not self.evaluate(self.widened(kk)):
                 break
-    # 2. critical path: widen one group on the rank that finishes last
-    while evals < WIDEN_EVALS:
-        kk, t = best.kg, best.g_time
-        g_order, g_ranks_sorted, load = (
-            best_sched.g_order,
-            best_sched.g_ranks_sorted,
-            best_sched.load,
-        )
-        excess = best_sched.makespan - work_bound
-        if excess <= 0:
-            break
-        off = np.zeros(n_g + 1, dtype=np.int64)
-        np.cumsum(kk[g_order], out=off[1:])
-        pos = np.flatnonzero(g_ranks_sorted == int(np.argmax(load)))
-        on = g_order[np.searchsorted(off, pos, side="right") - 1]
-        on = on[kk[on] < k_cap[on]]
-        on = on[np.lexsort((on, -t[on]))]
-        improved = False
-        for g in on.tolist():
-            share = float(t[g] - cost.c_ns)
-            left = max(share - excess, share / 4)
-            kn = min(int(k_cap[g]), max(int(kk[g]) + 1, int(np.ceil(kk[g] * share / left))))
-            cand = kk.copy()
-            cand[g] = kn
-            key = cand.tobytes()
-            if key in seen:
-                continue
-            seen.add(key)
-            improved = evaluate(widened(cand))
-            if improved or evals >= WIDEN_EVALS:
+
+    def critical_path(self) -> None:
+        """2. Widen one group on the rank that finishes last, until none improves."""
+        n_g, k_cap = self.plain.kg.shape[0], self.k_cap
+        while self.evals < WIDEN_EVALS:
+            kk, t, sched = self.best.kg, self.best.g_time, self.best_sched
+            excess = sched.makespan - self.work_bound
+            if excess <= 0:
                 break
-        if not improved:
-            break
-    # 3. fill spare ring room with short samples
-    kk, jj = best.kg, best.jg
-    if plain.b_items.size:
-        room = np.where(jj == 0, cap - (-(-s_g // kk)), 0)
-        rooms = [np.where(kk > kg0, room, 0)]
+            off = np.zeros(n_g + 1, dtype=np.int64)
+            np.cumsum(kk[sched.g_order], out=off[1:])
+            pos = np.flatnonzero(sched.g_ranks_sorted == int(np.argmax(sched.load)))
+            on = sched.g_order[np.searchsorted(off, pos, side="right") - 1]
+            on = on[kk[on] < k_cap[on]]
+            on = on[np.lexsort((on, -t[on]))]
+            improved = False
+            for g in on.tolist():
+                share = float(t[g] - self.cost.c_ns)
+                left = max(share - excess, share / 4)
+                kn = min(int(k_cap[g]), max(int(kk[g]) + 1, int(np.ceil(kk[g] * share / left))))
+                cand = kk.copy()
+                cand[g] = kn
+                key = cand.tobytes()
+                if key in self.seen:
+                    continue
+                self.seen.add(key)
+                improved = self.evaluate(self.widened(cand))
+                if improved or self.evals >= WIDEN_EVALS:
+                    break
+            if not improved:
+                break
+
+    def fill(self) -> None:
+        """3. Short samples into spare ring room: of widened groups, then of all groups."""
+        plain, cost, lengths, cap = self.plain, self.cost, self.lengths, self.cap
+        kk, jj = self.best.kg, self.best.jg
+        if not plain.b_items.size:
+            return
+        room = np.where(jj == 0, cap - (-(-self.s_g // kk)), 0)
+        rooms = [np.where(kk > plain.kg, room, 0)]
         if not np.array_equal(rooms[0], room):
             rooms.append(room)
         for r in rooms:  # at most WIDEN_FILLS more candidates
@@ -147,40 +181,9 @@ def widen(
             if filled is None:
                 continue
             g_off, g_items, b_off, b_items = filled
-            evaluate(
-                Layout(
-                    kk,
-                    jj,
-                    g_off,
-                    g_items,
-                    group_times(cost, lengths, g_off, g_items, kk, jj),
-                    b_off,
-                    b_items,
-                    local_times(cost, lengths, b_off, b_items),
-                )
-            )
-    # 4. spread: fewer positions per local micro-batch, so that there are enough of them to keep
-    # every rank busy (packing to C leaves ranks idle when a batch holds less than N * C)
-    n_bins = best.b_off.shape[0] - 1
-    if 0 < n_bins < n_ranks:
-        loc = np.sort(best.b_items)
-        spread_cap = max(int(lengths[loc].max()), -(-int(lengths[loc].sum()) // n_ranks))
-        if spread_cap < cap:
-            b_off, b_items = pack_local(loc, lengths, spread_cap)
-            if evaluate(
-                best._replace(
-                    b_off=b_off, b_items=b_items, b_time=local_times(cost, lengths, b_off, b_items)
-                )
-            ):
-                meta["spread"] = int(b_off.shape[0] - 1 - n_bins)
-    if best is not plain:  # the winner with every order/placement rule
-        full = hdp_schedule(best.kg, best.g_time, best.b_time, n_ranks, budget)
-        if full.makespan < best_sched.makespan:
-            best_sched = full
-    meta["widen_candidates"] = evals
-    meta["widened"] = int((best.kg > kg0).sum())
-    meta["widen_filled"] = int(best.g_items.shape[0] - n_g)
-    return best, best_sched, meta
+            g_time = group_times(cost, lengths, g_off, g_items, kk, jj)
+            b_time = local_times(cost, lengths, b_off, b_items)
+            self.evaluate(Layout(kk, jj, g_off, g_items, g_time, b_off, b_items, b_time))
 
 
 def fill_layout(

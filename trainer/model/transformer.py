@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -224,20 +224,18 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
-    pretrained: Any = None,
+    load: Callable[[nn.Module], Any] | None = None,
 ) -> tuple[nn.Module, nn.Module]:
-    """(compute model, master weights) of `cfg`, initialised from `seed`, or with the weights of
-    `pretrained` (an inspected Hugging Face folder, trainer.model.pretrained): one module for
-    float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
+    """(compute model, master weights) of `cfg`, initialised from `seed`, or with the weights
+    `load(module)` writes into it (e.g. a Hugging Face folder's, trainer.model.pretrained): one
+    module for float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
     master_dtype = accum_dtype(dtype)
     # built on the meta device and materialised once: the weights are written exactly once
     master = build(cfg, "meta", master_dtype).to_empty(device=device)
-    if pretrained is None:
+    if load is None:
         master.init_weights(seed)
     else:
-        from trainer.model.pretrained import load_pretrained_weights
-
-        load_pretrained_weights(master, pretrained)
+        load(master)
     if dtype == master_dtype:
         return master, master
     return copy.deepcopy(master).to(dtype), master
