@@ -51,3 +51,23 @@ def test_replayed_cpu_time_equals_a_plain_replay(rank):
     mb_log = [(pm.slot, 0.0, cpu[rank, pm.slot]) for pm in plan.microbatches(rank)]
     got = replayed_cpu_s(_TwoRanks(other), mb_log, plan, rank)
     assert got == pytest.approx(_reference(plan, cpu), abs=2e-9)
+
+
+@pytest.mark.parametrize(("max_context", "cp"), [(None, 2), (1024, 4)])
+def test_compare_mode_sizes_the_static_mesh_for_max_context(max_context, cp):
+    """The compare mode's static mesh is sized for parallel.max_context whatever the run's policy
+    (it was dropped unless the run was static or widened: an hdp run compared with the mesh of
+    its dataset's longest sample, 300 tokens here, CP 2 at capacity 256)."""
+    from types import SimpleNamespace
+
+    from trainer.compare import PolicyComparison
+    from trainer.config.job import from_dict
+
+    par = {"policy": "hdp", "capacity": 256, "max_context": max_context}
+    cfg = from_dict({"data": {"path": "unused"}, "parallel": par})
+    spec = cfg.planner_spec(4)
+    data = SimpleNamespace(
+        planner_spec=spec, planner=spec.build(300, 0), fetcher=SimpleNamespace(lengths=[300, 20])
+    )
+    other = PolicyComparison("static", 1, data, executor=None, rank=0).planners["other"]
+    assert other.plan(np.array([100, 100, 100, 100])).meta["cp"] == cp
