@@ -1,19 +1,20 @@
-"""`[metrics] compare = "static"`: run every `compare_interval`-th step's global batch a second time
-under another policy's plan and report, at the end of the run, both policies' predicted and
-measured times on the same batches, step by step.
+"""`[metrics] compare = "static"`: run every `compare_interval`-th step's global batch under both
+the run's plan and another policy's and report, at the end of the run, both policies' predicted
+and measured times on the same batches, step by step.
 
 Both plans come from the planning package's comparison service (datapipe.plan.compare: the same
 planners and metrics as `mixlen plan`); the static mesh's context is `parallel.max_context`
-(default: the dataset's longest sample) whatever the run's policy. The second pass is forward,
-backward and the gradient reduction (`HDPExecutor.accumulate`), with no optimizer update: its
-reduced gradient is discarded, so training follows the configured policy exactly as without the
-comparison. Neither policy is favoured by order: the first compared step warms both up with an
-untimed pass each, and the second policy's pass runs before the step on odd comparisons and after
-it on even ones. Measured time of a pass: the slowest rank's compute span (wall clock, ring waits
-included), and, since ranks that share cores cannot show balance in wall time, each micro-batch's
-thread CPU time (the slowest member of its group) replayed in the plan's slot order. Predicted:
-the plan's estimated makespan (the micro-batches: the work around a step, the same for both
-passes, is in neither measurement), in the cost file's clock.
+(default: the dataset's longest sample) whatever the run's policy. On a compared step, before the
+step itself, each plan runs one timed pass: forward, backward and the gradient reduction
+(`HDPExecutor.accumulate`), with no optimizer update (the reduced gradient is discarded), so
+training follows the configured policy exactly as without the comparison and both policies are
+measured alike. Neither is favoured by order: the first compared step warms both up with an
+untimed pass each, and the other policy runs first on odd comparisons, second on even ones.
+Measured time of a pass: the slowest rank's compute span (wall clock, ring waits included), and,
+since ranks that share cores cannot show balance in wall time, each micro-batch's thread CPU time
+(the slowest member of its group) replayed in the plan's slot order. Predicted: the plan's
+estimated makespan (the micro-batches: the work around a step, the same for both passes, is in
+neither measurement), in the cost file's clock.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class PolicyComparison:
         return max(res.compute_s), cpu
 
     def before_step(self, step: int, batch: GlobalBatch, plan: StepPlan) -> None:
-        """On a compared step: plan the batch with both policies; on the first, warm both up
-        untimed; on odd comparisons run the second policy's pass now, before the step."""
+        """On a compared step: plan the batch with both policies (on the first, warm both up
+        untimed), then time a pass of each, the second policy first on odd comparisons."""
         if not self._due(step):
             return
         res = compare(self.planners, [(batch.lengths, plan.sample_ids)])
@@ -87,25 +88,22 @@ class PolicyComparison:
         if not self.rows and self._pending is None:
             self._pass(mine, step)  # warm-up, untimed: the executor's and the
             self._pass(other, step)  # kernels' first use
-        first = len(self.rows) % 2 == 0  # the second policy first on odd comparisons
-        row = {"step": step, "other_first": first, "planning_ms": {
+        first = len(self.rows) % 2 == 0
+        row: dict[str, Any] = {"step": step, "other_first": first, "planning_ms": {
             "run": res["run"].plan_ms[0], "other": res["other"].plan_ms[0]}}  # fmt: skip
-        if first:
-            row["other_measured_wall_s"], row["other_measured_cpu_s"] = self._pass(other, step)
+        for who in ("other", "run") if first else ("run", "other"):
+            wall, cpu = self._pass(other if who == "other" else mine, step)
+            prefix = "other_" if who == "other" else ""
+            row[f"{prefix}measured_wall_s"], row[f"{prefix}measured_cpu_s"] = wall, cpu
         self._pending = (mine, other, row)
 
     def after_step(self, step: int, res: StepResult) -> dict | None:
-        """On a compared step: the run's own pass is the step just taken; the second policy's
-        pass now if it did not run before. Returns the step's record (None on other steps)."""
+        """On a compared step, after the step: the record of both passes (None on other
+        steps)."""
         if self._pending is None or not self._due(step):
             return None
         mine, other, row = self._pending
         self._pending = None
-        ex = self.executor
-        row["measured_wall_s"] = max(res.compute_s)
-        row["measured_cpu_s"] = replayed_cpu_s(ex.comm, ex.mb_log, mine, self.rank)
-        if not row["other_first"]:
-            row["other_measured_wall_s"], row["other_measured_cpu_s"] = self._pass(other, step)
         row.update(
             policy=mine.label,
             predicted_s=mine.makespan_ns / 1e9,

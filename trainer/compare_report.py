@@ -34,9 +34,9 @@ def render_comparison(rows: list[dict[str, Any]], interval: int, clock: str) -> 
     mesh = f" (CP {meta['cp']} x DP {meta['dp']}: every sample split over {meta['cp']} ranks)"
     every = "every step" if interval == 1 else f"every {_nth(interval)} step"
     lines = [
-        f"{a} vs {b} on the same {len(rows)} global batches ({every}; {b} runs them a second "
-        "time without updating the model, before the step on odd comparisons and after it on "
-        "even ones; both warmed up on the first):",
+        f"{a} vs {b} on the same {len(rows)} global batches ({every}; before the step, each "
+        f"plan runs one timed pass without updating the model, {b} first on odd comparisons "
+        "and second on even ones; both warmed up on the first):",
         f"  {a}: each sample on as few ranks as it needs ({local:.0%} of the samples computed "
         "whole on one rank, no ring)",
         f"  {b}{mesh if 'cp' in meta else ''}",
