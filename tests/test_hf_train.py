@@ -78,6 +78,7 @@ def test_train_from_pretrained_then_export_loads_in_transformers(
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "export"
     assert cli_main(["export", str(run / "ckpt"), "--hf", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 2000.0 and config["architectures"] == ["LlamaForCausalLM"]
     assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)

@@ -25,10 +25,10 @@ from conftest import ROOT
 from tools.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(240)
-# "| 12/24 [00:01<00:01, 9.50plan/s]" or "| 1.2M/3.4M [00:01<00:02, 1.1MB/s, docs=...]":
-# count/total, elapsed<ETA, rate
+# "| 12/24 [00:01<00:01, 9.50plan/s]" or "| 1.2M/3.4M [00:01<00:02, 1.1MB/s, docs=...]", or for
+# slow units "| 1/3 [00:06<00:12, 6.32s/step, loss=...]": count/total, elapsed<ETA, rate
 BAR = re.compile(
-    r"\|\s*[\d.]+[kMGT]?/[\d.]+[kMGT]? \[\d\d:\d\d<\d\d:\d\d,\s*[\d.]+\s?[kMGT]?\w+/s[,\]]"
+    r"\|\s*[\d.]+[kMGT]?/[\d.]+[kMGT]? \[\d\d:\d\d<\d\d:\d\d,\s*[\d.]+\s?[kMGT]?(\w+/s|s/\w+)[,\]]"
 )
 
 
