@@ -135,3 +135,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running on this host (one of another user's counts as running)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -244,7 +244,7 @@ def test_full_disk_while_saving(dataset, reference, tmp_path, monkeypatch, capsy
     assert out["start_step"] == 2 and out["losses"] == reference[2:]
 
 
-def test_one_job_per_checkpoint_dir(dataset, tmp_path, caplog) -> None:
+def test_one_job_per_checkpoint_dir(dataset, tmp_path, capsys) -> None:
     """Issue: two runs started into one checkpoint.dir replaced each other's checkpoints. A live
     job's lock is refused naming that job, before anything is written; a dead process's stale
     lock is taken over and said so; the lock is gone when the run ends."""
@@ -273,9 +273,10 @@ def test_one_job_per_checkpoint_dir(dataset, tmp_path, caplog) -> None:
         other.wait()
     stale = dead_pid()
     lock.write_text(json.dumps({"job": "job-B", "host": socket.gethostname(), "pid": stale}))
-    with caplog.at_level("INFO", logger="mixlen"):
-        run_training(cfg(dataset, run, train={"stop_after": 2}))
-    assert f"took over the lock of job job-B (pid {stale}, no longer running)" in caplog.text
+    capsys.readouterr()
+    run_training(cfg(dataset, run, train={"stop_after": 2}))
+    err = capsys.readouterr().err  # logged on stderr (trainer.logs)
+    assert f"took over the lock of job job-B (pid {stale}, no longer running)" in err
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]  # released at the end
 
 

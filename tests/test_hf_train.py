@@ -6,7 +6,6 @@ transformers' own per-token cross-entropy (float64); and the errors a mismatched
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from _hf_reference import F64, float64_reference, hf_model, save
 from _train_worker import make_dataset, train_config
+from test_hf_export import hf_load
 
 from datapipe.errors import ConfigError
 from tools.cli import main as cli_main
@@ -53,16 +53,12 @@ def _mixlen(path: str, weights: dict | None, dtype: torch.dtype) -> torch.nn.Mod
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_train_from_pretrained_then_export_loads_in_transformers(
-    dataset, llama, tmp_path, caplog, capsys
-):
+def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama, tmp_path, capsys):
     """2 steps on 2 gloo ranks (zero 1) from a Llama folder with rope_theta raised, exported:
     transformers loads the folder without missing or unexpected weights, its config has the run's
     RoPE base, and its logits equal mixlen's on the trained weights (float32, 1e-5 in norm); the
     weights moved from the pretrained ones; `mixlen eval --nproc 2` of the checkpoint gives the
     one-rank losses."""
-    from transformers import AutoModelForCausalLM
-
     from trainer.checkpoint.weights import read_model_weights
 
     _, src = llama
@@ -82,9 +78,7 @@ def test_train_from_pretrained_then_export_loads_in_transformers(
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 2000.0 and config["architectures"] == ["LlamaForCausalLM"]
     assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
-    with caplog.at_level(logging.WARNING, logger="transformers"):
-        hf = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
-    assert not [r for r in caplog.records if "weights" in r.getMessage()], caplog.text
+    hf = hf_load(str(out))  # no missing, unexpected or mismatched weights, in its info or log
     trained = read_model_weights(str(run / "ckpt"))
     mine = _mixlen(str(out), trained, torch.float32)
     before = dict(_mixlen(src, None, torch.float32).named_parameters())

@@ -21,6 +21,7 @@ import argparse
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
+from tools.cmd_train import add_set_argument
 from trainer.model.config import DTYPES
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
@@ -33,14 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", nargs="?", default=None, help="a `mixlen train` config: time the model it trains"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value, as in `mixlen train`",
-    )
+    add_set_argument(parser)
     parser.add_argument("--model", default=None, help="a named shape, without a config (debug)")
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="the model's vocabulary (default: its own)"

@@ -19,8 +19,8 @@ import sys
 from datapipe.errors import ConfigError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="TOML config (see configs/*.toml)")
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """`--set section.key=value`, repeatable (into `overrides`)."""
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override a config value (TOML syntax for the value; repeatable)",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config (see configs/*.toml)")
+    add_set_argument(parser)
     parser.add_argument(
         "--nproc", type=int, default=1, help="ranks to launch on this node through torchrun"
     )

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from datapipe.errors import InputError
+from datapipe.files import pid_alive
 
 __all__ = ["OutputLock", "check_out_path", "clean_stale", "commit", "partial_dir"]
 
@@ -58,16 +59,6 @@ def partial_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial-{os.getpid()}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _dead_runs(parent: Path, pattern: str) -> list[Path]:
     out = []
     for p in parent.glob(pattern):
@@ -75,7 +66,7 @@ def _dead_runs(parent: Path, pattern: str) -> list[Path]:
             pid = int(p.name.rsplit("-", 1)[1])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             out.append(p)
     return out
 

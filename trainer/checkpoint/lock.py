@@ -13,6 +13,7 @@ import os
 import socket
 
 from datapipe.errors import ConfigError
+from datapipe.files import pid_alive
 from trainer.parallel.runtime import job_id
 
 __all__ = ["LOCK_FILE", "DirLock", "this_job"]
@@ -23,16 +24,6 @@ LOCK_FILE = ".mixlen-lock"
 def this_job() -> str:
     """This job's id: torchrun's run id (the same across its restarts), else host:pid."""
     return job_id() or f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DirLock:
@@ -81,7 +72,7 @@ class DirLock:
         same_host = other.get("host") == mine["host"]
         pid = other.get("pid")
         ours = other.get("job") == mine["job"] and other.get("job") != f"{mine['host']}:{pid}"
-        dead = same_host and isinstance(pid, int) and not _alive(pid)
+        dead = same_host and isinstance(pid, int) and not pid_alive(pid)
         if not (ours or dead or (same_host and pid == mine["pid"])):
             where = "on this host" if same_host else f"on host {other.get('host', '?')}"
             raise ConfigError(

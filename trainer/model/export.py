@@ -22,6 +22,7 @@ import torch
 
 from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import ModelConfig
+from trainer.checkpoint.files import fsync_dir
 from trainer.model.families import Family, family_of
 from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from trainer.model.transformer import parameter_shapes
@@ -42,14 +43,6 @@ def plan_shards(names: Sequence[str], nbytes: Mapping[str, int], limit: int) -> 
         shards[-1].append(name)
         size += nbytes[name]
     return shards
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -111,7 +104,7 @@ def _write_weights(
     for file, shard in zip(files, shards):
         tensors = {names[m]: _own(weights[m], dtypes[m]) for m in shard}
         save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
-        _fsync(os.path.join(tmp, file))
+        fsync_dir(os.path.join(tmp, file))
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if len(files) > 1:
@@ -131,7 +124,7 @@ def _install(tmp: str, out_dir: str, overwrite: bool) -> None:
         old = f"{out_dir}.old-{uuid.uuid4().hex[:8]}"
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
-    _fsync(parent)
+    fsync_dir(parent)
     if old is not None and os.path.isdir(old):
         shutil.rmtree(old)
     elif old is not None:
@@ -186,9 +179,9 @@ def export_hf(
         for src in tokenizer_files:
             dst = os.path.join(tmp, os.path.basename(src))
             shutil.copyfile(src, dst)
-            _fsync(dst)
+            fsync_dir(dst)
             files.append(os.path.basename(src))
-        _fsync(tmp)
+        fsync_dir(tmp)
         _install(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

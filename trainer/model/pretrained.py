@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from datapipe.errors import ConfigError, InputError
+from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_text
 from datapipe.shapes import ModelConfig
 from trainer.model.families import Family, family_of
 from trainer.model.families.base import SHAPE_KEYS
@@ -96,12 +97,12 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _read_json(path: str) -> Any:
+    """A folder's JSON file (a regular file of at most 16 MiB; InputError naming it)."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        return json.loads(read_bounded_text(path, CONFIG_FILE_LIMIT, "a JSON file"))
     except FileNotFoundError:
         raise InputError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: not readable JSON ({exc})") from None
 
 
