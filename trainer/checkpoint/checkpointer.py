@@ -131,11 +131,11 @@ def _checked_run(run: Any, source: str) -> dict[str, Any]:
 
 def resume_candidates(cfg: CheckpointConfig) -> tuple[list[str], bool]:
     """The checkpoints to try, newest first, and whether one was named explicitly (no fallback
-    then): after a torchrun restart the newest complete ones this job wrote in checkpoint.dir;
-    else (and before this job saved any) what `checkpoint.resume` names. ConfigError if it asks
+    then): after a torchrun restart the newest complete ones this job wrote in checkpoint.dir
+    (a job known by a real run id: `--standalone`'s, or a `--rdzv-id` other than "none"); else (and before this job saved any) what `checkpoint.resume` names. ConfigError if it asks
     for one that is not there."""
     auto = complete_checkpoints(cfg.dir) if cfg.dir else []
-    if restart_count() > 0:  # torchrun restarted us: continue what this job saved, if anything
+    if restart_count() > 0 and job_id():  # torchrun restarted us: continue what this job saved
         mine = [p for p in auto if _job_of(p) == job_id()]
         if mine:
             return mine, False
@@ -242,7 +242,7 @@ class Checkpointer:
                     stale = self._lock.took_over
                     self._say(
                         f"checkpoint.dir {self.cfg.dir}: took over the lock of job "
-                        f"{stale.get('job', '?')} (pid {stale.get('pid', '?')}, no longer running)"
+                        f"{stale.get('job', '?')} (pid {stale.get('pid', '?')}, {self._lock.reason})"
                     )
         if any_rank(self.comm, err is not None, self.device):
             if err is not None:

@@ -1,9 +1,16 @@
-"""One job per `checkpoint.dir`: a lock file (`.mixlen-lock`) with the job id, host and pid, taken
-by rank 0 before the run's first save and released when the run ends.
+"""One job per `checkpoint.dir`: a lock file (`.mixlen-lock`) with the job id, host, pid and the
+process's start time, taken by rank 0 before the run's first save and released when the run ends.
 
-A lock of a dead process on this host is stale: it is taken over (and said so). A lock of a live
-process, or of another host (whose processes cannot be checked from here), is refused naming that
-job; a job restarted by torchrun (the same job id) takes its own lock back.
+Who may take a lock that is there:
+- on this host, a lock whose process is running (the pid alive with the recorded start time) is
+  never taken, whatever its job id says: a torchrun restart stops the old workers before it starts
+  the new ones, so a live holder is another job (or one launched with the same `--rdzv-id`);
+- on this host, a lock whose process is gone (or whose pid now belongs to a later process) is
+  stale: it is taken over and said so;
+- on another host (whose processes cannot be checked from here), only the same job takes it back:
+  a torchrun restart that moved rank 0, recognised by the same real run id. torchrun's
+  `--rdzv-id` defaults to "none" for every job, so "none" (or no id) identifies nothing: such a
+  job's lock names host:pid, and a lock on another host is refused.
 """
 
 from __future__ import annotations
@@ -22,8 +29,28 @@ LOCK_FILE = ".mixlen-lock"
 
 
 def this_job() -> str:
-    """This job's id: torchrun's run id (the same across its restarts), else host:pid."""
+    """This job's id: torchrun's real run id (the same across its restarts), else host:pid."""
     return job_id() or f"{socket.gethostname()}:{os.getpid()}"
+
+
+def started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None where
+    unknown (no /proc, or no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ")"
+        return int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def running(pid: int, start: object) -> bool:
+    """Is the process that wrote a lock (`pid`, started at `start`) still running on this host?
+    A live pid with another start time is a later process that reused the id."""
+    if not pid_alive(pid):
+        return False
+    now = started(pid)
+    return not (isinstance(start, int) and now is not None and now != start)
 
 
 class DirLock:
@@ -33,10 +60,17 @@ class DirLock:
         self.root = root
         self.path = os.path.join(root, LOCK_FILE)
         self.held = False
-        self.took_over: dict | None = None  # the stale lock replaced, if any
+        self.took_over: dict | None = None  # the lock replaced, if it was another process's
+        self.reason = ""  # why it could be taken over
 
     def _mine(self) -> dict:
-        return {"job": this_job(), "host": socket.gethostname(), "pid": os.getpid()}
+        pid = os.getpid()
+        return {
+            "job": this_job(),
+            "host": socket.gethostname(),
+            "pid": pid,
+            "started": started(pid),
+        }
 
     def _read(self) -> dict | None:
         try:
@@ -64,24 +98,44 @@ class DirLock:
             return
         raise ConfigError(f"checkpoint.dir {self.root}: cannot take the lock {self.path}")
 
+    def _why_free(self, other: dict, mine: dict) -> str | None:
+        """Why this process may take `other`'s lock ("" for its own), or None: it may not."""
+        pid = other.get("pid")
+        if type(pid) is not int:
+            return None
+        if other.get("host") == mine["host"]:
+            if pid == mine["pid"]:
+                return ""
+            if running(pid, other.get("started")):
+                return None
+            same = job_id() is not None and other.get("job") == job_id()
+            return "no longer running" + (": this job, restarted" if same else "")
+        if job_id() is not None and other.get("job") == job_id():
+            return f"on host {other.get('host')}: this job, restarted with the same torchrun run id"
+        return None
+
     def _clear_if_stale(self, other: dict | None, mine: dict) -> None:
-        """Remove a lock this job may take over (its own after a restart, or a dead local
-        process's); ConfigError naming the holder otherwise."""
+        """Remove a lock this process may take over; ConfigError naming the holder otherwise."""
         if other is None:
             return  # released meanwhile
-        same_host = other.get("host") == mine["host"]
-        pid = other.get("pid")
-        ours = other.get("job") == mine["job"] and other.get("job") != f"{mine['host']}:{pid}"
-        dead = same_host and isinstance(pid, int) and not pid_alive(pid)
-        if not (ours or dead or (same_host and pid == mine["pid"])):
+        why = self._why_free(other, mine)
+        if why is None:
+            same_host = other.get("host") == mine["host"]
             where = "on this host" if same_host else f"on host {other.get('host', '?')}"
+            hint = ""
+            if not same_host:
+                hint = (
+                    "; a job restarted on another host is recognised only by its torchrun run "
+                    'id (--rdzv-id other than "none")'
+                )
             raise ConfigError(
                 f"checkpoint.dir {self.root}: another job is using it (job "
-                f"{other.get('job', '?')}, pid {pid} {where}; lock {self.path}); use another "
-                "checkpoint.dir, or wait for that job to end (remove the lock file only if you "
-                "know it is not running)"
+                f"{other.get('job', '?')}, pid {other.get('pid')} {where}; lock {self.path}); use "
+                "another checkpoint.dir, or wait for that job to end (remove the lock file only if "
+                f"you know it is not running){hint}"
             )
-        self.took_over = other
+        if why:
+            self.took_over, self.reason = other, why
         try:
             os.unlink(self.path)
         except FileNotFoundError:

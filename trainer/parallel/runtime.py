@@ -47,8 +47,10 @@ def restart_count() -> int:
 
 def job_id() -> str | None:
     """torchrun's id of this job (the same across its restarts; random per `--standalone` launch),
-    or None outside torchrun."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
+    or None outside torchrun and where it identifies nothing: `--rdzv-id` defaults to "none" for
+    every job."""
+    value = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return value if value.strip() and value != "none" else None
 
 
 @dataclass
