@@ -157,3 +157,51 @@ def test_architecture_folder_table_matches_the_tree() -> None:
             assert cited == files, (
                 f"{where}: table cites {sorted(cited)}, folder has {sorted(files)}"
             )
+
+
+def readme_names(text: str) -> set[str]:
+    """The `.py` paths a README cites in backticks (`x.py`, `engines/base.py`, `tests/t.py`)."""
+    return set(re.findall(r"`([\w/.]*\w\.py)`", text))
+
+
+def readme_problems(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """For every README.md under `packages`: its folder's modules it does not name
+    (`__init__.py` aside), and the `.py` files it names that exist neither in its folder's tree
+    nor from `root`."""
+    problems = []
+    for readme in sorted(p for pkg in packages for p in (root / pkg).rglob("README.md")):
+        folder, cited = readme.parent, readme_names(readme.read_text())
+        rel = folder.relative_to(root).as_posix()
+        for p in sorted(folder.glob("*.py")):
+            if p.name != "__init__.py" and p.name not in cited:
+                problems.append(f"{rel}/README.md does not name {p.name}")
+        for name in sorted(cited):
+            if not ((root / name).exists() or any(folder.rglob(name))):
+                problems.append(f"{rel}/README.md names {name}, which does not exist")
+    return problems
+
+
+def test_folder_readmes_list_their_modules() -> None:
+    """Every folder under trainer/ and datapipe/ with a README.md names each of its modules, and
+    every module a README names exists (one added, renamed or removed without its README fails)."""
+    problems = readme_problems(ROOT, ("trainer", "datapipe"))
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_check_finds_a_missing_and_a_stale_module(tmp_path: Path) -> None:
+    """The README check on a planted tree: backticked paths only, resolved beside the README, in
+    its subfolders or from the root; a module left out and a name of no file are both reported."""
+    text = "| `a.py` | see `sub/b.py`, `c.py` and `tests/t_x.py`; not d.py or `a.pyc` |"
+    assert readme_names(text) == {"a.py", "sub/b.py", "c.py", "tests/t_x.py"}
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    for f in ("pkg/__init__.py", "pkg/a.py", "pkg/d.py", "pkg/sub/b.py", "pkg/sub/c.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "tests" / "t_x.py").write_text("")
+    (pkg / "README.md").write_text(text)
+    assert readme_problems(tmp_path, ("pkg",)) == ["pkg/README.md does not name d.py"]
+    (pkg / "README.md").write_text(text.replace("a.pyc", "gone.py") + " `d.py`")
+    assert readme_problems(tmp_path, ("pkg",)) == [
+        "pkg/README.md names gone.py, which does not exist"
+    ]
