@@ -71,3 +71,142 @@ def test_compare_mode_sizes_the_static_mesh_for_max_context(max_context, cp):
     )
     other = PolicyComparison("static", 1, data, executor=None, rank=0).planners["other"]
     assert other.plan(np.array([100, 100, 100, 100])).meta["cp"] == cp
+
+
+# --- datapipe.plan.compare: the policy-comparison service ---------------------------------------
+
+
+class _Clock:
+    """A fake clock for datapipe.plan.compare (its `time`): it moves only when a planner plans."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def thread_time(self) -> float:
+        return self.now / 2  # CPU time: half the wall time, to tell the two apart
+
+
+class _Timed:
+    """A real planner whose plan() advances the fake clock and logs (label, batch) calls: 1000 s
+    for each call of the untimed warm-up pass (the first over the batches), then a distinct,
+    known duration per (label, batch, pass)."""
+
+    def __init__(self, label: str, planner, clock: _Clock, log: list, n_batches: int) -> None:
+        self.label, self.planner, self.clock, self.log = label, planner, clock, log
+        self.cost, self.n_batches, self.calls = planner.cost, n_batches, 0
+
+    def duration(self, call: int) -> float:
+        if call < self.n_batches:
+            return 1000.0
+        return 0.001 * (1 + call) * (2 if self.label == "static" else 1)
+
+    def plan(self, lengths, ids):
+        self.log.append((self.label, self.calls % self.n_batches))
+        self.clock.now += self.duration(self.calls)
+        self.calls += 1
+        return self.planner.plan(lengths, ids)
+
+
+def _batches() -> list:
+    rng = np.random.default_rng(5)
+    out = []
+    for _ in range(3):
+        lengths = np.concatenate([[1500], rng.integers(16, 400, size=20)]).astype(np.int64)
+        out.append((lengths, np.arange(lengths.shape[0], dtype=np.int64) + 100 * len(out)))
+    return out
+
+
+def _service_planners():
+    from datapipe.plan.compare import Variant, variant_planners
+
+    base = PlannerConfig(capacity=512, max_context=2048)
+    variants = [Variant("hdp"), Variant("static")]
+    return variant_planners(variants, base, preset("debug"), 4), preset("debug")
+
+
+def _replay_makespan(plan) -> int:
+    """Plain-Python slot-order replay of the plan's micro-batch times (ns)."""
+    free = [0] * plan.num_ranks
+    for m in range(plan.num_microbatches):
+        members = plan.group_ranks[plan.mb_group_offsets[m] : plan.mb_group_offsets[m + 1]]
+        start = max(free[r] for r in members)
+        for r in members:
+            free[r] = start + int(plan.mb_time_ns[m])
+    return max(free)
+
+
+def test_compare_service_times_only_the_second_pass_in_rotating_order(monkeypatch):
+    """compare(): every planner plans every batch once first (the warm-up, in no per-plan time),
+    then each timed plan is timed alone (its own clock reads, nothing of the warm-up), and the
+    order of the planners rotates, so that neither is always first on a batch."""
+    import datapipe.plan.compare as service
+
+    clock, log = _Clock(), []
+    monkeypatch.setattr(service, "time", clock)
+    batches = _batches()
+    real, cost = _service_planners()
+    timed = {lb: _Timed(lb, p, clock, log, len(batches)) for lb, p in real.items()}
+    res = service.compare(timed, batches, cost, passes=2)
+    n = len(batches)
+    warm, rounds = log[: 2 * n], [log[2 * n + 2 * j : 2 * n + 2 * j + 2] for j in range(2 * n)]
+    assert warm == [("hdp", i) for i in range(n)] + [("static", i) for i in range(n)]
+    assert all({lb for lb, _ in r} == {"hdp", "static"} and r[0][1] == r[1][1] for r in rounds)
+    assert [r[0][1] for r in rounds] == [0, 1, 2] * 2  # batch by batch, pass by pass
+    firsts = [r[0][0] for r in rounds]
+    assert firsts.count("hdp") == firsts.count("static") == n  # 6 rounds: 3 each
+    for lb, t in timed.items():
+        assert res[lb].warmup_ms == pytest.approx(1000.0 * n * 1e3)
+        want = [[t.duration(n + p * n + i) * 1e3 for p in range(2)] for i in range(n)]
+        assert np.allclose(res[lb].pass_ms, want, rtol=1e-9, atol=0)
+        assert np.allclose(res[lb].pass_cpu_ms, np.array(want) / 2, rtol=1e-9, atol=0)
+        assert res[lb].plan_ms == pytest.approx([float(np.median(w)) for w in want])
+
+
+def test_compare_service_metrics_from_the_plans():
+    """compare()'s metrics against an independent reading of its own plans: the makespan by a
+    plain-Python replay, the bounds, ratios, fill, micro-batch counts, rings and ring bytes; the
+    plans equal a direct plan() of each batch, and a second call gives the same results."""
+    from collections import Counter
+
+    from datapipe.plan.compare import compare
+
+    batches = _batches()
+    planners, cost = _service_planners()
+    res = compare(planners, batches, cost)
+    again = compare(planners, batches, cost)
+    for label, planner in planners.items():
+        r = res[label]
+        assert len(r.plans) == len(r.metrics) == len(r.plan_ms) == len(batches)
+        assert [p.digest() for p in again[label].plans] == [p.digest() for p in r.plans]
+        assert [m.to_dict() | {"plan_ms": 0} for m in again[label].metrics] == [
+            m.to_dict() | {"plan_ms": 0} for m in r.metrics
+        ]
+        for (lengths, ids), plan, m, ms in zip(batches, r.plans, r.metrics, r.plan_ms):
+            assert plan.digest() == planner.plan(lengths, ids).digest()
+            makespan = _replay_makespan(plan)
+            rank_s = [x / 1e9 for x in plan.rank_time_ns]
+            assert makespan == plan.makespan_ns
+            assert m.est_step_time_s == pytest.approx((makespan + cost.step_ns) / 1e9)
+            assert m.imbalance == pytest.approx(max(rank_s) / (sum(rank_s) / len(rank_s)))
+            assert m.mean_rank_time_s == pytest.approx(sum(rank_s) / len(rank_s))
+            assert m.lower_bound_s == pytest.approx(plan.lower_bound_ns / 1e9)
+            assert m.max_over_lower_bound == pytest.approx(makespan / plan.lower_bound_ns)
+            mbs = [plan.microbatches(rank) for rank in range(plan.num_ranks)]
+            counts = [len(x) for x in mbs]
+            assert (m.mb_per_rank_min, m.mb_per_rank_max) == (min(counts), max(counts))
+            seen = {mb.slot: mb for x in mbs for mb in x}  # one entry per micro-batch
+            capacity = sum(mb.capacity * len(mb.group) for mb in seen.values())
+            assert m.token_fill == pytest.approx(int(lengths.sum()) / capacity)
+            rings = Counter(len(mb.group) for mb in seen.values() if len(mb.group) > 1)
+            assert m.groups_by_size == dict(rings)
+            ring_bytes = 0.0  # every member sends passes*(k-1)*its positions*kv bytes
+            for mb in seen.values():
+                k, tokens = len(mb.group), sum(e - s for _, s, e in mb.group_pieces)
+                ring_bytes += k * cost.comm_passes * (k - 1) * tokens / k * cost.kv_bytes_per_token
+            assert m.comm_bytes == pytest.approx(ring_bytes)
+            assert m.plan_ms == ms and m.policy == plan.label
+    assert any(m.groups_by_size for m in res["hdp"].metrics)  # the 1500 sample: a ring
+    assert res["static"].plans[0].meta["cp"] >= 2

@@ -5,8 +5,9 @@ the planning benchmarks.
 Every variant first plans every batch once, untimed (numba compiles or loads a kernel on its first
 use, and some kernels are first used by a later batch); then the timed passes plan every batch
 again, the variants interleaved batch by batch (and pass by pass) so that machine noise hits them
-alike. A variant's result holds its plans, each plan's time and metrics (datapipe.plan.metrics)
-and their average over the batches.
+alike, their order rotating from one batch to the next so that none always plans first. A
+variant's result holds its plans, each plan's time and metrics (datapipe.plan.metrics) and their
+average over the batches.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def compare(
     on_plan: Callable[[], None] | None = None,
 ) -> dict[str, VariantResult]:
     """Plan every batch with every planner: an untimed warm-up pass, then `passes` timed passes
-    with the planners interleaved; returns each planner's plans (of the last pass), plan times
-    (median over the timed passes) and metrics under `cost` (default: each planner's own).
-    `on_plan()` is called after each plan."""
+    with the planners interleaved, the first one rotating batch by batch; returns each planner's
+    plans (of the first timed pass), plan times (median over the timed passes) and metrics under
+    `cost` (default: each planner's own). `on_plan()` is called after each plan."""
     out: dict[str, VariantResult] = {}
     for label, planner in planners.items():
         t0 = time.perf_counter()
@@ -129,9 +130,11 @@ def compare(
         out[label] = VariantResult(label, [], [], (time.perf_counter() - t0) * 1e3)
     ms: dict[str, list[list[float]]] = {label: [[] for _ in batches] for label in planners}
     cpu: dict[str, list[list[float]]] = {label: [[] for _ in batches] for label in planners}
-    for _ in range(passes):
+    order = list(planners.items())
+    for p in range(passes):
         for i, (lengths, ids) in enumerate(batches):
-            for label, planner in planners.items():
+            turn = (p * len(batches) + i) % len(order)
+            for label, planner in order[turn:] + order[:turn]:
                 c0, t0 = time.thread_time(), time.perf_counter()
                 plan = planner.plan(lengths, ids)
                 ms[label][i].append((time.perf_counter() - t0) * 1e3)
