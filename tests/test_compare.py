@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -38,7 +40,8 @@ def _reference(plan, cpu: np.ndarray) -> float:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_replayed_cpu_time_equals_a_plain_replay(rank):
     lengths = np.array([900, 300, 200, 120, 80, 40], dtype=np.int64)  # 900: a ring of 2 at C 512
-    plan = PlannerConfig(policy="hdp", capacity=512).build(preset("debug"), num_ranks=2)
+    cfg = PlannerConfig(policy="hdp", capacity=512, widen=False)  # a ring and local micro-batches
+    plan = cfg.build(preset("debug"), num_ranks=2)
     plan = plan.plan(lengths, np.arange(lengths.shape[0]))
     assert 2 in set(plan.group_sizes.tolist()) and plan.num_microbatches >= 3
     rng = np.random.default_rng(0)
@@ -210,3 +213,89 @@ def test_compare_service_metrics_from_the_plans():
             assert m.plan_ms == ms and m.policy == plan.label
     assert any(m.groups_by_size for m in res["hdp"].metrics)  # the 1500 sample: a ring
     assert res["static"].plans[0].meta["cp"] >= 2
+
+
+# --- trainer.compare: the trainer's compare mode, its per-step order and report ----------------
+
+
+def _comparison(interval: int = 1):
+    """A PolicyComparison of hdp against static on 4 ranks, with a fake executor: `_pass` is
+    replaced by the caller."""
+    from types import SimpleNamespace
+
+    from trainer.compare import PolicyComparison
+    from trainer.config.job import from_dict
+
+    par = {"policy": "hdp", "capacity": 256, "max_context": 1024}
+    spec = from_dict({"data": {"path": "unused"}, "parallel": par}).planner_spec(4)
+    data = SimpleNamespace(
+        planner_spec=spec, planner=spec.build(1024, 0), fetcher=SimpleNamespace(lengths=[1024])
+    )
+    return PolicyComparison("static", interval, data, executor=None, rank=0)
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float, float, float, float]:
+    """min, lower quartile, median, upper quartile, max (linear between order statistics)."""
+    import statistics
+
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return min(xs), q1, q2, q3, max(xs)
+
+
+def test_compare_mode_alternates_the_order_and_reports_each_step_s_ratio():
+    """The trainer's compare mode: both plans warmed up untimed on the first compared step, then
+    the other policy timed first on odd comparisons and second on even ones; the report's
+    per-step table holds each step's measured and predicted ratios, and its spread line their
+    median, quartiles and range, as computed here from the numbers fed in."""
+    from datapipe.stream import GlobalBatch
+
+    cmp = _comparison()
+    log: list[tuple[int, str]] = []
+    measured = {}  # (step, policy) -> (wall s, CPU s) fed in as the pass's measurement
+    rng = np.random.default_rng(3)
+
+    def fake_pass(plan, step):
+        log.append((step, plan.policy))
+        if len(log) <= 2:  # the warm-up passes: a value no row may show
+            return 1000.0, 1000.0
+        fed = (rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.0))
+        return measured.setdefault((step, plan.policy), fed)
+
+    cmp._pass = fake_pass
+    plans = {}
+    for step in range(1, 8):
+        lengths = np.concatenate([[700], rng.integers(10, 200, size=12)]).astype(np.int64)
+        batch = GlobalBatch(step, 0, np.arange(13, dtype=np.int64) + 13 * step, lengths)
+        plan = cmp.planners["run"].plan(batch.lengths, batch.sample_ids)
+        plans[step] = (plan, cmp.planners["other"].plan(batch.lengths, batch.sample_ids))
+        cmp.before_step(step, batch, plan)
+        assert cmp.after_step(step, None)["step"] == step
+    # order: warm-up (run, static), then static first on steps 1, 3, 5, 7
+    want = [(1, "hdp"), (1, "static")]
+    for step in range(1, 8):
+        want += [(step, "static"), (step, "hdp")] if step % 2 else [(step, "hdp"), (step, "static")]
+    assert log == want
+    assert [r["other_first"] for r in cmp.rows] == [s % 2 == 1 for s in range(1, 8)]
+    # the per-step table and the spread line, from the numbers fed in
+    text = cmp.render()
+    table = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    ratios = []
+    for step, line in zip(range(1, 8), table):
+        mine, other = measured[step, "hdp"][0], measured[step, "static"][0]
+        ratios.append(other / mine)
+        pm, po = (p.makespan_ns / 1e9 for p in plans[step])
+        when = "first" if step % 2 else "second"
+        assert line == (
+            f"| {step} | {when} | {mine:.3f} | {other:.3f} | {other / mine:.2f} | {po / pm:.2f} |"
+        )
+    assert len(table) == 7
+    lo, q1, med, q3, hi = _quantiles(ratios)
+    assert (
+        f"per-step measured ratio: median {med:.2f}x, quartiles {q1:.2f}-{q3:.2f}x, "
+        f"range {lo:.2f}-{hi:.2f}x over 7 steps"
+    ) in text
+    total = sum(measured[s, "static"][0] for s in range(1, 8))
+    total /= sum(measured[s, "hdp"][0] for s in range(1, 8))
+    label = plans[1][0].label  # hdp, or hdp+widen where that is the default
+    assert f"{label} is {total:.2f}x as fast as static on these batches" in text
+    assert "1000" not in text  # the warm-up's passes are in no row
