@@ -338,6 +338,35 @@ def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> No
     assert here.reason == "no longer running: this job, restarted"
 
 
+def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatch) -> None:
+    """SIGTERM while DCP writes (DCP wraps whatever its steps raise) was reported as a failed
+    save, exit 2; it is an interruption: the previous checkpoint named, nothing of this one."""
+    import signal
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    import trainer.checkpoint.save as save
+    from trainer.hooks import Interrupted, TrainingInterrupted
+
+    class Stop(DefaultSavePlanner):
+        def create_local_plan(self):
+            raise Interrupted(signal.SIGTERM)  # what the handler raises inside DCP's step
+
+    real, calls = save.dcp.save, []
+
+    def second_interrupted(state_dict, **kw):
+        calls.append(1)
+        return real(state_dict, **kw, **({"planner": Stop()} if len(calls) == 2 else {}))
+
+    monkeypatch.setattr(save.dcp, "save", second_interrupted)
+    run = tmp_path / "r"
+    with pytest.raises(TrainingInterrupted) as exc:
+        run_training(cfg(dataset, run))
+    assert (exc.value.step, exc.value.exit_code) == (4, 143)
+    assert exc.value.checkpoint == str(run / "ckpt" / "step-00000002")
+    assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]
+
+
 def test_a_failed_save_blames_the_disk_only_when_the_disk_is_the_cause(
     dataset, tmp_path, monkeypatch
 ) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from datapipe.errors import MixlenError, PeerError
 from trainer.checkpoint.files import CHECKSUMS_FILE, fsync_dir, write_checksums, write_json
 from trainer.checkpoint.rng import capture_rng
+from trainer.hooks import Interrupted
 from trainer.parallel.comm import Communicator
 from trainer.parallel.runtime import job_id
 
@@ -148,6 +149,9 @@ class _SaveFailure:
             return
         if self.comm.rank == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        stop = _root(err, Interrupted)
+        if isinstance(stop, Interrupted):  # a signal, which DCP wrapped: no failure to report
+            raise Interrupted(stop.signum) from None
         if err is None or (shared and self.comm.rank != 0):
             raise PeerError(f"saving the checkpoint of step {self.step} failed on another rank")
         intact = [k for k in self.ours if k < self.step and k in list_steps(self.root)]
@@ -156,8 +160,8 @@ class _SaveFailure:
             if intact
             else "this run has no earlier checkpoint"
         )
-        cause = _root_oserror(err)
-        disk = cause is not None and cause.errno in _DISK_ERRNOS
+        cause = _root(err, OSError)
+        disk = isinstance(cause, OSError) and cause.errno in _DISK_ERRNOS
         fix = "Free space (or raise the file size limit)" if disk else "Fix the cause"
         raise MixlenError(
             f"checkpoint.dir {self.root}: saving the checkpoint of step {self.step} failed "
@@ -166,17 +170,17 @@ class _SaveFailure:
         ) from None
 
 
-def _root_oserror(exc: BaseException | None) -> OSError | None:
-    """The OSError behind `exc` (DCP wraps every rank's failure), if any."""
+def _root(exc: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The exception of type `kind` behind `exc` (DCP wraps every rank's failure), if any."""
     if exc is None:
         return None
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        return _root_oserror(first[0] if isinstance(first, tuple) else first)
-    if isinstance(exc, OSError):
+        return _root(first[0] if isinstance(first, tuple) else first, kind)
+    if isinstance(exc, kind):
         return exc
-    return _root_oserror(exc.__cause__ or exc.__context__)
+    return _root(exc.__cause__ or exc.__context__, kind)
 
 
 def save_checkpoint(
