@@ -88,3 +88,47 @@ def test_calibrate_two_processes_fits_ring_terms(tmp_path):
     assert kinds == {("local", 1), ("hop", 2), ("ring", 2), ("step", 2)}
     assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
     assert cal["nproc"] == 2 and cal["clock"] == "wall"
+
+
+def test_timed_shape_differences_name_each_field(tmp_path):
+    """`[parallel] cost` timed on another model: each differing shape field is named with the
+    timed and the run's value, in the shape's field order (what `mixlen train` warns with); the
+    same shape, a preset, a file without a calibration record and a record of some fields only
+    (older files) say what they can."""
+    import dataclasses
+
+    from datapipe.plan.cost import preset
+    from datapipe.shapes import RopeScaling, get_config
+    from trainer.config.job import from_dict
+
+    linear = RopeScaling(type="linear", factor=2.0)
+    timed = get_config("debug", vocab_size=300, n_layers=4, rope_theta=5e5, rope_scaling=linear)
+    record = json.loads(json.dumps(dataclasses.asdict(timed)))  # as `mixlen calibrate` writes it
+
+    def run(calibration: dict | None, model: dict | None = None, cost: str | None = None):
+        path = tmp_path / "cost.json"
+        body = preset("debug").to_dict()
+        if calibration is not None:
+            body["calibration"] = calibration
+        path.write_text(json.dumps(body))
+        cfg = from_dict(
+            {
+                "data": {"path": "unused"},
+                "model": model or {},
+                "parallel": {"cost": cost or str(path)},
+            }
+        )
+        return cfg.parallel.timed_shape_differences(cfg.model.shape())
+
+    assert run({"shape": record}) == [
+        "vocab_size 300 -> 258",
+        "n_layers 4 -> 2",
+        "rope_theta 500000.0 -> 10000.0",
+        f"rope_scaling {record['rope_scaling']!r} -> None",
+    ]
+    same = {"vocab_size": 300, "n_layers": 4, "rope_theta": 5e5}
+    assert run({"shape": record}, {**same, "rope_scaling": {"type": "linear", "factor": 2.0}}) == []
+    assert run({"shape": record}, same) == [f"rope_scaling {record['rope_scaling']!r} -> None"]
+    assert run({"shape": {"n_layers": 4, "dim": 128}}) == ["n_layers 4 -> 2"]  # fields recorded
+    assert run({"shape": record}, cost="debug") == []  # a preset: no record
+    assert run(None) == [] and run({"timings": []}) == []
