@@ -23,7 +23,9 @@ Peak memory is the process's ru_maxrss, and the same minus the resident size aft
 `--eval`: `mixlen eval` throughput on 1 and 2 ranks (tokens of the held-out positions per second of
 the whole command, and of the evaluation alone, from its start-up-free timing line): a random
 Llama-shaped folder of EVAL_SHAPE with the dataset's vocabulary, the dataset's samples
-(`--split all --max-tokens`), no passkey.
+(`--split all --max-tokens`), no passkey. 2 ranks run at `--capacity` (samples longer than it on
+a ring of both); 1 rank at the dataset's longest sample when that is more (it must hold each
+sample alone).
 
 Prints a table and writes benchmarks/out/bench_hf.json.
 """
@@ -165,9 +167,10 @@ EVAL_SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=768, tie
 
 def bench_eval(data: str, max_tokens: int, capacity: int) -> dict:
     """`mixlen eval` of a random folder on `data` with 1 and 2 ranks: wall seconds, tokens/s."""
-    from datapipe.index import read_manifest
+    from datapipe.index import read_lengths, read_manifest
 
     vocab = int(read_manifest(data).get("vocab_size") or 258)
+    caps = {1: max(capacity, int(read_lengths(data).max())), 2: capacity}
     tmp = tempfile.mkdtemp(prefix="bench_hf_eval_")
     path = os.path.join(tmp, "model")
     rows = []
@@ -178,22 +181,26 @@ def bench_eval(data: str, max_tokens: int, capacity: int) -> dict:
         for nproc in (1, 2):
             cmd = [sys.executable, "-m", "tools.cli", "eval", path, data, "--split", "all",
                    "--max-tokens", str(max_tokens), "--no-passkey", "--json", "--nproc",
-                   str(nproc), "--capacity", str(capacity), "--dtype", "float32"]  # fmt: skip
+                   str(nproc), "--capacity", str(caps[nproc]), "--dtype", "float32"]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
             t0 = time.perf_counter()
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
+            if out.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append({"ranks": nproc, "tokens": res["tokens"], "wall_s": wall,
+            rows.append({"ranks": nproc, "capacity": caps[nproc], "tokens": res["tokens"], "wall_s": wall,
                          "eval_s": res.get("seconds"), "tokens_per_s": res["tokens"] / wall,
                          "eval_tokens_per_s": res["tokens"] / res["seconds"] if res.get("seconds") else None})  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"mixlen eval: {EVAL_SHAPE} with vocab {vocab} on {data}, capacity {capacity}")
-    print("| ranks | tokens | command s | tokens/s | evaluation s | tokens/s (evaluation) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"mixlen eval: {EVAL_SHAPE} with vocab {vocab} on {data}")
+    print(
+        "| ranks | capacity | tokens | command s | tokens/s | evaluation s | tokens/s (evaluation) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['ranks']} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+        print(f"| {r['ranks']} | {r['capacity']:,} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,.0f} | "
               f"{r['eval_s']:.1f} | {r['eval_tokens_per_s']:,.0f} |")  # fmt: skip
     return {"eval": rows}
 
