@@ -141,13 +141,15 @@ def ring_logits(comm, model, ids, group, lengths):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["llama-dynamic", "llama-llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("group", "lengths"), RINGS, ids=["hdp2", "static2", "hdp3", "static3"])
-def test_ring_attention_equals_transformers_per_document(folders, case, group, lengths):
+def test_ring_attention_equals_transformers_per_document(folders, case, group, lengths, dtype):
+    """Every family and scaling type (CASES), float32 and float64, rings of 2 and 3 ranks."""
     hf, path = folders[case]
-    model = mixlen_model(path, F64)
+    model = mixlen_model(path, dtype)
     ids, _, _ = packed(lengths, model.cfg.vocab_size, seed=5)
-    want = reference_logits(hf, ids, lengths, F64)
+    want = reference_logits(hf, ids, lengths, dtype)
     res = run_threads(
         len(group), lambda comm: ring_logits(comm, model, ids, group, lengths), timeout=60
     )
@@ -157,27 +159,28 @@ def test_ring_attention_equals_transformers_per_document(folders, case, group, l
         got[idx] = out
         covered[idx] += 1
     assert bool((covered == 1).all())
-    assert_close_per_doc(got, want, lengths, TOL[F64])
+    assert all(out.dtype == dtype for out, _ in res)
+    assert_close_per_doc(got, want, lengths, TOL[dtype])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ring_gloo_processes_equal_transformers(folders, tmp_path):
-    """Three gloo processes: rings of 2 and 3 ranks, hdp- and static-style (tests/_hf_ring_worker.py),
-    against transformers' logits computed here."""
+    """Three gloo processes: rings of 2 and 3 ranks, hdp- and static-style, float32 and float64, one
+    case per family (tests/_hf_ring_worker.py), against transformers' logits computed here."""
     import _hf_ring_worker
 
-    cases = {}
+    assert {CASES[c][0] for c in _hf_ring_worker.CASES} == {CASES[c][0] for c in CASES}
+    tensors = {}
     for case in _hf_ring_worker.CASES:
-        hf, path = folders[case]
+        hf, _ = folders[case]
         for i, (_, lengths) in enumerate(_hf_ring_worker.RINGS):
             ids, _, _ = packed(lengths, hf.config.vocab_size, seed=10 + i)
-            cases[f"{case}/{i}/ids"] = ids
-            cases[f"{case}/{i}/want"] = reference_logits(hf, ids, lengths, F64)
-        cases[f"{case}/path"] = path
-    tensors = {k: v for k, v in cases.items() if isinstance(v, torch.Tensor)}
+            tensors[f"{case}/{i}/ids"] = ids
+            for name, dtype in _hf_ring_worker.DTYPES.items():
+                tensors[f"{case}/{i}/{name}"] = reference_logits(hf, ids, lengths, dtype)
     torch.save(tensors, tmp_path / "reference.pt")
-    paths = {case: cases[f"{case}/path"] for case in _hf_ring_worker.CASES}
+    paths = {case: folders[case][1] for case in _hf_ring_worker.CASES}
     spawn(
         _hf_ring_worker.main,
         3,
