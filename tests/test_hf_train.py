@@ -177,3 +177,78 @@ def test_the_readme_context_extension_example_loads(dataset, tmp_path) -> None:
     want, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     got = inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
     assert torch.allclose(got.double(), want.double(), rtol=1e-6)
+
+
+def _long_dataset(out: str, chars: list[int]) -> str:
+    """A byte-tokenized dataset of one document per entry of `chars` (that many characters)."""
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    rng = np.random.default_rng(1)
+    with open(out + ".jsonl", "w") as f:
+        for n in chars:
+            text = "".join(rng.choice(list("abcdefgh ij\n"), size=n))
+            f.write(json.dumps({"text": text}) + "\n")
+    preprocess(PreprocessConfig(inputs=[out + ".jsonl"], out=out, progress=False))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_run_from_scratch_reports_position_buckets_and_exports(dataset, tmp_path, capsys):
+    """2 steps of a randomly initialised model (1 rank, zero 0, float32) evaluating a held-out
+    dataset of samples up to 2.5K tokens: metrics.jsonl's val_by_position has the buckets 0-1K,
+    1K-2K, 2K-4K with each bucket's labelled positions counted from the sample lengths, val_loss is
+    their token-weighted mean, and each bucket's loss is transformers' per-token cross-entropy of
+    the exported model (1e-5). `mixlen export` stores the trained weights exactly in float32 and as
+    torch's own cast with `--dtype bfloat16`."""
+    from datapipe.fetch import FetchConfig
+    from datapipe.index import read_lengths
+    from trainer.checkpoint.weights import read_model_weights
+
+    val = _long_dataset(str(tmp_path / "val"), [2500, 1300, 600, 40])
+    run = tmp_path / "run"
+    c = train_config(dataset, str(run), train={"steps": 2, "eval_interval": 2},
+                     parallel={"policy": "single", "capacity": 4096, "zero": 0})  # fmt: skip
+    c.data.val_path, c.data.val_tokens = val, 1 << 20
+    from trainer.train import run_training
+
+    run_training(c)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rec = next(r for r in recs if "val_by_position" in r and r["step"] == 2)
+    buckets = rec["val_by_position"]
+    # the buckets and their counts, from the sample lengths alone
+    lengths = read_lengths(val).tolist()
+    assert max(lengths) > 2048 and min(lengths) < 1024
+    bounds = [(0, 1024), (1024, 2048), (2048, 4096)]
+    assert [(b["start"], b["end"]) for b in buckets] == bounds
+    for b in buckets:
+        assert b["tokens"] == sum(max(0, min(n - 1, b["end"]) - b["start"]) for n in lengths)
+    mean = sum(b["loss"] * b["tokens"] for b in buckets) / sum(b["tokens"] for b in buckets)
+    assert rec["val_loss"] == pytest.approx(mean, rel=1e-12)
+    # exports: float32 (the run's dtype) exactly, bfloat16 as torch casts the trained weights
+    trained = read_model_weights(str(run / "ckpt"))
+    f32, bf16 = tmp_path / "f32", tmp_path / "bf16"
+    assert cli_main(["export", str(run / "ckpt"), "--hf", str(f32), "--max-position-embeddings",
+                     "4096"]) == 0  # fmt: skip
+    assert cli_main(["export", str(run / "ckpt"), "--hf", str(bf16), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    for out, dtype in ((f32, torch.float32), (bf16, torch.bfloat16)):
+        config = json.loads((out / "config.json").read_text())
+        assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
+        got = dict(_mixlen(str(out), None, dtype).named_parameters())
+        assert sorted(got) == sorted(trained)
+        for k, t in trained.items():
+            assert t.dtype == torch.float32 and got[k].dtype == dtype
+            assert torch.equal(got[k].detach(), t.to(dtype)), k
+    assert json.loads((f32 / "config.json").read_text())["max_position_embeddings"] == 4096
+    # transformers' per-token cross-entropy of each held-out sample, bucketed by hand
+    hf = hf_load(str(f32))
+    sums: dict[int, list[float]] = {}
+    with FetchConfig().build(val) as fetcher, torch.no_grad():
+        for i, n in enumerate(lengths):
+            ids = torch.from_numpy(fetcher.fetch(np.array([[i, 0, n]])).input_ids.astype(np.int64))
+            loss = F.cross_entropy(hf(ids[None]).logits[0][:-1], ids[1:], reduction="none")
+            for p, x in enumerate(loss.tolist()):
+                sums.setdefault(0 if p < 1024 else p.bit_length() - 10, []).append(x)
+    for k, b in enumerate(buckets):
+        assert b["tokens"] == len(sums[k])
+        assert b["loss"] == pytest.approx(sum(sums[k]) / len(sums[k]), rel=1e-5)
