@@ -1,7 +1,7 @@
 """Hand-back to Hugging Face: `export_hf` of a loaded model is the input folder's tensors bit for bit;
 transformers' `from_pretrained` reads an export without missing or unexpected weights and gives
 mixlen's logits (trained weights, a context-extension override); exports are atomic; the model's
-weights come back whole from a DCP checkpoint of 2 ranks at zero 1."""
+weights come back whole from a DCP checkpoint of 1, 2 or 3 ranks at zero 0, 1 or 2."""
 
 from __future__ import annotations
 
@@ -255,18 +255,33 @@ class _Rank:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("prefixed", [False, True], ids=["one-island", "islands"])
-def test_dcp_checkpoint_of_2_ranks_at_zero_1_reads_back_whole(tmp_path, prefixed):
-    src = save(hf_model("qwen2"), str(tmp_path / "src"))
+@pytest.mark.parametrize(
+    ("ranks", "level", "dtype", "prefixed"),
+    [
+        (1, 0, torch.float32, False),
+        (2, 1, torch.float32, False),
+        (2, 1, torch.float32, True),
+        (3, 2, torch.bfloat16, False),
+    ],
+    ids=["1-rank-zero0", "2-ranks-zero1", "2-ranks-zero1-islands", "3-ranks-zero2-bf16"],
+)
+def test_dcp_checkpoint_reads_back_whole_under_any_ranks_and_zero(
+    tmp_path, ranks, level, dtype, prefixed
+):
+    """The weights of a checkpoint of 1, 2 or 3 fake ranks at ZeRO 0, 1 or 2 (bf16 compute weights
+    beside float32 master slices at ZeRO 2) read back as the saved model's, and export as the
+    source folder's tensors bit for bit."""
+    src = save(hf_model("qwen2"), str(tmp_path / "src"), dtype=dtype)
     pre = inspect_pretrained(src)
-    model = load(src)
+    model = load(src, dtype)
     sds = []
-    for r in range(2):  # each fake rank's DCP state: its weights and its optimizer slice
+    for r in range(ranks):  # each fake rank's DCP state: its weights and its optimizer slice
         net = copy.deepcopy(model)
-        zero = ZeroOptimizer(list(net.parameters()), _Rank(r, 2), level=1)
+        zero = ZeroOptimizer(list(net.parameters()), _Rank(r, ranks), level=level)
         zero.exp_avg.fill_(r + 1.0)
         sds.append(_flat(ModelState(net, zero, island=0, prefixed=prefixed).state_dict()))
     assert any(k.startswith("island0.model." if prefixed else "model.") for k in sds[0])
+    assert any(k.endswith("optim.master") for k in sds[0]) == (dtype != torch.float32)
     step = tmp_path / "ckpt" / "step-00000002"
     step.mkdir(parents=True)
     save_as_ranks(str(step), sds)
@@ -296,3 +311,48 @@ def test_every_case_is_a_known_family():
     from trainer.model.families import FAMILIES
 
     assert {cls.__name__ for cls, _, _ in CASES.values()} == set(FAMILIES)
+
+
+def test_export_finds_the_tokenizer_files(tmp_path):
+    """`mixlen export`'s tokenizer files: the pretrained folder's (tokenizer.json and its configs,
+    none of the model's files), else those of the dataset's tokenizer (a --tokenizer-from folder
+    or a --tokenizer file), else none (bytes, a tokenizer file gone, no dataset here)."""
+    import shutil
+
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+    from tools.cmd_export import _tokenizer_files
+
+    bpe = os.path.join(os.path.dirname(__file__), "assets", "bpe-stdlib.json")
+    model = save(hf_model("llama-tied"), str(tmp_path / "model"))
+    names = ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"]
+    shutil.copyfile(bpe, os.path.join(model, names[0]))
+    for n in names[1:]:
+        (tmp_path / "model" / n).write_text("{}")
+    want = [os.path.join(model, n) for n in ("tokenizer.json", "tokenizer_config.json")]
+    want.append(os.path.join(model, "generation_config.json"))
+    assert _tokenizer_files({"data": {"path": "/nowhere"}}, model) == want
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "def f(x):\\n    return x"}\n')
+
+    def dataset(name: str, **tok: str) -> dict:
+        out = str(tmp_path / name)
+        preprocess(PreprocessConfig(inputs=[str(src)], out=out, progress=False, **tok))
+        return {"data": {"path": out}}
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copyfile(bpe, folder / "tokenizer.json")
+    (folder / "special_tokens_map.json").write_text("{}")
+    assert _tokenizer_files(dataset("from-folder", tokenizer_from=str(folder)), None) == [
+        str(folder / "tokenizer.json"),
+        str(folder / "special_tokens_map.json"),
+    ]
+    shutil.copyfile(bpe, tmp_path / "bpe.json")
+    by_file = dataset("from-file", tokenizer=str(tmp_path / "bpe.json"))
+    assert _tokenizer_files(by_file, None) == [str(tmp_path / "bpe.json")]
+    os.remove(tmp_path / "bpe.json")
+    assert _tokenizer_files(by_file, None) == []
+    assert _tokenizer_files(dataset("bytes"), None) == []
+    assert _tokenizer_files({"data": {"path": str(tmp_path / "gone")}}, None) == []
+    assert _tokenizer_files({}, None) == []
