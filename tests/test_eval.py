@@ -162,8 +162,9 @@ def test_passkey_scoring_equals_each_case_alone() -> None:
 
 def test_mixlen_eval_on_a_checkpoint(tmp_path, capsys) -> None:
     """`mixlen eval CKPT DATA`: a mixlen checkpoint's held-out samples (its val_fraction and
-    seed), the table, --json's fields, eval.json and the passkey heatmap written with --out; the
-    overall loss is the training run's own held-out loss at that step."""
+    seed), the table, --json's fields (no `passkey` with --no-passkey), eval.json and the passkey
+    heatmap written with --out; the overall loss is the training run's own held-out loss at that
+    step."""
     from _train_worker import make_dataset, train_config
 
     from tools.cli import main as cli_main
@@ -188,3 +189,6 @@ def test_mixlen_eval_on_a_checkpoint(tmp_path, capsys) -> None:
     assert cli_main([*args[:3], "--no-passkey"]) == 0
     text = capsys.readouterr().out
     assert "| positions | loss | perplexity | tokens |" in text and "passkey" not in text
+    assert cli_main([*args[:3], "--no-passkey", "--json"]) == 0
+    bare = json.loads(capsys.readouterr().out)
+    assert "passkey" not in bare and bare["by_position"] == got["by_position"]

@@ -118,6 +118,21 @@ def test_sliding_windows_are_refused(tmp_path):
     assert inspect_pretrained(wide).shape.head_dim == 24
 
 
+def test_qwen2_sliding_layer_types_are_refused(tmp_path):
+    """A Qwen2 config.json whose `layer_types` lists a sliding-window layer is refused even with
+    use_sliding_window false; one of full-attention layers only loads."""
+    qwen = save(hf_model("qwen2"), str(tmp_path / "q"))
+    edit_config(qwen, use_sliding_window=False, layer_types=["full_attention"] * 2)
+    assert inspect_pretrained(qwen).shape.qkv_bias
+    edit_config(qwen, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    with pytest.raises(
+        InputError,
+        match=r"q/config.json: layer_types has 'sliding_attention' layers: sliding-window "
+        "attention is not supported",
+    ):
+        inspect_pretrained(qwen)
+
+
 def test_leftover_and_missing_tensors_are_named(llama, tmp_path):
     path = copy_of(llama, tmp_path / "m")
     edit_tensors(
