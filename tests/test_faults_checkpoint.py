@@ -338,9 +338,11 @@ def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> No
     assert here.reason == "no longer running: this job, restarted"
 
 
-def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatch) -> None:
-    """SIGTERM while DCP writes (DCP wraps whatever its steps raise) was reported as a failed
-    save, exit 2; it is an interruption: the previous checkpoint named, nothing of this one."""
+@pytest.mark.parametrize("where", ["dcp", "checksums", "fsync"])
+def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatch, where) -> None:
+    """SIGTERM during step 4's save, inside DCP (which wraps whatever its steps raise: it was
+    reported as a failed save, exit 2), before the rename (its .tmp was left) or after it: an
+    interruption (exit 143) naming the last complete checkpoint, nothing partial left."""
     import signal
 
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -350,21 +352,29 @@ def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatc
 
     class Stop(DefaultSavePlanner):
         def create_local_plan(self):
-            raise Interrupted(signal.SIGTERM)  # what the handler raises inside DCP's step
+            raise Interrupted(signal.SIGTERM)  # what the signal handler raises
 
-    real, calls = save.dcp.save, []
+    name = {"dcp": "dcp.save", "checksums": "write_checksums", "fsync": "fsync_dir"}[where]
+    owner, attr = (save.dcp, "save") if where == "dcp" else (save, name)
+    real, calls = getattr(owner, attr), []
 
-    def second_interrupted(state_dict, **kw):
+    def second_interrupted(*args, **kw):
         calls.append(1)
-        return real(state_dict, **kw, **({"planner": Stop()} if len(calls) == 2 else {}))
+        if len(calls) == 2 and where == "dcp":
+            kw["planner"] = Stop()
+        elif len(calls) == 2:
+            real(*args, **kw)
+            raise Interrupted(signal.SIGTERM)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(save.dcp, "save", second_interrupted)
+    monkeypatch.setattr(owner, attr, second_interrupted)
     run = tmp_path / "r"
     with pytest.raises(TrainingInterrupted) as exc:
         run_training(cfg(dataset, run))
+    last = 4 if where == "fsync" else 2  # fsync_dir comes after the rename
     assert (exc.value.step, exc.value.exit_code) == (4, 143)
-    assert exc.value.checkpoint == str(run / "ckpt" / "step-00000002")
-    assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]
+    assert exc.value.checkpoint == str(run / "ckpt" / f"step-{last:08d}")
+    assert sorted(os.listdir(run / "ckpt")) == [f"step-{k:08d}" for k in range(2, last + 1, 2)]
 
 
 def test_a_failed_save_blames_the_disk_only_when_the_disk_is_the_cause(

@@ -366,7 +366,6 @@ class Checkpointer:
             self.device,
             keep=self.cfg.keep,
             before_commit=(lambda: hooks.point("save", step)) if hooks is not None else None,
-            ours=self.ours,
+            ours=self.ours,  # the step appended once complete
         )
-        self.ours.append(step)
         return path

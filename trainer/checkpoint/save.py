@@ -147,11 +147,11 @@ class _SaveFailure:
         (the failing one, or rank 0 for a failure every rank saw, says why)."""
         if not any_rank(self.comm, err is not None, self.device):
             return
+        stop = _root(err, Interrupted)
+        if isinstance(stop, Interrupted):  # a signal, which DCP wrapped: not a failure
+            raise Interrupted(stop.signum) from None  # (save_checkpoint cleans up)
         if self.comm.rank == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        stop = _root(err, Interrupted)
-        if isinstance(stop, Interrupted):  # a signal, which DCP wrapped: no failure to report
-            raise Interrupted(stop.signum) from None
         if err is None or (shared and self.comm.rank != 0):
             raise PeerError(f"saving the checkpoint of step {self.step} failed on another rank")
         intact = [k for k in self.ours if k < self.step and k in list_steps(self.root)]
@@ -197,9 +197,48 @@ def save_checkpoint(
     """Write the checkpoint of `step` (collective); `run` is run.json's content. Keeps the newest
     `keep` up to `step`; checkpoints of later steps (an abandoned run this one resumed before)
     are removed, so `resume = true` continues this run. `ours`: the steps of this run's own
-    checkpoints (what a failure may call intact). MixlenError if it cannot be written."""
+    checkpoints (what a failure may call intact), `step` appended once it is complete, also when
+    a signal (Interrupted) arrives after the rename. MixlenError if it cannot be written; on a
+    signal before the rename nothing of it is kept."""
+    ours = ours if ours is not None else []
+    begun: list[bool] = []  # rank 0: the temporary directory was made (so `final` is this save's)
+    try:
+        final = _save(root, step, state, run, comm, device, keep, before_commit, ours, begun)
+    except Interrupted:
+        if comm.rank == 0 and _committed(root, step, bool(begun)):
+            ours.append(step)
+        raise
+    ours.append(step)
+    return final
+
+
+def _committed(root: str, step: int, begun: bool) -> bool:
+    """After a signal during the save of `step` (rank 0): was it renamed into place complete?
+    If not, its temporary directory is removed and a copy it was replacing put back."""
     final = step_dir(root, step)
-    fail = _SaveFailure(comm, device, root, step, ours if ours is not None else [])
+    if begun and not os.path.isdir(final + ".tmp"):
+        return os.path.isfile(os.path.join(final, CHECKSUMS_FILE))
+    shutil.rmtree(final + ".tmp", ignore_errors=True)
+    if not os.path.isdir(final) and os.path.isdir(final + ".old"):
+        os.replace(final + ".old", final)
+    return False
+
+
+def _save(
+    root: str,
+    step: int,
+    state: StateOwner,
+    run: dict[str, Any],
+    comm: Communicator,
+    device: torch.device,
+    keep: int,
+    before_commit: Callable[[], None] | None,
+    ours: list[int],
+    begun: list[bool],
+) -> str:
+    """save_checkpoint's steps; `begun` gets True once rank 0 made the temporary directory."""
+    final = step_dir(root, step)
+    fail = _SaveFailure(comm, device, root, step, ours)
     tmp, rank, group = fail.tmp, comm.rank, getattr(comm, "group", None)
     err: BaseException | None = None
     if rank == 0:
@@ -207,6 +246,7 @@ def save_checkpoint(
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
+            begun.append(True)
         except OSError as exc:
             err = exc
     fail.check(err, shared=False)
