@@ -288,56 +288,6 @@ def test_one_job_per_checkpoint_dir(dataset, tmp_path, capsys) -> None:
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]  # released at the end
 
 
-def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> None:
-    """torchrun's --rdzv-id defaults to "none": two independent jobs both had run id "none", and
-    the second took the first's live lock over ("no longer running"). "none" identifies nothing;
-    a live holder on this host is never taken over; the same real run id takes its lock back
-    after a restart (the old rank 0 dead here, or on another host); a reused pid is stale."""
-    import socket
-    import subprocess
-
-    from trainer.checkpoint.lock import LOCK_FILE, DirLock, started
-
-    host, lock = socket.gethostname(), tmp_path / LOCK_FILE
-
-    def attempt(env: str, **holder) -> DirLock | str:
-        """Acquire under run id `env` over a lock written by `holder`: the lock, or the refusal."""
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", env)
-        lock.write_text(json.dumps(holder))
-        d = DirLock(str(tmp_path))
-        try:
-            d.acquire()
-        except ConfigError as exc:
-            assert json.loads(lock.read_text()) == holder  # refused: the lock is left as it was
-            return str(exc)
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-        d.release()
-        assert not lock.exists()
-        return d
-
-    other = subprocess.Popen(["sleep", "60"])  # a live process of another job on this host
-    try:
-        t0 = started(other.pid)
-        assert t0 is not None
-        for job in (f"{host}:{other.pid}", "none"):  # its lock as written now, and before the fix
-            msg = attempt("none", job=job, host=host, pid=other.pid, started=t0)
-            assert f"another job is using it (job {job}, pid {other.pid} on this host" in msg
-        msg = attempt("run-7", job="run-7", host=host, pid=other.pid, started=t0)
-        assert "(job run-7, pid" in msg  # alive here: another launch with the same --rdzv-id
-        reused = attempt("none", job="job-A", host=host, pid=other.pid, started=t0 + 1)
-        assert reused.took_over["job"] == "job-A" and reused.reason == "no longer running"
-    finally:
-        other.kill()
-        other.wait()
-    msg = attempt("none", job="none", host="node-2", pid=4242)
-    assert "(job none, pid 4242 on host node-2" in msg and '--rdzv-id other than "none"' in msg
-    assert "on host node-2" in attempt("run-7", job="job-A", host="node-2", pid=4242)
-    moved = attempt("run-7", job="run-7", host="node-2", pid=4242)  # rank 0 restarted elsewhere
-    assert moved.reason == "on host node-2: this job, restarted with the same torchrun run id"
-    here = attempt("run-7", job="run-7", host=host, pid=dead_pid())
-    assert here.reason == "no longer running: this job, restarted"
-
-
 @pytest.mark.parametrize("where", ["dcp", "checksums", "fsync"])
 def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatch, where) -> None:
     """SIGTERM during step 4's save, inside DCP (which wraps whatever its steps raise: it was

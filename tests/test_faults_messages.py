@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from _faults import flip_byte
+from _faults import dead_pid, flip_byte
 from _train_worker import make_dataset, train_config
 
 from datapipe.errors import ConfigError
@@ -172,39 +178,113 @@ def test_an_rng_file_with_a_huge_integer_names_file_and_field(tmp_path) -> None:
     assert f"{step / 'run.json'}: field scheduler.last_epoch: expected an integer" in str(exc.value)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sigterm_stops_training_with_a_message(dataset, tmp_path) -> None:
-    """Issue case 6: SIGTERM to `mixlen train` prints "interrupted at step N; last complete
-    checkpoint: ..." and exits 143 (it exited 143 silently)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> None:
+    """torchrun's --rdzv-id defaults to "none": two independent jobs both had run id "none", and
+    the second took the first's live lock over ("no longer running"). "none" identifies nothing;
+    a live holder on this host is never taken over; the same real run id takes its lock back
+    after a restart (the old rank 0 dead here, or on another host); a reused pid is stale."""
+    from trainer.checkpoint.lock import LOCK_FILE, DirLock, started
 
-    run = tmp_path / "r"
-    c = train_config(dataset, str(run), parallel={"policy": "single"})
-    c.train.steps, c.train.eval_interval, c.checkpoint.interval = 10_000, 0, 1
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(to_toml(c))
+    host, lock = socket.gethostname(), tmp_path / LOCK_FILE
+
+    def attempt(env: str, **holder) -> DirLock | str:
+        """Acquire under run id `env` over a lock written by `holder`: the lock, or the refusal."""
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", env)
+        lock.write_text(json.dumps(holder))
+        d = DirLock(str(tmp_path))
+        try:
+            d.acquire()
+        except ConfigError as exc:
+            assert json.loads(lock.read_text()) == holder  # refused: the lock is left as it was
+            return str(exc)
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        d.release()
+        assert not lock.exists()
+        return d
+
+    other = subprocess.Popen(["sleep", "60"])  # a live process of another job on this host
+    try:
+        t0 = started(other.pid)
+        assert t0 is not None
+        for job in (f"{host}:{other.pid}", "none"):  # its lock as written now, and before the fix
+            msg = attempt("none", job=job, host=host, pid=other.pid, started=t0)
+            assert f"another job is using it (job {job}, pid {other.pid} on this host" in msg
+        msg = attempt("run-7", job="run-7", host=host, pid=other.pid, started=t0)
+        assert "(job run-7, pid" in msg  # alive here: another launch with the same --rdzv-id
+        reused = attempt("none", job="job-A", host=host, pid=other.pid, started=t0 + 1)
+        assert reused.took_over["job"] == "job-A" and reused.reason == "no longer running"
+    finally:
+        other.kill()
+        other.wait()
+    msg = attempt("none", job="none", host="node-2", pid=4242)
+    assert "(job none, pid 4242 on host node-2" in msg and '--rdzv-id other than "none"' in msg
+    assert "on host node-2" in attempt("run-7", job="job-A", host="node-2", pid=4242)
+    moved = attempt("run-7", job="run-7", host="node-2", pid=4242)  # rank 0 restarted elsewhere
+    assert moved.reason == "on host node-2: this job, restarted with the same torchrun run id"
+    here = attempt("run-7", job="run-7", host=host, pid=dead_pid())
+    assert here.reason == "no longer running: this job, restarted"
+
+
+def _launch(cfg: Path) -> subprocess.Popen:
+    """`mixlen train CFG --quiet` in a subprocess, with torchrun's default run id "none" (what
+    two multi-node jobs started without --rdzv-id both have)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    env["TORCHELASTIC_RUN_ID"] = "none"
+    return subprocess.Popen(
         [sys.executable, "-m", "tools.cli", "train", str(cfg), "--quiet"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _wait(until, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_trainings_into_one_checkpoint_dir_then_sigterm(dataset, tmp_path) -> None:
+    """Issue cases 4 and 6: two `mixlen train` started 1 s apart into one checkpoint.dir (both
+    with run id "none"): the second used to replace the first's checkpoints; now it exits 2 naming
+    the first's job, no traceback, writing nothing there. SIGTERM to the first (it exited 143
+    silently) prints "interrupted at step N; last complete checkpoint: ..." and exits 143; every
+    checkpoint left is the first's and verifies against its checksums; the lock is released."""
+    from trainer.checkpoint.files import read_checksums, verify_files
+    from trainer.checkpoint.save import complete_checkpoints
+
+    ckpt, procs = tmp_path / "ckpt", []
+    for name in ("a", "b"):
+        c = train_config(dataset, str(tmp_path / name), parallel={"policy": "single"})
+        c.train.steps, c.train.eval_interval = 10_000, 0
+        c.checkpoint.dir, c.checkpoint.interval, c.checkpoint.keep = str(ckpt), 1, 3
+        (tmp_path / f"{name}.toml").write_text(to_toml(c))
+        procs.append(_launch(tmp_path / f"{name}.toml"))
+        time.sleep(1)
     try:
-        deadline = time.monotonic() + 90
-        while not (run / "ckpt" / "step-00000002").is_dir() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _wait(lambda: any(p.poll() is not None for p in procs))
+        (loser,) = [p for p in procs if p.poll() is not None]  # whichever came second
+        winner = procs[1 - procs.index(loser)]
+        err = loser.communicate()[1]
+        assert loser.returncode == 2 and "Traceback" not in err, err[-2000:]
+        job = f"{socket.gethostname()}:{winner.pid}"
+        assert f"checkpoint.dir {ckpt}: another job is using it (job {job}, pid {winner.pid} " \
+            "on this host" in err, err  # fmt: skip
+        _wait(lambda: len(complete_checkpoints(str(ckpt))) >= 2)
+        winner.send_signal(signal.SIGTERM)
+        err = winner.communicate(timeout=60)[1]
     finally:
-        proc.kill()
-    assert proc.returncode == 143, err[-2000:]
+        for p in procs:
+            p.kill()
+    assert winner.returncode == 143, err[-2000:]
     m = re.search(r"mixlen train: interrupted at step (\d+) \(SIGTERM\); last complete "
                   r"checkpoint: (\S+)", err)  # fmt: skip
     assert m and "Traceback" not in err, err[-2000:]
     step, path = int(m.group(1)), Path(m.group(2))
-    assert path.name == f"step-{step - 1:08d}" or path.name == f"step-{step:08d}"
-    assert path.is_dir() and not (run / "ckpt" / ".mixlen-lock").exists()
+    assert path.name in (f"step-{step - 1:08d}", f"step-{step:08d}")
+    left = complete_checkpoints(str(ckpt))
+    assert str(path) == left[0] and sorted(os.listdir(ckpt)) == sorted(Path(d).name for d in left)
+    run_dir = str(tmp_path / ("a" if winner is procs[0] else "b"))
+    for d in left:
+        assert verify_files(d, read_checksums(d), 0, 1) == []
+        assert json.loads((Path(d) / "run.json").read_text())["config"]["metrics"]["dir"] == run_dir
