@@ -59,8 +59,9 @@ SWEEP = [
 ]
 
 
-def ensure_data(path: str) -> str:
-    """The standard-library corpus with samples of at most 2048 tokens (built once)."""
+def ensure_data(path: str, tokenizer: str | None = None) -> str:
+    """The standard-library corpus with samples of at most 2048 tokens (built once): UTF-8 bytes,
+    or the BPE `tokenizer` (a tokenizer.json path)."""
     if os.path.isfile(os.path.join(path, "index.parquet")):
         return path
     from datapipe.ingest.preprocess import PreprocessConfig, preprocess
@@ -69,7 +70,7 @@ def ensure_data(path: str) -> str:
     preprocess(
         PreprocessConfig(
             inputs=[stdlib], out=path, globs=["**/*.py"], excludes=["site-packages/*"],
-            max_len=2048, progress=False,
+            tokenizer=tokenizer, max_len=2048, progress=False,
         )
     )  # fmt: skip
     return path
@@ -184,8 +185,20 @@ def summarize(recs: list[dict], tau: int, comm_s: float = 0.0, nolink: dict | No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(ROOT, "benchmarks", "out", "stdlib-2k"))
-    ap.add_argument("--steps", type=int, default=48, help="optimizer steps per run (the budget)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per run (48; --converge 400)")
     ap.add_argument("--batch", type=int, default=2048, help="global batch tokens per island")
+    ap.add_argument("--converge", action="store_true", help="loss curves on two corpora")
+    ap.add_argument("--corpora", default=",".join(CORPORA), help="--converge: these corpora")
+    ap.add_argument(
+        "--runs",
+        default="sync;diloco;co2",
+        help="--converge: ';'-separated names (sync, diloco, co2) or label={[co2] settings json}",
+    )
+    ap.add_argument("--layers", type=int, default=2, help="--converge: the debug model's layers")
+    ap.add_argument("--lr", type=float, default=4e-3, help="--converge: train.lr")
+    ap.add_argument("--warmup", type=int, default=20, help="--converge: train.warmup")
+    ap.add_argument("--eval-every", type=int, default=40, help="--converge: held-out loss interval")
+    ap.add_argument("--report", action="store_true", help="--converge: report the saved runs")
     ap.add_argument(
         "--sweep",
         nargs="?",
@@ -198,6 +211,15 @@ def main() -> None:
     ap.add_argument("--methods", default="sync,diloco,co2")
     ap.add_argument("--factors", default=",".join(str(f) for f in FACTORS))
     args = ap.parse_args()
+    if args.converge:
+        args.steps = args.steps or 400
+        if args.report:
+            with open(CONVERGE_OUT) as f:
+                converge_report(json.load(f))
+        else:
+            converge(args)
+        return
+    args.steps = args.steps or 48
     args.data = ensure_data(args.data)
 
     from datapipe.plan.memory import slice_length
@@ -294,6 +316,156 @@ def report(args: argparse.Namespace, numel: int, result: dict) -> None:
     name = "bench_co2_sweep.json" if args.sweep else "bench_co2.json"
     with open(os.path.join(ROOT, "benchmarks", "out", name), "w") as f:
         json.dump(result, f, indent=2)
+
+
+# --- --converge: loss curves of co2, diloco and sync on two corpora ---------------------------------
+
+# (dataset folder under benchmarks/out, tokenizer, model.vocab_size): the demo corpus (the standard
+# library with the demo's BPE tokenizer) and the same files as UTF-8 bytes (issue 24's report)
+CORPORA = {
+    "stdlib-bpe": ("stdlib-bpe-2k", os.path.join(ROOT, "tests", "assets", "bpe-stdlib.json"), 4096),
+    "stdlib-bytes": ("stdlib-2k", None, 258),
+}
+# --converge runs by name: [co2] settings over the defaults
+VARIANTS = {
+    "sync": {"mode": "sync"},
+    "diloco": {"mode": "diloco"},
+    "co2": {},
+}
+CONVERGE_OUT = os.path.join(ROOT, "benchmarks", "out", "bench_co2_converge.json")
+CONVERGE_PNG = os.path.join(ROOT, "benchmarks", "co2_converge.png")
+
+
+def converge_config(args: argparse.Namespace, run_dir: str, corpus: str, co2: dict) -> dict:
+    """One --converge run: the debug model (--layers), --steps of --batch tokens per island,
+    the held-out loss every --eval-every steps."""
+    folder, tokenizer, vocab = CORPORA[corpus]
+    path = ensure_data(os.path.join(ROOT, "benchmarks", "out", folder), tokenizer)
+    return {
+        "model": {"name": "debug", "n_layers": args.layers, "vocab_size": vocab},
+        "data": {"path": path, "val_fraction": 0.02, "val_tokens": 16384},
+        "train": {
+            "steps": args.steps,
+            "global_batch_tokens": args.batch,
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "eval_interval": args.eval_every,
+        },
+        "parallel": {"policy": "hdp", "capacity": 1024, "islands": ISLANDS},
+        "checkpoint": {"dir": None},
+        "metrics": {"dir": run_dir, "progress": False, "console_interval": 10**6},
+        "co2": co2,
+    }
+
+
+def parse_runs(spec: str) -> dict[str, dict]:
+    """--runs: names of VARIANTS, or `label={json}` ([co2] settings over the defaults)."""
+    out = {}
+    for item in spec.split(";"):
+        label, _, js = item.partition("=")
+        out[label.strip()] = json.loads(js) if js else VARIANTS[label.strip()]
+    return out
+
+
+def converge(args: argparse.Namespace) -> None:
+    """Run --runs on --corpora, merge them into benchmarks/out/bench_co2_converge.json, report."""
+    runs = parse_runs(args.runs)
+    setup = {
+        k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "eval_every", "layers")
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [
+            (f"{c}/{label}", converge_config(args, os.path.join(tmp, f"{c}-{label}"), c, co2))
+            for c in args.corpora.split(",")
+            for label, co2 in runs.items()
+        ]
+        got = run_all(jobs)
+    result = {"setup": setup, "runs": {}}
+    if os.path.isfile(CONVERGE_OUT):
+        with open(CONVERGE_OUT) as f:
+            result = json.load(f)
+        if result["setup"] != setup:
+            raise SystemExit(f"{CONVERGE_OUT} holds runs of {result['setup']}, not {setup}")
+    for name, d in jobs:
+        steps = [r for r in got[name] if "loss" in r and "step" in r]
+        result["runs"][name] = {
+            "co2": d["co2"],
+            "train": [r["loss"] for r in steps],
+            "val": [[r["step"], r["val_loss"]] for r in steps if "val_loss" in r],
+            "step_s": statistics.median(r["step_time_s"] for r in steps),
+        }
+    with open(CONVERGE_OUT, "w") as f:
+        json.dump(result, f, indent=1)
+    converge_report(result)
+
+
+def gap(a: float, b: float) -> float:
+    return 100.0 * (a - b) / b
+
+
+def converge_report(result: dict) -> None:
+    """The gap to sync at every eval, the final table, and the PNG."""
+    runs = result["runs"]
+    corpora = sorted({k.split("/")[0] for k in runs}, key=list(CORPORA).index)
+    print(f"--converge {result['setup']}: held-out loss gap to sync (%) at every eval")
+    for c in corpora:
+        sync = dict(runs[f"{c}/sync"]["val"])
+        print(f"\n{c}: step " + " ".join(f"{s:>6}" for s in sync))
+        print(f"  {'sync loss':24} " + " ".join(f"{v:6.3f}" for v in sync.values()))
+        for name, r in runs.items():
+            if name.startswith(c + "/") and not name.endswith("/sync"):
+                row = " ".join(f"{gap(v, sync[s]):+6.1f}" for s, v in r["val"])
+                print(f"  {name.split('/', 1)[1]:24} {row}")
+    print("\nfinal: held-out loss, gap to sync; training loss (mean of the last 20 steps), gap")
+    for name, r in runs.items():
+        c = name.split("/")[0]
+        sync = runs[f"{c}/sync"]
+        v, vs = r["val"][-1][1], sync["val"][-1][1]
+        t, ts = statistics.mean(r["train"][-20:]), statistics.mean(sync["train"][-20:])
+        print(
+            f"  {name:34} val {v:.4f} {gap(v, vs):+6.2f}%  train {t:.4f} {gap(t, ts):+6.2f}%  "
+            f"{r['step_s']:.3f} s/step  {json.dumps(r['co2'])}"
+        )
+    plot_converge(runs, corpora)
+
+
+def plot_converge(runs: dict, corpora: list[str]) -> None:
+    """benchmarks/co2_converge.png: per corpus, the three methods' losses (training loss smoothed
+    over 20 steps, held-out loss at the evals) and the gap to sync."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(corpora), figsize=(5 * len(corpora), 6), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
+    colors = {"sync": "black", "diloco": "tab:blue", "co2": "tab:red"}
+    for j, c in enumerate(corpora):
+        top, bottom = axes[0][j], axes[1][j]
+        sync = dict(runs[f"{c}/sync"]["val"])
+        for m, color in colors.items():
+            r = runs.get(f"{c}/{m}")
+            if r is None:
+                continue
+            tr = r["train"]
+            smooth = [statistics.mean(tr[max(0, i - 19) : i + 1]) for i in range(len(tr))]
+            top.plot(range(1, len(tr) + 1), smooth, color=color, lw=0.8, alpha=0.6)
+            steps, vals = zip(*r["val"], strict=True)
+            top.plot(steps, vals, "o-", color=color, ms=3, label=f"{m} (held-out)")
+            if m != "sync":
+                bottom.plot(steps, [gap(v, sync[s]) for s, v in r["val"]], "o-", color=color,
+                            ms=3, label=m)  # fmt: skip
+        top.set_title(c)
+        top.set_ylabel("loss (thin: training, 20-step mean)")
+        top.legend(fontsize=8)
+        bottom.axhline(0, color="black", lw=0.5)
+        bottom.axhline(3, color="grey", lw=0.5, ls="--")
+        bottom.set_ylabel("held-out gap to sync (%)")
+        bottom.set_xlabel("step")
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(CONVERGE_PNG, dpi=70)
+    print(f"\nwrote {CONVERGE_PNG} and {CONVERGE_OUT}")
 
 
 if __name__ == "__main__":

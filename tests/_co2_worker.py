@@ -39,6 +39,8 @@ SCENARIOS = [
                                    clip="none", overlap=False)),
     ("co2", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6, nesterov=True,
                              staleness_lambda=0.5, clip="value", clip_value=2e-3)),
+    ("co2-warmup", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6,
+                                    staleness_lambda=0.5, warmup_rounds=1)),
     ("sync", "sync", CO2Config(mode="sync")),
 ]  # fmt: skip
 
@@ -174,7 +176,7 @@ def reference(mode: str, c: CO2Config) -> dict:
             anchor = sum(isl[j].flat() for j in range(ISLANDS)) / ISLANDS  # plain averaging
             continue
         avg = sum(deltas) / ISLANDS
-        if c.overlapped:
+        if c.overlapped and t >= c.warmup_rounds:  # the warm-up's rounds wait for their own
             if pending is not None:
                 anchor = _outer(anchor, pending, st, c)
             pending = avg

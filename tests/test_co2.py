@@ -4,6 +4,7 @@ resharding of its state; the link emulator on an injected clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -81,7 +82,7 @@ def reference(cfg: OuterConfig, islands: int, rounds: int) -> list[dict]:
             deltas.append(a - x)
         avg = sum(deltas) / islands
         info = {"applied": False, "penalty": 1.0, "update_norm": 0.0, "clipped": 0.0}
-        if cfg.overlap:
+        if cfg.overlap and t >= cfg.warmup_rounds:  # the warm-up's rounds wait for their own
             if pending is not None:
                 a, p, u, f = apply(a, pending)
                 info = {"applied": True, "penalty": p, "update_norm": u, "clipped": f}
@@ -133,6 +134,8 @@ CONFIGS = [
                 clip="norm", clip_value=0.6, overlap=False),
     OuterConfig(tau=3, outer_lr=0.5, momentum=0.7, staleness_lambda=1.0, clip="value",
                 clip_value=0.15, overlap=False),
+    OuterConfig(tau=2, outer_lr=1.0, momentum=0.5, staleness_lambda=0.5, clip="value",
+                clip_value=0.15, warmup_rounds=2),
 ]  # fmt: skip
 
 
@@ -167,9 +170,26 @@ def test_outer_update_matches_the_contract(ranks, ci):
             _close(stats.update_norm, w["update_norm"])
             if k < rounds:
                 _close(stats.clipped_fraction, w["clipped"])
-    if cfg.overlap:  # the first boundary applies nothing: a_2 = a_1
+    if cfg.overlap and not cfg.warmup_rounds:  # the first boundary applies nothing: a_2 = a_1
         (lo, hi), trace, _ = got[0]
         assert torch.equal(trace[0][0], X0[lo:hi])
+
+
+@pytest.mark.timeout(60)
+def test_warmup_rounds_wait_then_overlap():
+    """warmup_rounds = 2: the first two boundaries are DiLoCo's (the same anchors as overlap =
+    False, bit for bit), the third applies nothing, then one-round-stale averages again."""
+    cfg, rounds = CONFIGS[-1], 5
+    plain = run_co2(dataclasses.replace(cfg, overlap=False, warmup_rounds=0), 2, 2, rounds)
+    got = run_co2(cfg, 2, 2, rounds)
+    for (_, trace), (_, want) in zip(
+        [(g[0], g[1]) for g in got], [(p[0], p[1]) for p in plain], strict=True
+    ):
+        assert [s.applied for _, s in trace] == [True, True, False, True, True, True]
+        for k in range(cfg.warmup_rounds):
+            assert torch.equal(trace[k][0], want[k][0])
+        assert torch.equal(trace[2][0], trace[1][0])  # nothing applied at the third boundary
+        assert not torch.equal(trace[3][0], want[3][0])  # the overlapped rounds differ
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -71,6 +71,9 @@ def test_modes_equal_plain_references_threads(name):
         assert [r["co2_applied"] for r in recs] == [False, True, True]
         assert all(0 < r["co2_clipped_fraction"] < 1 for r in recs[1:])
         assert recs[2]["co2_penalty"] > 1.01
+    if name == "co2-warmup":  # the first round waits for its own average, the second overlaps
+        recs = [r for r in out[0]["records"] if "co2_applied" in r]
+        assert [r["co2_applied"] for r in recs] == [True, False, True]
     if name == "diloco":
         assert [r.get("co2_applied") for r in out[0]["records"]] == [None, None, True] * 2
 

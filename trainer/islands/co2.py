@@ -22,6 +22,10 @@ computes the same penalty and clipping. The rule (docs/ARCHITECTURE.md, "CO2 acr
 - round t+1 starts from a_{t+1}. At the end of the first round nothing is pending (a_2 = a_1);
   every delta is applied exactly once, one round late (`flush` applies the last one at the end).
 
+The first `warmup_rounds` rounds (0: none) run as with `overlap = False`: early on a round's
+delta changes fastest, so its one-round staleness costs most there; the first overlapped round
+then applies nothing at its end, and every delta is still applied exactly once.
+
 `overlap = False` waits for this round's own average and applies it at once (DiLoCo; with lambda 0
 and no clipping it is DiLoCo with heavy-ball or Nesterov outer momentum; with tau 1, beta 0,
 alpha 1 it is parameter averaging every step). Here the previous round's average is awaited
@@ -65,10 +69,12 @@ class OuterConfig:
     clip: str = "none"  # none | value | norm
     clip_value: float = 1.0  # c
     overlap: bool = True  # False: wait for this round's average and apply it now (DiLoCo)
+    warmup_rounds: int = 0  # with overlap: the first rounds wait for their own average
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
         assert self.tau >= 1 and 0.0 <= self.momentum < 1.0 and self.clip in CLIPS
+        assert self.warmup_rounds >= 0
         assert self.clip == "none" or self.clip_value > 0
 
 
@@ -239,7 +245,7 @@ class OuterSync:
         alpha = self.cfg.outer_lr
         stats = (1.0, 0.0, 0.0)
         wait_s, applied = 0.0, False
-        if self.cfg.overlap:
+        if self.overlapped:
             if self.pending:
                 wait_s = self._receive()
                 stats = self._prepare()
@@ -284,6 +290,11 @@ class OuterSync:
             self.local_steps = 0
             s = self.boundary(x)
         return self.flush(x) or s
+
+    @property
+    def overlapped(self) -> bool:
+        """Does the round now ending travel during the next one (overlap, past the warm-up)?"""
+        return self.cfg.overlap and self.round >= self.cfg.warmup_rounds
 
     # -- pieces ------------------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ class CO2Config:
     `outer_lr` alpha, `outer_momentum` beta (heavy-ball; `nesterov` for Nesterov's form),
     `staleness_lambda` the staleness gap penalty's lambda (0: off), `clip` of the outer momentum
     (none, element-wise `value` to [-clip_value, clip_value], or global `norm` clip_value).
-    `overlap` (co2 only, default true): false waits for each round's own average. `link_gbps` > 0
+    `overlap` (co2 only, default true): false waits for each round's own average;
+    `warmup_rounds`: the first rounds of overlapped co2 wait for theirs (trainer/islands/README.md).
+    `link_gbps` > 0
     emulates a cross-island link of that bandwidth (Gbit/s) on one machine (0: the real links).
 
     Defaults: the best of `benchmarks/bench_co2.py --sweep` on the standard-library corpus
@@ -57,6 +59,13 @@ class CO2Config:
     clip_value: float = setting(0.1, help="the clipping bound (> 0)")
     overlap: bool | None = setting(
         None, help="co2 only (default true): false waits for each round's own average"
+    )
+    warmup_rounds: int = setting(
+        0,
+        help="overlapped co2 only: the first this many rounds wait for their own average "
+        "(as diloco), the later ones overlap",
+        lo=0,
+        hi=1 << 30,
     )
     link_gbps: float = setting(
         0.0,

@@ -46,6 +46,7 @@ class CrossIsland:
             clip=c.clip,
             clip_value=c.clip_value,
             overlap=c.overlapped,
+            warmup_rounds=c.warmup_rounds,
         )
         self.zero = zero
         self.outer = OuterSync(
