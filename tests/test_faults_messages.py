@@ -141,13 +141,45 @@ def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
     assert "--global-batch-tokens: must be an integer in [1, " in capsys.readouterr().err
 
 
-def test_an_rng_file_with_a_huge_integer_names_file_and_field(tmp_path) -> None:
-    """Issue case 6: a 400-digit integer in a checkpoint's rng file (checksums recomputed, as an
-    attacker would) is refused naming the file and the field, not 'cannot be loaded
-    (OverflowError...)'; the same in run.json's scheduler."""
+def _cli_error(argv: list[str], capsys) -> str:
+    """`mixlen ARGV` in this process: exit 2, one error message, no traceback; the message."""
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("error:") == 1 and "Traceback" not in err, err[-2000:]
+    return err
+
+
+def test_config_files_and_numbers_refused_by_the_cli(tmp_path, capsys) -> None:
+    """Issue cases 1 and 5 through `mixlen train`: /dev/zero, a FIFO or a 17 MiB file as the
+    config (read forever before; now refused before reading, naming it), and a --set capacity
+    beyond int64's reach (an OverflowError traceback in the planner before)."""
+    fifo, big = tmp_path / "fifo.toml", tmp_path / "big.toml"
+    os.mkfifo(fifo)
+    with open(big, "wb") as f:
+        f.truncate(17 << 20)
+    for path, phrase in (
+        ("/dev/zero", "a character device, not a regular file"),
+        (fifo, "a FIFO (named pipe), not a regular file"),
+        (big, "17,825,792 bytes, over the 16,777,216-byte limit"),
+    ):
+        assert f"mixlen train: error: {path}: a config file is {phrase}" in _cli_error(
+            ["train", str(path)], capsys
+        )
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[data]\npath = "x"\n')
+    err = _cli_error(["train", str(cfg), "--set", "parallel.capacity=99999999999999999999"], capsys)
+    assert "--set parallel.capacity: must be <= 4,294,967,296" in err
+
+
+def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:
+    """Through `mixlen train` (exit 2, no traceback): a 400-digit integer in a checkpoint's rng
+    file (checksums recomputed, as an attacker would) names the file and the field, not 'cannot
+    be loaded (OverflowError...)' (issue case 6); the same in run.json's scheduler; a
+    checkpoint.dir locked by a live job names that job (case 4)."""
     from _train_worker import make_dataset as make
 
     from trainer.checkpoint.files import write_checksums
+    from trainer.checkpoint.lock import LOCK_FILE
     from trainer.train import run_training
 
     ds = make(str(tmp_path / "ds"), n_docs=30)
@@ -156,26 +188,35 @@ def test_an_rng_file_with_a_huge_integer_names_file_and_field(tmp_path) -> None:
     c.train.eval_interval = 0
     run_training(c)
     step = run / "ckpt" / "step-00000002"
-    rng = json.loads((step / "rng-00000.json").read_text())
+    c.checkpoint.resume, c.train.steps, c.metrics.progress = True, 3, False
+    cfg = tmp_path / "resume.toml"
+    cfg.write_text(to_toml(c))
+    rng_text, run_text = (step / "rng-00000.json").read_text(), (step / "run.json").read_text()
+    rng = json.loads(rng_text)
     rng["python"]["words"][3] = int("9" * 400)
     (step / "rng-00000.json").write_text(json.dumps(rng))
     write_checksums(str(step))
-    c.checkpoint.resume = True
-    c.train.steps = 3
-    with pytest.raises(Exception) as exc:
-        run_training(c)
-    assert f"{step / 'rng-00000.json'}: field python.words[3]: expected an integer in " in str(
-        exc.value
-    ) and "400-digit" in str(exc.value)
-    rng["python"]["words"][3] = 7
-    (step / "rng-00000.json").write_text(json.dumps(rng))
-    info = json.loads((step / "run.json").read_text())
+    err = _cli_error(["train", str(cfg)], capsys)
+    assert f"{step / 'rng-00000.json'}: field python.words[3]: expected an integer in " in err
+    assert "400-digit" in err
+    (step / "rng-00000.json").write_text(rng_text)
+    info = json.loads(run_text)
     info["scheduler"]["last_epoch"] = int("9" * 400)
     (step / "run.json").write_text(json.dumps(info))
     write_checksums(str(step))
-    with pytest.raises(Exception) as exc:
-        run_training(c)
-    assert f"{step / 'run.json'}: field scheduler.last_epoch: expected an integer" in str(exc.value)
+    err = _cli_error(["train", str(cfg)], capsys)
+    assert f"{step / 'run.json'}: field scheduler.last_epoch: expected an integer" in err
+    (step / "run.json").write_text(run_text)
+    write_checksums(str(step))
+    other = subprocess.Popen(["sleep", "60"])  # a live job's lock
+    try:
+        holder = {"job": "job-A", "host": socket.gethostname(), "pid": other.pid}
+        (run / "ckpt" / LOCK_FILE).write_text(json.dumps(holder))
+        err = _cli_error(["train", str(cfg)], capsys)
+    finally:
+        other.kill()
+        other.wait()
+    assert f"checkpoint.dir {run / 'ckpt'}: another job is using it (job job-A, pid " in err
 
 
 def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> None:
