@@ -19,7 +19,7 @@ import pytest
 from _faults import dead_pid, flip_byte
 from _train_worker import make_dataset, train_config
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, InputError
 from tools.cli import main as cli_main
 from trainer.config.toml import load_config, to_toml
 
@@ -169,6 +169,51 @@ def test_config_files_and_numbers_refused_by_the_cli(tmp_path, capsys) -> None:
     cfg.write_text('[data]\npath = "x"\n')
     err = _cli_error(["train", str(cfg), "--set", "parallel.capacity=99999999999999999999"], capsys)
     assert "--set parallel.capacity: must be <= 4,294,967,296" in err
+
+
+# every bounded integer flag of the subcommands (beside plan's, checked above): the command
+# line that reaches it, its lower and upper bound
+INT_FLAGS = [
+    ("preprocess", ["in.txt", "--out", "o"], "--chunk-tokens", 1, 1 << 31),
+    ("preprocess", ["in.txt", "--out", "o"], "--max-len", 1, 1 << 40),
+    ("preprocess", ["in.txt", "--out", "o"], "--workers", 1, 4096),
+    ("eval", ["model", "data"], "--max-tokens", 1, 1 << 40),
+    ("eval", ["model", "data"], "--nproc", 1, 1 << 16),
+    ("eval", ["model", "data"], "--capacity", 1, 1 << 32),
+    ("eval", ["model", "data"], "--seed", 0, (1 << 63) - 1),
+    ("calibrate", [], "--nproc", 1, 1 << 16),
+    ("calibrate", [], "--vocab-size", 1, 1 << 32),
+    ("calibrate", [], "--repeats", 1, 1000),
+    ("calibrate", [], "--threads", 1, 4096),
+    ("calibrate", [], "--ranks-per-node", 0, 1 << 16),
+    ("export", ["ckpt", "--hf", "out"], "--island", 0, (1 << 16) - 1),
+    ("export", ["ckpt", "--hf", "out"], "--max-position-embeddings", 1, 1 << 36),
+    ("export", ["ckpt", "--hf", "out"], "--shard-size", 1 << 20, 1 << 40),
+    ("train", ["run.toml"], "--nproc", 1, 1 << 16),
+    ("train", ["run.toml"], "--max-restarts", 0, 10_000),
+]
+
+
+def test_integer_flags_are_bounded(capsys) -> None:
+    """Issue: every integer CLI argument has an upper bound. Below, above, 30 digits and not a
+    number: exit 2 from the parser naming the flag and the range, before anything runs."""
+    for command, base, flag, lo, hi in INT_FLAGS:
+        for bad, shown in ((lo - 1, f"{lo - 1:,}"), (hi + 1, f"{hi + 1:,}"),
+                           ("9" * 30, "a 30-digit integer"), ("2**62", None)):  # fmt: skip
+            with pytest.raises(SystemExit) as exc:
+                cli_main([command, *base, flag, str(bad)])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and "Traceback" not in err, err
+            want = (
+                f"must be an integer in [{lo:,}, {hi:,}], got {shown}"
+                if shown
+                else "expected an integer, got '2**62'"
+            )
+            assert f"mixlen {command}: error: argument {flag}: {want}" in err, err
+    from datapipe.ingest.config import PreprocessConfig  # the same bounds from Python
+
+    with pytest.raises(InputError, match=r"^--workers: must be an integer in \[1, 4,096\]"):
+        PreprocessConfig(["in.txt"], "o", workers=5000).validate(["local"])
 
 
 def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:

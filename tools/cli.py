@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from datapipe.errors import MixlenError, PeerError
 
@@ -25,6 +26,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("tools.cmd_export", "write a training checkpoint as a Hugging Face model folder"),
     "eval": ("tools.cmd_eval", "loss by position and passkey retrieval of a model on a dataset"),
 }
+
+
+MAX_NPROC = 1 << 16  # --nproc of train, eval, calibrate
+MAX_ISLAND = (1 << 16) - 1  # export --island: parallel.islands is at most 2^16
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]; argparse's error names the flag (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            shown = f"a {len(str(value))}-digit integer" if abs(value) > 1 << 64 else f"{value:,}"
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo:,}, {hi:,}], got {shown}")
+        return value
+
+    return parse
 
 
 def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ import argparse
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
+from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
 from trainer.model.config import DTYPES
 
@@ -37,13 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_set_argument(parser)
     parser.add_argument("--model", default=None, help="a named shape, without a config (debug)")
     parser.add_argument(
-        "--vocab-size", type=int, default=None, help="the model's vocabulary (default: its own)"
+        "--vocab-size",
+        type=int_in(1, 1 << 32),
+        default=None,
+        help="the model's vocabulary (default: its own)",
     )
     parser.add_argument(
         "--out", default=None, help="cost file to write (JSON; default: the config's parallel.cost)"
     )
     parser.add_argument(
-        "--nproc", type=int, default=1, help="processes (ranks) to time rings with (default 1)"
+        "--nproc",
+        type=int_in(1, MAX_NPROC),
+        default=1,
+        help="processes (ranks) to time rings with (default 1)",
     )
     parser.add_argument(
         "--clock",
@@ -61,8 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring-lengths", default=DEFAULT_RING_LENGTHS, help="ring sample lengths")
     parser.add_argument("--ring-sizes", default="", help="ring sizes (default 2..nproc)")
     parser.add_argument("--hop-bytes", default=DEFAULT_HOP_BYTES, help="ring hop message sizes")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (min kept)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--repeats", type=int_in(1, 1000), default=3, help="timed runs per case (min kept)"
+    )
+    parser.add_argument(
+        "--threads", type=int_in(1, 4096), default=1, help="torch threads per process"
+    )
     parser.add_argument(
         "--dtype",
         default=None,
@@ -84,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=int_in(0, MAX_NPROC),
         default=0,
         help="with --inter-node-bytes-per-s: the measured link is the node link, groups that "
         "span nodes use the given one",
@@ -120,26 +131,18 @@ def run(args: argparse.Namespace) -> int:
     lengths = _ints("--lengths", args.lengths)
     if len(lengths) < 3:
         raise ConfigError("--lengths: need at least 3 distinct positive lengths to fit a, b, c")
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     sizes = _ints("--ring-sizes", args.ring_sizes, 2)
     if sizes and sizes[-1] > args.nproc:
         raise ConfigError(f"--ring-sizes: {sizes[-1]} is more than --nproc {args.nproc}")
     hop_bytes = _ints("--hop-bytes", args.hop_bytes)
     if args.nproc > 1 and len(hop_bytes) < 2:
         raise ConfigError("--hop-bytes: need at least 2 sizes to fit latency and bandwidth")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     for key in ("link_bytes_per_s", "offload_bytes_per_s", "inter_node_bytes_per_s"):
         v = getattr(args, key)
         if v is not None and not v > 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
-    if args.ranks_per_node < 0:
-        raise ConfigError(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
     name, shape, dtype, out, packs = _what_to_time(args)
     grid = CalibrationGrid(
         lengths=lengths,
@@ -173,8 +176,6 @@ def _what_to_time(args: argparse.Namespace):
     """(name, shape, dtype, output file, packs) from a training config or --model."""
     from datapipe.shapes import get_config
 
-    if args.vocab_size is not None and args.vocab_size < 1:
-        raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     packs = _packs(args.packs)
     if args.config is None:
         if args.overrides:

@@ -14,6 +14,7 @@ import json
 import os
 
 from datapipe.errors import ConfigError
+from tools.cli import MAX_NPROC, int_in
 from trainer.model.config import DTYPES
 
 
@@ -28,11 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--val-fraction and --seed) or every sample",
     )
     p.add_argument("--val-fraction", type=float, default=None, help="held-out fraction (0.01)")
-    p.add_argument("--seed", type=int, default=None, help="the held-out split's seed (0)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
+    p.add_argument(
+        "--seed", type=int_in(0, (1 << 63) - 1), default=None, help="the held-out split's seed (0)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int_in(1, 1 << 40),
+        default=None,
+        help="evaluate at most this many tokens",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
-    p.add_argument("--nproc", type=int, default=1, help="ranks to launch through torchrun")
-    p.add_argument("--capacity", type=int, default=None, help="positions per rank per micro-batch")
+    p.add_argument(
+        "--nproc", type=int_in(1, MAX_NPROC), default=1, help="ranks to launch through torchrun"
+    )
+    p.add_argument(
+        "--capacity",
+        type=int_in(1, 1 << 32),
+        default=None,
+        help="positions per rank per micro-batch",
+    )
     p.add_argument("--policy", default="hdp", choices=("hdp", "naive-hdp", "static"))
     p.add_argument("--cost", default=None, help="a cost preset or file for the planner (debug)")
     p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
@@ -56,10 +71,6 @@ def _numbers(flag: str, text: str | None, kind: type) -> list | None:
 def _options(args: argparse.Namespace):
     from trainer.eval.cli import EvalOptions
 
-    if not 1 <= args.nproc <= 1 << 16:
-        raise ConfigError(f"--nproc: must be in [1, 65536], got {args.nproc}")
-    if args.capacity is not None and not 1 <= args.capacity <= 1 << 32:
-        raise ConfigError(f"--capacity: must be in [1, 2^32], got {args.capacity}")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         raise ConfigError(f"--val-fraction: must be in (0, 1), got {args.val_fraction}")
     depths = _numbers("--passkey-depths", args.passkey_depths, float) or []

@@ -12,6 +12,7 @@ import argparse
 import os
 
 from datapipe.errors import ConfigError, InputError
+from tools.cli import MAX_ISLAND, int_in
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -28,15 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="stored dtype"
     )
-    p.add_argument("--island", type=int, default=0, help="with co2/diloco islands: whose weights")
+    p.add_argument(
+        "--island",
+        type=int_in(0, MAX_ISLAND),
+        default=0,
+        help="with co2/diloco islands: whose weights",
+    )
     p.add_argument(
         "--max-position-embeddings",
-        type=int,
+        type=int_in(1, 1 << 36),
         default=None,
         help="the context config.json declares (default: model.max_position_embeddings, the "
         "pretrained model's, or the dataset's longest sample)",
     )
-    p.add_argument("--shard-size", type=int, default=2_000_000_000, help="bytes per shard")
+    p.add_argument(
+        "--shard-size",
+        type=int_in(1 << 20, 1 << 40),
+        default=2_000_000_000,
+        help="bytes per shard (1 MiB to 1 TiB)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
 
 
@@ -89,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
     from trainer.model.config import pretrained_of
     from trainer.model.export import export_hf
 
-    if not 1 << 20 <= args.shard_size <= 1 << 40:
-        raise ConfigError(f"--shard-size: must be in [1 MiB, 1 TiB], got {args.shard_size}")
     step = checkpoint_step_dir(args.checkpoint)
     run_cfg = read_json(os.path.join(step, "run.json")).get("config", {})
     cfg = from_mapping(TrainerConfig, run_cfg)

@@ -7,6 +7,9 @@ import re
 import sys
 
 from datapipe.errors import InputError
+from datapipe.ingest.config import MAX_CHUNK_TOKENS, MAX_WORKERS
+from datapipe.settings import MAX_INT
+from tools.cli import int_in
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -99,12 +102,15 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     """Sizes: storage chunks, sample and document limits."""
     p.add_argument(
         "--chunk-tokens",
-        type=int,
+        type=int_in(1, MAX_CHUNK_TOKENS),
         default=65536,
         help="storage chunk: max tokens per shard row (default 65536)",
     )
     p.add_argument(
-        "--max-len", type=int, default=None, help="longest sample in tokens (default: no limit)"
+        "--max-len",
+        type=int_in(1, MAX_INT),
+        default=None,
+        help="longest sample in tokens (default: no limit)",
     )
     p.add_argument(
         "--long-docs",
@@ -137,7 +143,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--workers",
-        type=int,
+        type=int_in(1, MAX_WORKERS),
         default=1,
         help="tokenizer processes (default 1); with --engine ray: CPUs of the local Ray runtime",
     )

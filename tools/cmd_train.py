@@ -17,6 +17,7 @@ import signal
 import sys
 
 from datapipe.errors import ConfigError
+from tools.cli import MAX_NPROC, int_in
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML config (see configs/*.toml)")
     add_set_argument(parser)
     parser.add_argument(
-        "--nproc", type=int, default=1, help="ranks to launch on this node through torchrun"
+        "--nproc",
+        type=int_in(1, MAX_NPROC),
+        default=1,
+        help="ranks to launch on this node through torchrun",
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=int_in(0, 10_000),
         default=0,
         metavar="N",
         help="with --nproc: restart every rank up to N times after a rank dies; the restarted "
@@ -81,10 +85,6 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg, comments=True), end="")
         return 0
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not under_torchrun:
         ranks_per_island(cfg.parallel.islands, args.nproc)  # once, before any rank starts

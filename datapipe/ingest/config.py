@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from datapipe.errors import InputError
 from datapipe.formats import FORMATS
 from datapipe.ingest.sources import MAX_DOC_BYTES
+from datapipe.settings import MAX_INT
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 MIN_DOC_BYTES = 64  # --max-doc-bytes lower limit: room for whole UTF-8 characters and a cut
+MAX_CHUNK_TOKENS = 1 << 31  # --chunk-tokens: a shard row's tokens, 8 GiB of uint32 at most
+MAX_WORKERS = 4096  # --workers: processes on one machine
 
 
 @dataclass
@@ -51,10 +54,15 @@ class PreprocessConfig:
             raise InputError(
                 f"--long-docs {self.long_docs!r}: expected one of {', '.join(LONG_DOC_POLICIES)}"
             )
-        if self.chunk_tokens < 1:
-            raise InputError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
-        if self.max_len is not None and self.max_len < 1:
-            raise InputError(f"--max-len must be >= 1, got {self.max_len}")
+        if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise InputError(
+                f"--chunk-tokens: must be an integer in [1, {MAX_CHUNK_TOKENS:,}], "
+                f"got {self.chunk_tokens}"
+            )
+        if self.max_len is not None and not 1 <= self.max_len <= MAX_INT:
+            raise InputError(
+                f"--max-len: must be an integer in [1, {MAX_INT:,}], got {self.max_len}"
+            )
         if not MIN_DOC_BYTES <= self.max_doc_bytes < 1 << 40:
             raise InputError(
                 f"--max-doc-bytes must be between {MIN_DOC_BYTES} bytes and 1 TiB, "
@@ -62,8 +70,10 @@ class PreprocessConfig:
             )
         if not 0 <= self.min_tokens < 1 << 40:
             raise InputError(f"--min-tokens must be >= 0, got {self.min_tokens}")
-        if self.workers < 1:
-            raise InputError(f"--workers must be >= 1, got {self.workers}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise InputError(
+                f"--workers: must be an integer in [1, {MAX_WORKERS:,}], got {self.workers}"
+            )
         if self.engine not in engines:
             raise InputError(f"--engine {self.engine!r}: expected one of {', '.join(engines)}")
         if self.ray_address is not None and self.engine != "ray":
