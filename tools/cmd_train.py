@@ -3,10 +3,11 @@
 With `--nproc N > 1` this process becomes a torchrun launcher (`torch.distributed.run`, standalone
 rendezvous on this node) that starts N copies of `mixlen train` (gloo on CPU, NCCL on CUDA). Under
 torchrun (RANK/WORLD_SIZE set) it trains directly. Multi-node: run torchrun yourself on every
-node, e.g.
+node with a run id of its own (the checkpoint lock and a restart recognise the job by it;
+torchrun's default "none" identifies no job), e.g.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m tools.cli train configs/demo.toml
+        --rdzv-id my-run-1 -m tools.cli train configs/demo.toml
 """
 
 from __future__ import annotations
