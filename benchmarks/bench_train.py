@@ -178,7 +178,9 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
     data = np.load(job["tokens"], allow_pickle=True)
     fetcher = MemoryFetcher(list(data["tokens"]))
     batches = [np.asarray(b) for b in data["short"]]
-    planner = PlannerConfig(policy="hdp", capacity=4096).build(load(job["cost"]), num_ranks=world)
+    planner = PlannerConfig(policy="hdp", capacity=4096, widen=False).build(
+        load(job["cost"]), num_ranks=world
+    )
     plans = [planner.plan(fetcher.lengths[ids], ids) for ids in batches]
     fetched = [fetcher.fetch_step([m.pieces for m in p.microbatches(rank)]) for p in plans]
     assert all(len(f) > 0 for f in fetched), "every rank needs a micro-batch for DDP"

@@ -122,7 +122,7 @@ def _step_main(rank: int, world: int, port: int, job: dict) -> None:
                 grad_comm=grad_comm,
             )  # fmt: skip
             runs[level] = HDPExecutor(model, zero, comm)
-        planner = PlannerConfig(policy="hdp", capacity=job["capacity"]).build(
+        planner = PlannerConfig(policy="hdp", capacity=job["capacity"], widen=False).build(
             preset("debug"), num_ranks=world
         )
         records = []

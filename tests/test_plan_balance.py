@@ -27,6 +27,7 @@ VARIANTS = [("hdp", False), ("hdp", True), ("naive-hdp", False), ("static", Fals
 
 def plan(policy: str, lengths, n: int, cap: int, cost=DEBUG, **kw):
     run = {k: kw.pop(k) for k in ("seed", "offload") if k in kw}
+    kw.setdefault("widen", False)  # plain hdp unless a test widens (the config's default is true)
     cfg = PlannerConfig(policy=policy, capacity=cap, **kw)
     return cfg.build(cost, n, **run).plan(np.asarray(lengths, dtype=np.int64))
 
@@ -318,3 +319,23 @@ def test_widen_never_slower_than_plain_after_node_retiming() -> None:
     check_plan(w)
     assert cost.ranks_per_node == 8 and h.group_sizes.max() == 7
     assert w.makespan_ns <= h.makespan_ns
+
+
+def test_a_dominant_sample_is_split_by_default() -> None:
+    """The README example's shape: one sample whose work alone is most of a small step (7,000
+    tokens among 30 short ones, 4 ranks, C = 16384). It fits one rank, so ByteScale's smallest-
+    group rule (widen = false) leaves it there and the step takes about 3.9x the mean rank time;
+    the default planner (widen) takes the static mesh that splits it over every rank."""
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([[7000], rng.integers(20, 80, 30)]).astype(np.int64)
+    plain = plan("hdp", lengths, 4, 16384)
+    assert plain.rank_time_ns.max() / plain.rank_time_ns.mean() > 3.5
+    default = PlannerConfig(policy="hdp", capacity=16384).build(DEBUG, 4).plan(lengths)
+    check_plan(default)
+    t = default.rank_time_ns
+    assert t.max() / t.mean() < 1.05 and default.makespan_ns < 0.3 * plain.makespan_ns
+    assert default.meta["static_mesh"] == {"cp": 4, "dp": 1}
+    # the sample's positions are computed on all four ranks, each a zigzag pair of its chunks
+    mbs = [default.microbatches(r) for r in range(4)]
+    covered = [sum(e - s for m in ms for sid, s, e in m.pieces if sid == 0) for ms in mbs]
+    assert covered == [1750] * 4

@@ -33,6 +33,7 @@ OFFLOAD = C.CostModel(2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8, name="offload
 
 def plan(policy: str, lengths, n: int, cap: int, cost=DEBUG, **kw):
     run = {k: kw.pop(k) for k in ("seed", "offload") if k in kw}
+    kw.setdefault("widen", False)  # plain hdp unless a test widens (the config's default is true)
     cfg = PlannerConfig(policy=policy, capacity=cap, **kw)
     return cfg.build(cost, n, **run).plan(np.asarray(lengths, dtype=np.int64))
 
@@ -275,10 +276,16 @@ def test_single_is_a_valid_whole_sample_plan() -> None:
 
 
 def test_widen_only_for_hdp() -> None:
+    """widen is on by default and only hdp widens: other policies plan as without it."""
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([[7000], rng.integers(20, 80, 30)]).astype(np.int64)
     for policy in ("naive-hdp", "static"):
-        with pytest.raises(ConfigError, match=f"widen: only the hdp policy.*'{policy}'"):
-            PlannerConfig(policy=policy, widen=True).build(DEBUG, num_ranks=8)
-        assert issubclass(ConfigError, ValueError)
+        on = PlannerConfig(policy=policy, capacity=16384).build(DEBUG, num_ranks=4)
+        off = PlannerConfig(policy=policy, capacity=16384, widen=False).build(DEBUG, num_ranks=4)
+        assert on.config.widen is False
+        assert on.plan(lengths).digest() == off.plan(lengths).digest()
+    hdp = PlannerConfig(policy="hdp", capacity=16384).build(DEBUG, num_ranks=4)
+    assert hdp.config.widen is True and hdp.plan(lengths).meta.get("widen")
     with pytest.raises(ConfigError, match="widen: expected bool, got str"):
         PlannerConfig(widen="yes").build(DEBUG, num_ranks=8)  # type: ignore[arg-type]
 

@@ -133,7 +133,12 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
         b = batches[step["step"]]
         assert step["samples"] == [[int(s), int(n)] for s, n in zip(b.sample_ids, b.lengths)]
         plan = (
-            PlannerConfig(policy=step["policy"], capacity=2048, max_context=int(lengths.max()))
+            PlannerConfig(
+                policy=step["policy"],
+                capacity=2048,
+                max_context=int(lengths.max()),
+                widen=bool(step["widen"]),
+            )
             .build(cost, num_ranks=16)
             .plan(b.lengths, b.sample_ids)
         )

@@ -37,7 +37,8 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
     cfg = load_config(path, ["train.steps=7", "train.dtype=float64", 'metrics.dir="m"'])
     assert (cfg.train.lr, cfg.train.steps, cfg.train.dtype) == (1e-2, 7, "float64")
     assert cfg.parallel.planner.policy == "static" and cfg.metrics.dir == "m"
-    assert cfg.parallel.planner.widen is False
+    assert cfg.parallel.planner.widen is True  # the default; a static run ignores it
+    assert cfg.parallel.planner.setup(4).widen is False
     assert cfg.train.warmup == 10 and cfg.checkpoint.dir is None  # defaults
     again = tmp_path / "again.toml"
     again.write_text(to_toml(cfg))
@@ -58,7 +59,6 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["parallel.zero=3"], "parallel.zero"),
         (["parallel.zero=-1"], "parallel.zero"),
         (["parallel.widen=1"], "parallel.widen"),
-        (['parallel.policy="static"', "parallel.widen=true"], "parallel.widen"),
         (["co2.tau=0"], "co2.tau"),
         (["co2.outer_momentum=1.0"], "co2.outer_momentum"),
         (["co2.outer_momentum=-0.1"], "co2.outer_momentum"),
@@ -82,7 +82,6 @@ def test_config_defaults_overrides_and_roundtrip(tmp_path):
         (["model.n_heads=0"], "model.n_heads"),
         (["model.n_layers=-1"], "model.n_layers"),
         (['parallel.cost="nope"'], "parallel.cost"),
-        (['parallel.policy="single"', "parallel.widen=true"], "parallel.widen"),
         (["parallel.capacity=0"], "parallel.capacity"),
         (['parallel.cost="nope.json"'], "parallel.cost"),
         (["data.val_fraction=1.0"], "data.val_fraction"),
@@ -358,7 +357,7 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
         for who in ("", "other_"):
             assert 0 < row[f"{who}measured_cpu_s"] <= row[f"{who}measured_wall_s"] * 1.05 + 1e-3
     report = open(both["balance_report"]).read()
-    assert "hdp vs static on the same 2 global batches" in report
+    assert "hdp+widen vs static on the same 2 global batches" in report  # widen: the default
     assert "measured s, CPU replayed" in report
     cpu = run_training(
         config(str(tmp_path / "cpu"), compare="static", compare_interval=2, compare_clock="cpu")
@@ -370,14 +369,17 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
 
 
 def test_widen_plans_with_the_static_mesh_context():
-    """With widen, the trainer's hdp planner knows static's mesh (the dataset's longest sample, or
-    [parallel] max_context), so it may take that mesh for a batch; without widen hdp ignores it."""
+    """With widen (the default), the trainer's hdp planner knows static's mesh (the dataset's
+    longest sample, or [parallel] max_context), so it may take that mesh for a batch; without widen
+    hdp ignores it."""
     base = {"data": {"path": "unused"}}
     widen = from_dict({**base, "parallel": {"widen": True}})
     assert widen.planner_spec(4).build(300, 0).config.max_context == 300
     fixed = from_dict({**base, "parallel": {"widen": True, "max_context": 512}})
     assert fixed.planner_spec(4).build(300, 0).config.max_context == 512
-    assert from_dict(base).planner_spec(4).build(300, 0).config.max_context is None
+    plain = from_dict({**base, "parallel": {"widen": False}})
+    assert plain.planner_spec(4).build(300, 0).config.max_context is None
+    assert from_dict(base).planner_spec(4).build(300, 0).config.max_context == 300  # the default
 
 
 def test_readme_key_tables_come_from_the_config_classes():

@@ -227,7 +227,11 @@ def _step_overhead(
     zero = ZeroOptimizer.for_model(model, comm, level=1 if world > 1 else 0, grad_clip=1.0)
     ex = HDPExecutor(model, zero, comm, device=dev)
     lengths = np.full(world * len(lens), lens[0], dtype=np.int64)
-    plan = PlannerConfig(capacity=int(sum(lens))).build(preset("debug"), world).plan(lengths)
+    plan = (
+        PlannerConfig(capacity=int(sum(lens)), widen=False)
+        .build(preset("debug"), world)
+        .plan(lengths)
+    )
     vocab = model.cfg.vocab_size
     fetcher = MemoryFetcher([(np.arange(n) * 7919 + i) % vocab for i, n in enumerate(lengths)])
     fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])

@@ -106,17 +106,29 @@ def _assemble(
 def static_mesh(
     config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan | None:
-    """widen's last candidate: the batch on a static DP x CP mesh, the faster (by estimate) of the
-    mesh its longest sample needs and, with `max_context` set, the mesh static itself would use
-    (None when no CP degree dividing N holds the batch)."""
+    """widen's last candidate: the batch on a static DP x CP mesh, the fastest (by estimate) of
+    the mesh its longest sample needs, the one static itself would use with `max_context` set,
+    and the one that splits a dominant sample (whose work alone exceeds the ranks' average) over
+    enough ranks to bring it down to that average (None when no CP degree dividing N holds the
+    batch)."""
+    n, cap = config.num_ranks, config.capacity
     longest = max(int(lengths.max()) if lengths.size else 0, 1)
-    best = None
-    for ctx in dict.fromkeys((longest, max(config.max_context or longest, longest))):
-        cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
+    ctx = max(config.max_context or longest, longest)
+    degrees = []
+    for c in dict.fromkeys((longest, ctx)):
         try:
-            p = static.plan(cfg, cost, lengths, sample_ids)
-        except MixlenError:  # no CP degree dividing N holds ctx
+            degrees.append(static.static_cp_degree(n, cap, c))
+        except MixlenError:  # no CP degree dividing N holds c
             continue
+    if not degrees:
+        return None
+    work = cost.work_ns(lengths[lengths > 0], 1).astype(np.float64)
+    need = int(np.ceil(work.max() * n / max(work.sum(), 1.0))) if work.size else 1
+    dominant = [d for d in range(max(need, degrees[0]), n + 1) if n % d == 0 and d <= longest]
+    cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
+    best = None
+    for cp in dict.fromkeys(degrees + dominant[:1]):
+        p = static.plan_mesh(cfg, cost, lengths, sample_ids, cp, ctx)
         if best is None or p.makespan_ns < best.makespan_ns:
             best = p
     return best

@@ -65,9 +65,10 @@ class PlannerConfig:
         free_on_resume=True,
     )
     widen: bool = setting(
-        False,
-        help="hdp may give long samples more ranks than the smallest group, or take the static "
-        "mesh for a batch, when that is estimated faster",
+        True,
+        help="hdp may give a sample more ranks than its smallest group, or take a static mesh for "
+        "a batch, when that is estimated faster (false: ByteScale's smallest-group rule; other "
+        "policies ignore it)",
         free_on_resume=True,
     )
     improve_rounds: int = setting(
@@ -77,13 +78,6 @@ class PlannerConfig:
         hi=1 << 10,
         free_on_resume=True,
     )
-
-    def validate(self, names: Names) -> None:
-        if self.widen and self.policy != "hdp":
-            raise ConfigError(
-                f"{names('widen')}: only the hdp policy widens groups, not '{self.policy}' "
-                "(unset widen)"
-            )
 
     def setup(
         self, num_ranks: int, seed: int = 0, offload: bool = False, names: Names | None = None
@@ -101,7 +95,7 @@ class PlannerConfig:
             )
         return PlanSetup(
             self.policy, num_ranks, self.capacity, bool(offload), self.max_context, int(seed),
-            self.improve_rounds, self.widen, names,
+            self.improve_rounds, self.widen and self.policy == "hdp", names,
         )  # fmt: skip
 
     def build(

@@ -41,12 +41,25 @@ def plan(
     config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
 ) -> StepPlan:
     """Plan one global batch on the static DP x CP mesh."""
-    n_ranks, cap = config.num_ranks, config.capacity
     longest = int(lengths.max()) if lengths.size else 0
     max_ctx = config.max_context if config.max_context is not None else max(longest, 1)
     if longest > max_ctx:
         too_long(config, lengths, sample_ids, max_ctx, config.key("max_context"))
-    cp = static_cp_degree(n_ranks, cap, max_ctx)
+    cp = static_cp_degree(config.num_ranks, config.capacity, max_ctx)
+    return plan_mesh(config, cost, lengths, sample_ids, cp, max_ctx)
+
+
+def plan_mesh(
+    config: PlanSetup,
+    cost: CostModel,
+    lengths: np.ndarray,
+    sample_ids: np.ndarray,
+    cp: int,
+    max_ctx: int,
+) -> StepPlan:
+    """The batch on the DP x CP mesh of CP degree `cp` (a divisor of N whose group holds every
+    sample; `max_ctx` is recorded)."""
+    n_ranks, cap = config.num_ranks, config.capacity
     n_dp = n_ranks // cp
     live = np.flatnonzero(lengths > 0)
     share = -(-lengths[live] // cp)  # each member's positions are at most ceil(S / cp)
