@@ -288,12 +288,15 @@ def test_one_job_per_checkpoint_dir(dataset, tmp_path, capsys) -> None:
     assert sorted(os.listdir(run / "ckpt")) == ["step-00000002"]  # released at the end
 
 
-@pytest.mark.parametrize("where", ["dcp", "checksums", "fsync"])
+@pytest.mark.parametrize("where", ["dcp", "checksums", "fsync", "prune"])
 def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatch, where) -> None:
     """SIGTERM during step 4's save, inside DCP (which wraps whatever its steps raise: it was
-    reported as a failed save, exit 2), before the rename (its .tmp was left) or after it: an
-    interruption (exit 143) naming the last complete checkpoint, nothing partial left."""
+    reported as a failed save, exit 2), before the rename (its .tmp was left), after it, or
+    while step 2 is pruned (half of it was left, looking complete): an interruption (exit 143)
+    naming the last complete checkpoint, nothing partial left."""
+    import shutil
     import signal
+    import types
 
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -304,8 +307,9 @@ def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatc
         def create_local_plan(self):
             raise Interrupted(signal.SIGTERM)  # what the signal handler raises
 
-    name = {"dcp": "dcp.save", "checksums": "write_checksums", "fsync": "fsync_dir"}[where]
-    owner, attr = (save.dcp, "save") if where == "dcp" else (save, name)
+    owner, attr = {"dcp": (save.dcp, "save"), "prune": (save, "shutil")}.get(
+        where, (save, {"checksums": "write_checksums", "fsync": "fsync_dir"}.get(where))
+    )
     real, calls = getattr(owner, attr), []
 
     def second_interrupted(*args, **kw):
@@ -317,14 +321,23 @@ def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatc
             raise Interrupted(signal.SIGTERM)
         return real(*args, **kw)
 
-    monkeypatch.setattr(owner, attr, second_interrupted)
+    def rmtree(path, ignore_errors=False):
+        if "step-00000002" in path and not calls and os.path.isdir(path):
+            calls.append(1)
+            os.remove(os.path.join(path, "__0_0.distcp"))  # the removal has begun
+            raise Interrupted(signal.SIGTERM)
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+
+    fake = types.SimpleNamespace(rmtree=rmtree) if where == "prune" else second_interrupted
+    monkeypatch.setattr(owner, attr, fake)
     run = tmp_path / "r"
     with pytest.raises(TrainingInterrupted) as exc:
-        run_training(cfg(dataset, run))
-    last = 4 if where == "fsync" else 2  # fsync_dir comes after the rename
+        run_training(cfg(dataset, run, checkpoint={"keep": 1 if where == "prune" else 3}))
+    last = 2 if where in ("dcp", "checksums") else 4  # fsync_dir and prune: after the rename
     assert (exc.value.step, exc.value.exit_code) == (4, 143)
     assert exc.value.checkpoint == str(run / "ckpt" / f"step-{last:08d}")
-    assert sorted(os.listdir(run / "ckpt")) == [f"step-{k:08d}" for k in range(2, last + 1, 2)]
+    kept = range(4 if where == "prune" else 2, last + 1, 2)
+    assert sorted(os.listdir(run / "ckpt")) == [f"step-{k:08d}" for k in kept]
 
 
 def test_a_failed_save_blames_the_disk_only_when_the_disk_is_the_cause(

@@ -216,6 +216,9 @@ def _committed(root: str, step: int, begun: bool) -> bool:
     """After a signal during the save of `step` (rank 0): was it renamed into place complete?
     If not, its temporary directory is removed and a copy it was replacing put back."""
     final = step_dir(root, step)
+    for name in os.listdir(root) if os.path.isdir(root) else []:  # removals it cut short
+        if name.startswith("step-") and name.endswith(".del"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     if begun and not os.path.isdir(final + ".tmp"):
         return os.path.isfile(os.path.join(final, CHECKSUMS_FILE))
     shutil.rmtree(final + ".tmp", ignore_errors=True)
@@ -292,7 +295,13 @@ def _prune(root: str, step: int, keep: int) -> None:
     steps = list_steps(root)
     kept = [k for k in steps if k <= step]
     for k in [k for k in steps if k > step] + kept[: max(len(kept) - keep, 0)]:
-        shutil.rmtree(step_dir(root, k), ignore_errors=True)
+        gone = step_dir(root, k) + ".del"  # renamed first: a removal cut short (a signal)
+        shutil.rmtree(gone, ignore_errors=True)  # never leaves a complete-looking half
+        try:
+            os.replace(step_dir(root, k), gone)
+        except OSError:
+            gone = step_dir(root, k)
+        shutil.rmtree(gone, ignore_errors=True)
     for name in os.listdir(root):
-        if name.startswith("step-") and name.endswith((".tmp", ".old")):
+        if name.startswith("step-") and name.endswith((".tmp", ".old", ".del")):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
