@@ -125,7 +125,8 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         help="largest document read whole (default 256MiB); a longer text file is split into "
         "pieces of at most SIZE, truncated or dropped (--long-docs), a longer JSON line is bad; "
         "peak memory is about --workers x 5 x SIZE + --shard-size over start-up with the bytes "
-        "tokenizer, far more with a tokenizer.json (README)",
+        "tokenizer; a tokenizer.json that cannot be given a document in pieces takes ~170x SIZE "
+        "(README)",
     )
     p.add_argument(
         "--min-tokens",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,45 @@ _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
 # files of a saved tokenizer folder that name its special tokens; later files win
 _SPECIAL_FILES = ("special_tokens_map.json", "tokenizer_config.json")
 TOKENIZER_FILE_LIMIT = 1 << 30  # tokenizer.json: refused above this size (large vocabularies)
+# `tokenizers` holds ~190 bytes per character of text while it encodes (offsets, alignments,
+# token strings): a longer text is encoded in pieces of about this many characters where that
+# gives the same ids (`pieces_safe`), so a document of --max-doc-bytes needs ~2x its size
+PIECE_CHARS = 1 << 16
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # a space between two non-spaces
+_SPLITTING_PRE = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "ByteLevel"}
+_PER_CHAR_NORM = {"Lowercase", "NFC", "NFD", "NFKC", "NFKD", "BertNormalizer"}
+
+
+def pieces_safe(spec: dict) -> bool:
+    """Are a text's ids the concatenation of its pieces' ids, cut before a space between two
+    non-spaces? Yes when the pre-tokenizer splits there anyway (ByteLevel with its regex,
+    Whitespace, WhitespaceSplit, Bert), the normalizer maps characters one by one, no
+    post-processor adds tokens (none or ByteLevel) and no added token holds a space."""
+    pre, norm, post = (spec.get(k) or {} for k in ("pre_tokenizer", "normalizer", "post_processor"))
+    if pre.get("type") not in _SPLITTING_PRE or pre.get("use_regex") is False:
+        return False
+    norms = (
+        norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm] if norm else []
+    )
+    if any(n.get("type") not in _PER_CHAR_NORM for n in norms):
+        return False
+    added = spec.get("added_tokens") or []
+    return post.get("type") in (None, "ByteLevel") and not any(
+        any(c.isspace() for c in str(t.get("content", ""))) for t in added
+    )
+
+
+def text_pieces(text: str, size: int) -> Iterator[str]:
+    """`text` cut into pieces of at least `size` characters (the last may be shorter), each cut
+    before a space between two non-spaces (a piece is longer where there is none)."""
+    start = 0
+    while len(text) - start > size:
+        m = _CUT.search(text, start + size)
+        if m is None:
+            break
+        yield text[start : m.start()]
+        start = m.start()
+    yield text[start:]
 
 
 @dataclass(frozen=True)
@@ -128,6 +169,8 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:
             raise InputError(f"{path}: not a valid Hugging Face tokenizer.json ({exc})") from exc
         self._loss = LossCheck.build(self._tok, spec) if isinstance(spec, dict) else None
+        self.piecewise = isinstance(spec, dict) and pieces_safe(spec)
+        self.piece_chars = PIECE_CHARS
         self.lossy = self._loss is not None
         self.path, self.folder = path, folder
         self.sha256 = hashlib.sha256(raw).hexdigest()
@@ -164,12 +207,20 @@ class HFTokenizer(Tokenizer):
         return cls(path, names.get("bos_token"), names.get("eos_token"), folder=folder)
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self._tok.encode(text).ids
-        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
-        if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
-            ids.append(self.eos_id)
-        return np.asarray(ids, dtype=self.dtype)
+        if self.piecewise and len(text) > self.piece_chars:
+            parts = [
+                np.asarray(self._tok.encode(p, add_special_tokens=False).ids, dtype=self.dtype)
+                for p in text_pieces(text, self.piece_chars)
+            ]
+        else:
+            parts = [np.asarray(self._tok.encode(text).ids, dtype=self.dtype)]
+        first = next((p[0] for p in parts if len(p)), None)
+        last = next((p[-1] for p in reversed(parts) if len(p)), None)
+        if self.bos_id is not None and (first is None or first != self.bos_id):
+            parts.insert(0, np.array([self.bos_id], dtype=self.dtype))
+        if self.eos_id is not None and (last is None or last != self.eos_id):
+            parts.append(np.array([self.eos_id], dtype=self.dtype))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def lost_chars(self, text: str) -> Lost | None:
         return self._loss.lost(text) if self._loss is not None else None
