@@ -207,6 +207,9 @@ def test_long_texts_encode_in_pieces_to_the_same_ids(tmp_path_factory, case, tex
     assert tok.piecewise == (case != "metaspace-lowercase")
     tok.piece_chars = 2
     assert tok.encode(text).tolist() == whole.tolist()
+    rstrip = json.loads(json.dumps(CASES["byte-level"]))
+    rstrip["added_tokens"][1]["rstrip"] = True  # "</s> a" would lose its space to </s>
+    assert not HFTokenizer(_write(tmp_path_factory.mktemp("r"), rstrip)).piecewise
 
 
 def test_a_long_document_is_encoded_in_bounded_memory(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ def pieces_safe(spec: dict) -> bool:
     """Are a text's ids the concatenation of its pieces' ids, cut before a space between two
     non-spaces? Yes when the pre-tokenizer splits there anyway (ByteLevel with its regex,
     Whitespace, WhitespaceSplit, Bert), the normalizer maps characters one by one, no
-    post-processor adds tokens (none or ByteLevel) and no added token holds a space."""
+    post-processor adds tokens (none or ByteLevel) and no added token holds a space or takes
+    the spaces after it (rstrip: it would take the space a piece starts with)."""
     pre, norm, post = (spec.get(k) or {} for k in ("pre_tokenizer", "normalizer", "post_processor"))
     if pre.get("type") not in _SPLITTING_PRE or pre.get("use_regex") is False:
         return False
@@ -48,7 +49,7 @@ def pieces_safe(spec: dict) -> bool:
         return False
     added = spec.get("added_tokens") or []
     return post.get("type") in (None, "ByteLevel") and not any(
-        any(c.isspace() for c in str(t.get("content", ""))) for t in added
+        t.get("rstrip") or any(c.isspace() for c in str(t.get("content", ""))) for t in added
     )
 
 
