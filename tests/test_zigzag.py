@@ -110,9 +110,10 @@ def test_plan_views_follow_the_zigzag_rule(n: int, lengths: list[int], policy: s
 
 
 def test_plan_views_on_uneven_samples() -> None:
-    """The exactness scenario's long samples (155 on 3 ranks, 103 on 2): the documented chunks."""
+    """The exactness scenario's long samples (155 on 3 ranks, 103 on 2): the documented chunks
+    (smallest rings: widen off)."""
     plan = (
-        PlannerConfig(policy="hdp", capacity=64)
+        PlannerConfig(policy="hdp", capacity=64, widen=False)
         .build(C.preset("debug"), num_ranks=4)
         .plan(np.array([155, 103, 20, 17], dtype=np.int64), np.array([7, 8, 9, 10]))
     )
