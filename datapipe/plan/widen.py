@@ -1,4 +1,4 @@
-"""hdp `widen` (opt-in, `PlannerConfig.widen`): give long samples more ranks than their smallest
+"""hdp `widen` (`PlannerConfig.widen`, on by default): give long samples more ranks than their smallest
 group, or put short samples into a ring's spare room, when that lowers the estimated makespan
 (docs/PLAN.md, "Widen"). The plain hdp plan is always a candidate, so widening never raises the
 estimate. The last candidate, the batch's static DP x CP mesh, is a whole StepPlan and is tried in
