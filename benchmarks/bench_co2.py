@@ -17,8 +17,17 @@ Every run trains the same token budget (--steps steps of --batch tokens per isla
 3. The ablation: co2 without the staleness penalty and clipping beside co2 with them at a large
    tau, at 1x.
 
+4. `--converge`: sync, diloco and co2 (or the `--runs` given) for 400 steps of 1,024 tokens per
+   island with the debug model of 1 layer, on the demo corpus (these files with the demo's BPE
+   tokenizer, tests/assets/bpe-stdlib.json) and on the same files as UTF-8 bytes: the training loss
+   every step and the held-out loss every --eval-every steps, merged by run name into
+   benchmarks/out/bench_co2_converge.json; prints the gap to sync at every eval and draws
+   benchmarks/co2_converge.png.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_co2.py [--steps 48] [--sweep]
         [--methods co2 --factors 0.8,1,1.25 --ablation-tau 0]   # around 1x, co2 only
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_co2.py --converge [--corpora stdlib-bytes]
+        [--runs 'sync;co2;lr1.0={"outer_lr": 1.0}'] [--report]
 
 Prints tables and writes benchmarks/out/bench_co2.json.
 """
@@ -186,7 +195,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(ROOT, "benchmarks", "out", "stdlib-2k"))
     ap.add_argument("--steps", type=int, help="optimizer steps per run (48; --converge 400)")
-    ap.add_argument("--batch", type=int, default=2048, help="global batch tokens per island")
+    ap.add_argument(
+        "--batch", type=int, help="global batch tokens per island (2048; --converge 1024)"
+    )
     ap.add_argument("--converge", action="store_true", help="loss curves on two corpora")
     ap.add_argument("--corpora", default=",".join(CORPORA), help="--converge: these corpora")
     ap.add_argument(
@@ -194,7 +205,7 @@ def main() -> None:
         default="sync;diloco;co2",
         help="--converge: ';'-separated names (sync, diloco, co2) or label={[co2] settings json}",
     )
-    ap.add_argument("--layers", type=int, default=2, help="--converge: the debug model's layers")
+    ap.add_argument("--layers", type=int, default=1, help="--converge: the debug model's layers")
     ap.add_argument("--lr", type=float, default=4e-3, help="--converge: train.lr")
     ap.add_argument("--warmup", type=int, default=20, help="--converge: train.warmup")
     ap.add_argument("--eval-every", type=int, default=40, help="--converge: held-out loss interval")
@@ -212,14 +223,14 @@ def main() -> None:
     ap.add_argument("--factors", default=",".join(str(f) for f in FACTORS))
     args = ap.parse_args()
     if args.converge:
-        args.steps = args.steps or 400
+        args.steps, args.batch = args.steps or 400, args.batch or 1024
         if args.report:
             with open(CONVERGE_OUT) as f:
                 converge_report(json.load(f))
         else:
             converge(args)
         return
-    args.steps = args.steps or 48
+    args.steps, args.batch = args.steps or 48, args.batch or 2048
     args.data = ensure_data(args.data)
 
     from datapipe.plan.memory import slice_length
@@ -329,7 +340,7 @@ CORPORA = {
 # --converge runs by name: [co2] settings over the defaults
 VARIANTS = {
     "sync": {"mode": "sync"},
-    "diloco": {"mode": "diloco"},
+    "diloco": {"mode": "diloco", "outer_lr": 1.0},  # averages applied at once: no overshoot
     "co2": {},
 }
 CONVERGE_OUT = os.path.join(ROOT, "benchmarks", "out", "bench_co2_converge.json")
@@ -369,6 +380,8 @@ def parse_runs(spec: str) -> dict[str, dict]:
 
 def converge(args: argparse.Namespace) -> None:
     """Run --runs on --corpora, merge them into benchmarks/out/bench_co2_converge.json, report."""
+    from trainer.islands.config import CO2Config
+
     runs = parse_runs(args.runs)
     setup = {
         k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "eval_every", "layers")
@@ -390,9 +403,12 @@ def converge(args: argparse.Namespace) -> None:
         steps = [r for r in got[name] if "loss" in r and "step" in r]
         result["runs"][name] = {
             "co2": d["co2"],
+            "settings": {**vars(CO2Config()), **d["co2"]},  # the defaults of this run's code
             "train": [r["loss"] for r in steps],
             "val": [[r["step"], r["val_loss"]] for r in steps if "val_loss" in r],
             "step_s": statistics.median(r["step_time_s"] for r in steps),
+            "clipped_max": max((r.get("co2_clipped_fraction", 0.0) for r in steps), default=0.0),
+            "penalty_max": max((r.get("co2_penalty", 1.0) for r in steps), default=1.0),
         }
     with open(CONVERGE_OUT, "w") as f:
         json.dump(result, f, indent=1)

@@ -38,7 +38,8 @@ SCENARIOS = [
     ("averaging", "co2", CO2Config(tau=1, outer_lr=1.0, outer_momentum=0.0, staleness_lambda=0.0,
                                    clip="none", overlap=False)),
     ("co2", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6, nesterov=True,
-                             staleness_lambda=0.5, clip="value", clip_value=2e-3)),
+                             staleness_lambda=0.5, clip="value", clip_value=2e-3,
+                             warmup_rounds=0)),
     ("co2-warmup", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6,
                                     staleness_lambda=0.5, warmup_rounds=1)),
     ("sync", "sync", CO2Config(mode="sync")),
@@ -202,7 +203,13 @@ def _trained(cfg, rt) -> tuple[list[float], torch.Tensor]:
 def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
     """co2 through the Trainer: straight, and stopped after a mid-round step (3) or a round
     boundary with a round in flight (4) then resumed; diloco and sync runs."""
-    co2 = {"tau": 2, "staleness_lambda": 0.5, "clip": "value", "clip_value": 0.01}
+    co2 = {
+        "tau": 2,
+        "staleness_lambda": 0.5,
+        "clip": "value",
+        "clip_value": 0.01,
+        "warmup_rounds": 1,
+    }
     common = {"parallel": {"islands": 2, "capacity": 256}, "co2": co2}
 
     def cfg(name: str, **sections):
