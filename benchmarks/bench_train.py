@@ -79,6 +79,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     import torch.distributed as dist
 
     from datapipe.fetch import MemoryFetcher
+    from datapipe.plan.compare import Variant, compare, variant_planners
     from datapipe.plan.cost import load
     from datapipe.plan.metrics import predicted_step_ns
     from datapipe.plan.planner import PlannerConfig
@@ -93,23 +94,20 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         kinds = [k for k in KINDS if k in data]
         batches = {k: [np.asarray(b) for b in data[k]] for k in kinds}
         cost = load(job["cost"])
-        planners = {
-            p: PlannerConfig(
-                policy=p.split("+")[0],
-                widen=p.endswith("+widen"),
-                capacity=job["capacity"],
-                max_context=job["max_context"],
-            ).build(cost, num_ranks=world)
-            for p in POLICIES
-        }
+        # the policies' plans of every batch, from the planning package's comparison service
+        base = PlannerConfig(capacity=job["capacity"], max_context=job["max_context"])
+        variants = [Variant("hdp"), Variant("hdp", widen=True), Variant("static")]
+        planners = variant_planners(variants, base, cost, world)
+        assert tuple(planners) == POLICIES
+        steps = [(fetcher.lengths[ids], ids) for k in kinds for ids in batches[k]]
+        planned = compare(planners, steps, cost)
         execs = {p: _executor(comm, job["shape"]) for p in POLICIES}
         cases = {}  # (kind, batch, policy) -> (plan, fetched)
-        for kind in kinds:
-            for i, ids in enumerate(batches[kind]):
-                for p in POLICIES:
-                    plan = planners[p].plan(fetcher.lengths[ids], ids)
-                    fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])
-                    cases[kind, i, p] = (plan, fetched)
+        keys = [(k, i) for k in kinds for i in range(len(batches[k]))]
+        for p in POLICIES:
+            for key, plan in zip(keys, planned[p].plans):
+                fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])
+                cases[(*key, p)] = (plan, fetched)
 
         def run(kind: str, i: int, policy: str) -> dict:
             plan, fetched = cases[kind, i, policy]

@@ -1,7 +1,7 @@
 """The planner: `PlannerConfig.build(cost)` returns a Planner that turns a global batch's lengths
 into a StepPlan with one of the policies below (one module each, chosen through `POLICIES`):
 
-- `hdp` (datapipe.plan.hdp): ByteScale's balance scheduler, optionally with `widen`;
+- `hdp` (datapipe.plan.hdp): ByteScale's balance scheduler, with `widen` (on by default);
 - `naive-hdp` (datapipe.plan.naive_hdp): dynamic groups, token waves, no balancing;
 - `static` (datapipe.plan.static): a fixed DP x CP mesh;
 - `single` (datapipe.plan.single): one rank, whole samples (plain single-process training).
