@@ -193,13 +193,25 @@ def test_restart_resumes_by_itself(dataset, reference, tmp_path, monkeypatch) ->
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
     out = run_training(cfg(dataset, run, train={"stop_after": 1}))
     assert out["start_step"] == 0 and out["losses"] == reference[:1]
-    # nor those of a job whose run id was torchrun's default "none" (every such job's id)
+    # torchrun's default run id "none" (every such job's) proves nothing: a restart that finds
+    # checkpoints stops (it used to start again from step 0, its first save removing steps 4
+    # and 6), and continues the newest with checkpoint.resume = true
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    _first_part(dataset, tmp_path / "r2", stop=2)
+    _first_part(dataset, tmp_path / "r2", stop=6)
+    root = tmp_path / "r2" / "ckpt"
+    before = sorted(os.listdir(root))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    out = run_training(cfg(dataset, tmp_path / "r2", train={"stop_after": 1}))
-    assert out["start_step"] == 0 and out["losses"] == reference[:1]
+    with pytest.raises(ConfigError) as exc:
+        run_training(cfg(dataset, tmp_path / "r2", train={"stop_after": 2}))
+    msg = str(exc.value)
+    assert f"checkpoint.dir {root}: torchrun restarted this job (restart 1)" in msg
+    assert "newest step-00000006" in msg and "--rdzv-id" in msg
+    assert "checkpoint.resume = true" in msg and sorted(os.listdir(root)) == before
+    out = run_training(
+        cfg(dataset, tmp_path / "r2", checkpoint={"resume": True}, train={"stop_after": 7})
+    )
+    assert out["start_step"] == 6 and out["losses"] == reference[6:7]
 
 
 def test_resume_refuses_what_changes_the_run(dataset, tmp_path) -> None:

@@ -131,14 +131,24 @@ def _checked_run(run: Any, source: str) -> dict[str, Any]:
 
 def resume_candidates(cfg: CheckpointConfig) -> tuple[list[str], bool]:
     """The checkpoints to try, newest first, and whether one was named explicitly (no fallback
-    then): after a torchrun restart the newest complete ones this job wrote in checkpoint.dir
-    (a job known by a real run id: `--standalone`'s, or a `--rdzv-id` other than "none"); else (and before this job saved any) what `checkpoint.resume` names. ConfigError if it asks
-    for one that is not there."""
+    then). After a torchrun restart: the newest complete ones this job wrote in checkpoint.dir
+    (a job known by a real run id: `--standalone`'s, or a `--rdzv-id` other than "none"). Else
+    (and before this job saved any) what `checkpoint.resume` names. ConfigError if it asks for
+    one that is not there, or if a restart of a job without a real run id finds checkpoints
+    that may not be its own (starting again from step 0 would prune them)."""
     auto = complete_checkpoints(cfg.dir) if cfg.dir else []
     if restart_count() > 0 and job_id():  # torchrun restarted us: continue what this job saved
         mine = [p for p in auto if _job_of(p) == job_id()]
         if mine:
             return mine, False
+    elif restart_count() > 0 and auto and not cfg.resume:
+        raise ConfigError(
+            f"checkpoint.dir {cfg.dir}: torchrun restarted this job (restart {restart_count()}) "
+            f"and the directory holds checkpoints (newest {os.path.basename(auto[0])}), but its "
+            'run id "none" (no --rdzv-id) cannot tell whether they are this job\'s, and '
+            "starting again from step 0 would remove the later ones; launch with a unique "
+            "--rdzv-id (or --standalone), or set checkpoint.resume = true to continue the newest"
+        )
     if isinstance(cfg.resume, str):
         if not os.path.isdir(cfg.resume):
             raise ConfigError(f"checkpoint.resume: {cfg.resume!r} is not a directory")
@@ -275,7 +285,12 @@ class Checkpointer:
         """See `resume_candidates`; a torchrun restart without a checkpoint yet is reported."""
         paths, explicit = resume_candidates(self.cfg)
         if not paths and restart_count() > 0:
-            self._say(f"restart {restart_count()}: no checkpoint yet; starting again from step 0")
+            yet = (
+                f"no checkpoint of this job (run id {job_id()}) yet"
+                if job_id()
+                else "no checkpoint yet"
+            )
+            self._say(f"restart {restart_count()}: {yet}; starting again from step 0")
         return paths, explicit
 
     def check(self, path: str) -> tuple[list[str], bool]:
