@@ -5,6 +5,7 @@ overrides, and data faults met while training."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -309,6 +310,81 @@ def test_a_lock_is_taken_back_only_by_a_real_run_id(tmp_path, monkeypatch) -> No
     assert moved.reason == "on host node-2: this job, restarted with the same torchrun run id"
     here = attempt("run-7", job="run-7", host=host, pid=dead_pid())
     assert here.reason == "no longer running: this job, restarted"
+    # this pid with another start time: an earlier process (it used to count as this one's)
+    mine = {"host": host, "pid": os.getpid(), "started": started(os.getpid())}
+    earlier = attempt("none", job="job-E", **{**mine, "started": mine["started"] + 1})
+    assert earlier.took_over["job"] == "job-E" and earlier.reason == "no longer running"
+    assert attempt("none", job="job-S", **mine).took_over is None  # its own
+    # another PID namespace or boot under the same host name (containers): another host
+    for key in ("pidns", "boot"):
+        msg = attempt("none", job="job-C", **mine, **{key: "elsewhere"})
+        assert f"pid {os.getpid()} on host {host} (in another PID namespace or boot" in msg
+        moved = attempt("run-7", job="run-7", **mine, **{key: "elsewhere"})
+        assert moved.reason.endswith("this job, restarted with the same torchrun run id")
+
+
+def test_a_lock_is_written_whole_and_taken_over_once(tmp_path, monkeypatch) -> None:
+    """The lock was created empty and filled afterwards: a crash in between left an empty lock
+    that nobody could take ("job ?, pid None"). Two starters that judged the same stale lock
+    both removed it and both went on to hold one; now one holds it and the other names it."""
+    import threading
+    import types
+
+    import trainer.checkpoint.lock as lock_mod
+    from trainer.checkpoint.lock import LOCK_FILE, DirLock, started
+
+    def crash(*args, **kw):
+        raise RuntimeError("killed while writing the lock")
+
+    monkeypatch.setattr(lock_mod, "json", types.SimpleNamespace(dump=crash, load=json.load))
+    with pytest.raises(RuntimeError):
+        DirLock(str(tmp_path)).acquire()
+    assert os.listdir(tmp_path) == []  # neither an empty lock nor its temporary file
+    monkeypatch.setattr(lock_mod, "json", json)
+    host, path = socket.gethostname(), tmp_path / LOCK_FILE
+    path.write_text(json.dumps({"job": "gone", "host": host, "pid": dead_pid()}))
+    real_read, meet = DirLock._read, threading.Barrier(2)
+
+    def read(self):  # both starters read the stale lock before either replaces it
+        found = real_read(self)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            meet.wait(timeout=1)  # (one waits in vain where the other holds the guard)
+        if threading.current_thread().name == "b":
+            time.sleep(0.2)  # "a" removes the stale lock and writes its own first
+        return found
+
+    monkeypatch.setattr(DirLock, "_read", read)
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    results: dict[str, object] = {}
+    try:
+        for name, proc in zip("ab", procs):  # two live starters of two jobs on this host
+            d = DirLock(str(tmp_path))
+            who = {"job": f"job-{name}", "host": host, "pid": proc.pid}
+            d._mine = lambda who=who, pid=proc.pid: {**who, "started": started(pid)}
+
+            def start(d=d, name=name) -> None:
+                try:
+                    d.acquire()
+                    results[name] = d
+                except ConfigError as exc:
+                    results[name] = str(exc)
+
+            results[name] = threading.Thread(target=start, name=name)
+        threads = list(results.values())
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        held = [d for d in results.values() if isinstance(d, DirLock)]
+        (refused,) = [m for m in results.values() if isinstance(m, str)]
+        assert len(held) == 1 and held[0].took_over["job"] == "gone"
+        holder = json.loads(path.read_text())
+        assert f"another job is using it (job {holder['job']}, pid {holder['pid']} " in refused
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILE]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _launch(cfg: Path) -> subprocess.Popen:

@@ -1,23 +1,33 @@
-"""One job per `checkpoint.dir`: a lock file (`.mixlen-lock`) with the job id, host, pid and the
-process's start time, taken by rank 0 before the run's first save and released when the run ends.
+"""One job per `checkpoint.dir`: a lock file (`.mixlen-lock`) with the job id, host, pid, the
+process's start time, PID namespace and boot id, taken by rank 0 before the run's first save and
+released when the run ends. It is written whole to a temporary file and hard-linked into place (a
+reader never sees it half-written, a crash never leaves an empty one), and starters judge and
+replace a lock one at a time (`flock` on the directory).
 
 Who may take a lock that is there:
-- on this host, a lock whose process is running (the pid alive with the recorded start time) is
-  never taken, whatever its job id says: a torchrun restart stops the old workers before it starts
-  the new ones, so a live holder is another job (or one launched with the same `--rdzv-id`);
+- on this host (the same host name, PID namespace and boot), a lock whose process is running
+  (the pid alive with the recorded start time) is never taken, whatever its job id says: a
+  torchrun restart stops the old workers before it starts the new ones, so a live holder is
+  another job (or one launched with the same `--rdzv-id`);
 - on this host, a lock whose process is gone (or whose pid now belongs to a later process) is
   stale: it is taken over and said so;
-- on another host (whose processes cannot be checked from here), only the same job takes it back:
-  a torchrun restart that moved rank 0, recognised by the same real run id. torchrun's
-  `--rdzv-id` defaults to "none" for every job, so "none" (or no id) identifies nothing: such a
-  job's lock names host:pid, and a lock on another host is refused.
+- on another host, or in another PID namespace or boot of one (whose processes cannot be checked
+  from here), only the same job takes it back: a torchrun restart that moved rank 0, recognised
+  by the same real run id. torchrun's `--rdzv-id` defaults to "none" for every job, so "none"
+  (or no id) identifies nothing: such a job's lock names host:pid, and such a lock is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import secrets
 import socket
+import time
+from collections.abc import Iterator
 
 from datapipe.errors import ConfigError
 from datapipe.files import pid_alive
@@ -42,6 +52,35 @@ def started(pid: int) -> int | None:
         return int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def namespace_ids() -> dict[str, str | None]:
+    """This process's PID namespace (/proc/self/ns/pid) and the kernel's boot id: pids and start
+    times are comparable only between processes that share both (None where unknown)."""
+    try:
+        pidns: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"pidns": pidns, "boot": _read_text("/proc/sys/kernel/random/boot_id")}
+
+
+def same_host(other: dict, mine: dict) -> bool:
+    """Was lock `other` written where this process (`mine`) can check its pid: the same host name
+    and, where both recorded them, the same PID namespace and boot?"""
+    if other.get("host") != mine["host"]:
+        return False
+    return all(
+        other.get(k) is None or mine.get(k) is None or other.get(k) == mine.get(k)
+        for k in ("pidns", "boot")
+    )
 
 
 def running(pid: int, start: object) -> bool:
@@ -70,6 +109,7 @@ class DirLock:
             "host": socket.gethostname(),
             "pid": pid,
             "started": started(pid),
+            **namespace_ids(),
         }
 
     def _read(self) -> dict | None:
@@ -86,27 +126,75 @@ class DirLock:
         """Take the lock, or raise ConfigError naming the job that holds it."""
         os.makedirs(self.root, exist_ok=True)
         mine = self._mine()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                self._clear_if_stale(self._read(), mine)
-                continue
-            with os.fdopen(fd, "w") as f:
+        tmp = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            with open(tmp, "w") as f:  # whole before it is linked into place
                 json.dump(mine, f)
-            self.held = True
-            return
+                f.flush()
+                os.fsync(f.fileno())
+            with self._guard():
+                for _ in range(3):
+                    if self._create(tmp):
+                        self.held = True
+                        return
+                    self._clear_if_stale(self._read(), mine)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise ConfigError(f"checkpoint.dir {self.root}: cannot take the lock {self.path}")
+
+    def _create(self, tmp: str) -> bool:
+        """Put the written lock `tmp` in place unless a lock is there (False then)."""
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:  # no hard links on this file system: create, then write
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with open(tmp) as src, os.fdopen(fd, "w") as f:
+            f.write(src.read())
+        return True
+
+    @contextlib.contextmanager
+    def _guard(self, wait: float = 30.0) -> Iterator[None]:
+        """One starter at a time judges, removes and replaces the lock: `flock` on the directory
+        (unguarded where the file system has none); ConfigError after `wait` seconds."""
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ConfigError(
+                            f"checkpoint.dir {self.root}: another process kept its lock "
+                            f"{self.path} busy for {wait:.0f} s"
+                        ) from None
+                    time.sleep(0.05)
+                except OSError:
+                    break  # no flock here (some network file systems)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def _why_free(self, other: dict, mine: dict) -> str | None:
         """Why this process may take `other`'s lock ("" for its own), or None: it may not."""
         pid = other.get("pid")
         if type(pid) is not int:
             return None
-        if other.get("host") == mine["host"]:
-            if pid == mine["pid"]:
+        if same_host(other, mine):
+            start = other.get("started")
+            if pid == mine["pid"] and (not isinstance(start, int) or start == mine["started"]):
                 return ""
-            if running(pid, other.get("started")):
+            if running(pid, start):
                 return None
             same = job_id() is not None and other.get("job") == job_id()
             return "no longer running" + (": this job, restarted" if same else "")
@@ -120,10 +208,12 @@ class DirLock:
             return  # released meanwhile
         why = self._why_free(other, mine)
         if why is None:
-            same_host = other.get("host") == mine["host"]
-            where = "on this host" if same_host else f"on host {other.get('host', '?')}"
+            here = same_host(other, mine)
+            where = "on this host" if here else f"on host {other.get('host', '?')}"
+            if not here and other.get("host") == mine["host"]:
+                where += " (in another PID namespace or boot)"
             hint = ""
-            if not same_host:
+            if not here:
                 hint = (
                     "; a job restarted on another host is recognised only by its torchrun run "
                     'id (--rdzv-id other than "none")'
