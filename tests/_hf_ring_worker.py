@@ -43,7 +43,7 @@ def _check(
 
 def main(rank: int, world: int, port: int, reference: str, paths: dict[str, str]) -> None:
     torch.set_num_threads(1)
-    init_local_gloo(rank, world, port, timeout_s=60)
+    init_local_gloo(rank, world, port, timeout_s=120)  # < the test's join timeout (240 s)
     try:
         comm = TorchComm()
         ref = torch.load(reference, weights_only=True)

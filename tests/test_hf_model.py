@@ -163,8 +163,10 @@ def test_ring_attention_equals_transformers_per_document(folders, case, group, l
     assert_close_per_doc(got, want, lengths, TOL[dtype])
 
 
+# limits: pytest 300 s > the workers' join 240 s > their gloo timeout 120 s; 240 s is 3x a pessimistic
+# 80 s for a loaded CI box (measured: 10-12 s on a 2-core box at load 7)
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_ring_gloo_processes_equal_transformers(folders, tmp_path):
     """Three gloo processes: rings of 2 and 3 ranks, hdp- and static-style, float32 and float64, one
     case per family (tests/_hf_ring_worker.py), against transformers' logits computed here."""
@@ -185,5 +187,5 @@ def test_ring_gloo_processes_equal_transformers(folders, tmp_path):
         _hf_ring_worker.main,
         3,
         (3, free_port(), str(tmp_path / "reference.pt"), paths),
-        timeout=150,
+        timeout=240,
     )
