@@ -1,7 +1,7 @@
 """Hand-back to Hugging Face: `export_hf` of a loaded model is the input folder's tensors bit for bit;
 transformers' `from_pretrained` reads an export without missing or unexpected weights and gives
 mixlen's logits (trained weights, a context-extension override); exports are atomic; the model's
-weights come back whole from a DCP checkpoint of 1, 2 or 3 ranks at zero 0, 1 or 2."""
+weights come back whole from a DCP checkpoint of 1, 2 or 3 ranks at zero 1 or 2, or 1 at zero 0."""
 
 from __future__ import annotations
 
@@ -254,23 +254,32 @@ class _Rank:
         self.rank, self.size = rank, size
 
 
+# 1, 2 and 3 ranks at zero 1 and 2 (sliced optimizer state), 1 rank at zero 0 (every rank holds the
+# whole state there: save_as_ranks joins slices, not copies), in float32; bf16 compute weights
+# beside float32 master slices at two corners; island-prefixed keys once
+DCP_CASES = [(r, z, torch.float32, False) for r in (1, 2, 3) for z in (1, 2)] + [
+    (1, 0, torch.float32, False),
+    (1, 0, torch.bfloat16, False),
+    (3, 2, torch.bfloat16, False),
+    (2, 1, torch.float32, True),
+]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("ranks", "level", "dtype", "prefixed"),
-    [
-        (1, 0, torch.float32, False),
-        (2, 1, torch.float32, False),
-        (2, 1, torch.float32, True),
-        (3, 2, torch.bfloat16, False),
+    DCP_CASES,
+    ids=[
+        f"{r}-ranks-zero{z}{'-bf16' if d == torch.bfloat16 else ''}{'-islands' if p else ''}"
+        for r, z, d, p in DCP_CASES
     ],
-    ids=["1-rank-zero0", "2-ranks-zero1", "2-ranks-zero1-islands", "3-ranks-zero2-bf16"],
 )
 def test_dcp_checkpoint_reads_back_whole_under_any_ranks_and_zero(
     tmp_path, ranks, level, dtype, prefixed
 ):
-    """The weights of a checkpoint of 1, 2 or 3 fake ranks at ZeRO 0, 1 or 2 (bf16 compute weights
-    beside float32 master slices at ZeRO 2) read back as the saved model's, and export as the
-    source folder's tensors bit for bit."""
+    """The weights of a checkpoint of 1, 2 or 3 fake ranks at ZeRO 1 or 2, or 1 rank at ZeRO 0
+    (bf16 compute weights beside float32 master slices in two cases) read back as the saved
+    model's, and export as the source folder's tensors bit for bit."""
     src = save(hf_model("qwen2"), str(tmp_path / "src"), dtype=dtype)
     pre = inspect_pretrained(src)
     model = load(src, dtype)
@@ -292,10 +301,10 @@ def test_dcp_checkpoint_reads_back_whole_under_any_ranks_and_zero(
     for name, t in want.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t.detach()), name
     export_hf(got, pre.shape, pre.family, str(tmp_path / "out"))
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(all_tensors(src).values(), all_tensors(str(tmp_path / "out")).values())
-    )
+    exported, source = all_tensors(str(tmp_path / "out")), all_tensors(src)
+    assert sorted(exported) == sorted(source)  # no tensor missing or extra
+    for name, t in source.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
     with open(next(step.glob("*.distcp")), "r+b") as f:  # a flipped byte is named
         f.seek(100)
         b = f.read(1)
