@@ -57,3 +57,23 @@ def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """`mixlen ARGV` in this process: exit 2, one error message, no traceback; the message."""
+    from tools.cli import main as cli_main
+
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("error:") == 1 and "Traceback" not in err, err[-2000:]
+    return err
+
+
+class Payload:
+    """What a hostile checkpoint would carry: unpickling it creates the file it names."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _faults import dead_pid, flip_byte
+from _faults import cli_error, dead_pid, flip_byte
 from _train_worker import make_dataset, train_config
 
 from datapipe.errors import ConfigError, InputError
@@ -142,14 +142,6 @@ def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
     assert "--global-batch-tokens: must be an integer in [1, " in capsys.readouterr().err
 
 
-def _cli_error(argv: list[str], capsys) -> str:
-    """`mixlen ARGV` in this process: exit 2, one error message, no traceback; the message."""
-    rc = cli_main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("error:") == 1 and "Traceback" not in err, err[-2000:]
-    return err
-
-
 def test_config_files_and_numbers_refused_by_the_cli(tmp_path, capsys) -> None:
     """Issue cases 1 and 5 through `mixlen train`: /dev/zero, a FIFO or a 17 MiB file as the
     config (read forever before; now refused before reading, naming it), and a --set capacity
@@ -163,12 +155,12 @@ def test_config_files_and_numbers_refused_by_the_cli(tmp_path, capsys) -> None:
         (fifo, "a FIFO (named pipe), not a regular file"),
         (big, "17,825,792 bytes, over the 16,777,216-byte limit"),
     ):
-        assert f"mixlen train: error: {path}: a config file is {phrase}" in _cli_error(
+        assert f"mixlen train: error: {path}: a config file is {phrase}" in cli_error(
             ["train", str(path)], capsys
         )
     cfg = tmp_path / "run.toml"
     cfg.write_text('[data]\npath = "x"\n')
-    err = _cli_error(["train", str(cfg), "--set", "parallel.capacity=99999999999999999999"], capsys)
+    err = cli_error(["train", str(cfg), "--set", "parallel.capacity=99999999999999999999"], capsys)
     assert "--set parallel.capacity: must be <= 4,294,967,296" in err
 
 
@@ -217,6 +209,7 @@ def test_integer_flags_are_bounded(capsys) -> None:
         PreprocessConfig(["in.txt"], "o", workers=5000).validate(["local"])
 
 
+@pytest.mark.timeout(300)  # one training and three through the command line
 def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:
     """Through `mixlen train` (exit 2, no traceback): a 400-digit integer in a checkpoint's rng
     file (checksums recomputed, as an attacker would) names the file and the field, not 'cannot
@@ -242,7 +235,7 @@ def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:
     rng["python"]["words"][3] = int("9" * 400)
     (step / "rng-00000.json").write_text(json.dumps(rng))
     write_checksums(str(step))
-    err = _cli_error(["train", str(cfg)], capsys)
+    err = cli_error(["train", str(cfg)], capsys)
     assert f"{step / 'rng-00000.json'}: field python.words[3]: expected an integer in " in err
     assert "400-digit" in err
     (step / "rng-00000.json").write_text(rng_text)
@@ -250,7 +243,7 @@ def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:
     info["scheduler"]["last_epoch"] = int("9" * 400)
     (step / "run.json").write_text(json.dumps(info))
     write_checksums(str(step))
-    err = _cli_error(["train", str(cfg)], capsys)
+    err = cli_error(["train", str(cfg)], capsys)
     assert f"{step / 'run.json'}: field scheduler.last_epoch: expected an integer" in err
     (step / "run.json").write_text(run_text)
     write_checksums(str(step))
@@ -258,7 +251,7 @@ def test_checkpoint_refusals_name_file_field_and_job(tmp_path, capsys) -> None:
     try:
         holder = {"job": "job-A", "host": socket.gethostname(), "pid": other.pid}
         (run / "ckpt" / LOCK_FILE).write_text(json.dumps(holder))
-        err = _cli_error(["train", str(cfg)], capsys)
+        err = cli_error(["train", str(cfg)], capsys)
     finally:
         other.kill()
         other.wait()
@@ -398,14 +391,16 @@ def _launch(cfg: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _wait(until, seconds: float = 120) -> None:
+def _wait(until, seconds: float) -> bool:
+    """Poll `until()` for up to `seconds`; its last result."""
     deadline = time.monotonic() + seconds
     while not until() and time.monotonic() < deadline:
         time.sleep(0.2)
+    return bool(until())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)  # waits of 150 + 150 + 60 s on a loaded 2-core machine
 def test_two_trainings_into_one_checkpoint_dir_then_sigterm(dataset, tmp_path) -> None:
     """Issue cases 4 and 6: two `mixlen train` started 1 s apart into one checkpoint.dir (both
     with run id "none"): the second used to replace the first's checkpoints; now it exits 2 naming
@@ -424,7 +419,7 @@ def test_two_trainings_into_one_checkpoint_dir_then_sigterm(dataset, tmp_path) -
         procs.append(_launch(tmp_path / f"{name}.toml"))
         time.sleep(1)
     try:
-        _wait(lambda: any(p.poll() is not None for p in procs))
+        assert _wait(lambda: any(p.poll() is not None for p in procs), 150), "neither ended"
         (loser,) = [p for p in procs if p.poll() is not None]  # whichever came second
         winner = procs[1 - procs.index(loser)]
         err = loser.communicate()[1]
@@ -432,7 +427,8 @@ def test_two_trainings_into_one_checkpoint_dir_then_sigterm(dataset, tmp_path) -
         job = f"{socket.gethostname()}:{winner.pid}"
         assert f"checkpoint.dir {ckpt}: another job is using it (job {job}, pid {winner.pid} " \
             "on this host" in err, err  # fmt: skip
-        _wait(lambda: len(complete_checkpoints(str(ckpt))) >= 2)
+        saved = _wait(lambda: len(complete_checkpoints(str(ckpt))) >= 2, 150)
+        assert saved, f"no two checkpoints in 150 s: {sorted(os.listdir(ckpt))}"
         winner.send_signal(signal.SIGTERM)
         err = winner.communicate(timeout=60)[1]
     finally:

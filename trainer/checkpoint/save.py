@@ -220,7 +220,10 @@ def _committed(root: str, step: int, begun: bool) -> bool:
         if name.startswith("step-") and name.endswith(".del"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     if begun and not os.path.isdir(final + ".tmp"):
-        return os.path.isfile(os.path.join(final, CHECKSUMS_FILE))
+        done = os.path.isfile(os.path.join(final, CHECKSUMS_FILE))
+        if done:  # the copy it replaced is no longer needed
+            shutil.rmtree(final + ".old", ignore_errors=True)
+        return done
     shutil.rmtree(final + ".tmp", ignore_errors=True)
     if not os.path.isdir(final) and os.path.isdir(final + ".old"):
         os.replace(final + ".old", final)
@@ -277,6 +280,7 @@ def _save(
         try:
             write_checksums(tmp)
             if os.path.isdir(final):  # the same step again: the old copy goes after the rename
+                shutil.rmtree(final + ".old", ignore_errors=True)  # a cut-short save's leftover
                 os.replace(final, final + ".old")
             os.replace(tmp, final)
             fsync_dir(root)
