@@ -207,9 +207,32 @@ def test_long_texts_encode_in_pieces_to_the_same_ids(tmp_path_factory, case, tex
     assert tok.piecewise == (case != "metaspace-lowercase")
     tok.piece_chars = 2
     assert tok.encode(text).tolist() == whole.tolist()
+
+
+def test_pieces_only_where_they_keep_the_whole_text(tmp_path: Path) -> None:
+    """An rstrip added token ("</s> a" would lose its space to </s>) keeps a text whole. A
+    tokenizer.json's truncation and padding would have cut or padded each piece (pad ids inside
+    a document), and cut the whole text at max_length: both are off, whole and in pieces the
+    ids are the library's without them (the reference), and `pieces_safe` refuses them."""
+    from tokenizers import Tokenizer
+
+    from datapipe.ingest.tokenizer import pieces_safe
+
     rstrip = json.loads(json.dumps(CASES["byte-level"]))
-    rstrip["added_tokens"][1]["rstrip"] = True  # "</s> a" would lose its space to </s>
-    assert not HFTokenizer(_write(tmp_path_factory.mktemp("r"), rstrip)).piecewise
+    rstrip["added_tokens"][1]["rstrip"] = True
+    assert not HFTokenizer(_write(tmp_path, rstrip, "rstrip.json")).piecewise
+    spec = json.loads(json.dumps(CASES["byte-level"]))
+    text = "ab ab  c\n a é</s> b " * 5
+    want = Tokenizer.from_str(json.dumps(spec)).encode(text).ids  # neither set
+    cut = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    pad = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+           "pad_id": 0, "pad_type_id": 0, "pad_token": "<s>"}  # fmt: skip
+    for key, value in (("truncation", cut), ("padding", pad)):
+        assert pieces_safe(spec) and not pieces_safe({**spec, key: value})
+        tok = HFTokenizer(_write(tmp_path, {**spec, key: value}, f"{key}.json"))
+        assert tok.encode(text).tolist()[1:-1] == want and len(want) > 64
+        tok.piece_chars = 3
+        assert tok.piecewise and tok.encode(text).tolist()[1:-1] == want
 
 
 def test_a_long_document_is_encoded_in_bounded_memory(tmp_path: Path) -> None:

@@ -37,8 +37,12 @@ def pieces_safe(spec: dict) -> bool:
     """Are a text's ids the concatenation of its pieces' ids, cut before a space between two
     non-spaces? Yes when the pre-tokenizer splits there anyway (ByteLevel with its regex,
     Whitespace, WhitespaceSplit, Bert), the normalizer maps characters one by one, no
-    post-processor adds tokens (none or ByteLevel) and no added token holds a space or takes
-    the spaces after it (rstrip: it would take the space a piece starts with)."""
+    post-processor adds tokens (none or ByteLevel), no added token holds a space or takes the
+    spaces after it (rstrip: it would take the space a piece starts with), and neither
+    truncation nor padding is set (each piece would be cut or padded; HFTokenizer turns both
+    off, so a document is kept whole either way)."""
+    if spec.get("truncation") or spec.get("padding"):
+        return False
     pre, norm, post = (spec.get(k) or {} for k in ("pre_tokenizer", "normalizer", "post_processor"))
     if pre.get("type") not in _SPLITTING_PRE or pre.get("use_regex") is False:
         return False
@@ -169,6 +173,11 @@ class HFTokenizer(Tokenizer):
             raise InputError(f"{path}: cannot read tokenizer file: {exc.strerror or exc}") from exc
         except Exception as exc:
             raise InputError(f"{path}: not a valid Hugging Face tokenizer.json ({exc})") from exc
+        # a document is kept whole: not cut at the file's truncation length, no pad ids added
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        if isinstance(spec, dict):
+            spec = {**spec, "truncation": None, "padding": None}  # as it encodes now
         self._loss = LossCheck.build(self._tok, spec) if isinstance(spec, dict) else None
         self.piecewise = isinstance(spec, dict) and pieces_safe(spec)
         self.piece_chars = PIECE_CHARS
