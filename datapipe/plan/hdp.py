@@ -124,10 +124,12 @@ def static_mesh(
         return None
     work = cost.work_ns(lengths[lengths > 0], 1).astype(np.float64)
     need = int(np.ceil(work.max() * n / max(work.sum(), 1.0))) if work.size else 1
-    dominant = [d for d in range(max(need, degrees[0]), n + 1) if n % d == 0 and d <= longest]
+    # the smallest CP degree dividing N that splits the dominant sample to the average (if any)
+    split = range(max(need, degrees[0]), min(n, longest) + 1)
+    dominant = next((d for d in split if n % d == 0), None)
     cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
     best = None
-    for cp in dict.fromkeys(degrees + dominant[:1]):
+    for cp in dict.fromkeys(degrees + ([dominant] if dominant else [])):
         p = static.plan_mesh(cfg, cost, lengths, sample_ids, cp, ctx)
         if best is None or p.makespan_ns < best.makespan_ns:
             best = p
