@@ -12,12 +12,14 @@ batches), `short` (the same samples, 16,384-token batches), `mixed` (the demo's 
   over its group's members: a group waits for its slowest) is replayed through the plan's slot
   order (datapipe.plan.stepplan.replay_kernel), plus the slowest rank's CPU time of the rest of the
   step. Predicted by `mixlen calibrate --nproc 4 --clock cpu` (the same clock).
-- Every (kind, batch, policy) runs `--repeats` times, policies interleaved with a rotating order so
-  drift hits all alike; the minimum is kept. Noise floor: the spread (max / min - 1) of the repeats
+- Every (kind, batch, policy) runs `--repeats` times, and a kind of short steps until a batch's
+  runs add up to `--min-seconds` (as `mixlen calibrate` times its short cases), policies
+  interleaved with a rotating order so drift hits all alike; the minimum is kept. Noise floor: the spread (max / min - 1) of the repeats
   of each configuration, median and 90th percentile over all configurations of a world size.
 - Optional: hdp against torch DistributedDataParallel on the short batches (`overhead`).
 
     .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 3] [--repeats 3]
+        [--min-seconds 2]
 
 Prints tables and writes benchmarks/out/bench_train.json.
 """
@@ -74,7 +76,8 @@ def _executor(comm, shape: dict, lr: float = 1e-3):
 
 
 def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
-    """Every policy on every batch of every kind, `repeats` times; rank 0 writes the records."""
+    """Every policy on every batch of every kind, `repeats` times at least (short steps more);
+    rank 0 writes the records."""
     import torch
     import torch.distributed as dist
 
@@ -83,6 +86,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     from datapipe.plan.cost import load
     from datapipe.plan.metrics import predicted_step_ns
     from datapipe.plan.planner import PlannerConfig
+    from trainer.calibrate import runs_for
     from trainer.compare import replayed_cpu_s
     from trainer.parallel.comm import TorchComm
 
@@ -141,9 +145,19 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         for kind in kinds:  # warm-up: every policy once on each kind's first batch
             for p in POLICIES:
                 run(kind, 0, p)
+        # runs per kind: at least `repeats`, short steps until they add up to min_seconds
+        hdp_s = [predicted_step_ns(plan, cost) / 1e9 for plan in planned["hdp"].plans]
+        reps = {
+            k: runs_for(
+                float(np.mean([t for (kk, _), t in zip(keys, hdp_s) if kk == k])),
+                job["repeats"],
+                job["min_seconds"],
+            )
+            for k in kinds
+        }
         records = []
-        for rep in range(job["repeats"]):
-            for kind in kinds:
+        for rep in range(max(reps.values())):
+            for kind in [k for k in kinds if rep < reps[k]]:
                 for i in range(len(batches[kind])):
                     for j in range(len(POLICIES)):  # rotate the order: drift hits all alike
                         p = POLICIES[(rep + i + j) % len(POLICIES)]
@@ -389,12 +403,21 @@ def _calibrate(nproc: int, clock: str, shape, path: str) -> dict:
 
 
 def main() -> int:
+    from trainer.calibrate import CalibrationGrid
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(ROOT, ".demo", "stdlib"))
     ap.add_argument("--steps", type=int, default=3, help="batches per kind")
     ap.add_argument("--kinds", default=",".join(KINDS), help="batch kinds to run")
     ap.add_argument("--huge-steps", type=int, default=1, help="batches of the huge kind")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch and policy")
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=CalibrationGrid.min_seconds,
+        help="short steps run until a batch's runs add up to this (at most 30 runs; default: "
+        "what `mixlen calibrate` gives its short cases, so both keep the least of as many runs)",
+    )
     ap.add_argument("--gbt", type=int, default=32768, help="global batch tokens (the demo's)")
     ap.add_argument("--capacity", type=int, default=8192, help="capacity C (the demo's)")
     ap.add_argument("--cost2", default=None, help="cost file for 2 ranks (default: calibrate)")
@@ -452,6 +475,7 @@ def main() -> int:
             "capacity": cap,
             "max_context": max_context,
             "repeats": args.repeats,
+            "min_seconds": args.min_seconds,
             "shape": dataclasses.asdict(shape),
             "out": os.path.join(work, f"records{world}.json"),
             "overhead": world == 2 and "overhead" not in skip,

@@ -132,3 +132,43 @@ def test_timed_shape_differences_name_each_field(tmp_path):
     assert run({"shape": {"n_layers": 4, "dim": 128}}) == ["n_layers 4 -> 2"]  # fields recorded
     assert run({"shape": record}, cost="debug") == []  # a preset: no record
     assert run(None) == [] and run({"timings": []}) == []
+
+
+def test_short_cases_run_until_their_runs_add_up_to_min_seconds() -> None:
+    """`runs_for` against its rule written out; `_best` times that many runs after an untimed
+    warm-up (one process, a fake clock) and keeps the least of them."""
+    from trainer.calibrate import MAX_RUNS, CalibrationGrid, _best, runs_for
+
+    assert runs_for(2.0, 3, 1.0) == 3  # long: exactly the repeats
+    assert runs_for(0.25, 3, 1.0) == 4  # 4 x 0.25 s = 1 s
+    assert runs_for(0.3, 2, 1.0) == 4  # ceil(1 / 0.3)
+    assert runs_for(1e-4, 3, 1.0) == MAX_RUNS == 30  # capped
+    assert runs_for(1e-4, 50, 1.0) == 50  # never fewer than asked
+    assert runs_for(0.01, 3, 0.0) == 3  # no budget
+    timed = [0.09, 0.07, 0.08, 0.06, 0.1, 0.04, 0.2] * 3 + [0.06, 0.07, 0.05, 0.03]  # 25 runs
+    times = iter([0.02, *timed] + [0.01] * 30)  # then faster than any: beyond the count
+    calls = []
+
+    def run() -> float:
+        calls.append(1)
+        return next(times)
+
+    grid = CalibrationGrid(repeats=2, min_seconds=0.5)
+    # the warm-up's 0.02 s (the least, not kept) asks for ceil(0.5 / 0.02) = 25 timed runs
+    assert _best(run, grid, "mean", None) == 0.03
+    assert len(calls) == 26
+
+
+def test_default_packs_cover_each_micro_batch_size_with_several_sample_lengths() -> None:
+    """The default grid's packs: 2,048, 4,096 and 8,192 positions, each with at least two
+    sample lengths (what separates d*T^2 from a*S^2 where short steps run), and the CLI's
+    default is the grid's."""
+    from tools.cmd_calibrate import DEFAULT_PACKS
+    from trainer.calibrate import CalibrationGrid
+
+    packs = CalibrationGrid().packed
+    by_size: dict[int, set[int]] = {}
+    for m, n in packs:
+        by_size.setdefault(m * n, set()).add(n)
+    assert {t: len(v) >= 2 for t, v in by_size.items()} == {2048: True, 4096: True, 8192: True}
+    assert DEFAULT_PACKS == ",".join(f"{m}x{n}" for m, n in packs)

@@ -23,12 +23,13 @@ from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
+from trainer.calibrate import CalibrationGrid
 from trainer.model.config import DTYPES
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 DEFAULT_RING_LENGTHS = "512,1024,2048,4096,8192,16384"
 DEFAULT_HOP_BYTES = "4096,65536,1048576,4194304"
-DEFAULT_PACKS = "8x256,4x1024,32x256"
+DEFAULT_PACKS = ",".join(f"{m}x{n}" for m, n in CalibrationGrid.packed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hop-bytes", default=DEFAULT_HOP_BYTES, help="ring hop message sizes")
     parser.add_argument(
         "--repeats", type=int_in(1, 1000), default=3, help="timed runs per case (min kept)"
+    )
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=CalibrationGrid.min_seconds,
+        help="a short case runs until its timed runs add up to this many seconds (at most 30 "
+        "runs; 0: exactly --repeats)",
     )
     parser.add_argument(
         "--threads", type=int_in(1, 4096), default=1, help="torch threads per process"
@@ -126,7 +134,7 @@ def _packs(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.calibrate import CalibrationGrid, calibrate
+    from trainer.calibrate import calibrate
 
     lengths = _ints("--lengths", args.lengths)
     if len(lengths) < 3:
@@ -139,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--hop-bytes: need at least 2 sizes to fit latency and bandwidth")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if not (args.min_seconds >= 0 and args.min_seconds < float("inf")):
+        raise ConfigError(f"--min-seconds must be a number >= 0, got {args.min_seconds}")
     for key in ("link_bytes_per_s", "offload_bytes_per_s", "inter_node_bytes_per_s"):
         v = getattr(args, key)
         if v is not None and not v > 0:
@@ -151,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         ring_sizes=sizes,
         hop_bytes=hop_bytes,
         repeats=args.repeats,
+        min_seconds=args.min_seconds,
     )
     cal = calibrate(
         name,

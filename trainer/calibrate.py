@@ -11,8 +11,11 @@ CPU, NCCL on CUDA) and time, all at once so every core is as busy as in training
 3. ring micro-batches: forward + backward of a member's zigzag share of one or more samples with
    trainer.attention.ring.RingAttention, on the same rings.
 
-Each case is run `repeats` times after a warm-up run, ranks released together by a barrier; a
-ring's time is its slowest member's (a group waits for it), a local case's is the mean over ranks.
+Each case is run after a warm-up run at least `repeats` times, and a short one until its runs add
+up to `min_seconds` (at most MAX_RUNS): the least of a few runs of a 0.2 s case still varies by
+10% on a shared machine, and falls as runs are added, so the benchmark that checks the model times
+its short steps with the same budget (the same count for the same duration). Ranks are released together by a barrier; a ring's time is its slowest member's (a group
+waits for it), a local case's is the mean over ranks.
 The clock is the wall clock (what ranks wait for), or with ``clock="cpu"`` each rank's own thread
 CPU time (for boxes with fewer cores than ranks, where wall time measures the time sharing).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import tempfile
 import time
@@ -42,14 +46,26 @@ class CalibrationGrid:
     """What `mixlen calibrate` times (lengths in positions, hop sizes in bytes)."""
 
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
-    # (samples, length) per micro-batch: packs of short samples, up to a full 8,192-position one,
-    # so that the fit sees how a position's cost grows with the micro-batch (the d term)
-    packed: tuple[tuple[int, int], ...] = ((8, 256), (4, 1024), (32, 256))
+    # (samples, length) per micro-batch: packs of short samples at 2,048, 4,096 and 8,192
+    # positions, several sample lengths at each, so that the fit sees how a position's cost grows
+    # with the micro-batch (the d term) apart from the samples' attention (a*S^2)
+    packed: tuple[tuple[int, int], ...] = (
+        (16, 128),
+        (8, 256),
+        (4, 512),
+        (2, 1024),
+        (8, 512),
+        (4, 1024),
+        (2, 2048),
+        (32, 256),
+        (4, 2048),
+    )
     ring_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
     ring_sizes: tuple[int, ...] = ()  # default: 2..K
     hop_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20)
     hops_per_timing: int = 20
-    repeats: int = 3
+    repeats: int = 3  # timed runs per case at least (the least is kept)
+    min_seconds: float = 2.0  # a short case runs until its timed runs add up to this
 
     def sizes(self, nproc: int) -> tuple[int, ...]:
         return self.ring_sizes or tuple(range(2, nproc + 1))
@@ -135,14 +151,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _best(run, repeats: int, op: str, dev) -> float:
-    """min over repeats (after one warm-up) of the reduced (max or mean over ranks) time."""
+MAX_RUNS = 30  # timed runs of one case at most, however short
+
+
+def runs_for(warm_s: float, repeats: int, min_seconds: float) -> int:
+    """Timed runs of a case whose warm-up took `warm_s`: at least `repeats`, and enough to add
+    up to `min_seconds` (at most MAX_RUNS, never fewer than `repeats`)."""
+    if warm_s <= 0 or warm_s * repeats >= min_seconds:
+        return repeats
+    return max(repeats, min(math.ceil(min_seconds / warm_s), MAX_RUNS))
+
+
+def _best(run, grid: CalibrationGrid, op: str, dev) -> float:
+    """The least reduced (max or mean over ranks) time over `runs_for` runs after a warm-up
+    (every rank sees the same reduced warm-up time, so all run the same count)."""
+    _barrier()
+    n = runs_for(_reduce(run(), op, dev), grid.repeats, grid.min_seconds)
     best = float("inf")
-    for i in range(repeats + 1):
+    for _ in range(n):
         _barrier()
-        t = _reduce(run(), op, dev)
-        if i:
-            best = min(best, t)
+        best = min(best, _reduce(run(), op, dev))
     return best
 
 
@@ -170,13 +198,13 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
         def local(lens=lens, cu=cu, pos=pos) -> float:
             return _run_mb(model, lambda: LocalAttention(cu), pos, job, gen)
 
-        t = _best(local, grid.repeats, "mean", dev)
+        t = _best(local, grid, "mean", dev)
         out.append(Timing("local", 1, tuple(lens), 0.0, t).to_dict())
     if world > 1:
         out += _ring_timings(rank, world, model, grid, job, gen, dev, dtype)
     # 4. whole steps (the optimizer, the reduction, the plan check around the micro-batches)
     for m, n in grid.packed:
-        t = _step_overhead(model, rank, world, (n,) * m, grid.repeats, job, dev)
+        t = _step_overhead(model, rank, world, (n,) * m, grid, job, dev)
         out.append(Timing("step", world, (n,) * m, 0.0, t).to_dict())
     return out
 
@@ -197,25 +225,25 @@ def _ring_timings(rank, world, model, grid, job, gen, dev, dtype) -> list[dict]:
             n_el = max(1, nbytes // dtype.itemsize)
             bufs = [torch.zeros(n_el, dtype=dtype, device=dev) for _ in range(2)]
             run = functools.partial(_hops, comm, ring, bufs, grid.hops_per_timing, job, dev)
-            t = _best(run, grid.repeats, "max", dev)
+            t = _best(run, grid, "max", dev)
             out.append(Timing("hop", k, (), float(n_el * dtype.itemsize), t).to_dict())
         # 3. ring micro-batches
         ring_cases = [(n,) for n in grid.ring_lengths if n >= 2 * k]
         ring_cases += [(n,) * m for m, n in grid.packed if n >= 2 * k]
         for lens in ring_cases:
             run = functools.partial(_ring_mb, model, comm, ring, lens, job, gen, dev)
-            t = _best(run, grid.repeats, "max", dev)
+            t = _best(run, grid, "max", dev)
             out.append(Timing("ring", k, tuple(lens), 0.0, t).to_dict())
     return out
 
 
 def _step_overhead(
-    model, rank: int, world: int, lens: tuple, repeats: int, job: dict, dev
+    model, rank: int, world: int, lens: tuple, grid: CalibrationGrid, job: dict, dev
 ) -> float:
     """Seconds of a whole optimizer step beyond its micro-batches: each rank runs one local
     micro-batch of `lens` through the trainer's executor and sharded optimizer; the slowest
-    rank's step minus the slowest rank's micro-batch, the least over `repeats` after a warm-up
-    (at least 1 us: a timing is positive)."""
+    rank's step minus the slowest rank's micro-batch, the least over `runs_for` steps after a
+    warm-up (at least 1 us: a timing is positive)."""
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import preset
     from datapipe.plan.planner import PlannerConfig
@@ -235,8 +263,8 @@ def _step_overhead(
     vocab = model.cfg.vocab_size
     fetcher = MemoryFetcher([(np.arange(n) * 7919 + i) % vocab for i, n in enumerate(lengths)])
     fetched = fetcher.fetch_step([m.pieces for m in plan.microbatches(rank)])
-    best = float("inf")
-    for i in range(repeats + 1):
+    best, n, i = float("inf"), 1, 0
+    while i <= n:
         _barrier()
         _sync(dev)
         t0 = _clock(job["clock"])
@@ -246,6 +274,9 @@ def _step_overhead(
         busy = sum(w if job["clock"] == "wall" else c for _, w, c in ex.mb_log)
         if i:
             best = min(best, step - _reduce(busy, "max", dev))
+        else:  # the warm-up step decides how many are timed (the same on every rank)
+            n = runs_for(step, grid.repeats, grid.min_seconds)
+        i += 1
     zero.remove_hooks()
     return max(best, 1e-6)
 
