@@ -233,7 +233,8 @@ def test_local_fit_minimises_relative_residuals() -> None:
     cases = [(s,) for s in (128, 256, 512, 1024, 2048, 4096, 8192)]
     cases += [(s,) * m for m, s in ((16, 128), (8, 256), (4, 512), (2, 1024), (32, 256))]
     t = [
-        2e-3 + sum(3e-8 * s * s + 1.1e-4 * s * (1 + 0.15 * (s < 1000)) for s in c)
+        2e-3
+        + sum(3e-8 * s * s + 1.1e-4 * s * (1 + 0.15 * (s < 1000)) for s in c)
         + 2e-9 * sum(c) ** 2
         for c in cases
     ]
