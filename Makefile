@@ -34,6 +34,7 @@ demo-data: install
 	$(VENV)/bin/mixlen profile $(DEMO_DIR)/stdlib --capacity 8192 --plot $(DEMO_DIR)/stdlib-lengths.png
 	$(VENV)/bin/mixlen calibrate configs/demo.toml --nproc 4 --clock cpu --repeats 1 \
 		--lengths 256,1024,2048,4096 --ring-lengths 1024,4096 --ring-sizes 2,4 \
+		--packs 8x256,2x1024,4x1024,2x2048,32x256 --min-seconds 1 \
 		--out $(DEMO_DIR)/cost.json
 	$(VENV)/bin/mixlen plan $(DEMO_DIR)/stdlib $(DEMO_PLAN) --policy all --widen --steps 8 \
 		--cost $(DEMO_DIR)/cost.json --html $(DEMO_DIR)/plan.html

@@ -31,6 +31,8 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     assert cost.step > 0  # AdamW's apply and the plan check cost something
     assert cal["fitted_terms"] == ["a", "b", "c", "d", "step"] and "local" in cal["residuals"]
     assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
+    assert main([*args, "--min-seconds", "-1"]) == 2
+    assert main([*args, "--min-seconds", "nan"]) == 2
     assert main([*args, "--nproc", "2", "--ring-sizes", "3"]) == 2  # more than the processes
 
 
@@ -135,8 +137,9 @@ def test_timed_shape_differences_name_each_field(tmp_path):
 
 
 def test_short_cases_run_until_their_runs_add_up_to_min_seconds() -> None:
-    """`runs_for` against its rule written out; `_best` times that many runs after an untimed
-    warm-up (one process, a fake clock) and keeps the least of them."""
+    """`runs_for` against its rule written out; `_best` times each case that many runs after an
+    untimed warm-up pass, the cases taking turns round by round (one process, fake times), and
+    keeps each case's least."""
     from trainer.calibrate import MAX_RUNS, CalibrationGrid, _best, runs_for
 
     assert runs_for(2.0, 3, 1.0) == 3  # long: exactly the repeats
@@ -145,18 +148,22 @@ def test_short_cases_run_until_their_runs_add_up_to_min_seconds() -> None:
     assert runs_for(1e-4, 3, 1.0) == MAX_RUNS == 30  # capped
     assert runs_for(1e-4, 50, 1.0) == 50  # never fewer than asked
     assert runs_for(0.01, 3, 0.0) == 3  # no budget
-    timed = [0.09, 0.07, 0.08, 0.06, 0.1, 0.04, 0.2] * 3 + [0.06, 0.07, 0.05, 0.03]  # 25 runs
-    times = iter([0.02, *timed] + [0.01] * 30)  # then faster than any: beyond the count
+    # case a: warm-up 0.02 s (its least, not kept) asks for ceil(0.5 / 0.02) = 25 timed runs;
+    # case b: warm-up 0.4 s, the 2 repeats (0.8 s >= 0.5 s)
+    a_timed = [0.09, 0.07, 0.08, 0.06, 0.1, 0.04, 0.2] * 3 + [0.06, 0.07, 0.05, 0.03]
+    times = {"a": iter([0.02, *a_timed, *[0.01] * 30]), "b": iter([0.4, 0.5, 0.45, 0.1, 0.1])}
     calls = []
 
-    def run() -> float:
-        calls.append(1)
-        return next(times)
+    def run(name: str):
+        def timed() -> float:
+            calls.append(name)
+            return next(times[name])
+
+        return timed
 
     grid = CalibrationGrid(repeats=2, min_seconds=0.5)
-    # the warm-up's 0.02 s (the least, not kept) asks for ceil(0.5 / 0.02) = 25 timed runs
-    assert _best(run, grid, "mean", None) == 0.03
-    assert len(calls) == 26
+    assert _best([run("a"), run("b")], grid, "mean", None) == [0.03, 0.45]
+    assert calls == ["a", "b"] + ["a", "b"] * 2 + ["a"] * 23
 
 
 def test_default_packs_cover_each_micro_batch_size_with_several_sample_lengths() -> None:

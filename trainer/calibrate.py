@@ -14,9 +14,11 @@ CPU, NCCL on CUDA) and time, all at once so every core is as busy as in training
 Each case is run after a warm-up run at least `repeats` times, and a short one until its runs add
 up to `min_seconds` (at most MAX_RUNS): the least of a few runs of a 0.2 s case still varies by
 10% on a shared machine, and falls as runs are added, so the benchmark that checks the model times
-its short steps with the same budget (the same count for the same duration). Ranks are released together by a barrier; a ring's time is its slowest member's (a group
-waits for it), a local case's is the mean over ranks.
-The clock is the wall clock (what ranks wait for), or with ``clock="cpu"`` each rank's own thread
+its short steps with the same budget (the same count for the same duration). The cases of a stage
+take turns, one run each per round, so a slow spell of the machine (tens of seconds here) touches
+every case alike instead of the few that were timed in it. Ranks are released together by a
+barrier; a ring's time is its slowest member's (a group waits for it), a local case's is the mean
+over ranks. The clock is the wall clock (what ranks wait for), or with ``clock="cpu"`` each rank's own thread
 CPU time (for boxes with fewer cores than ranks, where wall time measures the time sharing).
 """
 
@@ -162,15 +164,21 @@ def runs_for(warm_s: float, repeats: int, min_seconds: float) -> int:
     return max(repeats, min(math.ceil(min_seconds / warm_s), MAX_RUNS))
 
 
-def _best(run, grid: CalibrationGrid, op: str, dev) -> float:
-    """The least reduced (max or mean over ranks) time over `runs_for` runs after a warm-up
-    (every rank sees the same reduced warm-up time, so all run the same count)."""
-    _barrier()
-    n = runs_for(_reduce(run(), op, dev), grid.repeats, grid.min_seconds)
-    best = float("inf")
-    for _ in range(n):
+def _best(runs: list, grid: CalibrationGrid, op: str, dev) -> list[float]:
+    """The least reduced (max or mean over ranks) time of each case over its `runs_for` runs,
+    after one warm-up pass. The cases take turns (round r runs every case that wants more than r
+    runs), so a slow spell of the machine hits all of them alike rather than the few timed in it;
+    every rank sees the same reduced warm-up times, so all run the same rounds."""
+    counts = []
+    for run in runs:
         _barrier()
-        best = min(best, _reduce(run(), op, dev))
+        counts.append(runs_for(_reduce(run(), op, dev), grid.repeats, grid.min_seconds))
+    best = [float("inf")] * len(runs)
+    for r in range(max(counts, default=0)):
+        for i, run in enumerate(runs):
+            if r < counts[i]:
+                _barrier()
+                best[i] = min(best[i], _reduce(run(), op, dev))
     return best
 
 
@@ -191,14 +199,16 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
     out: list[dict] = []
     # 1. local micro-batches on every rank at once
     cases = [(n,) for n in grid.lengths] + [(n,) * m for m, n in grid.packed]
+    runs = []
     for lens in cases:
         cu = [0, *np.cumsum(lens).tolist()]
         pos = np.concatenate([np.arange(n) for n in lens])
 
-        def local(lens=lens, cu=cu, pos=pos) -> float:
+        def local(cu=cu, pos=pos) -> float:
             return _run_mb(model, lambda: LocalAttention(cu), pos, job, gen)
 
-        t = _best(local, grid, "mean", dev)
+        runs.append(local)
+    for lens, t in zip(cases, _best(runs, grid, "mean", dev)):
         out.append(Timing("local", 1, tuple(lens), 0.0, t).to_dict())
     if world > 1:
         out += _ring_timings(rank, world, model, grid, job, gen, dev, dtype)
@@ -221,18 +231,21 @@ def _ring_timings(rank, world, model, grid, job, gen, dev, dtype) -> list[dict]:
         g = rank // k  # rings of k consecutive ranks, as many as fit; the others wait
         ring = (list(range(g * k, g * k + k)), rank - g * k) if g < world // k else None
         # 2. hops
-        for nbytes in grid.hop_bytes:
-            n_el = max(1, nbytes // dtype.itemsize)
+        sizes = [max(1, nbytes // dtype.itemsize) for nbytes in grid.hop_bytes]
+        runs = []
+        for n_el in sizes:
             bufs = [torch.zeros(n_el, dtype=dtype, device=dev) for _ in range(2)]
-            run = functools.partial(_hops, comm, ring, bufs, grid.hops_per_timing, job, dev)
-            t = _best(run, grid, "max", dev)
+            runs.append(functools.partial(_hops, comm, ring, bufs, grid.hops_per_timing, job, dev))
+        for n_el, t in zip(sizes, _best(runs, grid, "max", dev)):
             out.append(Timing("hop", k, (), float(n_el * dtype.itemsize), t).to_dict())
         # 3. ring micro-batches
         ring_cases = [(n,) for n in grid.ring_lengths if n >= 2 * k]
         ring_cases += [(n,) * m for m, n in grid.packed if n >= 2 * k]
-        for lens in ring_cases:
-            run = functools.partial(_ring_mb, model, comm, ring, lens, job, gen, dev)
-            t = _best(run, grid, "max", dev)
+        runs = [
+            functools.partial(_ring_mb, model, comm, ring, lens, job, gen, dev)
+            for lens in ring_cases
+        ]
+        for lens, t in zip(ring_cases, _best(runs, grid, "max", dev)):
             out.append(Timing("ring", k, tuple(lens), 0.0, t).to_dict())
     return out
 
