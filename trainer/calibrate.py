@@ -37,7 +37,7 @@ import numpy as np
 
 from datapipe.errors import ConfigError
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model
-from datapipe.plan.costfit import FitResult, Timing, fit_terms
+from datapipe.plan.costfit import WEIGHT_POWER, FitResult, Timing, fit_terms
 from datapipe.shapes import ModelConfig, get_config
 
 CLOCKS = ("wall", "cpu")
@@ -414,13 +414,16 @@ def calibrate(
     inter_node_bytes_per_s: float | None = None,
     timeout_s: float = 1800.0,
     shape: ModelConfig | None = None,
+    timings: list[Timing] | None = None,
+    weight_power: float = WEIGHT_POWER,
 ) -> Calibration:
     """Measure (see `measure`) and fit the cost model of `model_name` on this machine. Byte sizes
     come from the model's shape. With rings (nproc >= 2) the link, hop latency, chunk efficiency
     and overlap are fitted; else the link is `link_bytes_per_s` (default: the device preset's)
     and the ring terms are neutral. `ranks_per_node` with `inter_node_bytes_per_s`: the measured
     link becomes the node link and the given one is used between nodes. `shape` overrides the
-    named model's shape (e.g. another vocabulary size)."""
+    named model's shape (e.g. another vocabulary size). `timings`: refit these (a stored
+    calibration's) instead of measuring; `weight_power`: the fit's residual weight 1/t**power."""
     import torch
 
     if clock not in CLOCKS:
@@ -435,13 +438,15 @@ def calibrate(
     base = build_cost_model(model_name, shape, dev_rates, dtype_bytes=itemsize)
     grid = grid or CalibrationGrid()
     t0 = time.perf_counter()
-    timings = measure(shape, nproc, grid, dtype, device, threads, clock, timeout_s)
+    if timings is None:
+        timings = measure(shape, nproc, grid, dtype, device, threads, clock, timeout_s)
     fit = fit_terms(
         timings,
         base.kv_bytes_per_token,
         base.num_layers,
         base.comm_passes,
         link_bytes_per_s or base.link_bytes_per_s,
+        weight_power,
     )
     t = fit.terms
     link = t.link_bytes_per_s
@@ -474,6 +479,7 @@ def calibrate(
         "device": device,
         "clock": clock,
         "grid": dataclasses.asdict(grid),
+        "weight_power": weight_power,
         "seconds": time.perf_counter() - t0,
     }
     return Calibration(cost, fit, meta)

@@ -210,7 +210,9 @@ def has_packs(timings: Sequence[Timing]) -> bool:
     return any(m.kind == "local" and len(m.lengths) > 1 for m in timings)
 
 
-def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float, float]:
+def fit_local(
+    timings: Sequence[Timing], weight_power: float = WEIGHT_POWER
+) -> tuple[float, float, float, float]:
     """(a, b + a*h, c, d) from local timings: t = c + sum(a*S^2 + b'*S) + d*(sum S)^2; d = 0
     when no timing packs several samples (then d*T^2 and a*S^2 cannot be told apart)."""
     ls = [m for m in timings if m.kind == "local"]
@@ -223,7 +225,7 @@ def fit_local(timings: Sequence[Timing]) -> tuple[float, float, float, float]:
     packed = has_packs(timings)
     if packed:
         cols.append(s1 * s1)
-    a, b1, c, *d = _nonneg_lstsq(np.stack(cols, axis=1), t, WEIGHT_POWER)
+    a, b1, c, *d = _nonneg_lstsq(np.stack(cols, axis=1), t, weight_power)
     return float(a), float(b1), float(c), float(d[0]) if packed else 0.0
 
 
@@ -238,6 +240,7 @@ def fit_rings(
     kv_bytes_per_token: float,
     num_layers: int,
     comm_passes: float = 3.0,
+    weight_power: float = WEIGHT_POWER,
 ) -> tuple[float, float]:
     """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h, c, d from the local fit:
     a grid over h in [0, b'/a] (b >= 0) and overlap in [0, 1], then Levenberg-Marquardt."""
@@ -249,7 +252,7 @@ def fit_rings(
         h = float(x[0]) * scale
         terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]), d)
         f = ring_seconds(terms, r.k, r.s2, r.s1, kv_bytes_per_token, num_layers, comm_passes)
-        return (f - r.t) / r.t**WEIGHT_POWER
+        return (f - r.t) / r.t**weight_power
 
     lo, hi = np.zeros(2), np.array([h_max / scale, 1.0])
     grid = [np.array([h, o]) for h in np.linspace(0, hi[0], 101) for o in np.linspace(0, 1, 51)]
@@ -285,9 +288,10 @@ def fit_terms(
     num_layers: int,
     comm_passes: float = 3.0,
     link_bytes_per_s: float | None = None,
+    weight_power: float = WEIGHT_POWER,
 ) -> FitResult:
     """Fit every term the timings determine (module docstring); `link_bytes_per_s` is used when
-    there are no hop timings."""
+    there are no hop timings; `weight_power`: the compute stages' residual weight 1/t**power."""
     kinds = {m.kind for m in timings}
     bad = kinds - set(KINDS)
     if bad:
@@ -303,13 +307,13 @@ def fit_terms(
         notes += [note] if note else []
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
-    a, b1, c, d = fit_local(timings)
+    a, b1, c, d = fit_local(timings, weight_power)
     if has_packs(timings):
         fitted.insert(3, "d")
     h, ov = 0.0, 1.0
     if "ring" in kinds:
         h, ov = fit_rings(
-            timings, a, b1, c, d, lat, bw, kv_bytes_per_token, num_layers, comm_passes
+            timings, a, b1, c, d, lat, bw, kv_bytes_per_token, num_layers, comm_passes, weight_power
         )
         fitted += ["attn_n_half", "overlap"]
     # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
