@@ -179,3 +179,30 @@ def test_default_packs_cover_each_micro_batch_size_with_several_sample_lengths()
         by_size.setdefault(m * n, set()).add(n)
     assert {t: len(v) >= 2 for t, v in by_size.items()} == {2048: True, 4096: True, 8192: True}
     assert DEFAULT_PACKS == ",".join(f"{m}x{n}" for m, n in packs)
+
+
+def test_calibrate_refits_given_timings_at_a_given_weight() -> None:
+    """`calibrate(timings=...)` measures nothing and fits those timings (what
+    benchmarks/bench_costfit.py does with stored calibrations): its terms are fit_terms' at the
+    weight asked for, the weight is recorded, and another weight gives other terms."""
+    from datapipe.plan.costfit import Timing, fit_terms
+    from trainer.calibrate import calibrate
+
+    def t(lengths: tuple[int, ...]) -> float:
+        s = np.array(lengths, dtype=float)
+        bump = 1.2 if s.sum() >= 4096 else 1.0  # a step the model cannot follow
+        return 2e-3 + 3e-8 * (s * s).sum() + 1e-4 * s.sum() * bump + 2e-9 * s.sum() ** 2
+
+    cases = [(128,), (512,), (2048,), (8192,), (16,) * 128, (256,) * 8, (512,) * 8, (256,) * 32]
+    timings = [Timing("local", 1, c, 0.0, t(c)) for c in cases]
+    cal = calibrate("debug", 1, timings=timings, weight_power=0.5)
+    cost = calibrate("debug", 1, timings=timings).cost
+    fit = fit_terms(timings, cost.kv_bytes_per_token, 2, cost.comm_passes, 1e9, 0.5)
+    assert (cal.cost.a, cal.cost.b, cal.cost.c, cal.cost.d) == (
+        fit.terms.a,
+        fit.terms.b,
+        fit.terms.c,
+        fit.terms.d,
+    )
+    assert cal.meta["weight_power"] == 0.5 and cal.fit.timings == timings
+    assert (cost.a, cost.d) != (cal.cost.a, cal.cost.d)

@@ -196,7 +196,7 @@ def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
 
     a, b1 = 4.4350871771406636e-08, 5.008541189680322e-05  # b1 - a * (b1 / a) < 0 in floats
     assert b1 - a * (b1 / a) < 0
-    monkeypatch.setattr(CF, "fit_local", lambda timings: (a, b1, 2e-3, 0.0))
+    monkeypatch.setattr(CF, "fit_local", lambda timings, *rest: (a, b1, 2e-3, 0.0))
     monkeypatch.setattr(CF, "fit_rings", lambda timings, a, b1, *rest: (b1 / a, 0.5))
     fit = fit_terms(synthetic(TRUE), KV, LAYERS)
     assert fit.terms.b == 0.0 and fit.terms.attn_n_half == b1 / a

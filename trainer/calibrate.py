@@ -440,13 +440,9 @@ def calibrate(
     t0 = time.perf_counter()
     if timings is None:
         timings = measure(shape, nproc, grid, dtype, device, threads, clock, timeout_s)
+    link0 = link_bytes_per_s or base.link_bytes_per_s
     fit = fit_terms(
-        timings,
-        base.kv_bytes_per_token,
-        base.num_layers,
-        base.comm_passes,
-        link_bytes_per_s or base.link_bytes_per_s,
-        weight_power,
+        timings, base.kv_bytes_per_token, base.num_layers, base.comm_passes, link0, weight_power
     )
     t = fit.terms
     link = t.link_bytes_per_s

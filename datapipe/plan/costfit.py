@@ -16,20 +16,20 @@ Four kinds of timings, each a micro-batch's (or a hop's, or a step's) seconds on
   the slowest rank's micro-batches; ``lengths`` are each rank's micro-batch): ``step``, fitted as
   the median of these timings (it does not depend on the lengths).
 
-The fit runs in three least-squares stages: L and link from the hops (relative residuals,
-(fit - measured) / measured: sizes span orders of magnitude); a, b + a*h, c and d from the local
-timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted;
-d only when some local micro-batch packs several samples, since for one sample d*T^2 = d*S^2);
-then h (which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from
-the rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages
-weigh each residual by 1/measured**0.75 (WEIGHT_POWER), between relative (1.0) and absolute error:
-steps are judged relatively from 0.2 s to 30 s, but the default grid holds many more ~2,048-position
-cases than 8,192-16,384-position ones, and the model's few terms cannot fit both ends exactly.
-Refitting three calibrations of this project's test machine at 0.5, 0.75 and 1.0 against two
-training-step benchmark runs (their plans re-costed): 0.5 over-predicted the 0.25 s steps by
-10-14%, 1.0 the 16-35 s ones by 7-9% (and 4-rank 4,096-position packs under by 10-11%), 0.75 kept
-the worst kind of step at 7.6-10.8%. Without hops the link terms are left as given; without
-rings h = 0 and overlap = 1 (the /1 model). Reported residuals are relative.
+The fit runs in three least-squares stages: L and link from the hops (relative residuals, (fit -
+measured) / measured: sizes span orders of magnitude); a, b + a*h, c and d from the local timings
+(non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted; d only
+when some local micro-batch packs several samples, since for one sample d*T^2 = d*S^2); then h
+(which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from the
+rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages weigh
+each residual by 1/measured**0.75 (WEIGHT_POWER), between relative (1.0) and absolute error: steps
+are judged relatively from 0.2 s to 30 s, but the default grid holds many more ~2,048-position cases
+than 8,192-16,384-position ones, and the model's few terms cannot fit both ends exactly. Refitting
+stored calibrations at 0.5, 0.75 and 1.0 against the training-step benchmark's measurements
+(benchmarks/bench_costfit.py): 1.0 over-predicted long steps by up to 8.6%, 0.5 short ones by up to
+15%; the weight moves the worst step by 1-4 points, the calibration run itself by up to 10. Without
+hops the link terms are left as given; without rings h = 0 and overlap = 1 (the /1 model). Reported
+residuals are relative.
 """
 
 from __future__ import annotations
