@@ -301,6 +301,9 @@ class Trainer:
                         self.checkpointer.save(step, item.stream_state)
         except Interrupted as exc:
             raise TrainingInterrupted(exc.signum, step, self.checkpointer.last_path()) from None
+        # the last step's weight all-gather may still be in flight (async_gather): finish it so
+        # the model is whole and no gloo work is pending when the process group goes
+        self.zero.wait_weights()
         return self._summary(losses, val_losses, label)
 
     def _summary(
