@@ -23,8 +23,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-CLOCK_KEY = {2: "wall_s", 4: "step_cpu_s"}
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def refit(report: dict, world: int, power: float):
@@ -42,37 +41,34 @@ def refit(report: dict, world: int, power: float):
 
 
 def deviations(cost, run: dict, world: int) -> dict[str, float]:
-    """(measured / predicted - 1) per kind and policy row, summed over the kind's batches."""
-    from datapipe.plan.compare import Variant, compare, variant_planners
+    """(measured / predicted - 1) per kind and policy row under `cost`: the run's batches
+    re-planned, its records re-costed and summarised as bench_train summarises them."""
+    from bench_train import STEP_KEY, policy_planners, summarise
+
+    from datapipe.plan.compare import compare
     from datapipe.plan.metrics import predicted_step_ns
-    from datapipe.plan.planner import PlannerConfig
 
     summary = run[f"ranks{world}"]
-    best: dict[tuple, float] = {}
-    for r in summary["records"]:
-        key = (r["kind"], r["batch"], r["policy"])
-        best[key] = min(best.get(key, np.inf), r[CLOCK_KEY[world]])
     max_context = max(max(b) for bs in run["batches"].values() for b in bs)
-    base = PlannerConfig(capacity=summary["capacity"], max_context=max_context)
-    variants = [Variant("hdp"), Variant("hdp", widen=True), Variant("static")]
-    planners = variant_planners(variants, base, cost, world)
+    planners = policy_planners(cost, world, summary["capacity"], max_context)
     keys = [(k, i) for k, bs in run["batches"].items() for i in range(len(bs))]
     steps = [
         (np.asarray(run["batches"][k][i], dtype=np.int64), np.arange(len(run["batches"][k][i])))
         for k, i in keys
     ]
     planned = compare(planners, steps, cost)
-    out = {}
-    for policy in planners:
-        rows: dict[str, list[float]] = {}
-        for (kind, i), plan in zip(keys, planned[policy].plans):
-            if (kind, i, policy) in best:
-                m, q = rows.setdefault(kind, [0.0, 0.0]), predicted_step_ns(plan, cost) / 1e9
-                m[0] += best[kind, i, policy]
-                m[1] += q
-        for kind, (m, q) in rows.items():
-            out[f"{kind}/{policy}"] = m / q - 1
-    return out
+    pred = {
+        (*key, p): predicted_step_ns(plan, cost) / 1e9
+        for p in planners
+        for key, plan in zip(keys, planned[p].plans)
+    }
+    records = [
+        {**r, "predicted_s": pred[r["kind"], r["batch"], r["policy"]]} for r in summary["records"]
+    ]
+    kinds = summarise(records, STEP_KEY[world])["kinds"]
+    return {
+        f"{k}/{p}": row["deviation"] for k, v in kinds.items() for p, row in v["policies"].items()
+    }
 
 
 def main() -> int:

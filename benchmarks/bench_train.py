@@ -14,8 +14,9 @@ batches), `short` (the same samples, 16,384-token batches), `mixed` (the demo's 
   step. Predicted by `mixlen calibrate --nproc 4 --clock cpu` (the same clock).
 - Every (kind, batch, policy) runs `--repeats` times, and a kind of short steps until a batch's
   runs add up to `--min-seconds` (as `mixlen calibrate` times its short cases), policies
-  interleaved with a rotating order so drift hits all alike; the minimum is kept. Noise floor: the spread (max / min - 1) of the repeats
-  of each configuration, median and 90th percentile over all configurations of a world size.
+  interleaved with a rotating order so drift hits all alike; the minimum is kept. Noise floor:
+  the spread (max / min - 1) of the repeats of each configuration, median and 90th percentile
+  over all configurations of a world size.
 - Optional: hdp against torch DistributedDataParallel on the short batches (`overhead`).
 
     .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 3] [--repeats 3]
@@ -40,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 POLICIES = ("hdp", "hdp+widen", "static")  # "+widen": PlannerConfig(widen=True)
+STEP_KEY = {2: "wall_s", 4: "step_cpu_s"}  # the measured step time of each world size's rows
 SHORT_MAX, LONG_MIN = 1024, 4096
 # kind -> (global batch tokens, which samples, stream seed); None: --gbt
 KIND_SPECS = {
@@ -75,6 +77,18 @@ def _executor(comm, shape: dict, lr: float = 1e-3):
     return HDPExecutor(model, opt, comm)
 
 
+def policy_planners(cost, world: int, capacity: int, max_context: int) -> dict:
+    """POLICIES' planners (datapipe.plan.compare's variants) under `cost` on `world` ranks."""
+    from datapipe.plan.compare import Variant, variant_planners
+    from datapipe.plan.planner import PlannerConfig
+
+    base = PlannerConfig(capacity=capacity, max_context=max_context)
+    variants = [Variant("hdp"), Variant("hdp", widen=True), Variant("static")]
+    planners = variant_planners(variants, base, cost, world)
+    assert tuple(planners) == POLICIES
+    return planners
+
+
 def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     """Every policy on every batch of every kind, `repeats` times at least (short steps more);
     rank 0 writes the records."""
@@ -82,10 +96,9 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     import torch.distributed as dist
 
     from datapipe.fetch import MemoryFetcher
-    from datapipe.plan.compare import Variant, compare, variant_planners
+    from datapipe.plan.compare import compare
     from datapipe.plan.cost import load
     from datapipe.plan.metrics import predicted_step_ns
-    from datapipe.plan.planner import PlannerConfig
     from trainer.calibrate import runs_for
     from trainer.compare import replayed_cpu_s
     from trainer.parallel.comm import TorchComm
@@ -99,10 +112,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
         batches = {k: [np.asarray(b) for b in data[k]] for k in kinds}
         cost = load(job["cost"])
         # the policies' plans of every batch, from the planning package's comparison service
-        base = PlannerConfig(capacity=job["capacity"], max_context=job["max_context"])
-        variants = [Variant("hdp"), Variant("hdp", widen=True), Variant("static")]
-        planners = variant_planners(variants, base, cost, world)
-        assert tuple(planners) == POLICIES
+        planners = policy_planners(cost, world, job["capacity"], job["max_context"])
         steps = [(fetcher.lengths[ids], ids) for k in kinds for ids in batches[k]]
         planned = compare(planners, steps, cost)
         execs = {p: _executor(comm, job["shape"]) for p in POLICIES}
@@ -459,10 +469,8 @@ def main() -> int:
         )
 
     cap = args.capacity
-    for world, clock, key, flag in (
-        (2, "wall", "wall_s", "wall2"),
-        (4, "cpu", "step_cpu_s", "replay4"),
-    ):
+    for world, clock, flag in ((2, "wall", "wall2"), (4, "cpu", "replay4")):
+        key = STEP_KEY[world]
         if flag in skip:
             continue
         cost = getattr(args, f"cost{world}")

@@ -18,8 +18,9 @@ its short steps with the same budget (the same count for the same duration). The
 take turns, one run each per round, so a slow spell of the machine (tens of seconds here) touches
 every case alike instead of the few that were timed in it. Ranks are released together by a
 barrier; a ring's time is its slowest member's (a group waits for it), a local case's is the mean
-over ranks. The clock is the wall clock (what ranks wait for), or with ``clock="cpu"`` each rank's own thread
-CPU time (for boxes with fewer cores than ranks, where wall time measures the time sharing).
+over ranks. The clock is the wall clock (what ranks wait for), or with ``clock="cpu"`` each rank's
+own thread CPU time (for boxes with fewer cores than ranks, where wall time measures the time
+sharing).
 """
 
 from __future__ import annotations
