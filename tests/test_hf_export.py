@@ -256,7 +256,7 @@ class _Rank:
 
 # 1, 2 and 3 ranks at zero 1 and 2 (sliced optimizer state), 1 rank at zero 0 (every rank holds the
 # whole state there: save_as_ranks joins slices, not copies), in float32; bf16 compute weights
-# beside float32 master slices at two corners; island-prefixed keys once
+# beside float32 master weights at 1 rank zero 0 and 3 ranks zero 2; island-prefixed keys once
 DCP_CASES = [(r, z, torch.float32, False) for r in (1, 2, 3) for z in (1, 2)] + [
     (1, 0, torch.float32, False),
     (1, 0, torch.bfloat16, False),

@@ -94,7 +94,7 @@ class PlannerSpec(NamedTuple):
         """The island's planner over a dataset whose longest sample has `max_len` tokens (the
         static mesh's default context; with widen, hdp also tries that mesh)."""
         cfg = self.config
-        mesh = cfg.policy == "static" or (cfg.policy == "hdp" and cfg.widen)
+        mesh = cfg.policy == "static" or cfg.widens
         cfg = dataclasses.replace(cfg, max_context=(cfg.max_context or max_len) if mesh else None)
         return cfg.build(self.cost, self.num_ranks, seed, self.offload, self.names)
 

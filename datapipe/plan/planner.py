@@ -79,6 +79,11 @@ class PlannerConfig:
         free_on_resume=True,
     )
 
+    @property
+    def widens(self) -> bool:
+        """Does the plan widen? `widen` counts for hdp only (other policies ignore it)."""
+        return self.widen and self.policy == "hdp"
+
     def setup(
         self, num_ranks: int, seed: int = 0, offload: bool = False, names: Names | None = None
     ) -> PlanSetup:
@@ -95,7 +100,7 @@ class PlannerConfig:
             )
         return PlanSetup(
             self.policy, num_ranks, self.capacity, bool(offload), self.max_context, int(seed),
-            self.improve_rounds, self.widen and self.policy == "hdp", names,
+            self.improve_rounds, self.widens, names,
         )  # fmt: skip
 
     def build(
