@@ -371,6 +371,7 @@ def test_a_copy_a_save_replaced_is_removed(tmp_path, monkeypatch) -> None:
         m.setattr(save, "fsync_dir", stop)  # the signal after the rename
         with pytest.raises(Interrupted):
             again()
+    assert sorted(os.listdir(root)) == ["step-00000002"]  # the replaced copy went after the signal
     shutil.copytree(root / "step-00000002", root / "step-00000002.old")  # a kill -9 left it
     with monkeypatch.context() as m:
         m.setattr(save, "_prune", lambda *a: None)  # (pruning removes it too)

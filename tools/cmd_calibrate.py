@@ -26,9 +26,10 @@ from tools.cmd_train import add_set_argument
 from trainer.calibrate import CalibrationGrid
 from trainer.model.config import DTYPES
 
-DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
-DEFAULT_RING_LENGTHS = "512,1024,2048,4096,8192,16384"
-DEFAULT_HOP_BYTES = "4096,65536,1048576,4194304"
+# the flags' defaults are the grid's
+DEFAULT_LENGTHS = ",".join(map(str, CalibrationGrid.lengths))
+DEFAULT_RING_LENGTHS = ",".join(map(str, CalibrationGrid.ring_lengths))
+DEFAULT_HOP_BYTES = ",".join(map(str, CalibrationGrid.hop_bytes))
 DEFAULT_PACKS = ",".join(f"{m}x{n}" for m, n in CalibrationGrid.packed)
 
 

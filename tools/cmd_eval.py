@@ -14,6 +14,7 @@ import json
 import os
 
 from datapipe.errors import ConfigError
+from datapipe.plan.setup import MAX_CAPACITY, MAX_CONTEXT
 from tools.cli import MAX_NPROC, int_in
 from trainer.model.config import DTYPES
 
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capacity",
-        type=int_in(1, 1 << 32),
+        type=int_in(1, MAX_CAPACITY),
         default=None,
         help="positions per rank per micro-batch",
     )
@@ -77,7 +78,7 @@ def _options(args: argparse.Namespace):
     if any(not 0 <= d <= 1 for d in depths):
         raise ConfigError(f"--passkey-depths: each must be in [0, 1], got {depths}")
     lengths = _numbers("--passkey-lengths", args.passkey_lengths, int)
-    if lengths is not None and any(not 16 <= n <= 1 << 36 for n in lengths):
+    if lengths is not None and any(not 16 <= n <= MAX_CONTEXT for n in lengths):
         raise ConfigError(f"--passkey-lengths: each must be in [16, 2^36], got {lengths}")
     return EvalOptions(
         model=args.model,

@@ -12,6 +12,7 @@ import argparse
 import os
 
 from datapipe.errors import ConfigError, InputError
+from datapipe.plan.setup import MAX_CONTEXT
 from tools.cli import MAX_ISLAND, int_in
 
 TOKENIZER_FILES = (
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-position-embeddings",
-        type=int_in(1, 1 << 36),
+        type=int_in(1, MAX_CONTEXT),
         default=None,
         help="the context config.json declares (default: model.max_position_embeddings, the "
         "pretrained model's, or the dataset's longest sample)",
