@@ -347,9 +347,8 @@ def test_a_signal_during_a_save_is_an_interruption(dataset, tmp_path, monkeypatc
 
 
 def test_a_copy_a_save_replaced_is_removed(tmp_path, monkeypatch) -> None:
-    """Saving a step again moves its old copy to step-N.old until the new one is in place: a
-    signal after the rename left it, and the next save of that step failed (os.replace onto a
-    non-empty directory). Now it is removed after the signal, and before a save's rename."""
+    """A step saved again keeps its old copy as step-N.old until the new one is in place; a signal
+    after the rename left it (the next save failed). Now it goes after the signal and pre-rename."""
     import signal
 
     import trainer.checkpoint.save as save
