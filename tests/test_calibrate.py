@@ -29,7 +29,8 @@ def test_calibrate_writes_a_loadable_cost_file(tmp_path):
     assert [t["lengths"] for t in steps] == [[16] * 4, [32] * 2]  # one per pack, whole steps
     assert cost.step == pytest.approx(float(np.median([t["seconds"] for t in steps])))
     assert cost.step > 0  # AdamW's apply and the plan check cost something
-    assert cal["fitted_terms"] == ["a", "b", "c", "d", "step"] and "local" in cal["residuals"]
+    assert cal["fitted_terms"] == ["a", "b", "c", "size_rates", "step"]
+    assert "local" in cal["residuals"] and cost.size_knots == (64.0,)  # the packs' positions
     assert main([*args, "--packs", "1x64"]) == 2  # a pack needs at least two samples
     assert main([*args, "--min-seconds", "-1"]) == 2
     assert main([*args, "--min-seconds", "nan"]) == 2
@@ -198,11 +199,7 @@ def test_calibrate_refits_given_timings_at_a_given_weight() -> None:
     cal = calibrate("debug", 1, timings=timings, weight_power=0.5)
     cost = calibrate("debug", 1, timings=timings).cost
     fit = fit_terms(timings, cost.kv_bytes_per_token, 2, cost.comm_passes, 1e9, 0.5)
-    assert (cal.cost.a, cal.cost.b, cal.cost.c, cal.cost.d) == (
-        fit.terms.a,
-        fit.terms.b,
-        fit.terms.c,
-        fit.terms.d,
-    )
+    keys = ("a", "b", "c", "size_knots", "size_rates")
+    assert [getattr(cal.cost, k) for k in keys] == [getattr(fit.terms, k) for k in keys]
     assert cal.meta["weight_power"] == 0.5 and cal.fit.timings == timings
-    assert (cost.a, cost.d) != (cal.cost.a, cal.cost.d)
+    assert (cost.a, cost.size_rates) != (cal.cost.a, cal.cost.size_rates)

@@ -1,6 +1,6 @@
 """The ring terms of the cost model (mixlen-cost/2) as the planners use them: per-hop latency, link
 bandwidth (inside and between nodes), chunk efficiency of attention, the part of a hop that
-overlaps compute, and the micro-batch size term d*T^2. Each is checked against a plain formula written here, for plan times and for
+overlaps compute, and the micro-batch size term (d*T^2, or T*r(T) from a size table). Each is checked against a plain formula written here, for plan times and for
 one decision it moves; /1 cost files load with the costs they always had."""
 
 from __future__ import annotations
@@ -30,6 +30,18 @@ BASE = C.CostModel(
 )
 
 
+def table_rate(knots: tuple, rates: tuple, t: float) -> float:
+    """Seconds per position of the size table at t: 0 at 0, straight lines between the knots,
+    the last rate beyond them (0 without a table)."""
+    if not knots:
+        return 0.0
+    if t >= knots[-1]:
+        return rates[-1]
+    xs, fs = [0.0, *knots], [0.0, *rates]
+    j = max(i for i in range(len(xs)) if xs[i] <= t)
+    return fs[j] + (fs[j + 1] - fs[j]) * (t - xs[j]) / (xs[j + 1] - xs[j])
+
+
 def member_s(cost: C.CostModel, lengths: list[int], k: int, spans: bool = True) -> float:
     """Reference member time (seconds) of a micro-batch of `lengths`, each split over k ranks."""
     attn = lin = 0.0
@@ -38,7 +50,8 @@ def member_s(cost: C.CostModel, lengths: list[int], k: int, spans: bool = True) 
         eff = chunk / (chunk + cost.attn_n_half)
         attn += cost.a * s * s / k / eff
         lin += cost.b * s / k
-    lin += cost.d * (sum(lengths) / k) ** 2  # the micro-batch's size term, T = member positions
+    n = sum(lengths) / k  # the micro-batch's size term, T = member positions
+    lin += cost.d * n * n + n * table_rate(cost.size_knots, cost.size_rates, n)
     ring = 0.0
     if k > 1:
         n = sum(lengths) / k
@@ -175,9 +188,14 @@ def test_overlap() -> None:
     assert len(set(picked)) > 1
 
 
-def test_micro_batch_size_term() -> None:
-    # time: d*T^2, T the positions one rank computes in the micro-batch, local and in a ring
-    cost = dataclasses.replace(BASE, d=2e-9, overlap=0.0, hop_latency_s=1e-4)
+@pytest.mark.parametrize(
+    "size",
+    [{"d": 2e-9}, {"size_knots": (1500.0, 4000.0), "size_rates": (3e-6, 8e-6)}],
+    ids=["d", "table"],
+)
+def test_micro_batch_size_term(size) -> None:
+    # time: d*T^2 or T*r(T), T the positions one rank computes in the micro-batch, local and ring
+    cost = dataclasses.replace(BASE, **size, overlap=0.0, hop_latency_s=1e-4)
     local = plan(cost, "single", [3000, 2000, 500], 1, 8192)
     assert local.num_microbatches == 1
     assert_close(local.makespan_ns, member_s(cost, [3000, 2000, 500], 1))
@@ -311,3 +329,29 @@ def test_report_components_add_up_to_plan_times() -> None:
         parts = mb_components(p, cost).sum(axis=1) * 1e9
         per_mb = np.diff(p.mb_piece_offsets)
         assert np.all(np.abs(parts - p.mb_time_ns) <= 2 * per_mb + 2), policy
+
+
+def test_size_table_in_files_and_times() -> None:
+    """The size table: T*r(T) per micro-batch against the plain formula on both sides of every
+    knot; written only when set (files without it keep their bytes and hashes), read back; bad
+    tables refused naming the key."""
+    cost = dataclasses.replace(BASE, size_knots=(2048.0, 4096.0), size_rates=(1e-5, 2.5e-5))
+    ts = [1, 1000, 2047, 2048, 3000, 4096, 5000, 70000]
+    want = [round(t * table_rate(cost.size_knots, cost.size_rates, t) * 1e9) for t in ts]
+    assert cost.size_ns(np.array(ts)).tolist() == want
+    assert "size_knots" not in BASE.to_dict() and "size_rates" not in BASE.to_dict()
+    back = C.from_dict(json.loads(cost.to_json()))
+    assert (back.size_knots, back.size_rates) == (cost.size_knots, cost.size_rates)
+    assert back.hash == cost.hash != BASE.hash
+    d = cost.to_dict()
+    bad = [
+        ({"size_rates": [1e-5]}, "one rate per knot"),
+        ({"size_knots": [4096, 2048]}, "'size_knots' must increase strictly"),
+        ({"size_rates": [2e-5, 1e-5]}, "'size_rates' must not decrease"),
+        ({"size_rates": [-1e-5, 1e-5]}, r"'size_rates\[0\]' must be a finite number >= 0"),
+        ({"size_knots": [0, 2048]}, r"'size_knots\[0\]' must be a finite number > 0"),
+        ({"size_knots": "2048"}, "'size_knots' must be a list of numbers"),
+    ]
+    for change, match in bad:
+        with pytest.raises(InputError, match=match):
+            C.from_dict({**d, **change}, "cost.json")

@@ -25,28 +25,39 @@ TRUE = {
     "a": 3.4e-8,
     "b": 4.1e-5,
     "c": 6e-3,
-    "d": 1.5e-9,
+    "r1": 3e-6,  # size table: seconds per position at the synthetic packs' 2,048 and 8,192
+    "r2": 1.2e-5,
     "h": 180.0,
     "lat": 2.5e-4,
     "bw": 6e8,
     "ov": 0.6,
 }
 KV, LAYERS = 2048.0, 2
+KNOTS = (2048.0, 8192.0)
+
+
+def rate(p: dict, t: float) -> float:
+    """The size table's seconds per position at t: from 0 at 0 through (KNOTS, r1 r2), flat after."""
+    xs, fs = (0.0, *KNOTS), (0.0, p["r1"], p["r2"])
+    for j in range(2):
+        if t <= xs[j + 1]:
+            return fs[j] + (fs[j + 1] - fs[j]) * (t - xs[j]) / (xs[j + 1] - xs[j])
+    return fs[-1]
 
 
 def local_s(p: dict, lengths: list[int]) -> float:
-    # a whole sample's attention at eff(S) = S / (S + h); d per squared micro-batch size
+    # a whole sample's attention at eff(S) = S / (S + h); the size table at T positions
     t = sum(lengths)
     return (
         p["c"]
         + sum(p["a"] * s * s / (s / (s + p["h"])) + p["b"] * s for s in lengths)
-        + (p["d"] * t * t)
+        + t * rate(p, t)
     )
 
 
 def ring_s(p: dict, lengths: list[int], k: int) -> float:
     attn = sum(p["a"] * s * s / k / ((s / k) / (s / k + p["h"])) for s in lengths)
-    lin = sum(p["b"] * s / k for s in lengths) + p["d"] * (sum(lengths) / k) ** 2
+    lin = sum(p["b"] * s / k for s in lengths) + (sum(lengths) / k) * rate(p, sum(lengths) / k)
     hops = LAYERS * (3 * (k - 1) + 1)  # per layer: k-1 fwd, k-1 bwd K/V, k dK/dV
     ring = hops * p["lat"] + 3 * (k - 1) * (sum(lengths) / k) * KV / p["bw"]
     return p["c"] + attn + lin + (1 - p["ov"]) * ring + max(p["ov"] * ring - attn, 0.0)
@@ -70,7 +81,8 @@ def as_dict(t: Terms) -> dict:
         "a": t.a,
         "b": t.b,
         "c": t.c,
-        "d": t.d,
+        "r1": t.size_rates[0] if t.size_rates else 0.0,
+        "r2": t.size_rates[1] if t.size_rates else 0.0,
         "h": t.attn_n_half,
         "lat": t.hop_latency_s,
         "bw": t.link_bytes_per_s,
@@ -81,12 +93,21 @@ def as_dict(t: Terms) -> dict:
 @pytest.mark.parametrize("ring_sizes", [(2,), (2, 3, 4)])
 @pytest.mark.parametrize(
     "change",
-    [{}, {"ov": 0.0}, {"ov": 1.0, "h": 0.0}, {"lat": 2e-5, "bw": 5e9, "h": 600.0}, {"d": 0.0}],
-    ids=["base", "no-overlap", "full-overlap", "fast-link", "no-size-term"],
+    [
+        {},
+        {"ov": 0.0},
+        {"ov": 1.0, "h": 0.0},
+        {"lat": 2e-5, "bw": 5e9, "h": 600.0},
+        {"r1": 0.0, "r2": 0.0},
+        {"r1": 0.0},
+        {"r1": 6e-6, "r2": 6e-6},
+    ],
+    ids=["base", "no-overlap", "full-overlap", "fast-link", "no-size-term", "late", "flat"],
 )
 def test_fit_recovers_known_terms(ring_sizes, change) -> None:
     p = {**TRUE, **change}
     fit = fit_terms(synthetic(p, ring_sizes), KV, LAYERS)
+    assert fit.terms.size_knots == KNOTS  # the packs' positions
     got = as_dict(fit.terms)
     for key, want in p.items():
         if want == 0.0:
@@ -95,7 +116,8 @@ def test_fit_recovers_known_terms(ring_sizes, change) -> None:
             assert got[key] == pytest.approx(want, rel=0.02), key
     assert np.abs(fit.rel_residuals).max() < 1e-3
     assert set(fit.summary()) == {"local", "hop", "ring"}
-    assert set(fit.fitted_terms) == {"a", "b", "c", "d", "hop_latency_s", "link_bytes_per_s"} | {
+    assert set(fit.fitted_terms) == {"a", "b", "c", "size_rates", "hop_latency_s"} | {
+        "link_bytes_per_s",
         "attn_n_half",
         "overlap",
     }
@@ -103,12 +125,13 @@ def test_fit_recovers_known_terms(ring_sizes, change) -> None:
 
 def test_fit_model_is_the_planners() -> None:
     """costfit's ring formula and the planner's integer group times agree (same terms)."""
-    t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7, 2e-9)
+    t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7, (1000.0, 5000.0), (2e-6, 9e-6))
     cost = C.CostModel(
         a=t.a,
         b=t.b,
         c=t.c,
-        d=t.d,
+        size_knots=t.size_knots,
+        size_rates=t.size_rates,
         kv_bytes_per_token=KV,
         link_bytes_per_s=t.link_bytes_per_s,
         num_layers=LAYERS,
@@ -138,14 +161,13 @@ def test_fit_without_rings_or_hops_is_the_v1_model() -> None:
     p = {**TRUE, "h": 0.0}
     local = [m for m in synthetic(p) if m.kind == "local"]
     singles = [m for m in local if len(m.lengths) == 1]
-    assert (
-        fit_terms(singles, KV, LAYERS, link_bytes_per_s=1.25e9).terms.d == 0.0
-    )  # d*S^2 is a*S^2 for one sample
+    no_table = fit_terms(singles, KV, LAYERS, link_bytes_per_s=1.25e9).terms
+    assert no_table.size_knots == () and no_table.size_rates == ()  # T*r(T) vs a*S^2: one sample
     fit = fit_terms(local, KV, LAYERS, link_bytes_per_s=1.25e9)
     assert (fit.terms.attn_n_half, fit.terms.overlap, fit.terms.hop_latency_s) == (0.0, 1.0, 0.0)
     assert fit.terms.link_bytes_per_s == 1.25e9
     assert fit.terms.a == pytest.approx(p["a"], rel=1e-6)
-    assert fit.fitted_terms == ["a", "b", "c", "d"]
+    assert fit.fitted_terms == ["a", "b", "c", "size_rates"]
     with pytest.raises(CalibrationError, match="no hop timings and no link bandwidth"):
         fit_terms(local, KV, LAYERS)
 
@@ -174,19 +196,27 @@ def test_local_fit_clamps_negative_terms() -> None:
     refitted."""
     s = [128, 256, 512, 1024, 4096, 16384]
     exact = [Timing("local", 1, (x,), 0.0, 3e-8 * x * x + 8e-5 * x + 2e-3) for x in s]
-    assert fit_local(exact) == pytest.approx((3e-8, 8e-5, 2e-3, 0.0), rel=1e-8)
+    *abc, knots, rates = fit_local(exact)
+    assert abc == pytest.approx((3e-8, 8e-5, 2e-3), rel=1e-8) and knots == rates == ()
     concave = [Timing("local", 1, (x,), 0.0, 1e-4 * x - 1e-10 * x * x + 1e-3) for x in s]
-    a, b, c, d = fit_local(concave)
-    assert a == 0 and b > 0 and c >= 0 and d == 0
-    # packs cheaper per position than their samples alone would fit a negative d: fixed at 0
+    a, b, c, knots, rates = fit_local(concave)
+    assert a == 0 and b > 0 and c >= 0 and knots == ()
+    # packs cheaper per position than their samples alone would fit negative rates: fixed at 0
     packs = [
         Timing(
             "local", 1, (x,) * 4, 0.0, 2e-3 + 4 * (3e-8 * x * x + 8e-5 * x) - 2e-9 * (4 * x) ** 2
         )
         for x in (256, 1024)
     ]
-    a, b, c, d = fit_local(exact + packs)
-    assert d == 0 and a > 0 and b > 0
+    a, b, c, knots, rates = fit_local(exact + packs)
+    assert knots == (1024.0, 4096.0) and rates == (0.0, 0.0) and a > 0 and b > 0
+    # a rate that would fall from one knot to the next is held level (steps >= 0): r never falls
+    falling = [
+        Timing("local", 1, (x,) * 4, 0.0, 2e-3 + 4 * (3e-8 * x * x + 8e-5 * x) + 4 * x * r)
+        for x, r in ((256, 2e-5), (1024, 5e-6))
+    ]
+    a, b, c, knots, rates = fit_local(exact + falling)
+    assert rates[0] > 0 and rates[1] == rates[0]
 
 
 def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
@@ -196,7 +226,7 @@ def test_fit_at_the_attention_bound_keeps_b_nonnegative(monkeypatch) -> None:
 
     a, b1 = 4.4350871771406636e-08, 5.008541189680322e-05  # b1 - a * (b1 / a) < 0 in floats
     assert b1 - a * (b1 / a) < 0
-    monkeypatch.setattr(CF, "fit_local", lambda timings, *rest: (a, b1, 2e-3, 0.0))
+    monkeypatch.setattr(CF, "fit_local", lambda timings, *rest: (a, b1, 2e-3, (), ()))
     monkeypatch.setattr(CF, "fit_rings", lambda timings, a, b1, *rest: (b1 / a, 0.5))
     fit = fit_terms(synthetic(TRUE), KV, LAYERS)
     assert fit.terms.b == 0.0 and fit.terms.attn_n_half == b1 / a
@@ -226,7 +256,7 @@ def test_step_term_is_the_median_step_overhead_and_optional_in_files(tmp_path) -
 
 def test_local_fit_minimises_residuals_weighted_by_t_to_the_0_75() -> None:
     """Timings the model cannot fit exactly (a per-position cost that flattens for short samples):
-    the fitted (a, b', c, d) are a stationary point of sum(((fit - t) / t**0.75)^2), checked by
+    the fitted (a, b', c, size rates) are a stationary point of sum(((fit - t) / t**0.75)^2), checked by
     finite differences of that objective written here (weighing by 1/sqrt(t) or 1/t leaves a
     slope there)."""
     rng = np.random.default_rng(5)
@@ -240,16 +270,21 @@ def test_local_fit_minimises_residuals_weighted_by_t_to_the_0_75() -> None:
     ]
     t = np.array(t) * rng.uniform(0.97, 1.03, len(t))
     timings = [Timing("local", 1, c, 0.0, float(x)) for c, x in zip(cases, t)]
-    coef = np.array(fit_local(timings))
-    assert (coef > 0).all()  # interior: the gradient vanishes in every coordinate
+    a, b1, c0, knots, rates = fit_local(timings)
+    assert knots == KNOTS
+    coef = np.array([a, b1, c0, *rates])
+    assert (coef > 0).all() and rates[1] > rates[0]  # interior: the gradient vanishes
 
     def objective(x: np.ndarray) -> float:
-        f = [x[2] + sum(x[0] * s * s + x[1] * s for s in c) + x[3] * sum(c) ** 2 for c in cases]
+        p = {"r1": x[3], "r2": x[4]}
+        f = [
+            x[2] + sum(x[0] * s * s + x[1] * s for s in c) + sum(c) * rate(p, sum(c)) for c in cases
+        ]
         return float(np.sum(((np.array(f) - t) / t**0.75) ** 2))
 
     f0 = objective(coef)
-    for i in range(4):
-        step = np.zeros(4)
+    for i in range(5):
+        step = np.zeros(5)
         step[i] = coef[i] * 1e-4
         slope = (objective(coef + step) - objective(coef - step)) / 2
         assert abs(slope) <= 1e-6 * f0, (i, slope, f0)

@@ -235,7 +235,19 @@ def test_hdp_spreads_short_work_over_idle_ranks() -> None:
         assert w.makespan_ns == pytest.approx((DEBUG.c + 6 * one) * 1e9, abs=8)
 
 
-def spread_samples_ref(w, s, cap: int, c_ns: int, d_ns: float, load) -> tuple[list, list]:
+def size_ref(t: int, d_ns: float, knots: tuple, rates: tuple) -> int:
+    """The size term in plain Python: d*t^2 + t*rate(t), rate linear from 0 at 0 through the
+    knots, the last rate beyond them."""
+    xs, fs = (0.0, *knots), (0.0, *rates)
+    rate = fs[-1]
+    for j in range(len(xs) - 1):
+        if t < xs[j + 1]:
+            rate = (fs[j + 1] - fs[j]) / (xs[j + 1] - xs[j]) * (t - xs[j]) + fs[j]
+            break
+    return int(d_ns * t * t + t * rate + 0.5)
+
+
+def spread_samples_ref(w, s, cap: int, cd: tuple, load) -> tuple[list, list]:
     """schedule.spread_samples in plain Python: each sample to the least-loaded rank (lowest on
     ties), into its newest micro-batch if that has room, else the fullest older one with room (the
     newest on ties), else a new one."""
@@ -244,8 +256,10 @@ def spread_samples_ref(w, s, cap: int, c_ns: int, d_ns: float, load) -> tuple[li
     mb_rank: list[int] = []
     mb_of = []
 
+    c_ns, d_ns, knots, rates = cd
+
     def size(t: int) -> int:
-        return int(d_ns * t * t + 0.5)
+        return size_ref(t, d_ns, knots, rates)
 
     for wi, si in zip(w.tolist(), s.tolist()):
         r = min(range(len(load)), key=lambda x: (load[x], x))
@@ -269,17 +283,21 @@ def spread_samples_ref(w, s, cap: int, c_ns: int, d_ns: float, load) -> tuple[li
     st.integers(1, 200),
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 200)), max_size=60),
     st.lists(st.integers(0, 10**6), min_size=12, max_size=12),
-    st.sampled_from([(0, 0.0), (1000, 0.0), (500, 3.7)]),
+    st.sampled_from(
+        [(0, 0.0, (), ()), (1000, 0.0, (), ()), (500, 3.7, (), ()), (300, 0.0, (50, 120), (2, 5.5))]
+    ),
 )
 @settings(deadline=None, max_examples=200)
 def test_spread_samples_matches_reference(n, cap, samples, base, cd) -> None:
+    """The kernel against the plain-Python reference, with and without a size table."""
     w = np.array([x for x, _ in samples], dtype=np.int64)
     s = np.minimum(np.array([y for _, y in samples], dtype=np.int64), cap)
     order = np.lexsort((np.arange(w.size), -w))
     w, s = w[order], s[order]
     load = np.array(base[:n], dtype=np.int64)
-    want_mb, want_rank, want_load = spread_samples_ref(w, s, cap, cd[0], cd[1], load)
-    mb, rank = spread_samples(w, s, cap, cd[0], cd[1], load)
+    want_mb, want_rank, want_load = spread_samples_ref(w, s, cap, cd, load)
+    size_x, size_f = np.array((0.0, *cd[2])), np.array((0.0, *cd[3]), dtype=np.float64)
+    mb, rank = spread_samples(w, s, cap, cd[0], cd[1], size_x, size_f, load)
     assert mb.tolist() == want_mb and rank.tolist() == want_rank and load.tolist() == want_load
 
 
@@ -299,7 +317,8 @@ def test_idle_rank_filled_without_raising_the_step() -> None:
     w = cost.work_ns(lengths, 1)
     order = np.lexsort((np.arange(211), -w))
     load = np.zeros(54, dtype=np.int64)
-    spread_samples(w[order], lengths[order], 2048, cost.c_ns, 0.0, load)
+    zero = np.zeros(1)
+    spread_samples(w[order], lengths[order], 2048, cost.c_ns, 0.0, zero, zero, load)
     assert load.max() > packed  # the premise: spreading alone would end later
     p = plan("hdp", lengths, 54, 2048, cost)
     check_plan(p)

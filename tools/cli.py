@@ -93,4 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from tools.launch import under_torchrun
+
+    if under_torchrun():  # a rank: skip the finalization where gloo can abort
+        from trainer.parallel.procexit import exit_now
+
+        exit_now(code)
+    sys.exit(code)

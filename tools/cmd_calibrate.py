@@ -245,8 +245,9 @@ def render(cal) -> str:
     )
     lines += [f"note: {n}" for n in cal.fit.notes]
     c = cal.cost
+    size = ", ".join(f"{r:.3g} at {k:g}" for k, r in zip(c.size_knots, c.size_rates)) or "none"
     lines.append(
-        f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, d = {c.d:.4g} s/T^2, "
+        f"a = {c.a:.4g} s/S^2, b = {c.b:.4g} s/token, c = {c.c:.4g} s, size s/position: {size}, "
         f"attn_n_half = "
         f"{c.attn_n_half:.4g}, hop_latency_s = {c.hop_latency_s:.4g}, link = "
         f"{c.link_bytes_per_s:.4g} B/s, overlap = {c.overlap:.3f}  ({cal.meta['seconds']:.0f} s)"

@@ -454,7 +454,8 @@ def calibrate(
                 "--ranks-per-node needs --inter-node-bytes-per-s (the link between nodes)"
             )
         node_link, link = link, float(inter_node_bytes_per_s)
-    terms = {k: getattr(t, k) for k in ("a", "b", "c", "d", "attn_n_half", "hop_latency_s")}
+    keys = ("a", "b", "c", "size_knots", "size_rates", "attn_n_half", "hop_latency_s")
+    terms = {k: getattr(t, k) for k in keys}
     cost = dataclasses.replace(
         base,
         **terms,

@@ -171,8 +171,9 @@ def rebalance_tail(
     w = cost.work_ns(lengths[samples], 1)
     order = sort_desc_kernel(w)  # longest first, ties by sample index
     load = base.copy()
+    size_x, size_f = cost.size_table_ns()
     mb_sorted, t_rank = spread_samples(
-        w[order], lengths[samples[order]], cap, cost.c_ns, cost.d * 1e9, load
+        w[order], lengths[samples[order]], cap, cost.c_ns, cost.d * 1e9, size_x, size_f, load
     )
     mb_of = np.empty(samples.shape[0], dtype=np.int64)
     mb_of[order] = mb_sorted

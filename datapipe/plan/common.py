@@ -186,7 +186,8 @@ def pack_local(
     if n_bins < min(min_bins, short_idx.size):
         order = np.lexsort((np.arange(s.shape[0]), -s))
         load = np.zeros(min_bins, dtype=np.int64)
-        mb, mb_rank = spread_samples(s[order], s[order], int(capacity), 0, 0.0, load)
+        zero = np.zeros(1)  # no size term: positions only
+        mb, mb_rank = spread_samples(s[order], s[order], int(capacity), 0, 0.0, zero, zero, load)
         b[order] = mb
         n_bins = mb_rank.shape[0]
     order, off = group_by_bucket_kernel(b, n_bins)
@@ -253,7 +254,8 @@ def dynamic_groups(
 def local_times(
     cost: CostModel, lengths: np.ndarray, b_off: np.ndarray, b_items: np.ndarray
 ) -> np.ndarray:
-    """Time of each local micro-batch: c + the whole compute of its samples + d*T^2."""
+    """Time of each local micro-batch: c + the whole compute of its samples + its size term
+    (CostModel.size_ns of its T positions)."""
     if b_off.shape[0] <= 1:
         return np.zeros(0, np.int64)
     s = lengths[b_items]
@@ -272,7 +274,7 @@ def group_times(
 ) -> np.ndarray:
     """Member time of group micro-batches holding one or more samples (each split zigzag over the
     group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares (attention at its chunk
-    efficiency) + d*n^2 + exposed ring/offload of the member's positions n. `spans` (per group): the
+    efficiency) + size term of n + exposed ring/offload of the member's positions n. `spans` (per group): the
     group's ranks are in more than one node (default: cost.spans_nodes(k))."""
     if kg.shape[0] == 0:
         return np.zeros(0, np.int64)

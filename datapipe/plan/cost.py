@@ -7,8 +7,10 @@ all S keys, in chunks of about S/k positions. ``eff(n) = n / (n + attn_n_half)``
 kernel's efficiency on a chunk of n positions (short chunks run below the long-sequence rate), so a
 member's attention is ``a*S^2/k + a*attn_n_half*S``: splitting a sample over k ranks adds
 ``(k-1)*a*attn_n_half*S`` of attention work in total. Every micro-batch adds a fixed ``c``, and
-``d*T^2`` for the T positions one rank computes in it: a per-position rate that grows with the
-micro-batch's size (on CPUs a full micro-batch's activations outgrow the caches; 0 in the presets).
+``T*r(T)`` for the T positions one rank computes in it: a per-position rate that grows with the
+micro-batch's size (on CPUs a larger micro-batch's activations outgrow the caches). r is the size
+table: linear from 0 at T = 0 through calibrated points (``size_knots``, ``size_rates``), the last
+rate beyond them; older files' ``d`` adds ``d*T^2`` (r(T) = d*T); both empty or 0 in the presets.
 A step adds ``step`` around its micro-batches on every rank (the optimizer's apply, the gradient
 reduction that did not hide, the fetch hand-off: 0 in the presets): the planner's decisions do not
 depend on it (every rank pays it), a step's predicted time is the plan's makespan plus it.
@@ -131,6 +133,15 @@ def _ns(seconds_ns: np.ndarray) -> np.ndarray:
     return np.rint(x).astype(np.int64)
 
 
+def size_rate(knots: tuple[float, ...], rates: tuple[float, ...], t: np.ndarray) -> np.ndarray:
+    """Seconds per position of a micro-batch of t positions: linear from 0 at t = 0 through
+    (knots, rates), the last rate beyond the last knot; 0 without knots."""
+    t = np.asarray(t, dtype=np.float64)
+    if not knots:
+        return np.zeros_like(t)
+    return np.interp(t, (0.0, *knots), (0.0, *rates))
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Coefficients of the per-rank time model (see module docstring); build with preset/load."""
@@ -150,6 +161,8 @@ class CostModel:
     ranks_per_node: int = 0
     node_link_bytes_per_s: float = 0.0
     d: float = 0.0
+    size_knots: tuple[float, ...] = ()
+    size_rates: tuple[float, ...] = ()
     step: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
@@ -185,14 +198,38 @@ class CostModel:
             raise ConfigError(
                 "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"
             )
+        self._check_size_table()
+
+    def _check_size_table(self) -> None:
+        """size_knots strictly increasing positions > 0, size_rates as many non-decreasing
+        seconds per position >= 0 (so a micro-batch's size term never falls as it grows)."""
+        for key in ("size_knots", "size_rates"):
+            v = getattr(self, key)
+            if not isinstance(v, (list, tuple)):
+                raise ConfigError(f"cost model: '{key}' must be a list of numbers, got {v!r}")
+            for i, x in enumerate(v):
+                _finite(f"{key}[{i}]", x, 0.0, key == "size_knots")
+            object.__setattr__(self, key, tuple(float(x) for x in v))
+        kn, rt = self.size_knots, self.size_rates
+        if len(kn) != len(rt):
+            raise ConfigError(
+                f"cost model: 'size_knots' has {len(kn)} entries and 'size_rates' {len(rt)}: "
+                "one rate per knot expected"
+            )
+        if any(y <= x for x, y in zip(kn, kn[1:])):
+            raise ConfigError(f"cost model: 'size_knots' must increase strictly, got {list(kn)}")
+        if any(y < x for x, y in zip(rt, rt[1:])):
+            raise ConfigError(f"cost model: 'size_rates' must not decrease, got {list(rt)}")
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         del d["file_hash"], d["island_ranks"]
-        for key in ("d", "step"):
+        for key in ("d", "size_knots", "size_rates", "step"):
             if not d[key]:
                 del d[key]  # files without the term keep their bytes and hashes
+            elif isinstance(d[key], tuple):
+                d[key] = list(d[key])
         d["schema"] = SCHEMA
         return d
 
@@ -236,10 +273,23 @@ class CostModel:
         s = np.asarray(lengths, dtype=np.float64)
         return _ns(self.b * s / np.asarray(k, dtype=np.float64) * NS)
 
+    def size_rate(self, member_tokens: np.ndarray) -> np.ndarray:
+        """The size table's seconds per position at T positions (float; see size_rate)."""
+        return size_rate(self.size_knots, self.size_rates, member_tokens)
+
     def size_ns(self, member_tokens: np.ndarray) -> np.ndarray:
-        """d*T^2 of micro-batches whose one member computes T positions, int64 ns."""
+        """d*T^2 + T*size_rate(T) of micro-batches whose one member computes T positions, int64
+        ns."""
         t = np.asarray(member_tokens, dtype=np.float64)
-        return _ns(self.d * t * t * NS)
+        if not self.size_knots:
+            return _ns(self.d * t * t * NS)
+        return _ns((self.d * t * t + t * self.size_rate(t)) * NS)
+
+    def size_table_ns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(knots with 0 first, rates in ns per position with 0 first): the size table for the
+        numba kernels (two zeros without a table)."""
+        x = np.array((0.0, *self.size_knots), dtype=np.float64)
+        return x, np.array((0.0, *self.size_rates), dtype=np.float64) * NS
 
     def ring_bytes(self, member_tokens: np.ndarray, k: np.ndarray | int) -> np.ndarray:
         """Bytes one member sends around a ring of k in one step (0 for k = 1)."""
@@ -430,6 +480,8 @@ _OPTIONAL = (
     "ranks_per_node",
     "node_link_bytes_per_s",
     "d",
+    "size_knots",
+    "size_rates",
     "step",
 )  # default if absent
 

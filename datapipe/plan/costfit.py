@@ -5,11 +5,12 @@ trainer/calibrate.py.
 Four kinds of timings, each a micro-batch's (or a hop's, or a step's) seconds on one rank:
 
 - ``local``: forward + backward of whole samples on one rank:
-  ``c + sum(a*S^2 + (b + a*h)*S) + d*T^2`` (h = attn_n_half; a whole sample's attention is
-  ``a*S^2/eff(S) = a*S^2 + a*h*S``; T = sum(S), the micro-batch's positions);
+  ``c + sum(a*S^2 + (b + a*h)*S) + T*r(T)`` (h = attn_n_half; a whole sample's attention is
+  ``a*S^2/eff(S) = a*S^2 + a*h*S``; T = sum(S), the micro-batch's positions; r the size table:
+  seconds per position, linear from 0 at T = 0 through one rate per knot, flat beyond the last);
 - ``hop``: one ring hop of ``nbytes`` with nothing to overlap: ``L + nbytes / link``;
 - ``ring``: forward + backward of a member of a ring of k, each sample split zigzag:
-  ``c + sum(a*S^2/k + a*h*S + b*S/k) + d*n^2 + (1 - overlap)*R + max(overlap*R - A, 0)`` with
+  ``c + sum(a*S^2/k + a*h*S + b*S/k) + n*r(n) + (1 - overlap)*R + max(overlap*R - A, 0)`` with
   ``R = hops(k)*L + comm_passes*(k-1)*n*kv / link``, n the member's positions and A its attention
   (datapipe.plan.cost's module docstring);
 - ``step``: a whole optimizer step's time beyond its micro-batches (the slowest rank's step minus
@@ -17,9 +18,13 @@ Four kinds of timings, each a micro-batch's (or a hop's, or a step's) seconds on
   the median of these timings (it does not depend on the lengths).
 
 The fit runs in three least-squares stages: L and link from the hops (relative residuals, (fit -
-measured) / measured: sizes span orders of magnitude); a, b + a*h, c and d from the local timings
-(non-negative; a coefficient that comes out negative is fixed at 0 and the rest refitted; d only
-when some local micro-batch packs several samples, since for one sample d*T^2 = d*S^2); then h
+measured) / measured: sizes span orders of magnitude); a, b + a*h, c and the size table from the
+local timings (non-negative; a coefficient that comes out negative is fixed at 0 and the rest
+refitted). The table's knots are the positions of the packed local timings (several samples in one
+micro-batch: only they tell T*r(T) from a*S^2), its rates rise from knot to knot by non-negative
+steps, so r never falls as T grows: on a CPU the rate climbs where a micro-batch's activations
+outgrow a cache and levels off beyond, which one d*T^2 term (the older files' form) could not
+follow (it under-predicted 4,096-position micro-batches by 5-10% between 2,048 and 8,192). Then h
 (which splits b + a*h into b and a*h: only split samples tell them apart) and overlap from the
 rings, by a grid over both and Levenberg-Marquardt from the best point. The compute stages weigh
 each residual by 1/measured**0.75 (WEIGHT_POWER), between relative (1.0) and absolute error: steps
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datapipe.errors import MixlenError
+from datapipe.plan.cost import size_rate
 
 KINDS = ("local", "hop", "ring", "step")
 UNRESOLVED_LINK = 1e15  # bytes/s taken when hop times do not grow with the message size
@@ -88,7 +94,8 @@ class Terms:
     hop_latency_s: float
     link_bytes_per_s: float
     overlap: float
-    d: float = 0.0  # seconds per T^2, T the positions of one rank's micro-batch
+    size_knots: tuple[float, ...] = ()  # positions T of one rank's micro-batch
+    size_rates: tuple[float, ...] = ()  # seconds per position at each knot (cost.size_rate)
     step: float = 0.0  # seconds per optimizer step around its micro-batches
 
 
@@ -158,7 +165,8 @@ def ring_seconds(
     """Member time (float seconds) of ring micro-batches: k, sum of S^2 and of S of their samples."""
     k = np.asarray(k, dtype=np.float64)
     attn = terms.a * s2 / k + terms.a * terms.attn_n_half * s1
-    lin = terms.b * s1 / k + terms.d * (s1 / k) ** 2
+    n = s1 / k
+    lin = terms.b * n + n * size_rate(terms.size_knots, terms.size_rates, n)
     hops = np.where(k > 1, num_layers * (comm_passes * (k - 1) + 1), 0.0)
     nbytes = comm_passes * np.maximum(k - 1, 0) * (s1 / k) * kv_bytes_per_token
     ring = hops * terms.hop_latency_s + nbytes / terms.link_bytes_per_s
@@ -205,28 +213,38 @@ def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
     return float(lat), float(1.0 / inv_bw), None
 
 
-def has_packs(timings: Sequence[Timing]) -> bool:
-    """Does some local timing pack several samples (what separates d*T^2 from a*S^2)?"""
-    return any(m.kind == "local" and len(m.lengths) > 1 for m in timings)
+def size_knots(timings: Sequence[Timing]) -> tuple[float, ...]:
+    """The size table's knots: the distinct positions of the local timings that pack several
+    samples (what separates T*r(T) from a*S^2); none without packs."""
+    return tuple(
+        sorted({float(sum(m.lengths)) for m in timings if m.kind == "local" and len(m.lengths) > 1})
+    )
+
+
+def _size_columns(knots: tuple[float, ...], t: np.ndarray) -> list[np.ndarray]:
+    """Columns whose non-negative coefficients are the size table's steps from knot to knot:
+    rate(T) = sum_j step_j * clip((T - knot_{j-1}) / (knot_j - knot_{j-1}), 0, 1), knot_0 = 0."""
+    lo = (0.0, *knots[:-1])
+    return [t * np.clip((t - x0) / (x1 - x0), 0.0, 1.0) for x0, x1 in zip(lo, knots)]
 
 
 def fit_local(
     timings: Sequence[Timing], weight_power: float = WEIGHT_POWER
-) -> tuple[float, float, float, float]:
-    """(a, b + a*h, c, d) from local timings: t = c + sum(a*S^2 + b'*S) + d*(sum S)^2; d = 0
-    when no timing packs several samples (then d*T^2 and a*S^2 cannot be told apart)."""
+) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...]]:
+    """(a, b + a*h, c, size knots, size rates) from local timings: t = c + sum(a*S^2 + b'*S) +
+    T*r(T), T = sum S; no table when no timing packs several samples (then T*r(T) and a*S^2
+    cannot be told apart)."""
     ls = [m for m in timings if m.kind == "local"]
     s2 = np.array([sum(x * x for x in m.lengths) for m in ls], dtype=np.float64)
     s1 = np.array([sum(m.lengths) for m in ls], dtype=np.float64)
     t = np.array([m.seconds for m in ls], dtype=np.float64)
     if len(ls) < 3 or len(set(s1.tolist())) < 3:
         raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
-    cols = [s2, s1, np.ones_like(s1)]
-    packed = has_packs(timings)
-    if packed:
-        cols.append(s1 * s1)
-    a, b1, c, *d = _nonneg_lstsq(np.stack(cols, axis=1), t, weight_power)
-    return float(a), float(b1), float(c), float(d[0]) if packed else 0.0
+    knots = size_knots(timings)
+    cols = [s2, s1, np.ones_like(s1), *_size_columns(knots, s1)]
+    a, b1, c, *steps = _nonneg_lstsq(np.stack(cols, axis=1), t, weight_power)
+    rates = tuple(float(x) for x in np.cumsum(steps))
+    return float(a), float(b1), float(c), knots, rates
 
 
 def fit_rings(
@@ -234,7 +252,7 @@ def fit_rings(
     a: float,
     b1: float,
     c: float,
-    d: float,
+    size: tuple[tuple[float, ...], tuple[float, ...]],
     hop_latency_s: float,
     link_bytes_per_s: float,
     kv_bytes_per_token: float,
@@ -242,7 +260,8 @@ def fit_rings(
     comm_passes: float = 3.0,
     weight_power: float = WEIGHT_POWER,
 ) -> tuple[float, float]:
-    """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h, c, d from the local fit:
+    """(attn_n_half h, overlap) from ring timings, with a, b' = b + a*h, c and the size table
+    (knots, rates) from the local fit:
     a grid over h in [0, b'/a] (b >= 0) and overlap in [0, 1], then Levenberg-Marquardt."""
     r = _rings(timings)
     h_max = b1 / a if a > 0 else 0.0
@@ -250,7 +269,7 @@ def fit_rings(
 
     def resid(x: np.ndarray) -> np.ndarray:  # x = (h / scale, overlap)
         h = float(x[0]) * scale
-        terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]), d)
+        terms = Terms(a, b1 - a * h, c, h, hop_latency_s, link_bytes_per_s, float(x[1]), *size)
         f = ring_seconds(terms, r.k, r.s2, r.s1, kv_bytes_per_token, num_layers, comm_passes)
         return (f - r.t) / r.t**weight_power
 
@@ -307,13 +326,24 @@ def fit_terms(
         notes += [note] if note else []
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
-    a, b1, c, d = fit_local(timings, weight_power)
-    if has_packs(timings):
-        fitted.insert(3, "d")
+    a, b1, c, knots, rates = fit_local(timings, weight_power)
+    if knots:
+        fitted.insert(3, "size_rates")
     h, ov = 0.0, 1.0
     if "ring" in kinds:
+        size = (knots, rates)
         h, ov = fit_rings(
-            timings, a, b1, c, d, lat, bw, kv_bytes_per_token, num_layers, comm_passes, weight_power
+            timings,
+            a,
+            b1,
+            c,
+            size,
+            lat,
+            bw,
+            kv_bytes_per_token,
+            num_layers,
+            comm_passes,
+            weight_power,
         )
         fitted += ["attn_n_half", "overlap"]
     # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
@@ -321,7 +351,7 @@ def fit_terms(
     if "step" in kinds:
         step = float(np.median([m.seconds for m in timings if m.kind == "step"]))
         fitted.append("step")
-    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, d, step)
+    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, knots, rates, step)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
     return FitResult(terms, list(timings), fit_s, fitted, notes)
 

@@ -406,15 +406,29 @@ def place_waves(k: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
     return out, wave
 
 
+@njit(cache=True, inline="always")
+def size_term(t: int, d_ns: float, size_x: np.ndarray, size_f: np.ndarray) -> np.int64:
+    """CostModel.size_ns of one micro-batch of t positions (ns, rounded), from size_table_ns."""
+    x = float(t)
+    return np.int64(d_ns * x * x + x * np.interp(x, size_x, size_f) + 0.5)
+
+
 @njit(cache=True)
 def spread_samples(
-    w: np.ndarray, s: np.ndarray, cap: int, c_ns: int, d_ns: float, load: np.ndarray
+    w: np.ndarray,
+    s: np.ndarray,
+    cap: int,
+    c_ns: int,
+    d_ns: float,
+    size_x: np.ndarray,
+    size_f: np.ndarray,
+    load: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Samples, in the given order (by decreasing time), each onto the least-loaded rank (ties:
     the lowest), into that rank's newest micro-batch if it has room for the sample's s positions
     (at most `cap`), else into the fullest of its older ones with room, else into a new one.
-    `load` is updated: w per sample, c_ns per new micro-batch, d_ns*T^2 for a micro-batch of T
-    positions. Returns (micro-batch of each sample, numbered by opening; rank of each
+    `load` is updated: w per sample, c_ns per new micro-batch, size_term(T) for a micro-batch of T
+    positions (d_ns*T^2 + T*interp(T, size_x, size_f): CostModel.size_ns in ns). Returns (micro-batch of each sample, numbered by opening; rank of each
     micro-batch). The least-loaded rank comes from a winner tree, written out here (a call
     passing arrays costs numba atomic reference counting per sample). Older micro-batches are
     searched only when a bound on their room (kept per rank) admits the sample."""
@@ -446,14 +460,11 @@ def spread_samples(
         if best >= 0:
             p = pos[best]
             q = p + s[i]
-            load[r] += w[i]
-            if d_ns > 0.0:
-                load[r] += np.int64(d_ns * q * q + 0.5) - np.int64(d_ns * p * p + 0.5)
+            load[r] += w[i] + size_term(q, d_ns, size_x, size_f)
+            load[r] -= size_term(p, d_ns, size_x, size_f)
             pos[best] = q
         else:
-            load[r] += c_ns + w[i]
-            if d_ns > 0.0:
-                load[r] += np.int64(d_ns * s[i] * s[i] + 0.5)
+            load[r] += c_ns + w[i] + size_term(s[i], d_ns, size_x, size_f)
             if last[r] >= 0:
                 old_room[r] = max(old_room[r], cap - pos[last[r]])
             best = n_mb

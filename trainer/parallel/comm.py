@@ -338,6 +338,15 @@ def init_local_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -
     )
 
 
+def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    """A spawned worker: fn(rank, *args), then leave without interpreter finalization
+    (trainer.parallel.procexit); an exception propagates to torch.multiprocessing's report."""
+    from trainer.parallel.procexit import exit_now
+
+    fn(rank, *args)
+    exit_now(0)
+
+
 def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> None:
     """Start `world` spawned processes running fn(rank, *args); raise the first worker's error,
     or TimeoutError after `timeout` seconds (the workers are terminated either way)."""
@@ -345,7 +354,9 @@ def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> N
 
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _run_then_exit, args=(fn, *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=2):  # raises ProcessRaisedException if a worker failed
