@@ -17,6 +17,9 @@ batches), `short` (the same samples, 16,384-token batches), `mixed` (the demo's 
   interleaved with a rotating order so drift hits all alike; the minimum is kept. Noise floor:
   the spread (max / min - 1) of the repeats of each configuration, median and 90th percentile
   over all configurations of a world size.
+- Drift: a fixed one-thread matmul probe (`probe_s`) is timed before each world size's calibration
+  and after its measurement; its change says whether the machine's speed moved under the run
+  (it did by 20-30% in one run here, in both directions).
 - Optional: hdp against torch DistributedDataParallel on the short batches (`overhead`).
 
     .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 3] [--repeats 3]
@@ -401,6 +404,25 @@ def print_summary(title: str, summ: dict, unit: str) -> None:
         )
 
 
+def probe_s(runs: int = 5) -> float:
+    """The machine's speed now: the least of `runs` timings of 40 float32 512x512 matmuls on one
+    thread (about 0.2 s each here). A calibration and the measurement it predicts are only
+    comparable while this stays put: the box is shared and its speed drifts by tens of percent
+    over minutes."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(40):
+            y = torch.tanh(y @ x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _calibrate(nproc: int, clock: str, shape, path: str) -> dict:
     from datapipe.files import write_text_atomic
     from tools.cmd_calibrate import render
@@ -474,6 +496,7 @@ def main() -> int:
         if flag in skip:
             continue
         cost = getattr(args, f"cost{world}")
+        probe = {"before_calibration": probe_s()}
         if cost is None:
             cost = os.path.join(work, f"cost{world}.json")
             result[f"calibration{world}"] = _calibrate(world, clock, shape, cost)
@@ -492,6 +515,9 @@ def main() -> int:
         t0 = time.perf_counter()
         _spawn(_policies_main, world, job, timeout=7200)
         recs = json.load(open(job["out"]))
+        probe["after_measurement"] = probe_s()
+        probe["drift"] = probe["after_measurement"] / probe["before_calibration"] - 1
+        result[f"probe{world}"] = probe
         summ = summarise(recs, key)
         result[f"ranks{world}"] = {
             "capacity": cap,
@@ -504,6 +530,11 @@ def main() -> int:
             f" (took {time.perf_counter() - t0:.0f} s)",
             summ,
             "measured s",
+        )
+        print(
+            f"machine speed probe: {probe['before_calibration']:.3f} s before the calibration, "
+            f"{probe['after_measurement']:.3f} s after the measurement ({probe['drift']:+.1%}: "
+            "beyond a few percent the machine changed under the run)"
         )
         if job["overhead"]:
             o = json.load(open(job["overhead_out"]))
