@@ -446,3 +446,23 @@ def test_two_trainings_into_one_checkpoint_dir_then_sigterm(dataset, tmp_path) -
     for d in left:
         assert verify_files(d, read_checksums(d), 0, 1) == []
         assert json.loads((Path(d) / "run.json").read_text())["config"]["metrics"]["dir"] == run_dir
+
+
+def test_lock_sweeps_temporary_files_a_killed_starter_left(tmp_path) -> None:
+    """A starter killed between writing its lock's temporary file and removing it leaves the
+    file; the next run that takes the lock removes those older than an hour and leaves a fresh
+    one (another starter may be writing it) and other files alone."""
+    from trainer.checkpoint.lock import LOCK_FILE, DirLock
+
+    old = tmp_path / f"{LOCK_FILE}.4242.deadbeef.tmp"
+    fresh = tmp_path / f"{LOCK_FILE}.4343.cafef00d.tmp"
+    other = tmp_path / "step-00000010.old.tmp"
+    for path in (old, fresh, other):
+        path.write_text("{}")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    os.utime(other, (two_hours_ago, two_hours_ago))
+    d = DirLock(str(tmp_path))
+    d.acquire()
+    assert not old.exists() and fresh.exists() and other.exists()
+    d.release()

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ import numpy as np
 
 from datapipe.errors import ConfigError, InputError, MixlenError
 from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_bytes
+from datapipe.plan.costcheck import check_terms
 from datapipe.shapes import MODEL_CONFIGS, ModelConfig
 
 SCHEMA = "mixlen-cost/2"
@@ -107,16 +107,6 @@ DEVICES: dict[str, DeviceRates] = {
 DEFAULT_DEVICE = {"debug": "cpu"}
 
 
-def _finite(key: str, v: object, lo: float, lo_open: bool, hi: float | None = None) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
-    if not ok:
-        rng = f"> {lo:g}" if lo_open else f">= {lo:g}"
-        if hi is not None:
-            rng = f"in [{lo:g}, {hi:g}]"
-        raise ConfigError(f"cost model: '{key}' must be a finite number {rng}, got {v!r}")
-
-
 MAX_NS = float(1 << 62)  # an estimate beyond this (146 years) would overflow the int64 sums
 
 
@@ -170,56 +160,8 @@ class CostModel:
     island_ranks: int = dataclasses.field(default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for key in (
-            "a",
-            "b",
-            "c",
-            "kv_bytes_per_token",
-            "act_bytes_per_token_layer",
-            "hop_latency_s",
-            "attn_n_half",
-            "node_link_bytes_per_s",
-            "d",
-            "step",
-        ):
-            _finite(key, getattr(self, key), 0.0, False)
-        for key in ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes"):
-            _finite(key, getattr(self, key), 0.0, True)
-        _finite("overlap", self.overlap, 0.0, False, 1.0)
-        if not (isinstance(self.num_layers, int) and self.num_layers >= 1):
-            raise ConfigError(
-                f"cost model: 'num_layers' must be an int >= 1, got {self.num_layers!r}"
-            )
-        if not (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 0):
-            raise ConfigError(
-                f"cost model: 'ranks_per_node' must be an int >= 0, got {self.ranks_per_node!r}"
-            )
-        if self.ranks_per_node and not self.node_link_bytes_per_s > 0:
-            raise ConfigError(
-                "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"
-            )
-        self._check_size_table()
-
-    def _check_size_table(self) -> None:
-        """size_knots strictly increasing positions > 0, size_rates as many non-decreasing
-        seconds per position >= 0 (so a micro-batch's size term never falls as it grows)."""
-        for key in ("size_knots", "size_rates"):
-            v = getattr(self, key)
-            if not isinstance(v, (list, tuple)):
-                raise ConfigError(f"cost model: '{key}' must be a list of numbers, got {v!r}")
-            for i, x in enumerate(v):
-                _finite(f"{key}[{i}]", x, 0.0, key == "size_knots")
-            object.__setattr__(self, key, tuple(float(x) for x in v))
-        kn, rt = self.size_knots, self.size_rates
-        if len(kn) != len(rt):
-            raise ConfigError(
-                f"cost model: 'size_knots' has {len(kn)} entries and 'size_rates' {len(rt)}: "
-                "one rate per knot expected"
-            )
-        if any(y <= x for x, y in zip(kn, kn[1:])):
-            raise ConfigError(f"cost model: 'size_knots' must increase strictly, got {list(kn)}")
-        if any(y < x for x, y in zip(rt, rt[1:])):
-            raise ConfigError(f"cost model: 'size_rates' must not decrease, got {list(rt)}")
+        for key, value in check_terms(self).items():  # the size table as tuples of floats
+            object.__setattr__(self, key, value)
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:

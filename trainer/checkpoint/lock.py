@@ -36,6 +36,7 @@ from trainer.parallel.runtime import job_id
 __all__ = ["LOCK_FILE", "DirLock", "this_job"]
 
 LOCK_FILE = ".mixlen-lock"
+STALE_TMP_S = 3600.0  # a lock's temporary file older than this was left by a killed starter
 
 
 def this_job() -> str:
@@ -136,12 +137,24 @@ class DirLock:
                 for _ in range(3):
                     if self._create(tmp):
                         self.held = True
+                        self._sweep_temps()
                         return
                     self._clear_if_stale(self._read(), mine)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise ConfigError(f"checkpoint.dir {self.root}: cannot take the lock {self.path}")
+
+    def _sweep_temps(self) -> None:
+        """Remove lock temporary files (`.mixlen-lock.PID.HEX.tmp`) older than STALE_TMP_S: a
+        starter killed between writing one and removing it (kill -9) leaves it behind."""
+        now = time.time()
+        for name in os.listdir(self.root):
+            if name.startswith(LOCK_FILE + ".") and name.endswith(".tmp"):
+                path = os.path.join(self.root, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if now - os.stat(path).st_mtime > STALE_TMP_S:
+                        os.unlink(path)
 
     def _create(self, tmp: str) -> bool:
         """Put the written lock `tmp` in place unless a lock is there (False then)."""

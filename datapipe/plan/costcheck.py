@@ -1,0 +1,78 @@
+"""Validation of a cost model's terms (datapipe.plan.cost.CostModel): every error names the key
+and the range it must be in."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from datapipe.errors import ConfigError
+
+_NON_NEGATIVE = (
+    "a",
+    "b",
+    "c",
+    "kv_bytes_per_token",
+    "act_bytes_per_token_layer",
+    "hop_latency_s",
+    "attn_n_half",
+    "node_link_bytes_per_s",
+    "d",
+    "step",
+)
+_POSITIVE = ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes")
+
+
+def finite(key: str, v: object, lo: float, lo_open: bool, hi: float | None = None) -> None:
+    """Refuse `v` unless it is a finite number above `lo` (or at it, unless `lo_open`), at most
+    `hi`."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        if hi is not None:
+            rng = f"in [{lo:g}, {hi:g}]"
+        raise ConfigError(f"cost model: '{key}' must be a finite number {rng}, got {v!r}")
+
+
+def check_terms(model: Any) -> dict[str, tuple[float, ...]]:
+    """Check every term of `model`; return its size table as tuples of floats (to store)."""
+    for key in _NON_NEGATIVE:
+        finite(key, getattr(model, key), 0.0, False)
+    for key in _POSITIVE:
+        finite(key, getattr(model, key), 0.0, True)
+    finite("overlap", model.overlap, 0.0, False, 1.0)
+    if not (isinstance(model.num_layers, int) and model.num_layers >= 1):
+        raise ConfigError(f"cost model: 'num_layers' must be an int >= 1, got {model.num_layers!r}")
+    if not (isinstance(model.ranks_per_node, int) and model.ranks_per_node >= 0):
+        raise ConfigError(
+            f"cost model: 'ranks_per_node' must be an int >= 0, got {model.ranks_per_node!r}"
+        )
+    if model.ranks_per_node and not model.node_link_bytes_per_s > 0:
+        raise ConfigError(
+            "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"
+        )
+    return size_table(model.size_knots, model.size_rates)
+
+
+def size_table(knots: object, rates: object) -> dict[str, tuple[float, ...]]:
+    """size_knots strictly increasing positions > 0, size_rates as many non-decreasing seconds
+    per position >= 0 (so a micro-batch's size term never falls as it grows)."""
+    out = {}
+    for key, v in (("size_knots", knots), ("size_rates", rates)):
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"cost model: '{key}' must be a list of numbers, got {v!r}")
+        for i, x in enumerate(v):
+            finite(f"{key}[{i}]", x, 0.0, key == "size_knots")
+        out[key] = tuple(float(x) for x in v)
+    kn, rt = out["size_knots"], out["size_rates"]
+    if len(kn) != len(rt):
+        raise ConfigError(
+            f"cost model: 'size_knots' has {len(kn)} entries and 'size_rates' {len(rt)}: "
+            "one rate per knot expected"
+        )
+    if any(y <= x for x, y in zip(kn, kn[1:])):
+        raise ConfigError(f"cost model: 'size_knots' must increase strictly, got {list(kn)}")
+    if any(y < x for x, y in zip(rt, rt[1:])):
+        raise ConfigError(f"cost model: 'size_rates' must not decrease, got {list(rt)}")
+    return out
