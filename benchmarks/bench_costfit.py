@@ -34,8 +34,9 @@ def refit(report: dict, world: int, power: float):
 
     timings = [Timing.from_dict(t) for t in report["timings"]]
     shape = ModelConfig(**report["shape"])
+    model = report["model"]  # the model the run calibrated (its shape as stored)
     cal = calibrate(
-        "debug", world, clock=report["clock"], shape=shape, timings=timings, weight_power=power
+        model, world, clock=report["clock"], shape=shape, timings=timings, weight_power=power
     )
     return cal.cost
 

@@ -5,6 +5,8 @@ allow it (hypothesis; docs/PLAN.md, "Balance in every regime")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -299,6 +301,32 @@ def test_spread_samples_matches_reference(n, cap, samples, base, cd) -> None:
     size_x, size_f = np.array((0.0, *cd[2])), np.array((0.0, *cd[3]), dtype=np.float64)
     mb, rank = spread_samples(w, s, cap, cd[0], cd[1], size_x, size_f, load)
     assert mb.tolist() == want_mb and rank.tolist() == want_rank and load.tolist() == want_load
+
+
+def test_spread_samples_charges_the_cost_models_size_table() -> None:
+    """With a calibrated size table (and an older file's d), what spread_samples adds to each
+    rank's load is what the cost model times that rank's micro-batches at (local_times: c, the
+    samples' work, CostModel.size_ns of each micro-batch's positions), up to rounding."""
+    base = C.preset("debug")
+    rng = np.random.default_rng(4)
+    for size in (
+        {"size_knots": (300.0, 900.0), "size_rates": (2e-6, 9e-6)},
+        {"d": 3e-9, "size_knots": (500.0,), "size_rates": (4e-6,)},
+    ):
+        cost = dataclasses.replace(base, **size)
+        lengths = rng.integers(1, 700, 80).astype(np.int64)
+        w = cost.work_ns(lengths, 1)
+        order = np.lexsort((np.arange(80), -w))
+        load = np.zeros(6, dtype=np.int64)
+        size_x, size_f = cost.size_table_ns()
+        mb, rank = spread_samples(
+            w[order], lengths[order], 1024, cost.c_ns, cost.d * 1e9, size_x, size_f, load
+        )
+        per_mb = [order[mb == b] for b in range(rank.shape[0])]
+        off = np.cumsum([0, *map(len, per_mb)])
+        times = local_times(cost, lengths, off, np.concatenate(per_mb))
+        want = np.bincount(rank, times, minlength=6)
+        assert np.abs(load - want).max() <= 2 * len(per_mb)  # each size term rounded apart
 
 
 def test_idle_rank_filled_without_raising_the_step() -> None:

@@ -274,8 +274,8 @@ def group_times(
 ) -> np.ndarray:
     """Member time of group micro-batches holding one or more samples (each split zigzag over the
     group; group g holds g_items[g_off[g]:g_off[g + 1]]): c + shares (attention at its chunk
-    efficiency) + size term of n + exposed ring/offload of the member's positions n. `spans` (per group): the
-    group's ranks are in more than one node (default: cost.spans_nodes(k))."""
+    efficiency) + the size term + exposed ring/offload of the member's positions n. `spans` (per
+    group): the group's ranks are in more than one node (default: cost.spans_nodes(k))."""
     if kg.shape[0] == 0:
         return np.zeros(0, np.int64)
     per = np.repeat(kg, np.diff(g_off))

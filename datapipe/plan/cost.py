@@ -215,17 +215,13 @@ class CostModel:
         s = np.asarray(lengths, dtype=np.float64)
         return _ns(self.b * s / np.asarray(k, dtype=np.float64) * NS)
 
-    def size_rate(self, member_tokens: np.ndarray) -> np.ndarray:
-        """The size table's seconds per position at T positions (float; see size_rate)."""
-        return size_rate(self.size_knots, self.size_rates, member_tokens)
-
     def size_ns(self, member_tokens: np.ndarray) -> np.ndarray:
-        """d*T^2 + T*size_rate(T) of micro-batches whose one member computes T positions, int64
-        ns."""
+        """d*T^2 + T*r(T) (r: size_rate) of micro-batches whose one member computes T positions,
+        int64 ns."""
         t = np.asarray(member_tokens, dtype=np.float64)
         if not self.size_knots:
             return _ns(self.d * t * t * NS)
-        return _ns((self.d * t * t + t * self.size_rate(t)) * NS)
+        return _ns((self.d * t * t + t * size_rate(self.size_knots, self.size_rates, t)) * NS)
 
     def size_table_ns(self) -> tuple[np.ndarray, np.ndarray]:
         """(knots with 0 first, rates in ns per position with 0 first): the size table for the

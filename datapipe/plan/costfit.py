@@ -31,8 +31,8 @@ each residual by 1/measured**0.75 (WEIGHT_POWER), between relative (1.0) and abs
 are judged relatively from 0.2 s to 30 s, but the default grid holds many more ~2,048-position cases
 than 8,192-16,384-position ones, and the model's few terms cannot fit both ends exactly. Refitting
 stored calibrations at 0.5, 0.75 and 1.0 against the training-step benchmark's measurements
-(benchmarks/bench_costfit.py): 1.0 over-predicted long steps by up to 8.6%, 0.5 short ones by up to
-15%; the weight moves the worst step by 1-4 points, the calibration run itself by up to 10. Without
+(benchmarks/bench_costfit.py, with the older d*T^2 term): 1.0 over-predicted long steps by up to
+8.6%, 0.5 short ones by up to 15%; the weight moves the worst step by 1-4 points, the calibration run itself by up to 10. Without
 hops the link terms are left as given; without rings h = 0 and overlap = 1 (the /1 model). Reported
 residuals are relative.
 """
@@ -331,20 +331,8 @@ def fit_terms(
         fitted.insert(3, "size_rates")
     h, ov = 0.0, 1.0
     if "ring" in kinds:
-        size = (knots, rates)
-        h, ov = fit_rings(
-            timings,
-            a,
-            b1,
-            c,
-            size,
-            lat,
-            bw,
-            kv_bytes_per_token,
-            num_layers,
-            comm_passes,
-            weight_power,
-        )
+        args = (lat, bw, kv_bytes_per_token, num_layers, comm_passes, weight_power)
+        h, ov = fit_rings(timings, a, b1, c, (knots, rates), *args)
         fitted += ["attn_n_half", "overlap"]
     # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
     step = 0.0

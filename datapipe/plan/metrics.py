@@ -61,9 +61,8 @@ def mb_components(plan: StepPlan, cost: CostModel) -> np.ndarray:
     attn = np.bincount(piece_mb, cost.attn_ns(s, kp), minlength=m)
     lin = np.bincount(piece_mb, cost.linear_ns(s, kp), minlength=m)
     member_tokens = np.bincount(piece_mb, s / kp, minlength=m)
-    lin = lin + cost.size_ns(
-        member_tokens
-    )  # the size term: non-attention work of the micro-batch's size
+    # the size term: non-attention work of the micro-batch's size
+    lin = lin + cost.size_ns(member_tokens)
     spans = mb_spans_nodes(cost, plan.mb_group_offsets, plan.group_ranks)
     ring = cost.ring_ns(member_tokens, k, spans)
     off = cost.offload_ns(member_tokens, plan.mb_offload).astype(np.float64)

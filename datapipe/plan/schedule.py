@@ -428,10 +428,11 @@ def spread_samples(
     the lowest), into that rank's newest micro-batch if it has room for the sample's s positions
     (at most `cap`), else into the fullest of its older ones with room, else into a new one.
     `load` is updated: w per sample, c_ns per new micro-batch, size_term(T) for a micro-batch of T
-    positions (d_ns*T^2 + T*interp(T, size_x, size_f): CostModel.size_ns in ns). Returns (micro-batch of each sample, numbered by opening; rank of each
-    micro-batch). The least-loaded rank comes from a winner tree, written out here (a call
-    passing arrays costs numba atomic reference counting per sample). Older micro-batches are
-    searched only when a bound on their room (kept per rank) admits the sample."""
+    positions (d_ns*T^2 + T*interp(T, size_x, size_f): CostModel.size_ns in ns; skipped when both
+    are 0). Returns (micro-batch of each sample, numbered by opening; rank of each micro-batch).
+    The least-loaded rank comes from a winner tree, written out here (a call passing arrays costs
+    numba atomic reference counting per sample). Older micro-batches are searched only when a
+    bound on their room (kept per rank) admits the sample."""
     n = load.shape[0]
     m = w.shape[0]
     tree = winner_tree(load)
@@ -443,6 +444,7 @@ def spread_samples(
     mb_of = np.empty(m, dtype=np.int64)
     mb_rank = np.empty(m, dtype=np.int64)
     n_mb = 0
+    sized = d_ns > 0.0 or size_f[-1] > 0.0  # rates never fall: the last is the largest
     for i in range(m):
         r = tree[1]
         best = last[r]
@@ -460,11 +462,14 @@ def spread_samples(
         if best >= 0:
             p = pos[best]
             q = p + s[i]
-            load[r] += w[i] + size_term(q, d_ns, size_x, size_f)
-            load[r] -= size_term(p, d_ns, size_x, size_f)
+            load[r] += w[i]
+            if sized:
+                load[r] += size_term(q, d_ns, size_x, size_f) - size_term(p, d_ns, size_x, size_f)
             pos[best] = q
         else:
-            load[r] += c_ns + w[i] + size_term(s[i], d_ns, size_x, size_f)
+            load[r] += c_ns + w[i]
+            if sized:
+                load[r] += size_term(s[i], d_ns, size_x, size_f)
             if last[r] >= 0:
                 old_room[r] = max(old_room[r], cap - pos[last[r]])
             best = n_mb
