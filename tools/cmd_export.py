@@ -91,6 +91,17 @@ def _context(args, shape, run: dict) -> int:
         ) from None
 
 
+def _check_output(args: argparse.Namespace, inputs: list[str], noun: str = "checkpoint") -> None:
+    """InputError naming --hf if it lies under a file, is or holds the current directory, or is,
+    holds or sits inside one of `inputs` (what the export reads: --overwrite would delete it)."""
+    from pathlib import Path
+
+    from datapipe.ingest.output import check_out_path
+
+    out = Path(args.hf).absolute()
+    check_out_path(out, args.hf, inputs, "--hf", noun, "--overwrite would delete it")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -101,11 +112,15 @@ def run(args: argparse.Namespace) -> int:
     from trainer.model.config import pretrained_of
     from trainer.model.export import export_hf
 
+    _check_output(args, [args.checkpoint])  # before anything is read
     step = checkpoint_step_dir(args.checkpoint)
+    _check_output(args, [step])
     run_cfg = read_json(os.path.join(step, "run.json")).get("config", {})
     cfg = from_mapping(TrainerConfig, run_cfg)
-    shape = cfg.model.shape()
     pre = pretrained_of(cfg.model)
+    if pre is not None:
+        _check_output(args, [pre.path], "pretrained folder")
+    shape = cfg.model.shape()
     weights = read_model_weights(step, island=args.island)
     files = export_hf(
         weights,

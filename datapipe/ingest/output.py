@@ -1,9 +1,10 @@
 """Where `mixlen preprocess` writes: checks of `--out` before any work, one writer per output at a
 time, and the final rename.
 
-- `check_out_path`: `--out` must not sit under a file, and must not overlap an input (equal to an
-  input directory, inside one, or holding an input): `--overwrite` would delete the corpus, and a
-  rerun would read its own output.
+- `check_out_path`: `--out` must not sit under a file, be or hold the current directory, or
+  overlap an input (equal to an input directory, inside one, or holding an input): `--overwrite`
+  would delete the corpus, and a rerun would read its own output. `mixlen export` checks `--hf`
+  with it against the checkpoint and the pretrained folder it reads.
 - `OutputLock`: an exclusive `flock` on `.NAME.lock` next to `--out`, held for the whole run; a
   second run into the same `--out` fails at once naming the first one's process id. The kernel
   drops the lock when a process dies, so a killed run never blocks the next one.
@@ -31,26 +32,41 @@ def _inside(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def check_out_path(out: Path, out_arg: str, inputs: list[str]) -> None:
-    """InputError naming `--out` if it lies under a file or overlaps an input."""
+def check_out_path(
+    out: Path,
+    out_arg: str,
+    inputs: list[str],
+    flag: str = "--out",
+    noun: str = "input",
+    why: str = "--overwrite would delete it, and a rerun would read the output",
+) -> None:
+    """InputError naming `flag` if the output `out` lies under a file, is or holds the current
+    directory, or overlaps one of `inputs` (equal to one, inside one, or holding one); `noun`
+    names what the inputs are in the message, `why` what the overlap would do."""
     anc = out.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
     if anc.exists() and not anc.is_dir():
-        raise InputError(f"--out {out_arg}: {anc} is a file, not a directory")
+        raise InputError(f"{flag} {out_arg}: {anc} is a file, not a directory")
     real_out = os.path.realpath(out)
+    cwd = os.path.realpath(os.getcwd())
+    if _inside(cwd, real_out):
+        where = "is" if cwd == real_out else "holds"
+        raise InputError(
+            f"{flag} {out_arg}: {where} the current directory ({cwd}); choose an output "
+            "elsewhere (replacing it would pull the directory from under this shell)"
+        )
     for item in inputs:
         real_in = os.path.realpath(item)
         if os.path.isdir(real_in) and _inside(real_out, real_in):
             where = "is" if real_out == real_in else "is inside"
             raise InputError(
-                f"--out {out_arg}: {where} the input directory {item}; choose an output outside "
-                "the inputs (--overwrite would delete them, and a rerun would read the output)"
+                f"{flag} {out_arg}: {where} the {noun} {item}; choose an output outside it ({why})"
             )
         if _inside(real_in, real_out):
             raise InputError(
-                f"--out {out_arg}: holds the input {item}; choose an output that holds no input "
-                "(--overwrite would delete it)"
+                f"{flag} {out_arg}: holds the {noun} {item}; choose an output that holds no "
+                f"{noun} ({why})"
             )
 
 
