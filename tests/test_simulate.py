@@ -102,6 +102,7 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
             "2",
             "--model",
             "llama-7b",
+            "--no-widen",
             "--json",
             "--dump",
             str(dump),
@@ -110,7 +111,7 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     names = [p["policy"] for p in out["policies"]]
-    assert names == ["static", "naive-hdp", "hdp"]
+    assert names == ["static", "naive-hdp", "hdp"]  # --no-widen: no hdp+widen row
     for p in out["policies"]:
         for key in (
             "est_step_time_s",
@@ -153,11 +154,14 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
 
 
 def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
-    """--policy all --widen adds an hdp+widen column; its dump records widen and replays."""
+    """hdp widens by default, as `mixlen train` does: --policy all adds an hdp+widen row beside
+    the smallest-group rule's hdp, and its dumped steps are the plans of `[parallel]`'s defaults
+    (the trainer's planner) bit for bit; --policy hdp is hdp+widen alone, --no-widen plain hdp;
+    an explicit --widen with another policy is refused."""
     root, lengths = dataset
     dump = tmp_path / "plan.json"
     args = ["plan", str(root), "--ranks", "4", "--capacity", "8192", "--model", "debug"]
-    args += ["--global-batch-tokens", "40000", "--steps", "2", "--widen", "--json"]
+    args += ["--global-batch-tokens", "40000", "--steps", "2", "--json"]
     assert main(args + ["--dump", str(dump)]) == 0
     out = json.loads(capsys.readouterr().out)
     by = {p["policy"]: p for p in out["policies"]}
@@ -170,11 +174,20 @@ def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
     max_ctx = int(lengths.max())  # plan's default --max-context: static's mesh, widen's candidate
     for step in steps:
         b = batches[step["step"]]
-        cfg = PlannerConfig(capacity=8192, widen=True, max_context=max_ctx)
+        cfg = PlannerConfig(capacity=8192, max_context=max_ctx)  # the trainer's defaults
         plan = cfg.build(C.preset("debug"), num_ranks=4).plan(b.lengths, b.sample_ids)
-        assert step["digest"] == plan.digest().hex()
-    assert main(args[:-2] + ["--policy", "static", "--widen"]) == 2
+        assert plan.meta["widen"] and step["digest"] == plan.digest().hex()
+    for flags, want in (([], ["hdp+widen"]), (["--no-widen"], ["hdp"])):
+        assert main(args + ["--policy", "hdp", *flags]) == 0
+        assert [p["policy"] for p in json.loads(capsys.readouterr().out)["policies"]] == want
+    assert main(args + ["--policy", "static"]) == 0  # the default widen says nothing of static
+    assert [p["policy"] for p in json.loads(capsys.readouterr().out)["policies"]] == ["static"]
+    assert main(args[:-1] + ["--policy", "static", "--widen"]) == 2
     assert "--widen applies to the hdp policy only" in capsys.readouterr().err
+    assert main(args[:-1] + ["--policy", "hdp"]) == 0  # the table says which row train runs
+    header = [line for line in capsys.readouterr().out.splitlines() if "hdp" in line]
+    assert header[0].split() == ["hdp+widen"]  # the table's one column
+    assert header[-1].startswith("rows: ") and header[-1].endswith("runs hdp+widen")
 
 
 def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
@@ -209,7 +222,8 @@ def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
     assert "zero 0: weights 13.5  master 27.0  moments 53.9  grads 27.0" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = page.read_text().split('id="plan-data">', 1)[1].split("</script>", 1)[0]
-    assert json.loads(data)["policies"] == ["hdp+offload"]  # the page's embedded data
+    # the page's embedded data: hdp widens by default, as `mixlen train` plans it
+    assert json.loads(data)["policies"] == ["hdp+offload+widen"]
 
 
 def test_plan_cli_errors(dataset, tmp_path, capsys) -> None:
@@ -254,8 +268,10 @@ def test_simulate_cli_json(capsys) -> None:
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     by = {p["policy"]: p for p in out["policies"]}
-    assert set(by) == {"static", "naive-hdp", "naive-hdp+offload", "hdp", "hdp+offload"}
+    paper = {"static", "naive-hdp", "naive-hdp+offload", "hdp", "hdp+offload"}
+    assert set(by) == paper | {"hdp+widen", "hdp+offload+widen"}  # widen: train's default
     assert by["static"]["speedup_over_static"] == 1.0
+    assert by["hdp+widen"]["est_step_time_s"] <= by["hdp"]["est_step_time_s"]
     assert by["hdp"]["est_step_time_s"] <= by["naive-hdp"]["est_step_time_s"]
     assert out["paper"]["ablation_speedup"]["hdp+offload"] == 3.69
     assert out["model_state_bytes_per_rank"] == _state_bytes_by_hand("llama-7b", 64)
@@ -299,9 +315,10 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
             "100000",
             "--steps",
             "1",
-            "--widen",
+            "--no-widen",
         ]
     )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "assumptions:" in text and "hdp+offload+widen" in text
+    assert "assumptions:" in text and "hdp+offload" in text and "hdp+widen" not in text
+    assert "runs hdp\n" in text  # --no-widen: train with widen = false runs plain hdp

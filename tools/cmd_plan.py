@@ -35,9 +35,11 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--widen",
-        action="store_true",
-        help="also plan hdp with groups wider than the smallest where that shortens the step "
-        "(an hdp+widen row; docs/PLAN.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hdp may give a sample more ranks than its smallest group, or take a static mesh, "
+        "where that is estimated faster: on by default, as `mixlen train` plans ([parallel] "
+        "widen); --no-widen plans hdp with ByteScale's smallest-group rule only (docs/PLAN.md)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="per-rank stacked bars")
@@ -75,6 +77,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write the planned steps (format in docs/PLAN.md)",
     )
     add_planner_arguments(p)
+
+
+def legend(widen: bool | None) -> str:
+    """What the rows' labels mean, and which one `mixlen train` runs."""
+    from datapipe.plan.compare import widens_by_default
+
+    default = widens_by_default() if widen is None else widen
+    train = "hdp+widen" if default else "hdp"
+    return (
+        "rows: hdp = ByteScale's smallest-group rule ([parallel] widen = false, --no-widen); "
+        "+widen = widen = true (mixlen train's default); +offload = planned with Eq. 3 "
+        f"(--offload); `mixlen train` with policy hdp and these options runs {train}"
+    )
 
 
 def resolve_cost(args: argparse.Namespace):
@@ -195,6 +210,7 @@ def render_plan(args, cost, lengths, batches, res) -> None:
         print(json.dumps(out))
         return
     print(report.format_table(all_metrics, title))
+    print(legend(args.widen))
     memory = format_preset_memory(model_name(args), args.ranks)
     if memory:
         print(memory)

@@ -1,13 +1,14 @@
-"""`mixlen simulate`: predicted step times of static, naive-hdp and hdp (with and without offload;
-with --widen also hdp+widen) at scale, on synthetic length distributions or a dataset's lengths,
-beside ByteScale's figures."""
+"""`mixlen simulate`: predicted step times of static, naive-hdp and hdp (ByteScale's smallest-group
+rule), with and without offload, and hdp+widen (what `mixlen train` runs by default; --no-widen
+leaves it out) at scale, on synthetic length distributions or a dataset's lengths, beside
+ByteScale's figures."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from tools.cmd_plan import add_planner_arguments, model_name, planner_names, resolve_cost
+from tools.cmd_plan import add_planner_arguments, legend, model_name, planner_names, resolve_cost
 
 ASSUMPTIONS = """assumptions:
   - per-rank time = cost model (a*S^2/k at the chunk efficiency eff(S/k) + b*S/k, c per
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from datapipe.errors import ConfigError
     from datapipe.plan import simulate as S
-    from datapipe.plan.compare import compare, variant_planners
+    from datapipe.plan.compare import compare, variant_planners, widens_by_default
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
 
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     n_pool = max(200_000, int(args.steps * args.global_batch_tokens / 2000))
     pool = S.length_pool(args.lengths, args.context, n_pool, args.seed)
     batches = S.draw_batches(pool, args.global_batch_tokens, args.steps, args.seed)
-    variants = S.VARIANTS + (S.WIDEN_VARIANTS if args.widen else ())
+    wide = widens_by_default() if args.widen is None else args.widen
+    variants = S.VARIANTS + (S.WIDEN_VARIANTS if wide else ())
     base = PlannerConfig(capacity=args.capacity, max_context=args.context)
     planners = variant_planners(variants, base, cost, args.ranks, names=planner_names())
     # compute: every batch under every variant
@@ -134,6 +136,7 @@ def render_simulate(args, cost, pool, batches, res) -> None:
         memory = format_preset_memory(model_name(args), args.ranks)
         if memory:
             print(memory)
+        print(legend(args.widen))
         print(ASSUMPTIONS)
     if args.plot:
         plans = [r.plans[0] for r in res.values()]

@@ -32,6 +32,7 @@ __all__ = [
     "compare",
     "policy_variants",
     "variant_planners",
+    "widens_by_default",
 ]
 
 Batch = tuple[np.ndarray, np.ndarray | None]  # (lengths, sample ids or None)
@@ -74,15 +75,25 @@ class VariantResult:
 DYNAMIC = ("hdp", "naive-hdp")  # the policies that may offload
 
 
-def policy_variants(policy: str, offload: bool = False, widen: bool = False) -> list[Variant]:
-    """The columns of a report: `all` plans static, naive-hdp and hdp (with `widen` also
-    hdp+widen beside hdp); a single policy plans itself (hdp with `widen`: hdp+widen only).
-    `offload` applies to the dynamic policies (static and single never offload)."""
+def widens_by_default() -> bool:
+    """Does hdp widen unless told otherwise? `[parallel] widen`'s default (PlannerConfig's, the
+    one copy): `mixlen plan` and `mixlen simulate` plan what `mixlen train` runs."""
+    return bool(PlannerConfig().widen)
+
+
+def policy_variants(policy: str, offload: bool = False, widen: bool | None = None) -> list[Variant]:
+    """The columns of a report. `widen`: None takes `[parallel] widen`'s default (on), as
+    `mixlen train` does; it counts for hdp only (True with another single policy is refused).
+    A single policy plans itself (hdp: hdp+widen, or plain hdp with widen False); `all` plans
+    static, naive-hdp and hdp with ByteScale's smallest-group rule, and hdp+widen beside them
+    when widen is on. `offload` applies to the dynamic policies (static and single never
+    offload)."""
     if widen and policy not in ("hdp", "all"):
         raise ConfigError(f"--widen applies to the hdp policy only, not --policy {policy}")
+    wide = widens_by_default() if widen is None else widen
     names = ("static", "naive-hdp", "hdp") if policy == "all" else (policy,)
-    out = [Variant(n, offload and n in DYNAMIC, widen and policy == "hdp") for n in names]
-    if widen and policy == "all":
+    out = [Variant(n, offload and n in DYNAMIC, wide and policy == "hdp") for n in names]
+    if wide and policy == "all":
         out.append(Variant("hdp", offload, True))
     return out
 
