@@ -89,9 +89,18 @@ def pack_microbatch(
     pieces: np.ndarray, lengths: np.ndarray, flat: np.ndarray, span_start: np.ndarray
 ) -> PackedMicroBatch:
     """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]`` (one pass,
-    datapipe.pack_kernel)."""
+    datapipe.pack_kernel); `lengths` is indexed by the pieces' sample ids."""
     pieces = as_pieces(pieces)
-    s, a, b = (np.ascontiguousarray(pieces[:, i]) for i in range(3))
+    return pack_pieces(pieces, lengths[pieces[:, 0]], flat, span_start)
+
+
+def pack_pieces(
+    pieces: np.ndarray, piece_len: np.ndarray, flat: np.ndarray, span_start: np.ndarray
+) -> PackedMicroBatch:
+    """`pack_microbatch` with the length of each piece's sample given per piece (a mixture's
+    units: a piece of a longer document is a sample of its own, positions from 0)."""
+    pieces = as_pieces(pieces)
+    a, b = (np.ascontiguousarray(pieces[:, i]) for i in (1, 2))
     cu = np.zeros(len(pieces) + 1, np.int64)
     np.cumsum(b - a, out=cu[1:])
     total = int(cu[-1])
@@ -99,7 +108,7 @@ def pack_microbatch(
     labels = np.full(total, IGNORE_INDEX, np.int32)
     position_ids = np.empty(total, np.int32)
     starts = np.ascontiguousarray(span_start, np.int64)
-    sample_len = np.ascontiguousarray(lengths[s], np.int64)
+    sample_len = np.ascontiguousarray(piece_len, np.int64)
     pack_kernel(flat, starts, a, b, sample_len, cu, input_ids, labels, position_ids)
     return PackedMicroBatch(input_ids, labels, position_ids, cu.astype(np.int32), pieces)
 
@@ -114,11 +123,17 @@ def rows_of_pieces(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(global rows, first chunk j0, row count) of each piece's read range [a, min(b+1, L))."""
     s, a, b = pieces[:, 0], pieces[:, 1], pieces[:, 2]
-    end = np.minimum(b + 1, lengths[s])
+    return rows_of_ranges(s, a, np.minimum(b + 1, lengths[s]), global_first_row, chunk)
+
+
+def rows_of_ranges(
+    s: np.ndarray, a: np.ndarray, end: np.ndarray, global_first_row: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(global rows, first chunk j0, row count) of token ranges [a, end) of samples `s`."""
     j0 = a // chunk
     count = (end - 1) // chunk - j0 + 1
     start = global_first_row[s] + j0
-    offs = np.zeros(len(pieces) + 1, np.int64)
+    offs = np.zeros(len(s) + 1, np.int64)
     np.cumsum(count, out=offs[1:])
     rows = np.repeat(start - offs[:-1], count) + np.arange(int(offs[-1]), dtype=np.int64)
     return rows, j0, count
@@ -196,19 +211,19 @@ class Fetcher:
             p = pieces[bad][0]
             raise ValueError(f"piece {p.tolist()}: needs 0 <= start < end <= {self.lengths[p[0]]}")
 
-    def _check_rows(self, pieces, j0, count, rows, uniq, row_len) -> None:
+    def _check_rows(self, s, j0, count, rows, uniq, row_len) -> None:
         """Storage rows must hold min(C, L - j*C) tokens (FORMAT.md); else the data is corrupt."""
-        piece_of = np.repeat(np.arange(len(pieces)), count)
-        offs = np.zeros(len(pieces) + 1, np.int64)
+        piece_of = np.repeat(np.arange(len(s)), count)
+        offs = np.zeros(len(s) + 1, np.int64)
         np.cumsum(count, out=offs[1:])
         j = np.arange(len(rows), dtype=np.int64) - offs[piece_of] + j0[piece_of]
-        want = np.minimum(self.chunk, self.lengths[pieces[piece_of, 0]] - j * self.chunk)
+        want = np.minimum(self.chunk, self.lengths[s[piece_of]] - j * self.chunk)
         got = row_len[np.searchsorted(uniq, rows)]
         bad = np.flatnonzero(got != want)
         if bad.size:
             k = int(bad[0])
             raise InputError(
-                f"{self.index.root}: global row {int(rows[k])} (sample {int(pieces[piece_of[k], 0])}, "
+                f"{self.index.root}: global row {int(rows[k])} (sample {int(s[piece_of[k]])}, "
                 f"chunk {int(j[k])}) holds {int(got[k])} tokens, the index implies {int(want[k])}"
             )
 
@@ -232,24 +247,33 @@ class Fetcher:
         plist = [as_pieces(p) for p in microbatches]
         allp = np.concatenate(plist) if plist else np.zeros((0, 3), np.int64)
         self._check(allp)
-        rows, j0, count = rows_of_pieces(allp, self.lengths, self.global_first_row, self.chunk)
-        uniq = np.unique(rows)
-        flat, row_len = self.reader.read_rows_flat(uniq)
-        self._check_rows(allp, j0, count, rows, uniq, row_len)
-        row_off = np.zeros(len(row_len) + 1, np.int64)
-        np.cumsum(row_len, out=row_off[1:])
-        if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
-            self._out_of_vocab(flat, uniq, row_off)
-        # a piece's rows are consecutive global rows, hence adjacent in `uniq`: its span is
-        # contiguous in `flat`, starting inside its first row
-        first = np.searchsorted(uniq, self.global_first_row[allp[:, 0]] + j0)
-        span_start = row_off[first] + allp[:, 1] - j0 * self.chunk
+        s, a, b = allp[:, 0], allp[:, 1], allp[:, 2]
+        flat, span_start = self.read_ranges(s, a, np.minimum(b + 1, self.lengths[s]))
         out, p0 = [], 0
         for p in plist:
             p1 = p0 + len(p)
             out.append(pack_microbatch(p, self.lengths, flat, span_start[p0:p1]))
             p0 = p1
         return out
+
+    def read_ranges(
+        self, s: np.ndarray, a: np.ndarray, end: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(flat tokens, where each range starts in them) of token ranges [a, end) of samples
+        `s` (checked by the caller: 0 <= a < end <= L); storage rows shared are read once."""
+        s, a, end = (np.asarray(x, np.int64) for x in (s, a, end))
+        rows, j0, count = rows_of_ranges(s, a, end, self.global_first_row, self.chunk)
+        uniq = np.unique(rows)
+        flat, row_len = self.reader.read_rows_flat(uniq)
+        self._check_rows(s, j0, count, rows, uniq, row_len)
+        row_off = np.zeros(len(row_len) + 1, np.int64)
+        np.cumsum(row_len, out=row_off[1:])
+        if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
+            self._out_of_vocab(flat, uniq, row_off)
+        # a range's rows are consecutive global rows, hence adjacent in `uniq`: its span is
+        # contiguous in `flat`, starting inside its first row
+        first = np.searchsorted(uniq, self.global_first_row[s] + j0)
+        return flat, row_off[first] + a - j0 * self.chunk
 
     def fetch(self, pieces: Any) -> PackedMicroBatch:
         """One micro-batch."""

@@ -26,7 +26,17 @@ from typing import Any
 
 from datapipe.errors import ConfigError
 
-__all__ = ["MAX_INT", "Names", "Row", "check", "from_mapping", "rows", "setting", "values"]
+__all__ = [
+    "MAX_INT",
+    "Names",
+    "Row",
+    "check",
+    "from_mapping",
+    "item_names",
+    "rows",
+    "setting",
+    "values",
+]
 
 MAX_INT = 1 << 40  # default upper bound of an integer setting (tokens, steps, bytes...)
 
@@ -86,6 +96,19 @@ def _is_config(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _item_config(tp: Any) -> type | None:
+    """X when `tp` is `list[X]` with X a config class (a TOML array of tables), else None."""
+    if typing.get_origin(tp) is list:
+        (arg,) = typing.get_args(tp) or (None,)
+        return arg if _is_config(arg) else None
+    return None
+
+
+def item_names(names: Names, key: str, i: int) -> Names:
+    """The names of item `i` of an array of tables `key`: `data.sources[1].weight`."""
+    return Names(f"{names(key)}[{i}]", names.flags)
+
+
 def check(cfg: Any, names: Names | None = None) -> None:
     """Validate `cfg` (a config dataclass) and its sub-configs: each field against its metadata,
     then `cfg.validate(names)` if it has one. ConfigError names the first bad key."""
@@ -95,6 +118,10 @@ def check(cfg: Any, names: Names | None = None) -> None:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check(value, names if f.metadata.get("inline") else names.child(f.name))
+            continue
+        if _item_config(hints[f.name]) is not None:
+            for i, item in enumerate(value):
+                check(item, item_names(names, f.name, i))
             continue
         _check_type(names(f.name), value, hints[f.name])
         _check_value(names(f.name), value, f.metadata)
@@ -211,11 +238,24 @@ def _build(cls: type, values: Mapping[str, Any], names: Names) -> Any:
         tp = hints[f.name]
         if f.metadata.get("inline"):
             kwargs[f.name] = _build(tp, values, names)
+        elif (item := _item_config(tp)) is not None:
+            if f.name in values:
+                kwargs[f.name] = _build_items(item, values[f.name], names, f.name)
         elif _is_config(tp):
             kwargs[f.name] = from_mapping(tp, values.get(f.name, {}), names.child(f.name))
         elif f.name in values:
             kwargs[f.name] = _coerce(names(f.name), values[f.name], tp)
     return cls(**kwargs)
+
+
+def _build_items(cls: type, value: Any, names: Names, key: str) -> list[Any]:
+    """An array of tables `key` as a list of `cls` configs (each table's keys checked)."""
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise ConfigError(
+            f"{names(key)}: expected an array of tables ([{{...}}, ...] or [[{names(key)}]]), "
+            f"got {value!r}"
+        )
+    return [from_mapping(cls, v, item_names(names, key, i)) for i, v in enumerate(value)]
 
 
 # --- the reference of every key ------------------------------------------------------------------
@@ -265,6 +305,8 @@ def values(cfg: Any, names: Names | None = None) -> dict[str, Any]:
             out.update(values(v, names))
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             out.update(values(v, names.child(f.name)))
+        elif isinstance(v, list) and v and all(dataclasses.is_dataclass(x) for x in v):
+            out[names(f.name)] = [values(x) for x in v]
         else:
             out[names(f.name)] = v
     return out

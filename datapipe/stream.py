@@ -152,12 +152,16 @@ def merge_empty_batches(lengths: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """One optimizer step of one island: which samples, how long. ``step`` counts island steps."""
+    """One optimizer step of one island: which samples, how long. ``step`` counts island steps.
+
+    From a mixture (datapipe.mix.stream) `sample_ids` are unit keys and `units` says what each
+    is: (source, sample id in it, first token); None from one dataset (the ids are sample ids)."""
 
     step: int
     epoch: int
     sample_ids: np.ndarray  # int64
     lengths: np.ndarray  # int64
+    units: np.ndarray | None = None  # int64 [n, 3]
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +174,8 @@ class GlobalBatch:
         h.update(np.asarray([self.step, self.epoch], dtype="<i8").tobytes())
         h.update(np.ascontiguousarray(self.sample_ids, dtype="<i8").tobytes())
         h.update(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes())
+        if self.units is not None:
+            h.update(np.ascontiguousarray(self.units, dtype="<i8").tobytes())
         return h.digest()
 
 
@@ -345,6 +351,11 @@ class LengthAwareStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was saved; ConfigError if it belongs to another setup."""
+        if state.get("kind") == "mixture":
+            raise ConfigError(
+                f"stream state: saved by a run on a mixture ({self.names('sources')} or "
+                f"{self.names('stages')}), this run reads one dataset ({self.names('path')})"
+            )
         if state.get("version") == 1 and "lookahead" not in state:
             # saved before the look-ahead fill existed: its batches are the greedy fill's
             state = {**state, "version": STATE_VERSION, "lookahead": 0}

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from datapipe.errors import MixlenError
-from datapipe.fetch import rank_pieces
 from datapipe.plan.compare import Variant, compare, variant_planners
 from datapipe.plan.stepplan import StepPlan, replay_kernel
 from datapipe.stream import GlobalBatch
@@ -51,7 +50,7 @@ class PolicyComparison:
         clock: str = "wall",
     ) -> None:
         spec = data.planner_spec
-        max_len = int(np.max(data.fetcher.lengths)) if len(data.fetcher.lengths) else 1
+        max_len = data.longest
         base = dataclasses.replace(spec.config, max_context=spec.config.max_context or max_len)
         seed = data.planner.config.seed
         other = variant_planners(
@@ -66,11 +65,11 @@ class PolicyComparison:
     def _due(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def _pass(self, plan: StepPlan, step: int) -> tuple[float, float]:
-        """Forward, backward and reduction of `plan` without an update: (wall s, CPU-replayed s)
-        of the slowest rank."""
+    def _pass(self, plan: StepPlan, batch: GlobalBatch, step: int) -> tuple[float, float]:
+        """Forward, backward and reduction of `batch`'s `plan` without an update: (wall s,
+        CPU-replayed s) of the slowest rank."""
         ex = self.executor
-        fetched = self.data.fetcher.fetch_step(rank_pieces(plan, self.rank))
+        fetched = self.data.fetcher.fetch_step(self.data.pieces(plan, batch))
         res = ex.accumulate(plan, fetched, step)
         cpu = replayed_cpu_s(ex.comm, ex.mb_log, plan, self.rank)
         ex.zero.discard()  # the run's next step starts from a clean gradient
@@ -86,13 +85,13 @@ class PolicyComparison:
         if mine.digest() != plan.digest():
             raise MixlenError(f"step {step}: the comparison re-planned the step differently")
         if not self.rows and self._pending is None:
-            self._pass(mine, step)  # warm-up, untimed: the executor's and the
-            self._pass(other, step)  # kernels' first use
+            self._pass(mine, batch, step)  # warm-up, untimed: the executor's and the
+            self._pass(other, batch, step)  # kernels' first use
         first = len(self.rows) % 2 == 0
         row: dict[str, Any] = {"step": step, "other_first": first, "planning_ms": {
             "run": res["run"].plan_ms[0], "other": res["other"].plan_ms[0]}}  # fmt: skip
         for who in ("other", "run") if first else ("run", "other"):
-            wall, cpu = self._pass(other if who == "other" else mine, step)
+            wall, cpu = self._pass(other if who == "other" else mine, batch, step)
             prefix = "other_" if who == "other" else ""
             row[f"{prefix}measured_wall_s"], row[f"{prefix}measured_cpu_s"] = wall, cpu
         self._pending = (mine, other, row)

@@ -7,6 +7,7 @@ only its own pieces (in a background thread, one step ahead).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ import numpy as np
 from datapipe.errors import ConfigError
 from datapipe.fetch import FetchConfig, Fetcher, PackedMicroBatch, rank_pieces
 from datapipe.index import dataset_fingerprint
+from datapipe.mix.config import SourceConfig, StageConfig, check_mixture, source_name
+from datapipe.mix.fetch import MixtureFetcher, unit_pieces
+from datapipe.mix.sources import load_sources, mix_sources
+from datapipe.mix.stream import MixtureStream
 from datapipe.plan.cost import CostModel
 from datapipe.plan.planner import Planner, PlannerConfig
 from datapipe.plan.stepplan import StepPlan
@@ -49,7 +54,19 @@ class DataConfig:
     path: str = setting(
         "",
         help="the dataset: a directory or object-store URI written by `mixlen preprocess` "
-        "(required)",
+        "(this or sources)",
+        free_on_resume=True,
+    )
+    sources: list[SourceConfig] = setting(
+        factory=list,
+        help="a mixture: [{path = ..., weight = ..., name = ..., max_epochs = ..., length_boost = "
+        "{MIN_TOKENS = FACTOR}}, ...], weights as shares of tokens (instead of path)",
+        free_on_resume=True,
+    )
+    stages: list[StageConfig] = setting(
+        factory=list,
+        help="[[data.stages]] tables: start_step and any of weights = {SOURCE = W}, "
+        "max_sample_tokens, global_batch_tokens, in force from that step on",
         free_on_resume=True,
     )
     cache_dir: str | None = setting(
@@ -70,14 +87,35 @@ class DataConfig:
     fetch: FetchConfig = setting(help="", factory=FetchConfig, inline=True)
 
     def validate(self, names: Names) -> None:
-        if not self.path:
+        if self.path and self.sources:
             raise ConfigError(
-                f"{names('path')}: required (a directory written by `mixlen preprocess`)"
+                f"{names('path')} and {names('sources')}: give one (a single dataset is "
+                f'sources = [{{path = "{self.path}"}}])'
+            )
+        if not self.path and not self.sources:
+            raise ConfigError(
+                f"{names('path')}: required (a directory written by `mixlen preprocess`), or "
+                f"{names('sources')} for a mixture"
+            )
+        check_mixture(self.mix_sources(), self.stages, names)
+        if self.val_path and self.is_mixture:
+            raise ConfigError(
+                f"{names('val_path')}: not with {names('sources')} or {names('stages')}; hold "
+                f"out part of every source with {names('val_fraction')}"
             )
         if not self.val_fraction < 1.0:
             raise ConfigError(
                 f"{names('val_fraction')}: must be in [0, 1), got {self.val_fraction}"
             )
+
+    @property
+    def is_mixture(self) -> bool:
+        """Read through the mixture stream (sources or stages given)."""
+        return bool(self.sources or self.stages)
+
+    def mix_sources(self) -> list[SourceConfig]:
+        """`sources`, or `path` as the one source of a mixture."""
+        return list(self.sources) or [SourceConfig(path=self.path, name=source_name(self.path))]
 
 
 class PlannerSpec(NamedTuple):
@@ -171,11 +209,35 @@ class Validation:
         return evaluate_samples(executor, self.batches, rank)
 
 
+class MixValidation:
+    """A mixture's held-out sets, one per source, evaluated separately; `run` returns the pooled
+    losses and keeps each source's mean loss in `by_source`."""
+
+    def __init__(self, parts: dict[str, Validation]) -> None:
+        self.parts = parts
+        self.tokens = sum(v.tokens for v in parts.values())
+        self.by_source: dict[str, float] = {}
+
+    def run(self, executor: HDPExecutor, rank: int) -> BucketLosses:
+        """Every source's held-out losses, pooled (token-weighted) into one BucketLosses."""
+        from trainer.eval.buckets import BucketLosses
+
+        pooled = BucketLosses()
+        self.by_source = {}
+        for name, val in self.parts.items():
+            b = val.run(executor, rank)
+            self.by_source[name] = b.loss
+            for key in ("pos_sum", "pos_n", "len_sum", "len_n", "len_samples"):
+                setattr(pooled, key, getattr(pooled, key) + getattr(b, key))
+        return pooled
+
+
 class TrainData:
     """Fetch, split, stream and planner of one run (the held-out set planned and fetched when
     `eval_interval` > 0); `stack` releases the readers. `rank` is this process's rank in island
     `island` of `islands`; `names` spells `[data]`'s keys and the runtime values the stream
-    receives (`global_batch_tokens`, `num_islands`) as the user wrote them."""
+    receives (`global_batch_tokens`, `num_islands`) as the user wrote them. With `data.sources`
+    or `data.stages` the batches come from the mixture stream (datapipe.mix)."""
 
     def __init__(
         self,
@@ -193,6 +255,17 @@ class TrainData:
     ) -> None:
         self.rank = rank
         self.planner_spec = planner
+        self._prefetch: Any = None
+        self._stack = stack
+        self.mixture = cfg.is_mixture
+        self.source_names: tuple[str, ...] = ()
+        self.validation: Validation | MixValidation | None = None
+        if self.mixture:
+            self._open_mixture(
+                cfg, planner, global_batch_tokens, vocab_size, stack, names, eval_interval,
+                island, islands,
+            )  # fmt: skip
+            return
         # the training set's fetch; the model must cover its vocabulary
         self.fetcher = cfg.fetch.build(cfg.path, cfg.cache_dir, names)
         stack.callback(self.fetcher.close)
@@ -220,17 +293,84 @@ class TrainData:
         self.stream = cfg.stream.build(
             all_lengths[self.train_ids], global_batch_tokens, island, islands, names
         )
-        self.planner = planner.build(int(all_lengths.max()), cfg.stream.seed)
+        self.longest = max(int(all_lengths.max()), 1)  # the longest sample a plan must hold
+        self.planner = planner.build(self.longest, cfg.stream.seed)
         self.planner.check_fits(all_lengths, f"{names('path')} {cfg.path}")
-        self.validation: Validation | None = None
         if eval_interval and self.val_fetcher is not None and self.val_ids.size:
             val_lengths = np.asarray(self.val_fetcher.lengths)[self.val_ids]
             self.validation = Validation(
                 rank, self.val_fetcher, self.val_ids, val_lengths, self.planner,
                 cfg.val_tokens, global_batch_tokens,
             )  # fmt: skip
-        self._prefetch: Any = None
-        self._stack = stack
+
+    def _open_mixture(
+        self,
+        cfg: DataConfig,
+        planner: PlannerSpec,
+        global_batch_tokens: int,
+        vocab_size: int,
+        stack: ExitStack,
+        names: Names,
+        eval_interval: int,
+        island: int,
+        islands: int,
+    ) -> None:
+        """The mixture's sources, fetch, held-out sets, stream and planner."""
+        srcs = cfg.mix_sources()
+        loaded = load_sources(srcs, names, cfg.cache_dir)
+        self.source_names = tuple(s.name for s in loaded)
+        fetchers = []
+        for i, src in enumerate(loaded):
+            key = f"{names('sources')}[{i}].path" if cfg.sources else names("path")
+            f = cfg.fetch.build(src.config.path, src.cache, names.using(path=key))
+            stack.callback(f.close)
+            fetchers.append(f)
+        self.fetcher = MixtureFetcher(fetchers)
+        h = hashlib.blake2b(digest_size=16)
+        for src in loaded:
+            h.update(f"{src.name}={src.fingerprint};".encode())
+        self.fingerprint = loaded[0].fingerprint if len(loaded) == 1 else h.hexdigest()
+        for f, src in zip(fetchers, loaded):
+            manifest_vocab = int(src.manifest.get("vocab_size") or 0)
+            if vocab_size < manifest_vocab:
+                raise ConfigError(
+                    f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
+                    f"({src.config.path}/manifest.json vocab_size): the model has no embedding "
+                    "for some of its token ids"
+                )
+            if not manifest_vocab:
+                f.vocab_size, f.vocab_source = vocab_size, "the model's vocab_size"
+        # each source's held-out samples (by id hash, as for one dataset)
+        held = [
+            held_out_mask(np.arange(s.lengths.shape[0]), cfg.stream.seed, cfg.val_fraction)
+            for s in loaded
+        ]
+        mix = mix_sources(loaded, held)
+        for src, m in zip(loaded, mix):
+            if m.ids.size == 0:
+                raise ConfigError(
+                    f"{names('val_fraction')}: leaves source {src.name!r} no training samples"
+                )
+        self.stream = MixtureStream(
+            cfg.stream, mix, srcs, cfg.stages, global_batch_tokens, island, islands, names
+        )
+        self.longest = self.stream.longest_unit()
+        self.planner = planner.build(self.longest, cfg.stream.seed)
+        what = (
+            f"{names('sources')} (the longest unit; {names('stages')}' max_sample_tokens cuts it)"
+        )
+        self.planner.check_fits(np.array([self.longest]), what)
+        if eval_interval and cfg.val_fraction > 0:
+            parts = {}
+            for s, (src, mask) in enumerate(zip(loaded, held)):
+                ids = np.flatnonzero(mask & (src.lengths > 0)).astype(np.int64)
+                if ids.size:
+                    gids = ids + self.fetcher.offsets[s]
+                    parts[src.name] = Validation(
+                        self.rank, self.fetcher, gids, src.lengths[ids], self.planner,
+                        cfg.val_tokens, global_batch_tokens,
+                    )  # fmt: skip
+            self.validation = MixValidation(parts) if parts else None
 
     def _check_vocab(self, cfg: DataConfig, vocab_size: int, names: Names) -> None:
         manifest_vocab = int(self.fetcher.index.manifest.get("vocab_size") or 0)
@@ -248,12 +388,23 @@ class TrainData:
         """Endless (batch, plan, stream state after it) per step, from lengths alone."""
         while True:
             b = next(self.stream)
-            plan = self.planner.plan(b.lengths, self.train_ids[b.sample_ids])
+            ids = b.sample_ids if self.mixture else self.train_ids[b.sample_ids]
+            plan = self.planner.plan(b.lengths, ids)
             yield b, plan, self.stream.state_dict()
+
+    def pieces(self, plan: StepPlan, batch: GlobalBatch) -> list:
+        """This rank's pieces of `batch`'s `plan`, as the fetch takes them."""
+        if self.mixture:
+            return unit_pieces(plan, batch, self.rank)
+        return rank_pieces(plan, self.rank)
+
+    def tokens_by_source(self, batch: GlobalBatch) -> dict[str, int]:
+        """A mixture batch's tokens per source ({} for one dataset)."""
+        return self.stream.tokens_by_source(batch) if self.mixture else {}
 
     def steps(self) -> Iterator[Step]:
         """Endless Steps, this rank's micro-batches fetched one step ahead in the background."""
-        planned = ((item, rank_pieces(item[1], self.rank)) for item in self.plans())
+        planned = ((item, self.pieces(item[1], item[0])) for item in self.plans())
         prefetch = self.fetcher.prefetch(planned)
         self._stack.callback(prefetch.close)
         for (batch, plan, state), fetched in prefetch:

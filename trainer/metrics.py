@@ -114,6 +114,19 @@ class BalanceSummary:
     step_time_s: float = 0.0
     tokens: int = 0
     offload: Any = None  # trainer.offload.plan.OffloadSummary when offload/checkpointing is on
+    mix_tokens: dict[str, int] | None = None  # a mixture's tokens by source
+    mix_target: dict[str, float] | None = None  # and the tokens its shares in force asked for
+
+    def add_mix(self, tokens: dict[str, int], shares: dict[str, float]) -> None:
+        """A mixture step's tokens by source and the shares in force for it."""
+        total = sum(tokens.values())
+        if self.mix_tokens is None:
+            self.mix_tokens = dict.fromkeys(tokens, 0)
+            self.mix_target = dict.fromkeys(tokens, 0.0)
+        assert self.mix_target is not None
+        for name, n in tokens.items():
+            self.mix_tokens[name] += n
+            self.mix_target[name] += shares.get(name, 0.0) * total
 
     def add(
         self,
@@ -156,8 +169,26 @@ class BalanceSummary:
             f"imbalance (max/mean of run totals): measured {imbalance(self.measured_s):.3f}, "
             f"planned {imbalance(self.planned_s):.3f}",
         ]
+        lines += self.render_mix()
         extra = self.offload.render() if self.offload is not None else ""
         return "\n".join(lines) + "\n" + extra
+
+    def render_mix(self) -> list[str]:
+        """The mixture's realised token shares against its targets (the weights in force at
+        each step, token-weighted over the run)."""
+        if not self.mix_tokens or self.mix_target is None:
+            return []
+        total = sum(self.mix_tokens.values()) or 1
+        lines = [
+            "",
+            "| source | tokens | realised share | target share |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, n in self.mix_tokens.items():
+            lines.append(
+                f"| {name} | {n:,} | {n / total:.4f} | {self.mix_target[name] / total:.4f} |"
+            )
+        return lines
 
 
 def _truncate_after(path: str, step: int) -> None:

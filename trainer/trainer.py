@@ -31,7 +31,7 @@ from trainer.checkpoint.state import ModelState
 from trainer.compare import PolicyComparison
 from trainer.config.job import TrainConfig, TrainerConfig
 from trainer.config.toml import to_toml
-from trainer.data import Step
+from trainer.data import MixValidation, Step
 from trainer.hooks import Interrupted, TrainingInterrupted, load_hooks, signals_as_interrupts
 from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
@@ -244,6 +244,11 @@ class Trainer:
         planned = (plan.rank_time_ns / 1e9).tolist()
         self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
         rec = step_record(step, batch, plan, res, lr, item.wait_s, step_s)
+        if self.data.mixture:  # tokens by source, against the shares in force
+            rec["tokens_by_source"] = self.data.tokens_by_source(batch)
+            rec["stage"] = item.stream_state["stage"]
+            target = dict(zip(self.data.source_names, item.stream_state["segment"]["weights"]))
+            self.balance.add_mix(rec["tokens_by_source"], target)
         rec.update(outer)
         rec.update(self.memory_record())
         if self.balance.offload is not None and self.executor.plan_offload is not None:
@@ -257,6 +262,8 @@ class Trainer:
             rec["val_loss"] = held.loss
             rec["val_tokens"] = val.tokens
             rec["val_by_position"] = held.by_position()
+            if isinstance(val, MixValidation):
+                rec["val_by_source"] = dict(val.by_source)
         self.metrics.log(rec)
         if self.rt.global_rank != 0:  # global rank 0's line is the metrics console line
             get_logger().info(

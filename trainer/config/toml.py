@@ -85,11 +85,24 @@ def load_model_config(path: str | os.PathLike, overrides: list[str] | None = Non
     return cfg
 
 
+def _toml_key(k: Any) -> str:
+    k = str(k)
+    bare = k and all(c.isalnum() or c in "_-" for c in k) and k.isascii()
+    return k if bare else _toml_value(k)
+
+
 def _toml_value(v: Any) -> str:
+    """`v` as a TOML value: inline tables and arrays for dicts and lists (keys left at None
+    omitted from inline tables)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):
+        items = (f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None)
+        return "{" + ", ".join(items) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
 
 

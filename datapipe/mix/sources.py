@@ -1,0 +1,105 @@
+"""A mixture's sources from their indexes: each dataset's manifest and lengths, checked to be
+distinct datasets with one tokenizer, and turned into the stream's `MixSource`s."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from datapipe.errors import ConfigError
+from datapipe.index import dataset_fingerprint, read_index, resolve_dataset
+from datapipe.mix.config import SourceConfig, check_mixture
+from datapipe.mix.stream import MixSource
+from datapipe.settings import Names
+
+__all__ = ["LoadedSource", "TOKENIZER_KEYS", "load_sources", "mix_sources"]
+
+# what makes two datasets' token ids mean the same thing
+TOKENIZER_KEYS = ("vocab_size", "bos_id", "eos_id", "dtype")
+
+
+class LoadedSource(NamedTuple):
+    """One source's config, name, local directory (`cache` for a remote one's copy), manifest,
+    sample lengths and dataset fingerprint."""
+
+    config: SourceConfig
+    name: str
+    local: str
+    cache: str | None
+    manifest: dict
+    lengths: np.ndarray
+    fingerprint: str
+
+
+def _tokenizer_identity(manifest: dict) -> dict:
+    tok = dict(manifest.get("tokenizer") or {})
+    tok.pop("path", None)  # the same tokenizer file may sit elsewhere
+    ident = {k: manifest.get(k) for k in TOKENIZER_KEYS}
+    ident["tokenizer"] = tok
+    return ident
+
+
+def load_sources(
+    configs: list[SourceConfig], names: Names, cache_dir: str | None = None
+) -> list[LoadedSource]:
+    """Read every source's index (a remote one's into `cache_dir`/NAME). ConfigError naming the
+    sources for: a source with no samples, the same dataset twice, or another tokenizer."""
+    source_names = check_mixture(configs, [], names)
+    out: list[LoadedSource] = []
+    for i, (cfg, name) in enumerate(zip(configs, source_names)):
+        key = f"{names('sources')}[{i}].path"
+        cache = os.path.join(cache_dir, name) if cache_dir else None
+        local, _ = resolve_dataset(cfg.path, cache, key)
+        index = read_index(local)
+        lengths = np.asarray(index.num_tokens, np.int64)
+        if not (lengths > 0).any():
+            raise ConfigError(f"{key}: dataset {cfg.path!r} ({name}) has no samples")
+        out.append(
+            LoadedSource(
+                cfg, name, local, cache, index.manifest, lengths,
+                dataset_fingerprint(index.manifest),
+            )
+        )  # fmt: skip
+    for i, a in enumerate(out):
+        for j, b in enumerate(out[:i]):
+            src_a, src_b = f"{names('sources')}[{i}]", f"{names('sources')}[{j}]"
+            if a.fingerprint == b.fingerprint:
+                raise ConfigError(
+                    f"{src_a}.path: {a.config.path!r} ({a.name}) is the same dataset as "
+                    f"{src_b} {b.config.path!r} ({b.name}) (fingerprint {a.fingerprint}); "
+                    "give it once, with the weight you want"
+                )
+            ia, ib = _tokenizer_identity(a.manifest), _tokenizer_identity(b.manifest)
+            differ = [k for k in ia if ia[k] != ib[k]]
+            if differ:
+                what = "; ".join(f"{k} {ia[k]!r} vs {ib[k]!r}" for k in differ)
+                raise ConfigError(
+                    f"{src_a}.path: {a.name} was tokenized differently from {src_b} {b.name} "
+                    f"({what} in their manifest.json); every source of a mixture must share one "
+                    "tokenizer (preprocess them with the same --tokenizer)"
+                )
+    return out
+
+
+def mix_sources(
+    loaded: list[LoadedSource], held_out: list[np.ndarray] | None = None
+) -> list[MixSource]:
+    """The stream's view of each source: every sample but the held-out (`held_out[i]`: a bool
+    mask, True = held out) and the empty ones."""
+    out = []
+    for i, src in enumerate(loaded):
+        keep = src.lengths > 0
+        if held_out is not None:
+            keep &= ~held_out[i]
+        out.append(
+            MixSource(
+                src.name,
+                src.lengths,
+                np.flatnonzero(keep).astype(np.int64),
+                tuple(src.config.boosts()),
+                int(src.config.max_epochs),
+            )
+        )
+    return out
