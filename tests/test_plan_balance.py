@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from datapipe.plan import cost as C
 from datapipe.plan.check import check_plan
-from datapipe.plan.common import local_times, lower_bound_ns, lower_bound_terms, pack_local
+from datapipe.plan.common import (
+    local_times,
+    lower_bound_ns,
+    lower_bound_terms,
+    pack_local,
+    plan_lower_bound_ns,
+)
 from datapipe.plan.planner import PlannerConfig
 from datapipe.plan.schedule import spread_samples
 
@@ -72,6 +78,47 @@ def reference_lower_bound(cost: C.CostModel, lengths, n: int, cap: int) -> tuple
     return -(-total // n), max(shares) + c_ns
 
 
+def member_ref(cost: C.CostModel, s: int, k: int) -> int:
+    """A member's time for one sample of s tokens on a group of k (no offload, best-case link):
+    c + a*S^2/k / eff(S/k) + b*S/k + its size term + its exposed ring time, in plain Python."""
+    h = cost.attn_n_half
+    attn = round(cost.a * s * (s + h * k) / k * 1e9)
+    t = round((cost.a * s * (s + h * k) + cost.b * s) / k * 1e9) + size_ref(
+        s / k, cost.d * 1e9, cost.size_knots, tuple(r * 1e9 for r in cost.size_rates)
+    )
+    if k > 1:
+        ring_bytes = cost.comm_passes * (k - 1) * (s / k) * cost.kv_bytes_per_token
+        inside = cost.ranks_per_node and k <= cost.ranks_per_node
+        link = cost.node_link_bytes_per_s if inside else cost.link_bytes_per_s
+        hops = cost.num_layers * (cost.comm_passes * (k - 1) + 1)
+        ring = round((ring_bytes / link + hops * cost.hop_latency_s) * 1e9)
+        hide = round(ring * cost.overlap)
+        t += ring - hide + max(hide - attn, 0)
+    return round(cost.c * 1e9) + t
+
+
+def reference_plan_bound(cost: C.CostModel, lengths, n: int, cap: int) -> tuple[float, int]:
+    """What every plan records (plan_lower_bound_ns), in plain Python: per sample, its work and
+    exposed ring time on its smallest group plus its size term split over all N ranks (the
+    least it can be), c per rank-micro-batch, less 2 ns of rounding room per sample and rank of its
+    widest group, over N; and the longest sample's least member
+    time over every group from its smallest to min(N, S). Returns (work term before the
+    ceiling, share term)."""
+    c_ns = round(cost.c * 1e9)
+    knots, rates = cost.size_knots, tuple(r * 1e9 for r in cost.size_rates)
+    live = [int(x) for x in lengths if x > 0]
+    if not live:
+        return 0.0, 0
+    total = c_ns * max(-(-sum(live) // cap), n) - 2 * sum(min(s, n) for s in live)
+    for s in live:
+        k = -(-s // cap)
+        total += k * (member_ref(cost, s, k) - c_ns - size_ref(s / k, cost.d * 1e9, knots, rates))
+        total += n * size_ref(s / n, cost.d * 1e9, knots, rates)
+    s = max(live)
+    share = min(member_ref(cost, s, k) for k in range(-(-s // cap), min(n, s) + 1))
+    return total / n, share
+
+
 # slow links: rings expose most of their traffic
 SLOW_LINK = C.CostModel(1e-9, 2e-6, 3e-5, 4096.0, 1e8, 4, 2000.0, 5e8, name="slow-link")
 
@@ -88,8 +135,50 @@ def test_lower_bound_is_its_formula(n: int, cap: int, raw: list[int], cost) -> N
     want = reference_lower_bound(cost, lengths, n, cap)
     assert lower_bound_terms(cost, lengths, n, cap) == want
     assert lower_bound_ns(cost, lengths, n, cap) == max(want)
+    work, share = reference_plan_bound(cost, lengths, n, cap)
+    recorded = plan_lower_bound_ns(cost, lengths, n, cap)
+    assert recorded <= max(want)  # never above the smallest-group bound
+    assert recorded == share or abs(recorded - work) <= 1 + n  # rounding of the size terms
     for policy in ("hdp", "naive-hdp", "static"):  # what the plans record for reports
-        assert plan(policy, lengths, n, cap, cost).lower_bound_ns == max(want), policy
+        assert plan(policy, lengths, n, cap, cost).lower_bound_ns == recorded, policy
+
+
+SIZE_TABLE = dataclasses.replace(
+    C.preset("debug"), size_knots=(256.0, 1024.0, 4096.0), size_rates=(1e-7, 4e-7, 9e-7)
+)
+
+
+@given(
+    st.integers(1, 12),
+    st.sampled_from([64, 256, 1024]),
+    st.lists(st.integers(0, 12 * 1024), min_size=1, max_size=30),
+    st.sampled_from([DEBUG, SIZED, SIZE_TABLE, SLOW_LINK, C.preset("llama-7b")]),
+)
+@settings(deadline=None, max_examples=150)
+def test_recorded_bound_bounds_every_plan(n: int, cap: int, raw: list[int], cost) -> None:
+    """No plan without offload, widened or not, static or dynamic, finishes before the bound it
+    records, with a size table or d in the cost model too (a wider split lowers a member's
+    per-position rate; the bound charges the size term at its least). issue 30: the demo's
+    hdp+widen recorded 0.945 of its bound."""
+    lengths = np.array([x % (n * cap + 1) for x in raw], dtype=np.int64)
+    for policy, widen in VARIANTS:
+        p = plan(policy, lengths, n, cap, cost, widen=widen)
+        assert p.lower_bound_ns <= p.makespan_ns, (policy, widen, p.makespan_ns / p.lower_bound_ns)
+
+
+def test_recorded_bound_under_a_wide_split() -> None:
+    """A case the smallest-group bound gets wrong: one sample of 4 C on 8 ranks with a steep size
+    table. Its smallest group (4) charges the size rate of C positions; widened to 8 ranks it
+    computes C/2 positions per member at a third of that rate, and the widened plan ends below
+    the smallest-group bound, but not below the recorded one."""
+    cost = dataclasses.replace(
+        C.preset("debug"), size_knots=(512.0, 1024.0), size_rates=(1e-7, 3e-6)
+    )
+    lengths = np.array([4096, 300, 200], dtype=np.int64)
+    w = plan("hdp", lengths, 8, 1024, cost, widen=True)
+    assert w.meta["widened"] >= 1 or "static_mesh" in w.meta
+    assert w.makespan_ns < lower_bound_ns(cost, lengths, 8, 1024)
+    assert w.lower_bound_ns <= w.makespan_ns
 
 
 def test_lower_bound_terms_each_decide() -> None:
@@ -163,12 +252,12 @@ def test_balance_in_every_regime(case) -> None:
     sample per rank. hdp (and hdp+widen): the bound is the reference's, and the makespan is
     within the list-scheduling allowance of it, so within 5% wherever that allowance is."""
     n, cap, cost, lengths = case
-    bound = max(reference_lower_bound(cost, lengths, n, cap))
+    bound = max(reference_lower_bound(cost, lengths, n, cap))  # the smallest-group bound
     extra = allowance(cost, lengths, n, cap)
     for policy, widen in VARIANTS:
         p = plan(policy, lengths, n, cap, cost, widen=widen)
         check_plan(p)
-        assert p.lower_bound_ns == bound
+        assert p.lower_bound_ns == plan_lower_bound_ns(cost, lengths, n, cap) <= bound
         if lengths.size >= n:
             assert p.microbatch_counts().min() >= 1, (policy, widen, p.microbatch_counts())
         if policy == "hdp":
@@ -191,7 +280,7 @@ def test_within_five_percent_from_small_to_large_steps(cost, n: int, scale: floa
     bound = max(reference_lower_bound(cost, lengths, n, cap))
     for widen in (False, True):
         p = plan("hdp", lengths, n, cap, cost, widen=widen)
-        assert p.lower_bound_ns == bound and p.microbatch_counts().min() >= 1
+        assert p.lower_bound_ns <= bound and p.microbatch_counts().min() >= 1
         assert p.makespan_ns <= 1.05 * bound, p.makespan_ns / bound
 
 

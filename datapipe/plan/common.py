@@ -83,6 +83,55 @@ def lower_bound_terms(
     return -(-total // num_ranks), share
 
 
+def plan_lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, capacity: int) -> int:
+    """The lower bound every plan records for reports: no plan of this batch on N ranks without
+    offload finishes sooner, whatever group it gives each sample, from the smallest one (hdp,
+    naive-hdp) up to N ranks (widen, the static mesh). max of:
+
+    - work / N: per sample, attention and linear work and exposed ring time at its smallest
+      group k (a wider group only adds attention overhead and traffic in total) plus the size
+      term at its widest, N ranks (a member's per-position rate only falls with fewer positions;
+      T*r(T) is superadditive, so sharing a micro-batch never lowers it either), and c per
+      rank-micro-batch as in lower_bound_terms (less 2 ns per sample and rank of its widest
+      group, for the rounding of each member's terms);
+    - the longest sample's member time (c included) on the group from its smallest up to
+      min(N, S) that makes it least (every member time grows with the sample's length).
+
+    Without a size term and with groups that only slow a sample down this is lower_bound_ns's
+    value or less; the planners' own targets stay lower_bound_terms (the smallest-group rule)."""
+    s = lengths[lengths > 0]
+    if s.size == 0:
+        return 0
+    cost = dataclasses.replace(cost, island_ranks=0)  # groups in a node on the node link
+    n = int(num_ranks)
+    sf = s.astype(np.float64)
+    # local samples' work in float (its rounding is within the slack below), rings' in ns
+    is_long = s > capacity
+    local = sf[~is_long]
+    work = cost.a * float(local @ (local + cost.attn_n_half)) + cost.b * float(local.sum())
+    total = 0
+    if is_long.any():
+        sl = s[is_long].astype(np.int64)
+        kl = -(-sl // capacity)
+        ring = cost.ring_ns(sl / kl, kl)
+        share = cost.work_ns(sl, kl) + cost.ring_exposed_ns(cost.attn_ns(sl, kl), ring)
+        total += int((kl * share).sum())
+    if cost.size_knots or cost.d:  # the size term split over all N ranks, floored
+        rate = np.asarray(cost.size_ns(sf / n), dtype=np.float64)
+        total += int(np.maximum(np.floor(rate * n) - n, 0.0).sum())
+    n_mb = max(-(-int(s.sum()) // capacity), n)
+    # each term is rounded to ns per member: k members of a wider group may sum up to about k ns
+    # less than k_min members did; leave that much room (at most 2 ns per sample and rank)
+    slack = 2 * int(np.minimum(s, n).sum())
+    total += int(np.floor(work * 1e9)) + cost.c_ns * n_mb - slack
+    longest = int(s.max())
+    kmin = max(1, -(-longest // capacity))  # more than N when no group holds it (plans refuse)
+    widths = np.arange(kmin, max(kmin, min(n, longest)) + 1, dtype=np.int64)
+    one = np.full(widths.shape, longest, dtype=np.int64)
+    share = int(group_time_ns(cost, one, widths, np.zeros_like(widths)).min())
+    return max(-(-total // n), share)
+
+
 def too_long(
     config: PlanSetup, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
 ) -> None:

@@ -23,6 +23,7 @@ from datapipe.plan.common import (
     dynamic_limit,
     gather,
     lower_bound_terms,
+    plan_lower_bound_ns,
 )
 from datapipe.plan.cost import CostModel
 from datapipe.plan.setup import PlanSetup
@@ -39,8 +40,11 @@ def plan(
     """Plan one global batch with hdp (and widen, if configured)."""
     n_ranks, cap = config.num_ranks, config.capacity
     work_bound, share_bound = lower_bound_terms(cost, lengths, n_ranks, cap)
-    lb = max(work_bound, share_bound)
-    layout, caps = dynamic_layout(config, cost, lengths, sample_ids, target_ns=lb)
+    # the smallest-group bound steers the layout; plans record the bound of any plan (reports)
+    layout, caps = dynamic_layout(
+        config, cost, lengths, sample_ids, target_ns=max(work_bound, share_bound)
+    )
+    lb = plan_lower_bound_ns(cost, lengths, n_ranks, cap)
     budget = int(config.improve_rounds) * n_ranks
     sched = hdp_schedule(layout.kg, layout.g_time, layout.b_time, n_ranks, budget)
     layout, sched = rebalance_tail(layout, sched, lengths, cost, cap, budget)
@@ -63,7 +67,7 @@ def plan(
     if out is None or plain.makespan_ns <= out.makespan_ns:
         out = plain
     # also when widen stopped near the bound: static may still be a bit faster
-    mesh = static_mesh(config, cost, lengths, sample_ids)
+    mesh = static_mesh(config, cost, lengths, sample_ids, lb)
     out.meta["widen_candidates"] += mesh is not None
     if mesh is not None and mesh.makespan_ns < out.makespan_ns:
         meta = {**out.meta, "widened": 0, "widen_filled": 0}
@@ -104,13 +108,17 @@ def _assemble(
 
 
 def static_mesh(
-    config: PlanSetup, cost: CostModel, lengths: np.ndarray, sample_ids: np.ndarray
+    config: PlanSetup,
+    cost: CostModel,
+    lengths: np.ndarray,
+    sample_ids: np.ndarray,
+    bound: int | None = None,
 ) -> StepPlan | None:
     """widen's last candidate: the batch on a static DP x CP mesh, the fastest (by estimate) of
     the mesh its longest sample needs, the one static itself would use with `max_context` set,
     and the one that splits a dominant sample (whose work alone exceeds the ranks' average) over
     enough ranks to bring it down to that average (None when no CP degree dividing N holds the
-    batch)."""
+    batch). `bound`: the plan's recorded lower bound, if already known."""
     n, cap = config.num_ranks, config.capacity
     longest = max(int(lengths.max()) if lengths.size else 0, 1)
     ctx = max(config.max_context or longest, longest)
@@ -130,7 +138,7 @@ def static_mesh(
     cfg = dataclasses.replace(config, policy="static", widen=False, max_context=ctx)
     best = None
     for cp in dict.fromkeys(degrees + ([dominant] if dominant else [])):
-        p = static.plan_mesh(cfg, cost, lengths, sample_ids, cp, ctx)
+        p = static.plan_mesh(cfg, cost, lengths, sample_ids, cp, ctx, bound)
         if best is None or p.makespan_ns < best.makespan_ns:
             best = p
     return best

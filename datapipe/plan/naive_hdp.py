@@ -12,7 +12,7 @@ from datapipe.plan.common import (
     dynamic_layout,
     dynamic_limit,
     gather,
-    lower_bound_terms,
+    plan_lower_bound_ns,
 )
 from datapipe.plan.cost import CostModel
 from datapipe.plan.schedule import place_waves
@@ -28,7 +28,7 @@ def plan(
 ) -> StepPlan:
     """Plan one global batch with naive-hdp."""
     n_ranks = config.num_ranks
-    lb = max(lower_bound_terms(cost, lengths, n_ranks, config.capacity))
+    lb = plan_lower_bound_ns(cost, lengths, n_ranks, config.capacity)
     # local samples over enough micro-batches that, with the rings, every rank gets one
     layout, caps = dynamic_layout(config, cost, lengths, sample_ids, None, spread_over=n_ranks)
     # waves: micro-batches by decreasing tokens, first fit, one per rank per wave

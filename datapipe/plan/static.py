@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from datapipe.errors import MixlenError
-from datapipe.plan.common import assemble, group_times, lower_bound_ns, pack_local, too_long
+from datapipe.plan.common import assemble, group_times, pack_local, plan_lower_bound_ns, too_long
 from datapipe.plan.cost import CostModel
 from datapipe.plan.setup import PlanSetup
 from datapipe.plan.stepplan import StepPlan
@@ -56,9 +56,11 @@ def plan_mesh(
     sample_ids: np.ndarray,
     cp: int,
     max_ctx: int,
+    bound: int | None = None,
 ) -> StepPlan:
     """The batch on the DP x CP mesh of CP degree `cp` (a divisor of N whose group holds every
-    sample; `max_ctx` is recorded)."""
+    sample; `max_ctx` is recorded). `bound`: the recorded lower bound if already known (else
+    plan_lower_bound_ns)."""
     n_ranks, cap = config.num_ranks, config.capacity
     n_dp = n_ranks // cp
     live = np.flatnonzero(lengths > 0)
@@ -97,7 +99,7 @@ def plan_mesh(
         b_items.astype(np.int64),
         b_time.astype(np.int64),
         meta,
-        lower_bound_ns(cost, lengths, n_ranks, cap),
+        plan_lower_bound_ns(cost, lengths, n_ranks, cap) if bound is None else bound,
     )
 
 
