@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any, NamedTuple
 
 POLICY_CHOICES = ("hdp", "static", "naive-hdp", "single", "all")
 
@@ -55,7 +56,20 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", metavar="DIR", help="dataset directory (index.parquet + manifest.json)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        nargs="*",
+        help="dataset directory (index.parquet + manifest.json); several, or DIR@WEIGHT, for a "
+        "mixture",
+    )
+    p.add_argument(
+        "--mix",
+        metavar="FILE.toml",
+        default=None,
+        help="a mixture: sources = [...] and [[stages]] (at the top or under [data], as in a "
+        "training config); stages' start_step counts the planned steps from 1",
+    )
     p.add_argument("--ranks", type=int, required=True, help="ranks N of one island")
     p.add_argument(
         "--capacity", type=int, required=True, help="positions C per rank per micro-batch"
@@ -70,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="static mesh context (default: the dataset's longest sample)",
     )
     p.add_argument("--seed", type=int, default=0, help="stream seed")
+    p.add_argument(
+        "--lengths-plot",
+        metavar="FILE.png",
+        default=None,
+        help="a mixture: every source's length histogram on one figure",
+    )
     p.add_argument(
         "--dump",
         metavar="FILE.json",
@@ -120,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     from datapipe.errors import ConfigError
     from datapipe.index import read_lengths, read_manifest
+    from datapipe.mix.report import is_mixture_args
     from datapipe.plan.compare import compare, policy_variants, variant_planners
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
@@ -129,14 +150,23 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.steps <= 100_000:
         raise ConfigError(f"--steps: must be in [1, 100,000], got {args.steps}")
     cost = resolve_cost(args)
-    read_manifest(args.dir)
-    lengths = read_lengths(args.dir)
     names = planner_names()
-    stream = StreamConfig(seed=args.seed).build(
-        lengths, args.global_batch_tokens, names=names.using(path="DIR")
-    )
-    batches = [next(stream) for _ in range(args.steps)]
-    max_ctx = args.max_context or int(max(lengths.max(initial=0), 1))
+    mixture = None
+    if not args.dir and not args.mix:
+        raise ConfigError("a dataset directory (DIR), several (DIR@WEIGHT ...), or --mix FILE.toml")
+    if is_mixture_args(args.dir, args.mix):
+        mixture = plan_mixture(args, names)
+        lengths, batches, longest = mixture.lengths, mixture.batches, mixture.longest
+    else:
+        (path,) = args.dir
+        read_manifest(path)
+        lengths = read_lengths(path)
+        stream = StreamConfig(seed=args.seed).build(
+            lengths, args.global_batch_tokens, names=names.using(path="DIR")
+        )
+        batches = [next(stream) for _ in range(args.steps)]
+        longest = int(max(lengths.max(initial=0), 1))
+    max_ctx = args.max_context or longest
     base = PlannerConfig(capacity=args.capacity, max_context=max_ctx)
     variants = policy_variants(args.policy, args.offload, args.widen)
     planners = variant_planners(variants, base, cost, args.ranks, args.seed, names)
@@ -147,11 +177,52 @@ def run(args: argparse.Namespace) -> int:
     ) as bar:
         res = compare(planners, steps, cost, on_plan=bar.update)
     # render
-    render_plan(args, cost, lengths, batches, res)
+    render_plan(args, cost, lengths, batches, res, mixture)
     return 0
 
 
-def render_plan(args, cost, lengths, batches, res) -> None:
+class PlannedMixture(NamedTuple):
+    """A mixture's first steps for `mixlen plan`: its sources, batches, the weights each batch
+    was drawn with, every sample length, the longest unit and its name."""
+
+    loaded: list
+    batches: list
+    targets: list
+    lengths: Any
+    longest: int
+    label: str
+
+
+def plan_mixture(args: argparse.Namespace, names: Any) -> PlannedMixture:
+    """The first --steps batches of the mixture stream, as `mixlen train` draws them."""
+    import numpy as np
+
+    from datapipe.mix.report import describe, parse_mixture
+    from datapipe.mix.sources import load_sources, mix_sources
+    from datapipe.mix.stream import MixtureStream
+    from datapipe.stream import StreamConfig
+
+    sources, stages = parse_mixture(args.dir, args.mix)
+    mix_names = names.using(
+        sources="DIR" if args.dir else "sources",
+        global_batch_tokens="--global-batch-tokens",
+    )
+    loaded = load_sources(sources, mix_names)
+    stream = MixtureStream(
+        StreamConfig(seed=args.seed), mix_sources(loaded), sources, stages,
+        args.global_batch_tokens, names=mix_names,
+    )  # fmt: skip
+    batches, targets = [], []
+    for _ in range(args.steps):
+        batches.append(next(stream))
+        targets.append(stream.weights.copy())
+    lengths = np.concatenate([s.lengths for s in loaded])
+    return PlannedMixture(
+        loaded, batches, targets, lengths, stream.longest_unit(), describe(loaded)
+    )
+
+
+def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
     """The table (or JSON) on stdout, and the --plot, --html and --dump files."""
     import numpy as np
 
@@ -159,12 +230,20 @@ def render_plan(args, cost, lengths, batches, res) -> None:
     from tools import report, report_html
 
     all_metrics = [r.average for r in res.values()]
+    where = mixture.label if mixture is not None else args.dir[0]
     title = (
-        f"mixlen plan {args.dir}: N={args.ranks} C={args.capacity} T={args.global_batch_tokens} "
+        f"mixlen plan {where}: N={args.ranks} C={args.capacity} T={args.global_batch_tokens} "
         f"steps={args.steps} cost={cost.name} ({cost.hash[:12]})"
     )
     if args.dump:
         write_dump(args.dump, cost, batches, res)
+    shares: list = []
+    if mixture is not None:
+        from datapipe.mix.report import format_shares, plot_mixture, share_report
+
+        shares = share_report(mixture.loaded, batches, mixture.targets)
+        if args.lengths_plot:
+            plot_mixture(mixture.loaded, args.lengths_plot, args.capacity)
     if args.plot:
         first = [r.plans[0] for r in res.values()]
         report.plot_ranks(first, cost, args.plot, title=f"{title} (step 0)")
@@ -180,7 +259,7 @@ def render_plan(args, cost, lengths, batches, res) -> None:
         ]
         timings = {r.label: report_html.Timings(r.warmup_ms, r.plan_ms) for r in res.values()}
         params = {
-            "dataset": args.dir,
+            "dataset": where,
             "ranks": args.ranks,
             "capacity": args.capacity,
             "tokens/step": args.global_batch_tokens,
@@ -207,14 +286,19 @@ def render_plan(args, cost, lengths, batches, res) -> None:
         if "static" in by and hdp is not None and hdp.est_step_time_s > 0:
             out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
         out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks)
+        if mixture is not None:
+            out["mixture"] = shares
         print(json.dumps(out))
         return
     print(report.format_table(all_metrics, title))
     print(legend(args.widen))
+    if mixture is not None:
+        print(f"\ntoken shares over the {len(batches)} planned steps:")
+        print(format_shares(shares))
     memory = format_preset_memory(model_name(args), args.ranks)
     if memory:
         print(memory)
-    for path in (args.plot, args.html, args.dump):
+    for path in (args.plot, args.html, args.dump, args.lengths_plot if mixture else None):
         if path:
             print(f"wrote {path}")
 

@@ -366,7 +366,9 @@ class MixtureStream:
             "island": self.island,
             "stage": stage.index,
             "stage_start_step": stage.start_step,
-            "segment": {
+            "segment": None
+            if self.stage is None
+            else {
                 "stage_weights": [float(x) for x in stage.weights],
                 "weights": [float(x) for x in self.weights],
                 "max_sample_tokens": stage.max_sample_tokens,
@@ -436,7 +438,11 @@ class MixtureStream:
         self.step, self.units = int(state["step"]), int(state["units"])
         seg = state["segment"]
         stage = self.stage_at(self.step + 1)
-        same = (list(stage.weights), stage.max_sample_tokens, stage.global_batch_tokens) == (
+        same = seg is not None and (
+            list(stage.weights),
+            stage.max_sample_tokens,
+            stage.global_batch_tokens,
+        ) == (
             [float(x) for x in seg["stage_weights"]],
             seg["max_sample_tokens"],
             seg["global_batch_tokens"],

@@ -1,0 +1,269 @@
+"""Mixtures on real datasets: config refusals naming the key, the fetch of units against the
+sources' own tokens, tokens_by_source against an independent count, a training run resumed
+mid-stage, the batches independent of the rank count, and `mixlen profile` / `mixlen plan`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datapipe.errors import ConfigError
+from datapipe.plan.loss import IGNORE_INDEX
+from trainer.config.job import from_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BPE = os.path.join(REPO, "tests", "assets", "bpe-stdlib.json")
+
+
+def _dataset(
+    out: Path, n_docs: int, lo: int, hi: int, seed: int, tokenizer: str | None = None
+) -> str:
+    """A parquet dataset of `n_docs` documents of lo..hi characters (storage chunks of 64)."""
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    rng = np.random.default_rng(seed)
+    words = "alpha beta gamma delta tokens mixture stage source weight length".split()
+    src = str(out) + ".jsonl"
+    with open(src, "w") as f:
+        for _ in range(n_docs):
+            n = int(rng.integers(lo, hi))
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=n // 5 + 1))[:n]}) + "\n")
+    preprocess(
+        PreprocessConfig(
+            inputs=[src], out=str(out), chunk_tokens=64, format="parquet", progress=False,
+            tokenizer=tokenizer,
+        )
+    )  # fmt: skip
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mix")
+    out = {
+        "code": _dataset(root / "code", 150, 5, 300, seed=1),
+        "books": _dataset(root / "books", 30, 300, 1500, seed=2),
+        "bpe": _dataset(root / "bpe", 20, 10, 200, seed=3, tokenizer=BPE),
+    }
+    shutil.copytree(out["code"], root / "code-copy")
+    out["copy"] = str(root / "code-copy")
+    return out
+
+
+def _cfg(data: dict[str, str], run: Path, **data_keys):
+    d = {
+        "model": {"name": "debug", "dim": 32, "ffn_dim": 64},
+        "data": {
+            "sources": [
+                {"path": data["code"], "weight": 0.7},
+                {"path": data["books"], "weight": 0.3, "length_boost": {"600": 2.0}},
+            ],
+            "stages": [{"start_step": 1, "max_sample_tokens": 256}],
+            "val_fraction": 0.1,
+            "val_tokens": 512,
+            **data_keys,
+        },
+        "train": {"steps": 6, "global_batch_tokens": 1024, "lr": 3e-3, "warmup": 2},
+        "parallel": {"policy": "hdp", "capacity": 256},
+        "checkpoint": {"dir": str(run / "ckpt"), "interval": 3},
+        "metrics": {"dir": str(run), "progress": False},
+    }
+    return d
+
+
+BAD = [
+    ({"sources": [{"path": "x", "weight": 0}]}, "data.sources[0].weight: must be > 0"),
+    ({"sources": [{"path": "x"}, {"path": "y", "weight": -1.0}]}, "data.sources[1].weight"),
+    ({"sources": [{"path": "x", "weight": float("nan")}]}, "data.sources[0].weight: must be finite"),
+    ({"sources": [{"path": "x", "weight": float("inf")}]}, "data.sources[0].weight: must be finite"),
+    ({"sources": [{"path": "a/x"}, {"path": "b/x"}]}, "data.sources[1]: name 'x' is also source 0's"),
+    ({"sources": [{"path": "x", "wieght": 1}]}, "data.sources[0].wieght: unknown key"),
+    ({"sources": [{"path": "x", "length_boost": {"big": 2}}]}, "data.sources[0].length_boost.big"),
+    ({"sources": [{"path": "x", "length_boost": {"100": 0}}]}, "data.sources[0].length_boost.100"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 5}, {"start_step": 5}]},
+     "data.stages[1].start_step: 5, but stages must start at increasing steps"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 0}]}, "data.stages[0].start_step"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 2, "max_sample_tokens": 1}]},
+     "data.stages[0].max_sample_tokens: must be >= 2"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 2, "context": 9}]},
+     "data.stages[0].context: unknown key"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 2, "weights": {"y": 1}}]},
+     "data.stages[0].weights.y: no source of that name"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 2, "weights": {"x": 0}}]},
+     "data.stages[0].weights: every source has weight 0"),
+    ({"sources": [{"path": "x"}], "stages": [{"start_step": 2, "weights": {"x": -1}}]},
+     "data.stages[0].weights.x: must be a finite number >= 0"),
+    ({"path": "x", "sources": [{"path": "y"}]}, "data.path and data.sources: give one"),
+    ({"sources": [{"path": "x"}], "val_path": "v"}, "data.val_path: not with data.sources"),
+    ({"sources": {"path": "x"}}, "data.sources: expected an array of tables"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("keys,msg", BAD)
+def test_mixture_config_refusals_name_the_key(keys, msg) -> None:
+    d = {"data": keys}
+    with pytest.raises(ConfigError) as err:
+        from_dict(d)
+    assert msg in str(err.value)
+
+
+def _train_data(cfg, rank: int = 0, ranks: int = 1, stack: ExitStack | None = None):
+    return cfg.train_data(rank, ranks, stack or ExitStack(), validation=False)
+
+
+def test_dataset_refusals_name_both_sources(data, tmp_path) -> None:
+    cfg = from_dict(_cfg(data, tmp_path))
+    cfg.data.sources[1].path = data["copy"]
+    with pytest.raises(
+        ConfigError, match=r"data.sources\[1\].path: .*same dataset as data.sources\[0\]"
+    ):
+        _train_data(cfg)
+    cfg.data.sources[1].path = data["bpe"]
+    with pytest.raises(ConfigError) as err:
+        _train_data(cfg)
+    msg = str(err.value)
+    assert "data.sources[1].path: bpe was tokenized differently from data.sources[0] code" in msg
+    assert "(vocab_size 4096 vs 258; bos_id" in msg  # bpe first: the source named first
+    cfg = from_dict(_cfg(data, tmp_path, val_fraction=0.999))
+    with pytest.raises(ConfigError, match="leaves source 'code' no training samples"):
+        _train_data(cfg)
+    cfg = from_dict(_cfg(data, tmp_path, stages=[]))  # 1,500-character books on 1 rank of 256
+    with pytest.raises(Exception, match="max_sample_tokens"):
+        _train_data(cfg)
+
+
+def test_units_fetch_the_sources_tokens_and_tokens_by_source_counts_them(data, tmp_path) -> None:
+    from datapipe.fetch import FetchConfig
+
+    cfg = from_dict(_cfg(data, tmp_path, stages=[{"start_step": 1, "max_sample_tokens": 100}]))
+    with ExitStack() as stack:
+        td = _train_data(cfg, stack=stack)
+        plain = [FetchConfig().build(data[n]) for n in ("code", "books")]
+        for f in plain:
+            stack.callback(f.close)
+        whole = [{} for _ in plain]
+        for _, (batch, plan, _) in zip(range(5), td.plans()):
+            mbs = td.fetcher.fetch_step(td.pieces(plan, batch))
+            counted = np.zeros(2, np.int64)
+            for mb, m in zip(mbs, plan.microbatches(0)):
+                cu = mb.cu_seqlens
+                for i, (key, a, b) in enumerate(m.pieces):
+                    src, sid, start = batch.units[key - batch.sample_ids[0]]
+                    n = int(batch.lengths[key - batch.sample_ids[0]])
+                    if sid not in whole[src]:  # the sample read whole, by the source's own fetch
+                        whole[src][sid] = plain[src].fetch([(sid, 0, plain[src].lengths[sid])])
+                    ref = whole[src][sid]
+                    got = slice(cu[i], cu[i + 1])
+                    assert np.array_equal(mb.input_ids[got], ref.input_ids[start + a : start + b])
+                    assert np.array_equal(mb.position_ids[got], np.arange(a, b))  # from 0
+                    labels = mb.labels[got]
+                    want = ref.input_ids[start + a + 1 : start + min(b + 1, n)]
+                    assert np.array_equal(labels[: len(want)], want)
+                    assert (labels[len(want) :] == IGNORE_INDEX).all()
+                    counted[src] += b - a
+            assert td.tokens_by_source(batch) == {"code": counted[0], "books": counted[1]}
+            assert batch.lengths.max() <= 100
+
+
+def _losses(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_training_on_a_mixture_resumes_mid_stage_with_the_same_batches(data, tmp_path) -> None:
+    from trainer.train import run_training
+
+    stages = [
+        {"start_step": 1, "max_sample_tokens": 256},
+        {"start_step": 3, "max_sample_tokens": 128, "weights": {"books": 0.5}},
+    ]
+    d = _cfg(data, tmp_path / "a", stages=stages)
+    d["train"]["eval_interval"] = 3
+    straight = run_training(from_dict(d))
+    d = _cfg(data, tmp_path / "b", stages=stages)
+    d["train"].update(eval_interval=3, stop_after=4)
+    run_training(from_dict(d))
+    d["train"].pop("stop_after")
+    d["checkpoint"]["resume"] = True
+    d["data"]["stages"] = stages + [{"start_step": 6, "global_batch_tokens": 512}]  # changed
+    resumed = run_training(from_dict(d))
+    assert resumed["start_step"] == 4
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for x, y in zip(a[:5], b[:5]):  # the same batches, the same losses up to the changed stage
+        assert x["tokens_by_source"] == y["tokens_by_source"] and x["stage"] == y["stage"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+    assert a[-1]["stage"] == 1 and b[-1]["stage"] == 2 and b[-1]["tokens"] <= 512
+    assert a[-1]["tokens"] > 512
+    for r in a:
+        assert sum(r["tokens_by_source"].values()) == r["tokens"]
+    assert set(a[2]["val_by_source"]) == {"code", "books"} and "val_loss" in a[2]
+    report = (tmp_path / "a" / "balance.md").read_text()
+    assert "| source | tokens | realised share | target share |" in report
+    assert straight["losses"][-1] < straight["losses"][0]
+    newest = sorted((tmp_path / "b" / "ckpt").glob("step-*/run.json"))[-1]
+    state = json.loads(newest.read_text())["stream"]  # the data state: each source and the stage
+    assert state["step"] == 6 and state["stage"] == 2
+    assert set(state["sources"]["books"]) >= {"epoch", "cursor", "deferred", "taken"}
+
+
+def test_the_batches_do_not_depend_on_the_rank_count(data, tmp_path) -> None:
+    cfg = from_dict(_cfg(data, tmp_path))
+    with ExitStack() as stack:
+        one = _train_data(cfg, 0, 1, stack)
+        two = _train_data(cfg, 1, 2, stack)
+        for _ in range(3):
+            next(one.stream)
+        two.stream.load_state_dict(json.loads(json.dumps(one.stream.state_dict())))
+        assert [next(one.stream).digest() for _ in range(4)] == [
+            next(two.stream).digest() for _ in range(4)
+        ]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, cwd=REPO,
+        timeout=180,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_profile_and_plan_take_a_mixture(data, tmp_path) -> None:
+    mix = tmp_path / "mix.toml"
+    mix.write_text(
+        f'[data]\nsources = [{{path = "{data["code"]}", weight = 0.7}}, '
+        f'{{path = "{data["books"]}", weight = 0.3, length_boost = {{600 = 3.0}}}}]\n'
+        "[[data.stages]]\nstart_step = 1\nmax_sample_tokens = 256\n"
+    )
+    out = _cli(
+        "plan", "--mix", str(mix), "--ranks", "2", "--capacity", "256",
+        "--global-batch-tokens", "2048", "--steps", "8", "--model", "debug", "--json",
+        "--lengths-plot", str(tmp_path / "lengths.png"), "--quiet",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)["mixture"]
+    assert [r["name"] for r in rep] == ["code", "books"]
+    assert abs(rep[0]["realised_share"] - 0.7) < 0.05 and rep[1]["above"][0]["threshold"] == 600
+    assert (tmp_path / "lengths.png").stat().st_size > 0
+    prof = _cli(
+        "profile",
+        f"{data['code']}@2",
+        f"{data['books']}@1",
+        "--json",
+        "--plot",
+        str(tmp_path / "p.png"),
+    )
+    assert prof.returncode == 0, prof.stderr
+    got = json.loads(prof.stdout)["sources"]
+    assert [p["weight"] for p in got] == pytest.approx([2 / 3, 1 / 3])
+    assert got[0]["num_samples"] == 150 and (tmp_path / "p.png").exists()
+    bad = _cli("profile", f"{data['code']}@0", data["books"])
+    assert bad.returncode == 2 and f"{data['code']}@0: must be > 0" in bad.stderr
