@@ -14,6 +14,13 @@ Rows of the table (same random sample order for every reader that can take one):
 "cold" rows evict the shard files from the page cache first (posix_fadvise DONTNEED).
 
 usage: .venv/bin/python benchmarks/bench_stream.py [--samples 100000] [--ranks 8] [--steps 20]
+       .venv/bin/python benchmarks/bench_stream.py --mixture [--mix-samples 1000000]
+
+--mixture: batch formation of a mixture of three sources (1M samples in all: short, medium and
+long lognormal lengths) by datapipe.mix's stream against one dataset holding the same samples
+(datapipe.stream), same budget; weights are the sources' natural token shares, so both draw
+every sample about once over the batches timed. Time (build + one epoch's batches) and peak
+traced memory (tracemalloc: numpy's buffers) for each, best of --repeats, interleaved.
 """
 
 from __future__ import annotations
@@ -162,6 +169,80 @@ def bench_fill(repeats: int = 3) -> list[dict]:
     return rows
 
 
+def mixture_lengths(total: int, seed: int = 2) -> list[np.ndarray]:
+    """Three sources' lengths, `total` samples in all: 60% short (median 256), 30% medium
+    (median 2,048), 10% long (median 16,384, capped at 262,144)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for share, median in ((0.6, 256), (0.3, 2048), (0.1, 16384)):
+        n = int(total * share)
+        out.append(np.clip(rng.lognormal(np.log(median), 1.0, n), 1, 1 << 18).astype(np.int64))
+    return out
+
+
+def bench_mixture(total: int, budget: int, repeats: int) -> dict:
+    """Mixture vs one dataset: seconds and peak traced bytes to build the stream and form one
+    epoch's batches of the single dataset (the same number of batches for both)."""
+    import tracemalloc
+
+    from datapipe.mix.config import SourceConfig
+    from datapipe.mix.stream import MixSource, MixtureStream
+    from datapipe.stream import StreamConfig
+
+    parts = mixture_lengths(total)
+    allL = np.concatenate(parts)
+    tokens = np.array([p.sum() for p in parts], np.float64)
+    weights = tokens / tokens.sum()
+    n_batches = StreamConfig().build(allL, budget).steps_in_epoch(0)
+
+    def single() -> int:
+        s = StreamConfig(seed=0).build(allL, budget)
+        return sum(next(s).sample_ids.shape[0] for _ in range(n_batches))
+
+    def mixture() -> int:
+        srcs = [MixSource(f"s{i}", p, np.arange(p.shape[0])) for i, p in enumerate(parts)]
+        cfgs = [SourceConfig(path=f"s{i}", weight=float(w)) for i, w in enumerate(weights)]
+        s = MixtureStream(StreamConfig(seed=0), srcs, cfgs, [], budget)
+        return sum(next(s).sample_ids.shape[0] for _ in range(n_batches))
+
+    mixture()  # the kernel's compilation (cached on disk) outside the clock
+    best: dict[str, dict] = {}
+    for _ in range(repeats):
+        for name, fn in (("one dataset", single), ("mixture of 3", mixture)):
+            tracemalloc.start()
+            t0 = time.perf_counter()
+            n = fn()
+            dt = time.perf_counter() - t0
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            if name not in best or dt < best[name]["seconds"]:
+                best[name] = {"seconds": dt, "samples": n, "peak_bytes": peak}
+    for r in best.values():
+        r["batches_per_s"] = n_batches / r["seconds"]
+        r["peak_bytes_per_sample"] = r["peak_bytes"] / total
+    one, mix = best["one dataset"], best["mixture of 3"]
+    print(f"{total:,} samples in 3 sources, {n_batches:,} batches of {budget:,} tokens")
+    print(
+        f"{'stream':<16}{'seconds':>9}{'batches/s':>11}{'samples':>11}{'peak MB':>9}{'B/sample':>10}"
+    )
+    for name, r in best.items():
+        print(
+            f"{name:<16}{r['seconds']:>9.2f}{r['batches_per_s']:>11,.0f}{r['samples']:>11,}"
+            f"{r['peak_bytes'] / 1e6:>9.1f}{r['peak_bytes_per_sample']:>10.1f}"
+        )
+    ratio = mix["seconds"] / one["seconds"]
+    print(
+        f"mixture / one dataset: {ratio:.2f}x time, {mix['peak_bytes'] / one['peak_bytes']:.2f}x memory"
+    )
+    return {
+        "samples": total,
+        "budget": budget,
+        "batches": n_batches,
+        "rows": best,
+        "time_ratio": ratio,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=100_000)
@@ -171,7 +252,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1 << 20, help="global batch tokens")
     ap.add_argument("--iterate", type=int, default=20_000, help="samples for baseline (a)")
     ap.add_argument("--fill-only", action="store_true", help="only batch formation (no dataset)")
+    ap.add_argument("--mixture", action="store_true", help="mixture vs one dataset (no dataset)")
+    ap.add_argument("--mix-samples", type=int, default=1_000_000, help="samples in all (--mixture)")
     args = ap.parse_args()
+    if args.mixture:
+        OUT.mkdir(parents=True, exist_ok=True)
+        res = bench_mixture(args.mix_samples, args.budget, args.repeats)
+        (OUT / "bench_stream_mixture.json").write_text(json.dumps(res, indent=1))
+        print(f"wrote {OUT / 'bench_stream_mixture.json'}")
+        return
     if args.fill_only:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "bench_stream_fill.json").write_text(json.dumps(bench_fill(args.repeats), indent=1))
