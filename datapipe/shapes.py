@@ -11,11 +11,22 @@ Imports nothing heavier than the standard library (the planner must start fast).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DTYPES", "MODEL_CONFIGS", "ROPE_SETTINGS", "ModelConfig", "RopeScaling", "get_config"]
+__all__ = [
+    "DTYPES",
+    "FLOAT_RANGES",
+    "INT_BOUNDS",
+    "MODEL_CONFIGS",
+    "ROPE_SETTINGS",
+    "ModelConfig",
+    "Range",
+    "RopeScaling",
+    "get_config",
+]
 
 DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
 
@@ -43,6 +54,57 @@ _FLOAT_SETTINGS = (
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a float setting may take: finite, above `lo` (or at it, unless `lo_open`), at
+    most `hi` (None: no upper bound)."""
+
+    lo: float
+    lo_open: bool = True
+    hi: float | None = None
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is not in the range ("must be ..., got ..."); None if it is."""
+        if not math.isfinite(value):
+            return f"must be finite, got {value!r}"
+        if value < self.lo or (self.lo_open and value == self.lo):
+            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}, got {value!r}"
+        if self.hi is not None and value > self.hi:
+            return f"must be <= {self.hi:g}, got {value!r}"
+        return None
+
+
+# The range of every float of a shape and of a RoPE scaling rule, refused outside it with the key
+# named (a non-finite value trains NaN or a dead model; a huge yarn beta is a math domain error):
+# the shape's by field name, the scaling rule's as `rope_scaling.<setting>`.
+FLOAT_RANGES: dict[str, Range] = {
+    "norm_eps": Range(0.0, True, 1.0),
+    "rope_theta": Range(1.0, True),  # a base of 1 or less has no wavelengths to stretch
+    "init_std": Range(0.0, False, 1.0),
+    "rope_scaling.factor": Range(1.0, False, float(1 << 20)),
+    "rope_scaling.low_freq_factor": Range(0.0),
+    "rope_scaling.high_freq_factor": Range(0.0),
+    "rope_scaling.beta_fast": Range(0.0, True, 1e6),
+    "rope_scaling.beta_slow": Range(0.0, True, 1e6),
+    "rope_scaling.attention_factor": Range(0.0, True, 100.0),
+    "rope_scaling.mscale": Range(0.0, False, 100.0),
+    "rope_scaling.mscale_all_dim": Range(0.0, False, 100.0),
+}
+# The bounds [lo, hi] of every integer of a shape (`[model]`'s keys and config.json's share them):
+# a config.json of 10^9 layers is refused by name instead of listing their weights until memory
+# runs out.
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 32),
+    "dim": (1, 1 << 20),
+    "n_layers": (1, 1 << 12),
+    "n_heads": (1, 1 << 12),
+    "n_kv_heads": (1, 1 << 12),
+    "ffn_dim": (1, 1 << 22),
+    "explicit_head_dim": (1, 1 << 16),
+    "max_position_embeddings": (1, 1 << 36),
+}
 
 
 @dataclass(frozen=True)
@@ -84,14 +146,17 @@ class RopeScaling:
                     f"rope_scaling.{f.name}: not a setting of type {self.type!r} (its settings: "
                     f"{', '.join(('factor', *required, *optional))})"
                 )
+        if self.factor is None:
+            raise ValueError("rope_scaling.factor: required")
         for name in _FLOAT_SETTINGS:
             value = getattr(self, name)
             if value is not None:
                 if not _is_number(value):
                     raise ValueError(f"rope_scaling.{name}: must be a number, got {value!r}")
                 object.__setattr__(self, name, float(value))
-        if not self.factor >= 1.0:
-            raise ValueError(f"rope_scaling.factor: must be >= 1, got {self.factor}")
+                problem = FLOAT_RANGES[f"rope_scaling.{name}"].problem(float(value))
+                if problem:
+                    raise ValueError(f"rope_scaling.{name}: {problem}")
         omp = self.original_max_position_embeddings
         if omp is not None and not (
             isinstance(omp, int) and not isinstance(omp, bool) and omp >= 1
@@ -104,10 +169,6 @@ class RopeScaling:
         self._check_ranges()
 
     def _check_ranges(self) -> None:
-        for name in ("low_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"rope_scaling.{name}: must be > 0, got {value}")
         lo, hi = self.low_freq_factor, self.high_freq_factor
         if lo is not None and hi is not None and not hi > lo:
             raise ValueError(
@@ -157,23 +218,30 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):  # a TOML table, or asdict() of a config
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        for name, (lo, hi) in INT_BOUNDS.items():
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and lo <= v <= hi):
+                raise ValueError(f"{name} must be an integer in [{lo:,}, {hi:,}], got {v!r}")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            v = getattr(self, name)
+            problem = FLOAT_RANGES[name].problem(v) if _is_number(v) else "must be a number"
+            if problem:
+                raise ValueError(f"{name} {problem}")
         if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"
             )
-        if self.explicit_head_dim is not None and not self.explicit_head_dim >= 1:
-            raise ValueError(f"head_dim must be >= 1, got {self.explicit_head_dim}")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
-        mp = self.max_position_embeddings
-        if mp is not None and not mp >= 1:
-            raise ValueError(f"max_position_embeddings must be >= 1, got {mp}")
+        if self.rope_scaling is not None and self.rope_scaling.type == "dynamic":
+            if self.head_dim < 4:  # its base is stretched to the power d / (d - 2)
+                raise ValueError(
+                    f"rope_scaling type 'dynamic' needs head dim >= 4, got {self.head_dim}"
+                )
 
     @property
     def head_dim(self) -> int:

@@ -1,30 +1,42 @@
 """Points where code outside the trainer may act during a run (tests inject faults there), and
-signals: SIGTERM (a scheduler's stop) or SIGINT ends training with a message naming the step it
-stopped at and the last complete checkpoint.
+how a run stops early: SIGTERM (a scheduler's stop) or SIGINT ends training with a message naming
+the step it stopped at and the last complete checkpoint, and so does the first step whose loss or
+gradient norm is NaN or infinite (`check_finite_step`, before that step is checkpointed).
 
 `MIXLEN_HOOKS=module:factory` names a callable `factory(global_rank) -> Hooks`, imported when the
 Trainer is built (e.g. `trainer.testing.faults:FaultInjector`, which kills ranks at chosen steps
 to test restarts). Unset, every hook does nothing.
+
+A step's loss and gradient norm are already reduced over the island (identical on its ranks), so
+an island's ranks stop together without a word. Islands that train apart (co2, diloco) see
+different losses: one small all-reduce over every rank (`run_comm`) tells each which islands went
+bad, so every rank of the run stops at the same step and none waits forever in a collective.
+Global rank 0 raises `NonFiniteStep` (the command line prints it, exit 2), the others `PeerError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import torch
 from torch import nn
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, MixlenError, PeerError
 
 __all__ = [
     "HOOKS_ENV",
     "Hooks",
     "Interrupted",
+    "NonFiniteStep",
     "TrainingInterrupted",
+    "check_finite_step",
     "load_hooks",
     "signals_as_interrupts",
 ]
@@ -96,3 +108,41 @@ def signals_as_interrupts() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class NonFiniteStep(MixlenError):
+    """The loss or the gradient norm of a training step is NaN or infinite."""
+
+
+def _island_values(step_loss: float, grad_norm: float, rt: Any) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of every island: this island's alone, or all of them gathered by
+    one all-reduce of 2 x islands numbers over the run's ranks."""
+    if rt.islands == 1:
+        return [(step_loss, grad_norm)]
+    mine = torch.zeros(rt.islands, 2, dtype=torch.float64, device=rt.device)
+    mine[rt.island, 0], mine[rt.island, 1] = step_loss / rt.world, grad_norm / rt.world
+    rt.run_comm.all_reduce(mine)
+    return [(float(a), float(b)) for a, b in mine.tolist()]
+
+
+def check_finite_step(
+    step: int, step_loss: float, grad_norm: float, rt: Any, checkpoint: Callable[[], str | None]
+) -> None:
+    """Stop the run (NonFiniteStep on global rank 0, PeerError elsewhere) if step `step`'s loss or
+    gradient norm is NaN or infinite on any island; `rt` is the trainer's Runtime, `checkpoint()`
+    the last complete checkpoint (None: none). Collective when the run has several islands."""
+    values = _island_values(step_loss, grad_norm, rt)
+    bad = [i for i, (a, b) in enumerate(values) if not (math.isfinite(a) and math.isfinite(b))]
+    if not bad:
+        return
+    loss, norm = values[bad[0]]
+    where = f" on island {bad[0]}" if rt.islands > 1 else ""
+    message = (
+        f"step {step}: the loss is {loss:g} and the gradient norm {norm:g}{where}, not finite: "
+        f"stopped before saving step {step} (last complete checkpoint: {checkpoint() or 'none'}). "
+        "Lower train.lr or set train.grad_clip, check the data and the model's weights, and "
+        "resume from that checkpoint"
+    )
+    if rt.global_rank == 0:
+        raise NonFiniteStep(message)
+    raise PeerError(message)

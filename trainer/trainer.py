@@ -32,7 +32,13 @@ from trainer.compare import PolicyComparison
 from trainer.config.job import TrainConfig, TrainerConfig
 from trainer.config.toml import to_toml
 from trainer.data import MixValidation, Step
-from trainer.hooks import Interrupted, TrainingInterrupted, load_hooks, signals_as_interrupts
+from trainer.hooks import (
+    Interrupted,
+    TrainingInterrupted,
+    check_finite_step,
+    load_hooks,
+    signals_as_interrupts,
+)
 from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
 from trainer.metrics import BalanceSummary, MetricsWriter, step_record
@@ -239,6 +245,7 @@ class Trainer:
         if self.compare is not None:
             self.compare.before_step(step, batch, plan)
         res = self.executor.step(plan, item.microbatches, step)
+        check_finite_step(step, res.loss, res.grad_norm, self.rt, self.checkpointer.last_path)
         outer = self._outer_step(step)
         step_s = time.perf_counter() - t0 + item.wait_s
         planned = (plan.rank_time_ns / 1e9).tolist()

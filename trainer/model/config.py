@@ -11,13 +11,19 @@ from typing import Any
 
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.settings import Names, setting
-from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, RopeScaling, get_config
+from datapipe.shapes import DTYPES, INT_BOUNDS, MODEL_CONFIGS, ModelConfig, RopeScaling, get_config
 
 __all__ = ["DTYPES", "ModelSection"]
 
 _SHAPE_HELP = "replaces the named shape's value (default: the shape's own)"
 _SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 _CONTEXT_KEYS = ("rope_theta", "rope_scaling", "max_position_embeddings")
+
+
+def _bounds(field: str) -> dict[str, int]:
+    """A shape key's setting bounds: the shape's own (datapipe.shapes.INT_BOUNDS)."""
+    lo, hi = INT_BOUNDS[field]
+    return {"lo": lo, "hi": hi}
 
 
 @dataclass
@@ -35,14 +41,18 @@ class ModelSection:
     vocab_size: int | None = setting(
         None,
         help="vocabulary size, e.g. a BPE tokenizer's (the dataset's manifest vocab_size)",
-        lo=1,
+        **_bounds("vocab_size"),
     )
-    dim: int | None = setting(None, help=f"model width; {_SHAPE_HELP}", lo=1, hi=1 << 20)
-    n_layers: int | None = setting(None, help=f"decoder blocks; {_SHAPE_HELP}", lo=1, hi=1 << 12)
-    n_heads: int | None = setting(None, help=f"query heads; {_SHAPE_HELP}", lo=1, hi=1 << 12)
-    n_kv_heads: int | None = setting(None, help=f"key/value heads; {_SHAPE_HELP}", lo=1, hi=1 << 12)
+    dim: int | None = setting(None, help=f"model width; {_SHAPE_HELP}", **_bounds("dim"))
+    n_layers: int | None = setting(
+        None, help=f"decoder blocks; {_SHAPE_HELP}", **_bounds("n_layers")
+    )
+    n_heads: int | None = setting(None, help=f"query heads; {_SHAPE_HELP}", **_bounds("n_heads"))
+    n_kv_heads: int | None = setting(
+        None, help=f"key/value heads; {_SHAPE_HELP}", **_bounds("n_kv_heads")
+    )
     ffn_dim: int | None = setting(
-        None, help=f"SwiGLU hidden width; {_SHAPE_HELP}", lo=1, hi=1 << 22
+        None, help=f"SwiGLU hidden width; {_SHAPE_HELP}", **_bounds("ffn_dim")
     )
     rope_theta: float | None = setting(
         None, help="RoPE base (context extension: replaces the pretrained or named value)"
@@ -56,8 +66,7 @@ class ModelSection:
         None,
         help="the context the model declares (written by mixlen export; default: the "
         "pretrained value)",
-        lo=1,
-        hi=1 << 36,
+        **_bounds("max_position_embeddings"),
     )
 
     def validate(self, names: Names) -> None:

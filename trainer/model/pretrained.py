@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from datapipe.errors import ConfigError, InputError
-from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_text
+from datapipe.files import CONFIG_FILE_LIMIT, NotRegularFile, open_regular, read_bounded_text
 from datapipe.shapes import ModelConfig
 from trainer.model.families import Family, family_of
 from trainer.model.families.base import SHAPE_KEYS
@@ -46,6 +46,7 @@ __all__ = [
     "apply_overrides",
     "inspect_pretrained",
     "load_pretrained_weights",
+    "non_finite",
     "read_header",
 ]
 
@@ -110,8 +111,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     """The tensors a safetensors file's header lists, checked against the file's size."""
     name = os.path.basename(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
             if not 2 <= n <= min(_MAX_HEADER, size - 8):
@@ -119,11 +120,14 @@ def read_header(path: str) -> dict[str, TensorEntry]:
             header = json.loads(f.read(n).decode("utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path}: missing") from None
+    except NotRegularFile as exc:
+        raise InputError(f"{path}: {exc.reason}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: unreadable safetensors header")
     out, data = {}, size - 8 - n
+    spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -137,16 +141,37 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         if not ok:
             raise InputError(f"{path}: tensor {key}: bad header entry or past the file's end")
         out[key] = TensorEntry(name, dtype, shape)
+        spans.append((a, b, key))
+    _check_spans(path, spans, data)
     return out
+
+
+def _check_spans(path: str, spans: list[tuple[int, int, str]], data: int) -> None:
+    """The tensors' byte ranges tile the data section (as safetensors requires: no two tensors
+    share a byte, no gap, nothing after the last), else InputError naming the tensor."""
+    end, prev = 0, "the header"
+    for a, b, key in sorted(spans):
+        if a != end:
+            what = "overlap" if a < end else "leave a gap after"
+            raise InputError(
+                f"{path}: tensor {key}: data_offsets [{a}, {b}] {what} {prev} (each tensor "
+                "must have bytes of its own, one after another)"
+            )
+        end, prev = b, f"tensor {key}'s [{a}, {b}]"
+    if end != data:
+        raise InputError(
+            f"{path}: the tensors' bytes end at {end}, the file holds {data} after the header "
+            "(each tensor must have bytes of its own, one after another)"
+        )
 
 
 def _weight_files(path: str) -> dict[str, TensorEntry]:
     """Every tensor of the folder by name: from model.safetensors, or from the shards the index
     lists (each listed file present, each tensor in the file the index names, once)."""
     single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
-    if os.path.isfile(single):
+    if os.path.lexists(single):
         return read_header(single)
-    if not os.path.isfile(index):
+    if not os.path.lexists(index):
         raise InputError(
             f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors checkpoints are "
             "read, not pickled pytorch_model.bin)"
@@ -160,7 +185,7 @@ def _weight_files(path: str) -> dict[str, TensorEntry]:
     tensors: dict[str, TensorEntry] = {}
     for file in sorted(set(weight_map.values())):
         fpath = os.path.join(path, file)
-        if not os.path.isfile(fpath):
+        if not os.path.lexists(fpath):
             listed = sorted(k for k, v in weight_map.items() if v == file)
             raise InputError(
                 f"{fpath}: missing ({INDEX_FILE} lists {len(listed)} tensors in it, e.g. "
@@ -258,10 +283,40 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
         fpath = os.path.join(pre.path, pre.tensors[hf].file)
         try:
             with safe_open(fpath, framework="pt", device="cpu") as f:
-                params[mine].copy_(f.get_tensor(hf))
+                src = f.get_tensor(hf)
+                params[mine].copy_(src)
         except (OSError, RuntimeError, ValueError) as exc:
             raise InputError(f"{fpath}: cannot read tensor {hf} ({exc})") from None
+        _check_finite(params[mine], src, f"{fpath}: tensor {hf}")
+        del src
     return pre
+
+
+def non_finite(t: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """How many values of `t` are NaN or infinite (read in chunks: no second copy of `t`)."""
+    flat = t.detach().reshape(-1)
+    return sum(
+        int((~torch.isfinite(flat[i : i + chunk])).sum()) for i in range(0, flat.numel(), chunk)
+    )
+
+
+def _check_finite(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """InputError naming `what` when the loaded `param` holds a NaN or infinity: already in the
+    file's `src`, or made by the cast to the parameter's dtype."""
+    bad = non_finite(param)
+    if not bad:
+        return
+    own = non_finite(src)
+    if own:
+        raise InputError(
+            f"{what} holds {own:,} non-finite value{'s' if own > 1 else ''} (NaN or infinity): "
+            "training or evaluating on it gives NaN; use an intact copy of the model"
+        )
+    dtype, stored = (str(t.dtype).removeprefix("torch.") for t in (param, src))
+    raise InputError(
+        f"{what} holds {bad:,} value{'s' if bad > 1 else ''} beyond {dtype}'s range (infinite "
+        f"once cast from {stored}); use a wider compute dtype"
+    )
 
 
 def apply_overrides(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from datapipe.errors import InputError
-from datapipe.shapes import ROPE_SETTINGS, ModelConfig, RopeScaling
+from datapipe.shapes import FLOAT_RANGES, INT_BOUNDS, ROPE_SETTINGS, ModelConfig, RopeScaling
 
 __all__ = ["SHAPE_KEYS", "Family", "LlamaStyle"]
 
@@ -92,22 +92,32 @@ class Family:
         raise NotImplementedError
 
 
+_FIELD_OF = {theirs: mine for mine, theirs in SHAPE_KEYS.items()}
+
+
 def _int(config: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
-    """config[key] as an int >= 1; a missing or null key takes `default` when there is one."""
+    """config[key] as an int within the shape's bounds for it (datapipe.shapes.INT_BOUNDS); a
+    missing or null key takes `default` when there is one."""
+    lo, hi = INT_BOUNDS[_FIELD_OF[key]]
     value = config.get(key)
     if value is None and default is not None:
         return default
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
         got = "missing" if value is None else f"got {value!r}"
-        raise InputError(f"{where}: {key} must be an integer >= 1 ({got})")
+        raise InputError(f"{where}: {key} must be an integer in [{lo:,}, {hi:,}] ({got})")
     return value
 
 
 def _number(config: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    """config[key] as a float within the shape's range for it (datapipe.shapes.FLOAT_RANGES:
+    finite, and in range); a missing or null key takes `default`."""
     value = config.get(key)
     value = default if value is None else value
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise InputError(f"{where}: {key} must be a number > 0, got {value!r}")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise InputError(f"{where}: {key} must be a number, got {value!r}")
+    problem = FLOAT_RANGES[_FIELD_OF[key]].problem(float(value))
+    if problem:
+        raise InputError(f"{where}: {key} {problem}")
     return float(value)
 
 

@@ -1,0 +1,78 @@
+"""Hostile input, round four (issue 29): a training run stops at its first non-finite loss or
+gradient norm, naming the step, before that step is checkpointed (it trained on and saved NaN,
+exit 0), also when only one island of a co2 run goes bad (no rank waits in a collective)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _train_worker import make_dataset, train_config
+
+from datapipe.errors import PeerError
+from trainer.hooks import NonFiniteStep
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]  # conftest.py
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_dataset(str(tmp_path_factory.mktemp("data") / "ds"), n_docs=40)
+
+
+def test_a_nan_loss_stops_the_run_before_its_checkpoint(dataset, tmp_path, monkeypatch) -> None:
+    """A NaN weight at step 2 (`MIXLEN_FAULT=nan:rank=0:step=2`, a checkpoint after every step):
+    the run stops with an error naming step 2 and the last complete checkpoint, step 1; no
+    checkpoint and no metrics record of step 2 (it trained on, saved NaN and exited 0)."""
+    from trainer.train import run_training
+
+    monkeypatch.setenv("MIXLEN_HOOKS", "trainer.testing.faults:FaultInjector")
+    monkeypatch.setenv("MIXLEN_FAULT", "nan:rank=0:step=2")
+    run = tmp_path / "run"
+    c = train_config(dataset, str(run), train={"steps": 3, "eval_interval": 0},
+                     checkpoint={"interval": 1}, parallel={"policy": "single", "capacity": 4096})  # fmt: skip
+    with pytest.raises(NonFiniteStep) as info:
+        run_training(c)
+    msg = str(info.value)
+    assert msg.startswith("step 2: the loss is nan") and "not finite" in msg, msg
+    assert f"last complete checkpoint: {run / 'ckpt' / 'step-00000001'}" in msg, msg
+    assert sorted(os.listdir(run / "ckpt")) == ["step-00000001"]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]
+
+
+@pytest.mark.parametrize("bad_island", [None, 0, 1])
+def test_every_rank_of_every_island_stops_together(bad_island) -> None:
+    """2 islands of 2 fake ranks (co2 islands see different losses): when one island's loss is
+    NaN, every rank stops at the same step (global rank 0 reports, naming the island; the others
+    stop quietly), none left waiting in a collective; with finite losses none stops."""
+    from trainer.hooks import check_finite_step
+    from trainer.testing.threads import run_threads
+
+    def rank(comm) -> str:
+        island = comm.rank // 2
+        rt = SimpleNamespace(islands=2, island=island, world=2, device=torch.device("cpu"),
+                             run_comm=comm, global_rank=comm.rank)  # fmt: skip
+        loss = float("nan") if island == bad_island else 2.5 + island
+        try:
+            check_finite_step(7, loss, 0.5, rt, lambda: "ckpt/step-00000006")
+        except NonFiniteStep as exc:
+            return f"reported: {exc}"
+        except PeerError:
+            return "peer"
+        return "ran on"
+
+    got = run_threads(4, rank)
+    if bad_island is None:
+        assert got == ["ran on"] * 4
+        return
+    assert got[1:] == ["peer"] * 3
+    assert got[0].startswith(f"reported: step 7: the loss is nan and the gradient norm 0.5 on "
+                             f"island {bad_island}, not finite")  # fmt: skip
+    assert "(last complete checkpoint: ckpt/step-00000006)" in got[0]
