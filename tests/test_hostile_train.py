@@ -1,6 +1,10 @@
-"""Hostile input, round four (issue 29): a training run stops at its first non-finite loss or
-gradient norm, naming the step, before that step is checkpointed (it trained on and saved NaN,
-exit 0), also when only one island of a co2 run goes bad (no rank waits in a collective)."""
+"""Hostile input, round four (issue 29): what training and calibration refuse. A run stops at its
+first non-finite loss or gradient norm, naming the step, before that step is checkpointed (it
+trained on and saved NaN, exit 0), also when only one island of a co2 run goes bad (no rank waits
+in a collective); a model whose weights alone exceed the machine's memory is refused naming the
+key before anything is allocated; a declared context shorter than the dataset's samples is
+refused; calibrate refuses more processes than the cores can time, and an unwritable `--out`
+before timing anything."""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _faults import cli_error
 from _train_worker import make_dataset, train_config
 
 from datapipe.errors import PeerError
+from trainer.config.toml import to_toml
 from trainer.hooks import NonFiniteStep
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]  # conftest.py
@@ -76,3 +82,61 @@ def test_every_rank_of_every_island_stops_together(bad_island) -> None:
     assert got[0].startswith(f"reported: step 7: the loss is nan and the gradient norm 0.5 on "
                              f"island {bad_island}, not finite")  # fmt: skip
     assert "(last complete checkpoint: ckpt/step-00000006)" in got[0]
+
+
+def test_a_model_beyond_the_machines_memory_is_refused_by_key(dataset, tmp_path, capsys):
+    """`model.dim = 2^20` (4.4 TB of weights) was a traceback from the allocator in train and
+    calibrate; refused before anything is allocated, naming the key and both sizes."""
+    cfg = tmp_path / "big.toml"
+    c = train_config(dataset, str(tmp_path / "run"))
+    cfg.write_text(to_toml(c))
+    big = ["--set", "model.dim=1048576"]
+    err = cli_error(["train", str(cfg), *big], capsys)
+    assert "model.dim = 1,048,576" in err and "more than this machine's" in err, err
+    assert not (tmp_path / "run").exists()
+    err = cli_error(["calibrate", str(cfg), *big, "--out", str(tmp_path / "c.json")], capsys)
+    assert "model.dim = 1,048,576" in err and "more than this machine's" in err, err
+    err = cli_error(["calibrate", "--vocab-size", str(1 << 32), "--out", str(tmp_path / "c.json")],
+                    capsys)  # fmt: skip
+    assert (
+        "--vocab-size = 4,294,967,296 and --model debug's dim = 128" in err
+        and "more than this machine's" in err
+    ), err
+
+
+def test_a_declared_context_shorter_than_the_samples_is_refused(dataset, tmp_path, capsys):
+    """`model.max_position_embeddings = 128` over samples up to ~500 tokens trained without a word
+    (the export would declare 128)."""
+    from datapipe.index import read_lengths
+
+    longest = int(read_lengths(dataset).max())
+    assert longest > 128
+    cfg = tmp_path / "ctx.toml"
+    c = train_config(dataset, str(tmp_path / "run"), parallel={"policy": "single",
+                                                               "capacity": 4096})  # fmt: skip
+    cfg.write_text(to_toml(c))
+    err = cli_error(["train", str(cfg), "--set", "model.max_position_embeddings=128"], capsys)
+    assert f"model.max_position_embeddings = 128, but {dataset} holds samples of up to " in err
+    assert f"{longest:,} tokens" in err, err
+
+
+def test_calibrate_refuses_more_processes_than_the_cores_can_time(tmp_path, capsys):
+    """`--nproc 1000` on 2 cores started spawning 1,000 torch processes."""
+    cores = len(os.sched_getaffinity(0))
+    out = str(tmp_path / "c.json")
+    err = cli_error(["calibrate", "--nproc", "1000", "--out", out], capsys)
+    assert f"--nproc 1000: more processes than this machine's {cores} cores" in err, err
+    err = cli_error(["calibrate", "--nproc", str(4 * cores + 1), "--clock", "cpu", "--out", out],
+                    capsys)  # fmt: skip
+    assert f"{4 * cores} with --clock cpu" in err, err
+
+
+def test_calibrate_refuses_an_unwritable_out_before_timing(tmp_path, capsys):
+    """An --out under a file, or a directory, failed after the whole calibration, naming a
+    temporary file."""
+    (tmp_path / "file").write_text("x")
+    bad = str(tmp_path / "file" / "c.json")
+    err = cli_error(["calibrate", "--out", bad, "--lengths", "8,16,32", "--packs", "2x8"], capsys)
+    assert f"--out {bad}: {tmp_path / 'file'} is a file, not a directory" in err, err
+    err = cli_error(["calibrate", "--out", str(tmp_path), "--lengths", "8,16,32"], capsys)
+    assert f"--out {tmp_path}: is a directory" in err, err

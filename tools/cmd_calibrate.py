@@ -18,13 +18,16 @@ names a shape.
 from __future__ import annotations
 
 import argparse
+import os
 
 from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
 from trainer.calibrate import CalibrationGrid
-from trainer.model.config import DTYPES
+from trainer.model.config import DTYPES, check_model_fits
+
+_FLAG_OF = {"vocab_size": "--vocab-size"}  # the shape keys a flag sets without a config
 
 # the flags' defaults are the grid's
 DEFAULT_LENGTHS = ",".join(map(str, CalibrationGrid.lengths))
@@ -154,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, key)
         if v is not None and not v > 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {v}")
+    _check_nproc(args)
     name, shape, dtype, out, packs = _what_to_time(args)
+    _check_out(out)
     grid = CalibrationGrid(
         lengths=lengths,
         packed=packs,
@@ -184,6 +189,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# processes per core `--clock cpu` may time (each rank's own CPU time: ranks may share cores)
+CPU_CLOCK_RANKS_PER_CORE = 4
+
+
+def _check_nproc(args: argparse.Namespace) -> None:
+    """ConfigError naming --nproc when the machine cannot run that many timed ranks: on the CPU
+    one core per rank (--threads each) with the wall clock, CPU_CLOCK_RANKS_PER_CORE ranks a core
+    with --clock cpu; on CUDA one rank per GPU."""
+    if args.device.startswith("cuda"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if args.nproc > gpus:
+            raise ConfigError(
+                f"--nproc {args.nproc}: more processes than this machine's {gpus} GPUs"
+            )
+        return
+    cores = len(os.sched_getaffinity(0))
+    wall = max(cores // args.threads, 1)
+    most = wall if args.clock == "wall" else CPU_CLOCK_RANKS_PER_CORE * cores
+    if args.nproc > most:
+        raise ConfigError(
+            f"--nproc {args.nproc}: more processes than this machine's {cores} cores can time "
+            f"(at most {wall} with --clock wall and --threads {args.threads}, "
+            f"{CPU_CLOCK_RANKS_PER_CORE * cores} with --clock cpu)"
+        )
+
+
+def _check_out(out: str) -> None:
+    """InputError naming --out when the cost file could not be written there (under a file, a
+    directory in its place), checked before anything is timed."""
+    from pathlib import Path
+
+    from datapipe.errors import InputError
+    from datapipe.ingest.output import check_out_path
+
+    check_out_path(Path(out).absolute(), out, [])
+    if os.path.isdir(out):
+        raise InputError(f"--out {out}: is a directory; name the cost file to write (cost.json)")
+
+
 def _what_to_time(args: argparse.Namespace):
     """(name, shape, dtype, output file, packs) from a training config or --model."""
     from datapipe.shapes import get_config
@@ -200,7 +246,11 @@ def _what_to_time(args: argparse.Namespace):
             shape = get_config(model, **extra)
         except ValueError as exc:
             raise ConfigError(f"--model: {exc}") from None
-        return model, shape, args.dtype or "float32", args.out, packs
+        dtype = args.dtype or "float32"
+        check_model_fits(
+            shape, dtype, args.device, lambda k: _FLAG_OF.get(k, f"--model {model}'s {k}")
+        )
+        return model, shape, dtype, args.out, packs
     from trainer.config.toml import load_model_config
 
     if args.model is not None or args.vocab_size is not None:
@@ -215,13 +265,9 @@ def _what_to_time(args: argparse.Namespace):
         )
     cap = cfg.parallel.planner.capacity
     full = (max(2, cap // 256), min(256, cap))  # a pack as large as the capacity
-    return (
-        cfg.model.name,
-        shape,
-        args.dtype or cfg.train.dtype,
-        out,
-        tuple(dict.fromkeys((*packs, full))),
-    )
+    dtype = args.dtype or cfg.train.dtype
+    check_model_fits(shape, dtype, args.device, cfg.model.key_of)
+    return cfg.model.name, shape, dtype, out, tuple(dict.fromkeys((*packs, full)))
 
 
 def render(cal) -> str:

@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from trainer.config.job import TrainerConfig
+from trainer.model.config import check_model_fits
 from trainer.parallel.runtime import Runtime, setup_runtime
 from trainer.trainer import Trainer
 
@@ -25,6 +26,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
 
     cfg.validate()
+    check_model_fits(cfg.model.shape(), cfg.train.dtype, cfg.train.device, cfg.model.key_of)
     n = cfg.parallel.ranks_per_island(world)  # the plan is an island's
     with ExitStack() as stack:
         data = cfg.train_data(0, n, stack, validation=False)
@@ -37,6 +39,7 @@ def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any
     """Train as configured; returns the Trainer's summary. Collective: every rank of the island
     calls it. A runtime made here (rt None) is torn down at the end."""
     cfg.validate()
+    check_model_fits(cfg.model.shape(), cfg.train.dtype, cfg.train.device, cfg.model.key_of)
     own_rt = rt is None
     rt = rt or setup_runtime(cfg.train.device, cfg.parallel.islands)
     try:

@@ -189,6 +189,7 @@ class TrainerConfig:
         if self.model.pretrained:
             pre = pretrained_of(self.model)
             check_special_ids(data.fetcher.index.manifest, pre.config, self.data.path, pre.path)
+        self.model.check_context(data.fetcher.lengths, self.data.path)
         return data
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -6,6 +6,7 @@ every other field that contradicts config.json is an error naming both)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from datapipe.errors import ConfigError, MixlenError
 from datapipe.settings import Names, setting
 from datapipe.shapes import DTYPES, INT_BOUNDS, MODEL_CONFIGS, ModelConfig, RopeScaling, get_config
 
-__all__ = ["DTYPES", "ModelSection"]
+__all__ = ["DTYPES", "ModelSection", "check_model_fits", "machine_memory"]
 
 _SHAPE_HELP = "replaces the named shape's value (default: the shape's own)"
 _SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
@@ -86,6 +87,32 @@ class ModelSection:
                 out[key] = v
         return out
 
+    def key_of(self, field: str) -> str:
+        """How the user wrote the shape key `field`: `model.<field>`, or the pretrained folder's
+        config.json key when the folder, not `[model]`, sets it."""
+        if self.pretrained and getattr(self, field, None) is None:
+            from trainer.model.families.base import SHAPE_KEYS
+
+            return f"{os.path.join(self.pretrained, 'config.json')}: {SHAPE_KEYS[field]}"
+        return f"model.{field}"
+
+    def check_context(self, lengths: Any, data: str) -> None:
+        """ConfigError when the dataset `data` holds samples longer than the context the model
+        declares (max_position_embeddings, the context an export writes), unless dynamic NTK
+        scaling stretches the base for longer documents by design."""
+        shape = self.shape()
+        declared, longest = shape.max_position_embeddings, int(max(lengths, default=0))
+        dynamic = shape.rope_scaling is not None and shape.rope_scaling.type == "dynamic"
+        if declared is None or dynamic or longest <= declared:
+            return
+        raise ConfigError(
+            f"{self.key_of('max_position_embeddings')} = {declared:,}, but {data} holds samples "
+            f"of up to {longest:,} tokens: the model would train beyond the context it declares "
+            f"(and an export would declare {declared:,}); set model.max_position_embeddings to "
+            f"at least {longest:,} (with rope_scaling to extend a pretrained model), or "
+            f"preprocess with --max-len {declared}"
+        )
+
     def shape(self, names: Names | None = None) -> ModelConfig:
         """The model's shape: the named one or the pretrained folder's, with the overrides."""
         names = names or Names("model")
@@ -129,3 +156,66 @@ def pretrained_of(section: ModelSection) -> Any:
     from trainer.model.pretrained import inspect_pretrained
 
     return inspect_pretrained(section.pretrained)
+
+
+# --- what the weights take, against the machine ---------------------------------------------------
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2}
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def machine_memory(device: str) -> tuple[int, str]:
+    """The memory one rank's model lives in on `device` (cpu, cuda[:N], or auto: CUDA when there
+    is one) and what it is: a GPU's memory, or this machine's RAM (within a cgroup's limit)."""
+    if device != "cpu":
+        import torch
+
+        if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+            if torch.cuda.is_available():
+                idx = int(device.partition(":")[2] or 0)
+                return torch.cuda.get_device_properties(idx).total_memory, f"GPU {idx}'s memory"
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            have = min(have, int(text))
+    return have, "memory"
+
+
+def _size_keys(shape: ModelConfig) -> tuple[str, ...]:
+    """The shape keys that make most of its parameters: the embeddings' or the layers'."""
+    emb = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
+    if emb >= shape.num_params() - emb:
+        return ("vocab_size", "dim")
+    mlp = 3 * shape.dim * shape.ffn_dim * shape.n_layers
+    return ("n_layers", "dim", "ffn_dim") if 2 * mlp >= shape.num_params() else ("n_layers", "dim")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_model_fits(
+    shape: ModelConfig, dtype: str, device: str, key: Callable[[str], str]
+) -> None:
+    """ConfigError before anything is allocated when the model's weights alone (a lower bound
+    of what one rank holds) take more than the memory of `device`; it names the shape keys that
+    make the size (`key(field)`: how the user wrote each) and both sizes."""
+    need = shape.num_params() * _ITEMSIZE[dtype]
+    have, what = machine_memory(device)
+    if need <= have:
+        return
+    named = " and ".join(f"{key(k)} = {getattr(shape, k):,}" for k in _size_keys(shape))
+    raise ConfigError(
+        f"{named}: the model's weights alone take {_size(need)} ({shape.num_params():,} "
+        f"parameters in {dtype}), more than this machine's {_size(have)} of {what}; refused "
+        "before allocating anything (choose a smaller model)"
+    )
