@@ -10,7 +10,7 @@ DEMO_DIR ?= .demo
 STDLIB := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo demo-data demo-train test lint format bench clean
+.PHONY: install demo demo-data demo-train demo-extend test lint format bench clean
 
 install: $(STAMP)-$(HASH)
 
@@ -45,6 +45,34 @@ demo-train: install
 		--set data.path='"$(DEMO_DIR)/stdlib"' --set metrics.dir='"$(DEMO_DIR)/run"' \
 		--set checkpoint.dir='"$(DEMO_DIR)/run/ckpt"' --set parallel.cost='"$(DEMO_DIR)/cost.json"'
 	@echo "plan report (4 ranks: hdp, hdp+widen, static, naive-hdp): $(DEMO_DIR)/plan.html"
+
+# context extension on this CPU (configs/extend-demo.toml): the debug model trained on short
+# documents, exported, continued with RoPE scaling on a mixture with long documents and a context
+# stage, evaluated before and after (loss by position, passkey by length)
+EXTEND := $(DEMO_DIR)/extend
+BPE := --tokenizer tests/assets/bpe-stdlib.json --workers 2 --format parquet --overwrite
+EXTEND_EVAL := --val-fraction 0.02 --max-tokens 24576 --capacity 2048 --nproc 2 \
+	--passkey-lengths 256,1024,2048 --passkey-depths 0,0.5,1
+SHORT_RUN := --set data.path='"$(EXTEND)/short"' --set train.steps=40 \
+	--set train.global_batch_tokens=16384 --set train.eval_interval=0 --set train.warmup=4 \
+	--set parallel.capacity=2048 --set model.max_position_embeddings=256 \
+	--set checkpoint.dir='"$(EXTEND)/short-run/ckpt"' --set checkpoint.interval=40 \
+	--set metrics.dir='"$(EXTEND)/short-run"'
+
+demo-extend: install
+	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '*.py' --max-len 256 $(BPE) --out $(EXTEND)/short
+	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '*/**/*.py' --exclude 'site-packages/*' \
+		--exclude 'test/*' --exclude '*/test/*' --exclude '*/tests/*' --exclude '*/idle_test/*' \
+		--max-len 2048 --min-tokens 1024 $(BPE) --out $(EXTEND)/long
+	rm -rf $(EXTEND)/short-run $(EXTEND)/long-run $(EXTEND)/eval-before $(EXTEND)/eval-after
+	$(VENV)/bin/mixlen train configs/debug.toml --nproc 2 $(SHORT_RUN)
+	$(VENV)/bin/mixlen export $(EXTEND)/short-run/ckpt --hf $(EXTEND)/short-hf --overwrite
+	$(VENV)/bin/mixlen eval $(EXTEND)/short-hf $(EXTEND)/long $(EXTEND_EVAL) --out $(EXTEND)/eval-before
+	$(VENV)/bin/mixlen train configs/extend-demo.toml --nproc 2
+	$(VENV)/bin/mixlen export $(EXTEND)/long-run/ckpt --hf $(EXTEND)/long-hf --overwrite
+	$(VENV)/bin/mixlen eval $(EXTEND)/long-hf $(EXTEND)/long $(EXTEND_EVAL) --out $(EXTEND)/eval-after
+	$(PY) benchmarks/extend_report.py $(EXTEND)/eval-before/eval.json \
+		$(EXTEND)/eval-after/eval.json --out $(EXTEND)/report.json
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests

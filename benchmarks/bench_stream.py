@@ -195,15 +195,24 @@ def bench_mixture(total: int, budget: int, repeats: int) -> dict:
     weights = tokens / tokens.sum()
     n_batches = StreamConfig().build(allL, budget).steps_in_epoch(0)
 
+    fill: dict[str, float] = {}
+
+    def run(name: str, s) -> int:
+        tokens = n = 0
+        for _ in range(n_batches):
+            b = next(s)
+            n += b.sample_ids.shape[0]
+            tokens += int(b.lengths.sum())
+        fill[name] = tokens / (n_batches * budget)
+        return n
+
     def single() -> int:
-        s = StreamConfig(seed=0).build(allL, budget)
-        return sum(next(s).sample_ids.shape[0] for _ in range(n_batches))
+        return run("one dataset", StreamConfig(seed=0).build(allL, budget))
 
     def mixture() -> int:
         srcs = [MixSource(f"s{i}", p, np.arange(p.shape[0])) for i, p in enumerate(parts)]
         cfgs = [SourceConfig(path=f"s{i}", weight=float(w)) for i, w in enumerate(weights)]
-        s = MixtureStream(StreamConfig(seed=0), srcs, cfgs, [], budget)
-        return sum(next(s).sample_ids.shape[0] for _ in range(n_batches))
+        return run("mixture of 3", MixtureStream(StreamConfig(seed=0), srcs, cfgs, [], budget))
 
     mixture()  # the kernel's compilation (cached on disk) outside the clock
     best: dict[str, dict] = {}
@@ -217,18 +226,20 @@ def bench_mixture(total: int, budget: int, repeats: int) -> dict:
             tracemalloc.stop()
             if name not in best or dt < best[name]["seconds"]:
                 best[name] = {"seconds": dt, "samples": n, "peak_bytes": peak}
-    for r in best.values():
+    for name, r in best.items():
+        r["fill"] = fill[name]
         r["batches_per_s"] = n_batches / r["seconds"]
         r["peak_bytes_per_sample"] = r["peak_bytes"] / total
     one, mix = best["one dataset"], best["mixture of 3"]
     print(f"{total:,} samples in 3 sources, {n_batches:,} batches of {budget:,} tokens")
     print(
-        f"{'stream':<16}{'seconds':>9}{'batches/s':>11}{'samples':>11}{'peak MB':>9}{'B/sample':>10}"
+        f"{'stream':<16}{'seconds':>9}{'batches/s':>11}{'samples':>11}{'fill':>8}{'peak MB':>9}"
+        f"{'B/sample':>10}"
     )
     for name, r in best.items():
         print(
             f"{name:<16}{r['seconds']:>9.2f}{r['batches_per_s']:>11,.0f}{r['samples']:>11,}"
-            f"{r['peak_bytes'] / 1e6:>9.1f}{r['peak_bytes_per_sample']:>10.1f}"
+            f"{r['fill']:>8.4f}{r['peak_bytes'] / 1e6:>9.1f}{r['peak_bytes_per_sample']:>10.1f}"
         )
     ratio = mix["seconds"] / one["seconds"]
     print(

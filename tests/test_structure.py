@@ -12,7 +12,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("datapipe", "trainer", "tools")
-LIGHT = ("datapipe.index", "datapipe.stream", "datapipe.settings", "datapipe.shapes")
+LIGHT = (
+    "datapipe.index",
+    "datapipe.stream",
+    "datapipe.settings",
+    "datapipe.shapes",
+    "datapipe.mix.config",
+    "datapipe.mix.fill",
+    "datapipe.mix.stream",
+    "datapipe.mix.sources",
+    "datapipe.mix.report",
+)
 
 
 def module_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:

@@ -60,7 +60,8 @@ class DataConfig:
     sources: list[SourceConfig] = setting(
         factory=list,
         help="a mixture: [{path = ..., weight = ..., name = ..., max_epochs = ..., length_boost = "
-        "{MIN_TOKENS = FACTOR}}, ...], weights as shares of tokens (instead of path)",
+        "{MIN_TOKENS = FACTOR}}, ...], weights as shares of tokens (instead of path); a resume "
+        "keeps the datasets, may change the weights",
         free_on_resume=True,
     )
     stages: list[StageConfig] = setting(

@@ -77,6 +77,80 @@ def _peek(s, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, em
 
 
 @njit(cache=True)
+def _choose(
+    lengths, len_off, order, ord_hi, cur, cur_off, refillable, dlen, ndef, taken, weight, total,
+    room, empty, max_unit, w,
+):  # fmt: skip
+    """The unit to take: (status, source, kind, index, length); status 0 with source -1 when no
+    eligible candidate fits, REFILL / EXHAUSTED with the source that needs it."""
+    num = weight.shape[0]
+    # the eligible sources (rounding aside, at least one; else the most behind one)
+    lag_best, lag_src = -1e300, -1
+    any_eligible = False
+    for s in range(num):
+        if weight[s] > 0.0:
+            lag = weight[s] * total - taken[s]
+            if lag >= 0.0:
+                any_eligible = True
+            if lag > lag_best:
+                lag_best, lag_src = lag, s
+    best, best_kind, best_idx, best_len = -1, 0, 0, 0
+    best_tag = 0.0
+    for s in range(num):
+        if weight[s] <= 0.0:
+            continue
+        if any_eligible:
+            if weight[s] * total - taken[s] < 0.0:
+                continue
+        elif s != lag_src:
+            continue
+        kind, idx, n = _peek(
+            s, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, empty, max_unit, w
+        )
+        if kind == -1:
+            if ndef[s] == 0 or refillable[s]:
+                return (REFILL if refillable[s] else EXHAUSTED), s, 0, 0, 0
+            continue  # deferred units only, none fits
+        if kind == 0:
+            continue
+        tag = (taken[s] + n) / weight[s]
+        if best < 0 or tag < best_tag:
+            best, best_kind, best_idx, best_len, best_tag = s, kind, idx, n, tag
+    return 0, best, best_kind, best_idx, best_len
+
+
+@njit(cache=True)
+def _take(
+    s, kind, idx, n, lengths, len_off, order, cur, cur_off, dsid, doff, dlen, ndef, row, max_unit
+):
+    """Write source s's candidate (`_peek`'s kind and index) to `row`; the units of its order it
+    skipped are deferred."""
+    row[0] = s
+    if kind == 1:
+        row[1], row[2], row[3] = dsid[s, idx], doff[s, idx], n
+        for i in range(idx, ndef[s] - 1):
+            dsid[s, i], doff[s, i], dlen[s, i] = dsid[s, i + 1], doff[s, i + 1], dlen[s, i + 1]
+        ndef[s] -= 1
+        return
+    base = len_off[s]
+    for k in range(idx + 1):
+        p, off = cur[s], cur_off[s]
+        m = _unit_len(lengths, base, order, p, off, max_unit)
+        if k < idx:
+            j = ndef[s]
+            dsid[s, j], doff[s, j], dlen[s, j] = order[p], off, m
+            ndef[s] += 1
+        else:
+            row[1], row[2], row[3] = order[p], off, m
+        off += m
+        if off >= lengths[base + order[p]]:
+            cur[s] = p + 1
+            cur_off[s] = 0
+        else:
+            cur_off[s] = off
+
+
+@njit(cache=True)
 def fill_kernel(
     lengths: np.ndarray,
     len_off: np.ndarray,
@@ -105,9 +179,8 @@ def fill_kernel(
     ``order[cur[s]:ord_hi[s]]``, the first `cur_off[s]` tokens of order[cur[s]] already taken.
     Deferred units of s: ``(dsid, doff, dlen)[s, :ndef[s]]``. Units go to `out` rows
     (source, sample, start, length), batch b is rows ``bounds[b]:bounds[b + 1]``; `st` holds the
-    scalar state, so a call that returns REFILL or EXHAUSTED continues where it stopped.
+    scalar state, so a call that returns REFILL, EXHAUSTED or FULL continues where it stopped.
     """
-    num = weight.shape[0]
     while st[ST_BATCHES] < n_batches:
         if st[ST_OPEN] == 0:
             st[ST_OPEN] = 1
@@ -115,78 +188,25 @@ def fill_kernel(
             bounds[st[ST_BATCHES]] = st[ST_UNITS]
         if st[ST_UNITS] == out.shape[0]:
             return FULL, -1
-        room = st[ST_ROOM]
+        room, total = st[ST_ROOM], st[ST_TOTAL]
         empty = st[ST_UNITS] == bounds[st[ST_BATCHES]]
-        total = st[ST_TOTAL]
-        # the eligible sources (rounding aside, at least one; else the most behind one)
-        lag_best, lag_src = -1e300, -1
-        any_eligible = False
-        for s in range(num):
-            if weight[s] > 0.0:
-                lag = weight[s] * total - taken[s]
-                if lag >= 0.0:
-                    any_eligible = True
-                if lag > lag_best:
-                    lag_best, lag_src = lag, s
-        best, best_kind, best_idx, best_len = -1, 0, 0, 0
-        best_tag = 0.0
-        for s in range(num):
-            if weight[s] <= 0.0:
-                continue
-            if any_eligible:
-                if weight[s] * total - taken[s] < 0.0:
-                    continue
-            elif s != lag_src:
-                continue
-            kind, idx, n = _peek(
-                s, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, empty,
-                max_unit, w,
+        status, s, kind, idx, n = _choose(
+            lengths, len_off, order, ord_hi, cur, cur_off, refillable, dlen, ndef, taken, weight,
+            total, room, empty, max_unit, w,
+        )  # fmt: skip
+        if status != 0:
+            return status, s
+        if s >= 0:
+            u = st[ST_UNITS]
+            _take(
+                s, kind, idx, n, lengths, len_off, order, cur, cur_off, dsid, doff, dlen, ndef,
+                out[u], max_unit,
             )  # fmt: skip
-            if kind == -1:
-                if ndef[s] == 0 or refillable[s]:
-                    return (REFILL if refillable[s] else EXHAUSTED), s
-                continue  # deferred units only, none fits
-            if kind == 0:
-                continue
-            tag = (taken[s] + n) / weight[s]
-            if best < 0 or tag < best_tag:
-                best, best_kind, best_idx, best_len, best_tag = s, kind, idx, n, tag
-        if best < 0:  # nothing eligible fits: the batch closes
-            st[ST_OPEN] = 0
-            st[ST_BATCHES] += 1
-            bounds[st[ST_BATCHES]] = st[ST_UNITS]
-            continue
-        # take the candidate; the units of its source skipped on the way are deferred
-        s = best
-        u = st[ST_UNITS]
-        out[u, 0] = s
-        if best_kind == 1:
-            out[u, 1], out[u, 2], out[u, 3] = dsid[s, best_idx], doff[s, best_idx], best_len
-            for i in range(best_idx, ndef[s] - 1):
-                dsid[s, i], doff[s, i], dlen[s, i] = dsid[s, i + 1], doff[s, i + 1], dlen[s, i + 1]
-            ndef[s] -= 1
-        else:
-            base = len_off[s]
-            for k in range(best_idx + 1):
-                p, off = cur[s], cur_off[s]
-                n = _unit_len(lengths, base, order, p, off, max_unit)
-                if k < best_idx:
-                    j = ndef[s]
-                    dsid[s, j], doff[s, j], dlen[s, j] = order[p], off, n
-                    ndef[s] += 1
-                else:
-                    out[u, 1], out[u, 2], out[u, 3] = order[p], off, n
-                off += n
-                if off >= lengths[base + order[p]]:
-                    cur[s] = p + 1
-                    cur_off[s] = 0
-                else:
-                    cur_off[s] = off
-        st[ST_UNITS] = u + 1
-        taken[s] += best_len
-        st[ST_TOTAL] = total + best_len
-        st[ST_ROOM] = room - best_len
-        if st[ST_ROOM] <= 0:  # full (or a unit longer than the budget, alone)
+            st[ST_UNITS] = u + 1
+            taken[s] += n
+            st[ST_TOTAL] = total + n
+            st[ST_ROOM] = room - n
+        if s < 0 or st[ST_ROOM] <= 0:  # nothing fits, or full (or one oversize unit): it closes
             st[ST_OPEN] = 0
             st[ST_BATCHES] += 1
             bounds[st[ST_BATCHES]] = st[ST_UNITS]
