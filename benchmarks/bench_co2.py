@@ -208,7 +208,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="--converge: the debug model's layers")
     ap.add_argument("--lr", type=float, default=4e-3, help="--converge: train.lr")
     ap.add_argument("--warmup", type=int, default=20, help="--converge: train.warmup")
-    ap.add_argument("--eval-every", type=int, default=40, help="--converge: held-out loss interval")
+    ap.add_argument("--eval-every", type=int, default=16, help="--converge: held-out loss interval")
+    ap.add_argument("--seed", type=int, default=0, help="--converge: data.seed (batches, split)")
+    ap.add_argument(
+        "--name",
+        default="converge",
+        help="--converge: results in benchmarks/out/bench_co2_NAME.json (a name per setup)",
+    )
     ap.add_argument("--report", action="store_true", help="--converge: report the saved runs")
     ap.add_argument(
         "--sweep",
@@ -225,8 +231,8 @@ def main() -> None:
     if args.converge:
         args.steps, args.batch = args.steps or 400, args.batch or 1024
         if args.report:
-            with open(CONVERGE_OUT) as f:
-                converge_report(json.load(f))
+            with open(converge_out(args.name)) as f:
+                converge_report(json.load(f), args.name)
         else:
             converge(args)
         return
@@ -340,11 +346,20 @@ CORPORA = {
 # --converge runs by name: [co2] settings over the defaults
 VARIANTS = {
     "sync": {"mode": "sync"},
-    "diloco": {"mode": "diloco", "outer_lr": 1.0},  # averages applied at once: no overshoot
+    "diloco": {"mode": "diloco"},  # as published: Nesterov 0.9, outer lr 0.7, no penalty or clip
     "co2": {},
+    # the staleness penalty's rules, the other defaults kept: off, the CO2 code's constant factor
+    # (1 + lambda = 1.5), mixlen's adaptive one (the default)
+    "co2-penalty-off": {"staleness_lambda": 0.0},
+    "co2-penalty-constant": {"staleness_rule": "constant"},
+    "co2-penalty-adaptive": {"staleness_rule": "adaptive"},
 }
-CONVERGE_OUT = os.path.join(ROOT, "benchmarks", "out", "bench_co2_converge.json")
 CONVERGE_PNG = os.path.join(ROOT, "benchmarks", "co2_converge.png")
+EARLY = 48  # issue 30: within 5% of sync at every evaluation from this step on
+
+
+def converge_out(name: str) -> str:
+    return os.path.join(ROOT, "benchmarks", "out", f"bench_co2_{name}.json")
 
 
 def converge_config(args: argparse.Namespace, run_dir: str, corpus: str, co2: dict) -> dict:
@@ -354,7 +369,7 @@ def converge_config(args: argparse.Namespace, run_dir: str, corpus: str, co2: di
     path = ensure_data(os.path.join(ROOT, "benchmarks", "out", folder), tokenizer)
     return {
         "model": {"name": "debug", "n_layers": args.layers, "vocab_size": vocab},
-        "data": {"path": path, "val_fraction": 0.02, "val_tokens": 16384},
+        "data": {"path": path, "val_fraction": 0.02, "val_tokens": 16384, "seed": args.seed},
         "train": {
             "steps": args.steps,
             "global_batch_tokens": args.batch,
@@ -384,7 +399,8 @@ def converge(args: argparse.Namespace) -> None:
 
     runs = parse_runs(args.runs)
     setup = {
-        k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "eval_every", "layers")
+        k: getattr(args, k)
+        for k in ("steps", "batch", "lr", "warmup", "eval_every", "layers", "seed")
     }
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [
@@ -394,33 +410,35 @@ def converge(args: argparse.Namespace) -> None:
         ]
         got = run_all(jobs)
     result = {"setup": setup, "runs": {}}
-    if os.path.isfile(CONVERGE_OUT):
-        with open(CONVERGE_OUT) as f:
+    out = converge_out(args.name)
+    if os.path.isfile(out):
+        with open(out) as f:
             result = json.load(f)
         if result["setup"] != setup:
-            raise SystemExit(f"{CONVERGE_OUT} holds runs of {result['setup']}, not {setup}")
+            raise SystemExit(f"{out} holds runs of {result['setup']}, not {setup} (--name)")
     for name, d in jobs:
         steps = [r for r in got[name] if "loss" in r and "step" in r]
         result["runs"][name] = {
             "co2": d["co2"],
-            "settings": {**vars(CO2Config()), **d["co2"]},  # the defaults of this run's code
+            "settings": vars(CO2Config(**d["co2"])),  # with this run's code's mode defaults
             "train": [r["loss"] for r in steps],
             "val": [[r["step"], r["val_loss"]] for r in steps if "val_loss" in r],
             "step_s": statistics.median(r["step_time_s"] for r in steps),
             "clipped_max": max((r.get("co2_clipped_fraction", 0.0) for r in steps), default=0.0),
             "penalty_max": max((r.get("co2_penalty", 1.0) for r in steps), default=1.0),
         }
-    with open(CONVERGE_OUT, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    converge_report(result)
+    converge_report(result, args.name)
 
 
 def gap(a: float, b: float) -> float:
     return 100.0 * (a - b) / b
 
 
-def converge_report(result: dict) -> None:
-    """The gap to sync at every eval, the final table, and the PNG."""
+def converge_report(result: dict, name: str = "converge") -> None:
+    """The gap to sync at every eval, the final table (with the largest gap from step EARLY on),
+    and the PNG (the default setup's only)."""
     runs = result["runs"]
     corpora = sorted({k.split("/")[0] for k in runs}, key=list(CORPORA).index)
     print(f"--converge {result['setup']}: held-out loss gap to sync (%) at every eval")
@@ -428,21 +446,31 @@ def converge_report(result: dict) -> None:
         sync = dict(runs[f"{c}/sync"]["val"])
         print(f"\n{c}: step " + " ".join(f"{s:>6}" for s in sync))
         print(f"  {'sync loss':24} " + " ".join(f"{v:6.3f}" for v in sync.values()))
-        for name, r in runs.items():
-            if name.startswith(c + "/") and not name.endswith("/sync"):
+        for name_, r in runs.items():
+            if name_.startswith(c + "/") and not name_.endswith("/sync"):
                 row = " ".join(f"{gap(v, sync[s]):+6.1f}" for s, v in r["val"])
-                print(f"  {name.split('/', 1)[1]:24} {row}")
-    print("\nfinal: held-out loss, gap to sync; training loss (mean of the last 20 steps), gap")
-    for name, r in runs.items():
-        c = name.split("/")[0]
+                print(f"  {name_.split('/', 1)[1]:24} {row}")
+    print(
+        f"\nfinal: held-out loss, gap to sync, the largest gap from step {EARLY} on; training "
+        "loss (mean of the last 20 steps), gap"
+    )
+    for name_, r in runs.items():
+        c = name_.split("/")[0]
         sync = runs[f"{c}/sync"]
         v, vs = r["val"][-1][1], sync["val"][-1][1]
         t, ts = statistics.mean(r["train"][-20:]), statistics.mean(sync["train"][-20:])
         print(
-            f"  {name:34} val {v:.4f} {gap(v, vs):+6.2f}%  train {t:.4f} {gap(t, ts):+6.2f}%  "
-            f"{r['step_s']:.3f} s/step  {json.dumps(r['co2'])}"
+            f"  {name_:34} val {v:.4f} {gap(v, vs):+6.2f}% (max {worst_gap(r, sync):+6.2f}%)  "
+            f"train {t:.4f} {gap(t, ts):+6.2f}%  {r['step_s']:.3f} s/step  {json.dumps(r['co2'])}"
         )
-    plot_converge(runs, corpora)
+    if name == "converge":
+        plot_converge(runs, corpora)
+
+
+def worst_gap(run: dict, sync: dict) -> float:
+    """The largest held-out gap to sync (%) at the evaluations from step EARLY on."""
+    ref = dict(sync["val"])
+    return max((gap(v, ref[s]) for s, v in run["val"] if s >= EARLY and s in ref), default=0.0)
 
 
 def plot_converge(runs: dict, corpora: list[str]) -> None:
@@ -481,7 +509,7 @@ def plot_converge(runs: dict, corpora: list[str]) -> None:
         bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(CONVERGE_PNG, dpi=70)
-    print(f"\nwrote {CONVERGE_PNG} and {CONVERGE_OUT}")
+    print(f"\nwrote {CONVERGE_PNG} and {converge_out('converge')}")
 
 
 if __name__ == "__main__":

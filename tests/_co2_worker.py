@@ -34,14 +34,15 @@ SCENARIOS = [
     ("co2-no-overlap", "co2", CO2Config(tau=3, outer_lr=0.7, outer_momentum=0.8,
                                         staleness_lambda=0.0, clip="none", overlap=False)),
     ("diloco", "diloco", CO2Config(mode="diloco", tau=3, outer_lr=0.7, outer_momentum=0.8,
-                                   staleness_lambda=0.0, clip="none")),
+                                   nesterov=False)),
+    ("diloco-defaults", "diloco", CO2Config(mode="diloco", tau=3)),
     ("averaging", "co2", CO2Config(tau=1, outer_lr=1.0, outer_momentum=0.0, staleness_lambda=0.0,
                                    clip="none", overlap=False)),
     ("co2", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6, nesterov=True,
                              staleness_lambda=0.5, clip="value", clip_value=2e-3,
                              warmup_rounds=0)),
     ("co2-warmup", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6,
-                                    staleness_lambda=0.5, warmup_rounds=1)),
+                                    staleness_lambda=0.5, warmup_rounds=1, warmup_outer_lr=0.9)),
     ("sync", "sync", CO2Config(mode="sync")),
 ]  # fmt: skip
 
@@ -130,19 +131,24 @@ class RefIsland:
         return float(total) / n
 
 
-def _outer(anchor, d, st, c: CO2Config):
-    """The contract's outer update (docs/ARCHITECTURE.md, "CO2 across islands"); heavy-ball
-    without penalty or clipping through torch.optim.SGD."""
-    if c.staleness_lambda == 0 and c.clip == "none" and not c.nesterov:
+def _outer(anchor, d, st, c: CO2Config, stale: bool, alpha: float):
+    """The contract's outer update (docs/ARCHITECTURE.md, "CO2 across islands"), `stale`: the
+    average is one round late (only then penalised); heavy-ball without penalty or clipping
+    through torch.optim.SGD."""
+    lam = c.staleness_lambda if stale else 0.0
+    if lam == 0 and c.clip == "none" and not c.nesterov:
         if "sgd" not in st:
             st["a"] = torch.nn.Parameter(anchor.clone())
-            st["sgd"] = torch.optim.SGD([st["a"]], lr=c.outer_lr, momentum=c.outer_momentum)
+            st["sgd"] = torch.optim.SGD([st["a"]], lr=alpha, momentum=c.outer_momentum)
+        st["sgd"].param_groups[0]["lr"] = alpha
         st["a"].data.copy_(anchor)
         st["a"].grad = d.clone()
         st["sgd"].step()
         return st["a"].detach().clone()
     prev = st.get("d_prev", d)
-    penalty = 1 + c.staleness_lambda * torch.linalg.norm(d - prev) / (torch.linalg.norm(d) + 1e-8)
+    penalty = 1 + lam * torch.linalg.norm(d - prev) / (torch.linalg.norm(d) + 1e-8)
+    if c.staleness_rule == "constant":
+        penalty = 1 + lam
     m = c.outer_momentum * st.get("m", torch.zeros_like(d)) + d / penalty
     if c.clip == "value":
         m = m.clamp(-c.clip_value, c.clip_value)
@@ -150,7 +156,7 @@ def _outer(anchor, d, st, c: CO2Config):
         m = m * (c.clip_value / torch.linalg.norm(m))
     st["m"], st["d_prev"] = m, d
     step = d / penalty + c.outer_momentum * m if c.nesterov else m
-    return anchor - c.outer_lr * step
+    return anchor - alpha * step
 
 
 def reference(mode: str, c: CO2Config) -> dict:
@@ -177,14 +183,15 @@ def reference(mode: str, c: CO2Config) -> dict:
             anchor = sum(isl[j].flat() for j in range(ISLANDS)) / ISLANDS  # plain averaging
             continue
         avg = sum(deltas) / ISLANDS
-        if c.overlapped and t >= c.warmup_rounds:  # the warm-up's rounds wait for their own
+        if c.overlapped and t >= c.warmup_rounds:  # one round stale
             if pending is not None:
-                anchor = _outer(anchor, pending, st, c)
+                anchor = _outer(anchor, pending, st, c, True, c.outer_lr)
             pending = avg
-        else:
-            anchor = _outer(anchor, avg, st, c)
+        else:  # the round's own average: warm-up rounds at their outer lr
+            alpha = c.warmup_outer_lr if c.overlapped else c.outer_lr
+            anchor = _outer(anchor, avg, st, c, False, alpha)
     if pending is not None:
-        anchor = _outer(anchor, pending, st, c)
+        anchor = _outer(anchor, pending, st, c, True, c.outer_lr)
     return {"losses": losses, "weights": anchor}
 
 
@@ -228,7 +235,7 @@ def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
     # after the last step every island holds the final anchor
     everyone = rt.cross_comm.all_gather(weights) if rt.cross_comm.size > 1 else [weights]
     assert all(torch.equal(x, weights) for x in everyone), "islands end with different weights"
-    dl, dw = _trained(cfg("diloco", train={"steps": 4}, co2={**co2, "mode": "diloco"}), rt)
+    dl, dw = _trained(cfg("diloco", train={"steps": 4}, co2={"tau": 2, "mode": "diloco"}), rt)
     assert all(torch.equal(x, dw) for x in rt.cross_comm.all_gather(dw))
     out["diloco"] = dl
     sl, _ = _trained(cfg("sync", train={"steps": 3}, co2={"mode": "sync"}), rt)

@@ -36,6 +36,17 @@ def _vec(seed: int) -> torch.Tensor:
 X0 = _vec(0) * 0.5
 
 
+def oc(**kw) -> OuterConfig:
+    """An OuterConfig with these settings over overlapped heavy-ball rounds without penalty,
+    clipping or warm-up (OuterConfig has no defaults of its own)."""
+    base = {
+        "tau": 3, "outer_lr": 0.7, "momentum": 0.9, "nesterov": False, "staleness_lambda": 0.0,
+        "staleness_rule": "adaptive", "clip": "none", "clip_value": 1.0, "overlap": True,
+        "warmup_rounds": 0, "warmup_outer_lr": 1.0,
+    }  # fmt: skip
+    return OuterConfig(**{**base, **kw})
+
+
 def local_step(x: torch.Tensor, island: int, t: int, s: int, lo: int = 0) -> torch.Tensor:
     """One element-wise inner step of island `island` in round t (x holds elements lo..): a pull
     toward the island's own target plus noise, so islands drift apart within a round."""
@@ -54,12 +65,16 @@ def reference(cfg: OuterConfig, islands: int, rounds: int) -> list[dict]:
     a, m = X0.clone(), torch.zeros(N, dtype=F64)
     st = {"d_prev": None}
 
-    def apply(a, d):
+    def apply(a, d, stale, alpha):
         nonlocal m
         prev = d if st["d_prev"] is None else st["d_prev"]
-        penalty = 1 + cfg.staleness_lambda * torch.linalg.norm(d - prev) / (
-            torch.linalg.norm(d) + cfg.eps
-        )
+        penalty = torch.tensor(1.0, dtype=F64)
+        if stale and cfg.staleness_rule == "constant":
+            penalty = torch.tensor(1.0 + cfg.staleness_lambda, dtype=F64)
+        elif stale:  # adaptive
+            penalty = 1 + cfg.staleness_lambda * torch.linalg.norm(d - prev) / (
+                torch.linalg.norm(d) + cfg.eps
+            )
         m = cfg.momentum * m + d / penalty
         frac = 0.0
         if cfg.clip == "value":
@@ -70,7 +85,7 @@ def reference(cfg: OuterConfig, islands: int, rounds: int) -> list[dict]:
             frac = 1.0
         step = d / penalty + cfg.momentum * m if cfg.nesterov else m
         st["d_prev"] = d
-        return a - cfg.outer_lr * step, float(penalty), float(cfg.outer_lr * step.norm()), frac
+        return a - alpha * step, float(penalty), float(alpha * step.norm()), frac
 
     out, pending = [], None
     for t in range(rounds):
@@ -82,17 +97,18 @@ def reference(cfg: OuterConfig, islands: int, rounds: int) -> list[dict]:
             deltas.append(a - x)
         avg = sum(deltas) / islands
         info = {"applied": False, "penalty": 1.0, "update_norm": 0.0, "clipped": 0.0}
-        if cfg.overlap and t >= cfg.warmup_rounds:  # the warm-up's rounds wait for their own
+        if cfg.overlap and t >= cfg.warmup_rounds:  # one round stale
             if pending is not None:
-                a, p, u, f = apply(a, pending)
+                a, p, u, f = apply(a, pending, True, cfg.outer_lr)
                 info = {"applied": True, "penalty": p, "update_norm": u, "clipped": f}
             pending = avg
-        else:
-            a, p, u, f = apply(a, avg)
+        else:  # a round's own average: a warm-up round's, or every round's without overlap
+            alpha = cfg.warmup_outer_lr if cfg.overlap else cfg.outer_lr
+            a, p, u, f = apply(a, avg, False, alpha)
             info = {"applied": True, "penalty": p, "update_norm": u, "clipped": f}
         out.append({"anchor": a.clone(), **info})
     if pending is not None:
-        a, p, u, f = apply(a, pending)
+        a, p, u, f = apply(a, pending, True, cfg.outer_lr)
         out.append({"anchor": a.clone(), "applied": True, "penalty": p, "update_norm": u})
     return out
 
@@ -125,17 +141,18 @@ def run_co2(cfg, islands, ranks, rounds, flush=True, align=4):
 
 
 CONFIGS = [
-    OuterConfig(tau=3, outer_lr=0.7, momentum=0.9),
-    OuterConfig(tau=3, outer_lr=0.8, momentum=0.6, nesterov=True, staleness_lambda=0.5,
-                clip="value", clip_value=0.15),
-    OuterConfig(tau=2, outer_lr=0.7, momentum=0.8, staleness_lambda=0.5, clip="norm",
-                clip_value=0.6),
-    OuterConfig(tau=2, outer_lr=0.9, momentum=0.5, nesterov=True, staleness_lambda=0.3,
-                clip="norm", clip_value=0.6, overlap=False),
-    OuterConfig(tau=3, outer_lr=0.5, momentum=0.7, staleness_lambda=1.0, clip="value",
-                clip_value=0.15, overlap=False),
-    OuterConfig(tau=2, outer_lr=1.0, momentum=0.5, staleness_lambda=0.5, clip="value",
-                clip_value=0.15, warmup_rounds=2),
+    oc(tau=3, outer_lr=0.7, momentum=0.9),
+    oc(tau=3, outer_lr=0.8, momentum=0.6, nesterov=True, staleness_lambda=0.5,
+       clip="value", clip_value=0.15),
+    oc(tau=2, outer_lr=0.7, momentum=0.8, staleness_lambda=0.5, clip="norm", clip_value=0.6),
+    oc(tau=2, outer_lr=0.9, momentum=0.5, nesterov=True, staleness_lambda=0.3,
+       clip="norm", clip_value=0.6, overlap=False),
+    oc(tau=3, outer_lr=0.5, momentum=0.7, staleness_lambda=1.0, clip="value",
+       clip_value=0.15, overlap=False),
+    oc(tau=2, outer_lr=0.6, momentum=0.5, staleness_lambda=0.5, clip="value",
+       clip_value=0.15, warmup_rounds=2, warmup_outer_lr=0.9),
+    oc(tau=2, outer_lr=0.6, momentum=0.3, nesterov=True, staleness_lambda=0.4,
+       staleness_rule="constant", warmup_rounds=1),
 ]  # fmt: skip
 
 
@@ -153,8 +170,10 @@ def test_outer_update_matches_the_contract(ranks, ci):
         assert any(0 < w["clipped"] < 1 for w in want[:rounds])
     if cfg.clip == "norm":
         assert any(w["clipped"] == 1.0 for w in want[:rounds])
-    if cfg.staleness_lambda:
+    if cfg.staleness_lambda and cfg.overlap:
         assert any(w["penalty"] > 1.01 for w in want)
+    if not cfg.overlap:  # nothing is stale, so nothing is penalised whatever lambda
+        assert all(w["penalty"] == 1.0 for w in want)
     got = run_co2(cfg, islands, ranks, rounds)
     assert len(got) == islands * ranks
     for (lo, hi), trace, _ in got:
@@ -177,10 +196,14 @@ def test_outer_update_matches_the_contract(ranks, ci):
 
 @pytest.mark.timeout(60)
 def test_warmup_rounds_wait_then_overlap():
-    """warmup_rounds = 2: the first two boundaries are DiLoCo's (the same anchors as overlap =
-    False, bit for bit), the third applies nothing, then one-round-stale averages again."""
-    cfg, rounds = CONFIGS[-1], 5
-    plain = run_co2(dataclasses.replace(cfg, overlap=False, warmup_rounds=0), 2, 2, rounds)
+    """warmup_rounds = 2: the first two boundaries are DiLoCo's at warmup_outer_lr (the same
+    anchors as overlap = False at that outer lr, bit for bit: no penalty, although lambda is set
+    and the second average differs from the first), the third applies nothing, then
+    one-round-stale averages again, penalised."""
+    cfg, rounds = CONFIGS[5], 5
+    assert cfg.warmup_rounds == 2 and cfg.staleness_lambda > 0
+    awaited = dataclasses.replace(cfg, overlap=False, warmup_rounds=0, outer_lr=cfg.warmup_outer_lr)
+    plain = run_co2(awaited, 2, 2, rounds)
     got = run_co2(cfg, 2, 2, rounds)
     for (_, trace), (_, want) in zip(
         [(g[0], g[1]) for g in got], [(p[0], p[1]) for p in plain], strict=True
@@ -188,6 +211,8 @@ def test_warmup_rounds_wait_then_overlap():
         assert [s.applied for _, s in trace] == [True, True, False, True, True, True]
         for k in range(cfg.warmup_rounds):
             assert torch.equal(trace[k][0], want[k][0])
+            assert trace[k][1].penalty == 1.0
+        assert trace[4][1].penalty > 1.01  # the stale ones are penalised
         assert torch.equal(trace[2][0], trace[1][0])  # nothing applied at the third boundary
         assert not torch.equal(trace[3][0], want[3][0])  # the overlapped rounds differ
 
@@ -196,7 +221,7 @@ def test_warmup_rounds_wait_then_overlap():
 def test_no_overlap_equals_diloco_with_torch_sgd(nesterov):
     """overlap off, lambda 0, no clipping: DiLoCo, i.e. torch.optim.SGD with momentum on the
     anchor with the averaged pseudo-gradient as its gradient."""
-    cfg = OuterConfig(tau=3, outer_lr=0.7, momentum=0.9, nesterov=nesterov, overlap=False)
+    cfg = oc(tau=3, outer_lr=0.7, momentum=0.9, nesterov=nesterov, overlap=False)
     rounds, islands = 4, 2
     anchor = X0.clone().requires_grad_(False)
     opt = torch.optim.SGD([anchor], lr=cfg.outer_lr, momentum=cfg.momentum, nesterov=nesterov)
@@ -217,7 +242,7 @@ def test_no_overlap_equals_diloco_with_torch_sgd(nesterov):
 
 
 def test_tau1_momentum0_lr1_no_overlap_is_parameter_averaging():
-    cfg = OuterConfig(tau=1, outer_lr=1.0, momentum=0.0, overlap=False)
+    cfg = oc(tau=1, outer_lr=1.0, momentum=0.0, overlap=False)
     rounds, islands = 4, 3
     x = X0.clone()
     want = []
@@ -374,7 +399,7 @@ def test_overlap_hides_the_link_behind_local_steps():
     def run(island, cross, overlap):
         clock = FakeClock()
         link = LinkEmulator(cross, 37 * 8 * 8 / 1e9, clock=clock, sleep=clock.sleep)  # 37 B/s
-        cfg = OuterConfig(tau=3, outer_lr=0.7, momentum=0.9, overlap=overlap)
+        cfg = oc(tau=3, outer_lr=0.7, momentum=0.9, overlap=overlap)
         sync = OuterSync(cfg, layout(1), island, link, dtype=F64, clock=clock)
         x = X0.clone()
         sync.start(x)
@@ -430,9 +455,26 @@ def test_zero_outer_slice_publishes_the_new_anchor(level, dtype):
 
 
 def test_penalty_is_one_at_the_first_application():
-    """D_prev = D the first time: penalty 1 whatever lambda, by the reference too."""
-    cfg = OuterConfig(tau=1, outer_lr=1.0, momentum=0.0, staleness_lambda=5.0, overlap=False)
-    got = run_co2(cfg, 2, 1, 2, flush=False)
-    assert got[0][1][0][1].penalty == 1.0
-    assert got[0][1][1][1].penalty > 1.0
-    assert math.isclose(reference(cfg, 2, 2)[1]["penalty"], got[0][1][1][1].penalty, rel_tol=1e-12)
+    """D_prev = D the first time: penalty 1 whatever lambda (round 1 applies nothing, round 2
+    the first stale average), more than 1 after; by the reference too."""
+    cfg = oc(tau=1, outer_lr=1.0, momentum=0.0, staleness_lambda=5.0)
+    got = run_co2(cfg, 2, 1, 3, flush=False)
+    assert got[0][1][1][1].penalty == 1.0
+    assert got[0][1][2][1].penalty > 1.0
+    assert math.isclose(reference(cfg, 2, 3)[2]["penalty"], got[0][1][2][1].penalty, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["adaptive", "constant"])
+def test_penalty_rules_by_hand(rule):
+    """Three stale applications worked out by hand: tau 1, one island-independent step so the
+    averages are known exactly. constant divides every stale average by 1 + lambda; adaptive by
+    1 + lambda ||D - D_prev|| / ||D||, with D_prev the average applied before (D at the first)."""
+    lam = 0.5
+    cfg = oc(tau=1, outer_lr=1.0, momentum=0.0, staleness_lambda=lam, staleness_rule=rule)
+    got = [s.penalty for _, s in run_co2(cfg, 2, 1, 4, flush=False)[0][1]]
+    want = reference(cfg, 2, 4)
+    if rule == "constant":
+        assert got == [1.0, 1.5, 1.5, 1.5]
+    else:
+        assert got[:2] == [1.0, 1.0] and all(p > 1.0 for p in got[2:])
+    assert got[1:] == pytest.approx([w["penalty"] for w in want[1:4]], rel=1e-12)

@@ -133,3 +133,81 @@ def test_islands_gloo_processes(dataset, tmp_path):
             r["mem_grads_bytes"],
         ) == (want.weights, want.master, want.moments, want.grads)
         assert r["mem_outer_bytes"] == outer_state_bytes(numel, RANKS, "float32")  # fmt: skip
+
+
+# --- [co2]: each mode's defaults, and what diloco refuses -------------------------------------------
+
+
+def co2_section(*keys: str) -> CO2Config:
+    """The [co2] section built and validated as `mixlen train` does (`--set co2.KEY=VALUE`)."""
+    import tomllib
+
+    from datapipe.settings import Names, check, from_mapping
+
+    table = tomllib.loads("\n".join(k.split(".", 1)[1] for k in keys))
+    cfg = from_mapping(CO2Config, table, Names("co2"))
+    check(cfg, Names("co2"))
+    return cfg
+
+
+def test_each_mode_has_its_own_defaults():
+    """An unset key takes its mode's value: diloco as published (Nesterov 0.9, outer lr 0.7, no
+    penalty, no clipping), co2 its benchmarked values; a key the user writes wins; the section
+    (what a checkpoint records and a resume compares) holds the values the run uses, and
+    OuterConfig has no defaults of its own to drift from them."""
+    from datapipe.settings import Names, values
+    from trainer.islands.co2 import OuterConfig
+
+    d = co2_section('co2.mode="diloco"')
+    assert (d.outer_lr, d.outer_momentum, d.nesterov) == (0.7, 0.9, True)
+    assert (d.staleness_lambda, d.clip, d.warmup_rounds) == (0.0, "none", 0)
+    c = co2_section()
+    assert (c.outer_lr, c.outer_momentum, c.nesterov, c.staleness_lambda) == (0.5, 0.0, False, 0.5)
+    assert (c.staleness_rule, c.clip, c.clip_value, c.warmup_rounds) == (
+        "adaptive",
+        "value",
+        0.1,
+        10,
+    )
+    assert c.warmup_outer_lr == 0.5
+    mine = co2_section('co2.mode="diloco"', "co2.outer_lr=0.3", "co2.nesterov=false")
+    assert (mine.outer_lr, mine.nesterov, mine.outer_momentum) == (0.3, False, 0.9)
+    assert values(d, Names("co2"))["co2.outer_momentum"] == 0.9  # what a checkpoint records
+    with pytest.raises(TypeError):
+        OuterConfig()  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    "keys, key, reason",
+    [
+        (["co2.staleness_lambda=0.5"], "co2.staleness_lambda", "nothing is stale"),
+        (['co2.clip="value"'], "co2.clip", "does not clip"),
+        (['co2.clip="norm"', "co2.clip_value=1.0"], "co2.clip", "does not clip"),
+        (["co2.warmup_rounds=3"], "co2.warmup_rounds", "no warm-up"),
+        (["co2.warmup_outer_lr=1.0"], "co2.warmup_outer_lr", "no warm-up"),
+        (["co2.overlap=true"], "co2.overlap", "awaits every average"),
+    ],
+)
+def test_diloco_refuses_what_is_not_diloco(keys, key, reason):
+    """mode = "diloco" with a staleness penalty, clipping, a warm-up or overlap: ConfigError
+    naming the key as written and why; the neutral values are accepted."""
+    from datapipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{key}: .*{reason}"):
+        co2_section('co2.mode="diloco"', *keys)
+    ok = ["co2.staleness_lambda=0.0", 'co2.clip="none"', "co2.warmup_rounds=0"]
+    assert co2_section('co2.mode="diloco"', *ok).clip == "none"
+
+
+def test_resume_compares_the_values_the_run_used():
+    """A resumed run that writes a mode's default out (co2.outer_lr = 0.5) changes nothing; one
+    that switches co2 to diloco is refused with every outer key that changes, as values."""
+    from trainer.config.job import from_dict
+    from trainer.config.resume import resume_conflicts
+
+    base = {"data": {"path": "x"}, "parallel": {"islands": 2}}
+    saved = from_dict(base).to_dict()
+    same = {**base, "co2": {"outer_lr": 0.5, "warmup_rounds": 10}}
+    assert resume_conflicts(saved, from_dict(same)) == []
+    other = resume_conflicts(saved, from_dict({**base, "co2": {"mode": "diloco"}}))
+    assert "co2.outer_lr: 0.5 -> 0.7" in other and "co2.nesterov: False -> True" in other

@@ -1,4 +1,6 @@
-"""`hdp`: ByteScale's balance scheduler. Each sample goes on the smallest group whose largest
+"""`hdp`: dynamic groups balanced by estimated time, mixlen's balance scheduler after ByteScale's
+(not its Algorithm 2: no length buckets, no delta threshold; docs/PLAN.md). Each sample goes on
+the smallest group whose largest
 zigzag chunk pair fits the capacity (with offload, Eq. 3's ratio, then widened again while the
 member share exceeds the lower bound), short samples are packed best-fit into local micro-batches,
 and the balance scheduler (datapipe.plan.balance) places rings first and local work around them

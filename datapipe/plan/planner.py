@@ -1,14 +1,16 @@
 """The planner: `PlannerConfig.build(cost)` returns a Planner that turns a global batch's lengths
 into a StepPlan with one of the policies below (one module each, chosen through `POLICIES`):
 
-- `hdp` (datapipe.plan.hdp): ByteScale's balance scheduler, with `widen` (on by default);
+- `hdp` (datapipe.plan.hdp): dynamic groups balanced by estimated time (mixlen's balance
+  scheduler after ByteScale's; docs/PLAN.md says where it departs from the paper's Algorithm 2),
+  with `widen` (on by default);
 - `naive-hdp` (datapipe.plan.naive_hdp): dynamic groups, token waves, no balancing;
 - `static` (datapipe.plan.static): a fixed DP x CP mesh;
 - `single` (datapipe.plan.single): one rank, whole samples (plain single-process training).
 
 Shared rules (docs/ARCHITECTURE.md, docs/PLAN.md): a sample of length S goes on the smallest group
-k whose largest zigzag chunk pair, ceil(S/k), fits the capacity; with offload, Eq. 3 picks the
-offload ratio. Zero-length samples get no micro-batch. A sample that no group of N ranks can hold
+k whose largest zigzag chunk pair, ceil(S/k), fits the capacity (hdp with widen may then give it
+more); with offload, Eq. 3 picks the offload ratio. Zero-length samples get no micro-batch. A sample that no group of N ranks can hold
 is an error naming the sample. Times are int64 nanoseconds from datapipe.plan.cost.
 """
 
@@ -44,7 +46,8 @@ class PlannerConfig:
 
     policy: str = setting(
         "hdp",
-        help="hdp (ByteScale's balance scheduler), naive-hdp (dynamic groups, no balancing), "
+        help="hdp (dynamic groups balanced by estimated time, after ByteScale), naive-hdp "
+        "(dynamic groups, no balancing), "
         "static (a fixed DP x CP mesh) or single (one rank)",
         choices=tuple(POLICIES),
         free_on_resume=True,

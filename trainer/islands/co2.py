@@ -13,7 +13,9 @@ computes the same penalty and clipping. The rule (docs/ARCHITECTURE.md, "CO2 acr
 - the previous round's average D = avg(delta_{t-1}), which travelled while round t computed, is
   applied one round stale::
 
-      penalty = 1 + lambda * ||D - D_prev|| / (||D|| + eps)   (D_prev = D at the first application)
+      penalty = 1 + lambda * ||D - D_prev|| / (||D|| + eps)   (adaptive, mixlen's; D_prev = D at
+                                                                the first application)
+              = 1 + lambda                                    (constant: CO2's code's form)
       m       = clip(beta * m + D / penalty)                  (clip: none, element-wise to [-c, c],
                                                                 or to global norm c)
       step    = m                     (heavy-ball)  or  D / penalty + beta * m  (Nesterov)
@@ -22,16 +24,18 @@ computes the same penalty and clipping. The rule (docs/ARCHITECTURE.md, "CO2 acr
 - round t+1 starts from a_{t+1}. At the end of the first round nothing is pending (a_2 = a_1);
   every delta is applied exactly once, one round late (`flush` applies the last one at the end).
 
-The first `warmup_rounds` rounds (0: none) run as with `overlap = False`: early on a round's
-delta changes fastest, so its one-round staleness costs most there; the first overlapped round
-then applies nothing at its end, and every delta is still applied exactly once.
+The first `warmup_rounds` rounds (0: none) wait for their own average and apply it at once with
+`warmup_outer_lr` instead of alpha: early on a round's delta changes fastest, so its one-round
+staleness costs most there; the first overlapped round then applies nothing at its end, and every
+delta is still applied exactly once. Only a stale average is penalised (penalty 1 otherwise);
+D_prev is the last applied average, stale or not.
 
-`overlap = False` waits for this round's own average and applies it at once (DiLoCo; with lambda 0
-and no clipping it is DiLoCo with heavy-ball or Nesterov outer momentum; with tau 1, beta 0,
-alpha 1 it is parameter averaging every step). Here the previous round's average is awaited
-before this round's is launched: collectives on the cross-island group run in issue order, so
-the new one could not travel earlier anyway, and the in-flight buffer is reused (4 slices of
-outer state per rank instead of 5).
+`overlap = False` waits for this round's own average and applies it at once with alpha (DiLoCo's
+schedule; with lambda 0 and no clipping it is DiLoCo with heavy-ball or Nesterov outer momentum;
+with tau 1, beta 0, alpha 1 it is parameter averaging every step). Here the previous round's
+average is awaited before this round's is launched: collectives on the cross-island group run in
+issue order, so the new one could not travel earlier anyway, and the in-flight buffer is reused
+(4 slices of outer state per rank instead of 5).
 
 `x` below is this rank's slice of the accumulation-dtype weights (`ZeroOptimizer.outer_slice()`),
 changed in place; the caller then all-gathers it over the island (`publish_outer_slice()`).
@@ -49,32 +53,38 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainer.islands.config import CLIPS
+from trainer.islands.config import STALENESS_RULES as RULES
 from trainer.parallel.comm import Communicator, Handle
 from trainer.parallel.slices import FlatLayout, checkpointable
 
 __all__ = ["LinkEmulator", "OuterConfig", "OuterStats", "OuterSync"]
 
-CLIPS = ("none", "value", "norm")
-
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """The outer update's settings (the `[co2]` section maps onto these)."""
+    """The outer update's settings, all given (the `[co2]` section maps onto these; its defaults,
+    per mode, are `trainer.islands.config.MODE_DEFAULTS`)."""
 
-    tau: int = 8  # local steps per round
-    outer_lr: float = 0.7  # alpha
-    momentum: float = 0.9  # beta
-    nesterov: bool = False
-    staleness_lambda: float = 0.0  # lambda of the staleness gap penalty (0: off)
-    clip: str = "none"  # none | value | norm
-    clip_value: float = 1.0  # c
-    overlap: bool = True  # False: wait for this round's average and apply it now (DiLoCo)
-    warmup_rounds: int = 0  # with overlap: the first rounds wait for their own average
-    eps: float = 1e-8
+    tau: int  # local steps per round
+    outer_lr: float  # alpha
+    momentum: float  # beta
+    nesterov: bool
+    staleness_lambda: float  # lambda of the staleness gap penalty (0: off)
+    staleness_rule: str | None  # adaptive (1 + lambda ||D - D_prev|| / ||D||) | constant (1 +
+    # lambda); None with lambda 0 (diloco: no penalty)
+    clip: str  # none | value | norm
+    clip_value: float  # c
+    overlap: bool  # False: wait for this round's average and apply it now (DiLoCo)
+    warmup_rounds: int  # with overlap: the first rounds wait for their own average
+    warmup_outer_lr: float  # alpha of those rounds' (own, not stale) averages
+    eps: float = 1e-8  # guards ||D|| = 0 in the adaptive penalty (not a setting)
 
     def __post_init__(self) -> None:
         assert self.tau >= 1 and 0.0 <= self.momentum < 1.0 and self.clip in CLIPS
-        assert self.warmup_rounds >= 0
+        assert self.staleness_lambda >= 0
+        assert self.staleness_rule in RULES or not self.staleness_lambda
+        assert self.warmup_rounds >= 0 and self.warmup_outer_lr > 0
         assert self.clip == "none" or self.clip_value > 0
 
 
@@ -248,7 +258,7 @@ class OuterSync:
         if self.overlapped:
             if self.pending:
                 wait_s = self._receive()
-                stats = self._prepare()
+                stats = self._prepare(True, alpha)
                 applied = True
             x.neg_().add_(self.anchor)  # delta_t = a_t - x (x becomes the anchor below)
             if applied:
@@ -257,10 +267,12 @@ class OuterSync:
             self._launch()
             self.pending = True
         else:
+            if self.cfg.overlap:  # a warm-up round: its own average, nothing stale
+                alpha = self.cfg.warmup_outer_lr
             torch.sub(self.anchor, x, out=self.inflight)
             self._launch()
             wait_s = self._receive()
-            stats = self._prepare()
+            stats = self._prepare(False, alpha)
             applied = True
             self.anchor.sub_(self.inflight, alpha=alpha)
         x.copy_(self.anchor)
@@ -275,7 +287,7 @@ class OuterSync:
         if not self.pending:
             return None
         wait_s = self._receive()
-        penalty, update_norm, clipped = self._prepare()
+        penalty, update_norm, clipped = self._prepare(True, self.cfg.outer_lr)
         self.anchor.sub_(self.inflight, alpha=self.cfg.outer_lr)
         x.copy_(self.anchor)
         self.pending = False
@@ -329,14 +341,28 @@ class OuterSync:
             return torch.dot(t, t).double()
         return torch.zeros((), dtype=torch.float64, device=t.device)
 
-    def _prepare(self) -> tuple[float, float, float]:
-        """With D in the in-flight buffer: penalty, momentum and clipping; leaves the step in the
-        in-flight buffer and D in d_prev. Returns (penalty, ||alpha * step||, clipped fraction)."""
-        cfg, d, m = self.cfg, self.inflight, self.momentum
+    def _penalty(self, stale: bool) -> float:
+        """The staleness gap penalty of the average D in the in-flight buffer: 1 unless it is
+        one round stale and lambda > 0; then 1 + lambda (constant) or 1 + lambda * ||D - D_prev||
+        / (||D|| + eps) (adaptive, with D_prev = D at the first application)."""
+        cfg = self.cfg
+        if not (stale and cfg.staleness_lambda > 0):
+            return 1.0
+        if cfg.staleness_rule == "constant":
+            return 1.0 + cfg.staleness_lambda
+        d = self.inflight
         zero = torch.zeros((), dtype=torch.float64, device=d.device)
         diff_sq = self._sq(d - self.d_prev) if self.has_prev else zero
         diff2, d2 = self._island_sum([diff_sq, self._sq(d)])
-        penalty = 1.0 + cfg.staleness_lambda * math.sqrt(diff2) / (math.sqrt(d2) + cfg.eps)
+        return 1.0 + cfg.staleness_lambda * math.sqrt(diff2) / (math.sqrt(d2) + cfg.eps)
+
+    def _prepare(self, stale: bool, alpha: float) -> tuple[float, float, float]:
+        """With D in the in-flight buffer (`stale`: one round late): penalty, momentum and
+        clipping; leaves the step in the in-flight buffer and D in d_prev. Returns (penalty,
+        ||alpha * step||, clipped fraction)."""
+        cfg, d, m = self.cfg, self.inflight, self.momentum
+        zero = torch.zeros((), dtype=torch.float64, device=d.device)
+        penalty = self._penalty(stale)
         m.mul_(cfg.momentum).add_(d, alpha=1.0 / penalty)
         count = zero
         rescaled = False
@@ -356,7 +382,7 @@ class OuterSync:
             d.copy_(m)
         s2, clipped = self._island_sum([self._sq(d), count])
         fraction = float(rescaled) if cfg.clip == "norm" else clipped / max(self.layout.numel, 1)
-        return penalty, cfg.outer_lr * math.sqrt(s2), fraction
+        return penalty, alpha * math.sqrt(s2), fraction
 
     # -- checkpoints and accounting ----------------------------------------------------------------
 

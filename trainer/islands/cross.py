@@ -43,10 +43,12 @@ class CrossIsland:
             momentum=c.outer_momentum,
             nesterov=c.nesterov,
             staleness_lambda=c.staleness_lambda,
+            staleness_rule=c.staleness_rule,
             clip=c.clip,
             clip_value=c.clip_value,
             overlap=c.overlapped,
             warmup_rounds=c.warmup_rounds,
+            warmup_outer_lr=c.warmup_outer_lr if c.warmup_outer_lr is not None else c.outer_lr,
         )
         self.zero = zero
         self.outer = OuterSync(
