@@ -1,19 +1,30 @@
-"""Hostile input, round four (issue 29): `mixlen export` and the checkpoint it reads. An output
-over the checkpoint being read (which deleted every checkpoint, or replaced a step), over the run's
-pretrained folder, under a file or over the current directory is refused before a byte is read;
-each case exits 2 with one message naming `--hf` and leaves the checkpoint byte-identical."""
+"""Hostile input, round four (issue 29): `mixlen export` and `mixlen eval` of checkpoints and
+folders. An output over the checkpoint being read (which deleted every checkpoint, or replaced a
+step), over the run's pretrained folder, under a file or over the current directory is refused
+before a byte is read, leaving the checkpoint byte-identical; `--island` of a run without that
+island, a truncated run.json, a pretrained folder replaced after training, NaN weights and a
+checkpoint removed while it is read are named; evaluations that would be empty or meaningless (no
+held-out sample, no passkey depth, passkey lengths beyond the model's context or the ranks) are
+refused, `--out` checked before the evaluation, and no output holds a bare NaN. Each refusal
+exits 2 with one message and no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-from _faults import cli_error, tree_digest
+from _dcp_join import save_as_ranks
+from _faults import cli_error, tree_digest, truncate
+from _hf_reference import hf_model, save
 from _train_worker import make_dataset, train_config
 
+from tools.cli import main as cli_main
 from trainer.checkpoint.checkpointer import latest_checkpoint
+from trainer.checkpoint.files import write_checksums
+from trainer.model.config import ModelSection
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]  # conftest.py
 
@@ -32,6 +43,29 @@ def trained(tmp_path_factory) -> Path:
                      parallel={"policy": "single", "capacity": 4096})  # fmt: skip
     run_training(c)
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def from_pretrained(trained, tmp_path_factory) -> Path:
+    """A 1-step run from a tiny Llama folder (context 128; a checkpoint at step 1): the root holds
+    `hf` (the folder) and `run`."""
+    from trainer.train import run_training
+
+    root = tmp_path_factory.mktemp("pretrained")
+    src = save(hf_model("llama-tied", vocab_size=300, bos_token_id=256, eos_token_id=257,
+                        max_position_embeddings=1024), str(root / "hf"))  # fmt: skip
+    c = train_config(str(trained.parent / "ds"), str(root / "run"),
+                     train={"steps": 1, "eval_interval": 0}, checkpoint={"interval": 1},
+                     parallel={"policy": "single", "capacity": 4096})  # fmt: skip
+    c.model = ModelSection(pretrained=src)
+    run_training(c)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ds(trained) -> str:
+    """The trained run's dataset (40 byte-tokenized documents)."""
+    return str(trained.parent / "ds")
 
 
 @pytest.fixture
@@ -76,3 +110,160 @@ def test_export_output_under_a_file_or_over_the_current_directory(run, capsys, m
     err = cli_error(["export", ckpt, "--hf", "..", "--overwrite"], capsys)
     assert "--hf ..: holds the current directory" in err
     assert os.listdir(elsewhere) == []
+
+
+def test_export_refuses_the_runs_pretrained_folder_as_output(from_pretrained, capsys) -> None:
+    """`--hf` over the folder the run started from (its config.json is the run's shape) is
+    refused like the checkpoint itself."""
+    hf = from_pretrained / "hf"
+    before = tree_digest(hf)
+    err = cli_error(["export", str(from_pretrained / "run" / "ckpt"), "--hf", str(hf),
+                     "--overwrite"], capsys)  # fmt: skip
+    assert f"--hf {hf}: is the pretrained folder {hf}" in err, err
+    assert tree_digest(hf) == before
+
+
+def test_export_island_beyond_the_runs_islands(run, capsys) -> None:
+    """`export --island 3` on a run without islands exported island 0's weights without a word."""
+    err = cli_error(["export", str(run / "ckpt"), "--hf", str(run / "out"), "--island", "3"],
+                    capsys)  # fmt: skip
+    assert "--island 3: the run had 1 island (parallel.islands = 1)" in err, err
+    assert not (run / "out").exists()
+
+
+def test_a_damaged_run_json_is_named_before_it_is_parsed(ds, run, capsys) -> None:
+    """A truncated run.json was parsed before the checksums were checked (a traceback): the
+    checksum names it; with the checksums rewritten, its JSON error does."""
+    step = run / "ckpt" / STEP3
+    truncate(step / "run.json", 0.5)
+    for argv in (["export", str(step), "--hf", str(run / "out")],
+                 ["eval", str(step), ds]):  # fmt: skip
+        err = cli_error(argv, capsys)
+        assert f"{step}: run.json has" in err and "truncated?" in err, err
+    write_checksums(str(step))
+    err = cli_error(["export", str(step), "--hf", str(run / "out")], capsys)
+    assert f"{step}/run.json: not valid JSON" in err, err
+
+
+def test_a_pretrained_folder_replaced_after_training_is_named(
+    ds, from_pretrained, tmp_path, capsys
+):
+    """The folder replaced by another shape after training: export and eval of the run's
+    checkpoint stopped with a shape-mismatch ValueError / RuntimeError traceback."""
+    root = Path(shutil.copytree(from_pretrained, tmp_path / "copy"))
+    shutil.rmtree(root / "hf")
+    save(hf_model("llama-tied", vocab_size=300, bos_token_id=256, eos_token_id=257,
+                  max_position_embeddings=1024, intermediate_size=80), str(root / "hf"))  # fmt: skip
+    ckpt = str(root / "run" / "ckpt")
+    # the run's config names the copied folder's original path: point it at the replacement
+    step = root / "run" / "ckpt" / "step-00000001"
+    meta = json.loads((step / "run.json").read_text())
+    meta["config"]["model"]["pretrained"] = str(root / "hf")
+    (step / "run.json").write_text(json.dumps(meta))
+    write_checksums(str(step))
+    want = "feed_forward.w1.weight has shape (96, 64), but the model of "
+    err = cli_error(["export", ckpt, "--hf", str(tmp_path / "out")], capsys)
+    assert want in err and f"{root / 'hf'}/config.json needs (80, 64)" in err, err
+    err = cli_error(["eval", ckpt, ds, "--split",
+                     "all", "--no-passkey"], capsys)  # fmt: skip
+    assert want in err, err
+
+
+def test_non_finite_checkpoint_weights_are_named(ds, run, capsys) -> None:
+    """A checkpoint whose weights hold a NaN (saved before runs stopped at one): export and eval
+    name the tensor instead of writing or scoring NaN."""
+    from trainer.checkpoint.weights import read_model_weights
+
+    step = run / "ckpt" / STEP3
+    weights = read_model_weights(str(step))
+    weights["norm.weight"][3] = float("nan")
+    for f in step.glob("*.distcp"):
+        f.unlink()
+    (step / ".metadata").unlink()
+    (step / "checksums.json").unlink()
+    save_as_ranks(str(step), [{f"model.{k}": v for k, v in weights.items()}])
+    write_checksums(str(step))
+    err = cli_error(["export", str(step), "--hf", str(run / "out")], capsys)
+    assert f"{step}: weight norm.weight holds 1 non-finite value" in err, err
+    err = cli_error(["eval", str(step), ds], capsys)
+    assert f"{step}: weight norm.weight holds 1 non-finite value" in err, err
+
+
+def test_a_checkpoint_removed_while_it_is_read(ds, run, capsys, monkeypatch) -> None:
+    """A running training (`checkpoint.keep`) removed the checkpoint eval was reading: it was
+    called "neither a checkpoint"; now the newest complete one is read instead when a checkpoint
+    directory was named, and a named step directory is said to have been removed."""
+    import trainer.checkpoint.weights as weights
+
+    real = weights.verify_files
+    gone: list[str] = []
+
+    def remove_first(directory, files, rank, size):  # the training deletes it meanwhile
+        if not gone:
+            gone.append(directory)
+            shutil.rmtree(directory)
+        return real(directory, files, rank, size)
+
+    monkeypatch.setattr(weights, "verify_files", remove_first)
+    assert cli_main(["eval", str(run / "ckpt"), ds, "--split", "all", "--no-passkey",
+                     "--json"]) == 0  # fmt: skip
+    assert gone == [str(run / "ckpt" / STEP3)]
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    gone.clear()
+    step = run / "ckpt" / "step-00000002"
+    err = cli_error(["eval", str(step), ds, "--no-passkey"], capsys)
+    assert f"{step}: removed while it was being read" in err, err
+
+
+def test_evaluations_that_would_be_empty_are_refused(ds, run, from_pretrained, capsys, monkeypatch):
+    """No held-out sample (loss NaN, exit 0, a bare NaN in --json), no passkey depth or length
+    (`"passkey": []`), passkey lengths beyond the model's declared context or beyond what the ranks
+    hold (called "sample 0 ... use --max-len"): each refused naming the flag."""
+    ckpt = str(run / "ckpt")
+    err = cli_error(["eval", ckpt, ds, "--val-fraction", "0.0001", "--no-passkey", "--json"],
+                    capsys)  # fmt: skip
+    assert "--split val: the held-out fraction 0.0001 (seed 0) selects none of the 40" in err
+    for flag in ("--passkey-depths", "--passkey-lengths"):
+        err = cli_error(["eval", ckpt, ds, flag, " , "], capsys)
+        assert f"{flag}: no value given (--no-passkey skips passkey retrieval)" in err, err
+    hf = str(from_pretrained / "hf")
+    err = cli_error(["eval", hf, ds, "--passkey-lengths", "512,2048", "--split", "all"], capsys)
+    assert "--passkey-lengths: 2,048 is longer than the model's context, 1,024 " in err, err
+    err = cli_error(["eval", ckpt, ds, "--split", "all", "--passkey-lengths", "100000",
+                     "--capacity", "4096"], capsys)  # fmt: skip
+    assert "--passkey-lengths: 100,000 tokens is more than 1 rank of --capacity 4,096" in err
+
+
+def test_eval_out_is_checked_before_the_evaluation(ds, run, capsys, monkeypatch) -> None:
+    """`--out` naming an existing file failed with FileExistsError after the whole evaluation."""
+    import trainer.eval.cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the evaluation ran")
+
+    monkeypatch.setattr(trainer.eval.cli, "run_eval", never)
+    (run / "taken").write_text("x")
+    err = cli_error(["eval", str(run / "ckpt"), ds, "--out", str(run / "taken")], capsys)
+    assert f"--out {run / 'taken'}: is a file, not a directory" in err, err
+
+
+def test_eval_reports_samples_beyond_the_models_context_and_never_a_bare_nan(
+    ds, from_pretrained, capsys
+) -> None:
+    """A model declaring 128 positions on samples up to ~500 tokens: the report says how many
+    samples lie beyond its context; --json output parses as strict JSON (no NaN token)."""
+    root = Path(from_pretrained)
+    hf = save(hf_model("llama-tied", vocab_size=300, bos_token_id=256, eos_token_id=257),
+              str(root.parent / "short-context"))  # fmt: skip
+    assert cli_main(["eval", hf, ds, "--split", "all", "--no-passkey", "--json"]) == 0
+    text = capsys.readouterr().out
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in --json output")
+
+    got = json.loads(text, parse_constant=refuse)
+    assert got["beyond_context"] > 0 and got["context"] == 128
+    assert cli_main(["eval", hf, ds, "--split", "all", "--no-passkey"]) == 0
+    assert f"{got['beyond_context']} samples are longer than the model's context (128" in (
+        capsys.readouterr().out
+    )

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+from typing import Any
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, InputError
 from datapipe.plan.setup import MAX_CAPACITY, MAX_CONTEXT
 from tools.cli import MAX_NPROC, int_in
 from trainer.model.config import DTYPES
@@ -80,6 +82,9 @@ def _options(args: argparse.Namespace):
     lengths = _numbers("--passkey-lengths", args.passkey_lengths, int)
     if lengths is not None and any(not 16 <= n <= MAX_CONTEXT for n in lengths):
         raise ConfigError(f"--passkey-lengths: each must be in [16, 2^36], got {lengths}")
+    for flag, given in (("--passkey-depths", depths), ("--passkey-lengths", lengths)):
+        if given == [] and not args.no_passkey:
+            raise ConfigError(f"{flag}: no value given (--no-passkey skips passkey retrieval)")
     return EvalOptions(
         model=args.model,
         data=args.data,
@@ -111,10 +116,36 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def _check_out(out: str | None) -> None:
+    """InputError naming --out when eval.json could not be written there (checked before the
+    evaluation, not after it)."""
+    if out is None:
+        return
+    from pathlib import Path
+
+    from datapipe.ingest.output import check_out_path
+
+    check_out_path(Path(out).absolute(), out, [])
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InputError(f"--out {out}: is a file, not a directory (the folder for eval.json)")
+
+
+def finite_json(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def run(args: argparse.Namespace) -> int:
     from tools.launch import launch, under_torchrun
 
     opts = _options(args)
+    _check_out(args.out)
     if args.nproc > 1 and not under_torchrun():
         return launch(_without_nproc(args.argv), args.nproc)
     from trainer.eval.cli import run_eval
@@ -132,8 +163,12 @@ def run(args: argparse.Namespace) -> int:
         from datapipe.files import write_text_atomic
 
         os.makedirs(args.out, exist_ok=True)
-        write_text_atomic(os.path.join(args.out, "eval.json"), json.dumps(result, indent=1))
+        text = json.dumps(finite_json(result), indent=1, allow_nan=False)
+        write_text_atomic(os.path.join(args.out, "eval.json"), text)
         if result.get("passkey"):
             plot_passkey(result["passkey"], os.path.join(args.out, "passkey.png"))
-    print(json.dumps(result) if args.json else render(result), end="" if not args.json else "\n")
+    if args.json:
+        print(json.dumps(finite_json(result), allow_nan=False))
+    else:
+        print(render(result), end="")
     return 0

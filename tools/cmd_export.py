@@ -106,24 +106,29 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from datapipe.settings import from_mapping
-    from trainer.checkpoint.files import read_json
-    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
+    from trainer.checkpoint.weights import check_weights, read_checkpoint
     from trainer.config.job import TrainerConfig
     from trainer.model.config import pretrained_of
     from trainer.model.export import export_hf
 
     _check_output(args, [args.checkpoint])  # before anything is read
-    step = checkpoint_step_dir(args.checkpoint)
-    _check_output(args, [step])
-    run_cfg = read_json(os.path.join(step, "run.json")).get("config", {})
-    cfg = from_mapping(TrainerConfig, run_cfg)
-    pre = pretrained_of(cfg.model)
-    if pre is not None:
-        _check_output(args, [pre.path], "pretrained folder")
-    shape = cfg.model.shape()
-    weights = read_model_weights(step, island=args.island)
+    seen: dict = {}
+
+    def settings(step: str, run: dict) -> None:
+        """What the run's settings imply, checked before the weights are read."""
+        _check_output(args, [step])
+        seen["cfg"] = cfg = from_mapping(TrainerConfig, run["config"])
+        seen["pre"] = pre = pretrained_of(cfg.model)
+        if pre is not None:
+            _check_output(args, [pre.path], "pretrained folder")
+        seen["shape"] = cfg.model.shape()
+
+    ckpt = read_checkpoint(args.checkpoint, args.island, settings)
+    run_cfg, pre, shape = ckpt.run["config"], seen["pre"], seen["shape"]
+    source = "model.name" if pre is None else f"{os.path.join(pre.path, 'config.json')}"
+    check_weights(ckpt.weights, shape, ckpt.step, source)
     files = export_hf(
-        weights,
+        ckpt.weights,
         shape,
         pre.family if pre is not None else "LlamaForCausalLM",
         args.hf,
@@ -134,5 +139,5 @@ def run(args: argparse.Namespace) -> int:
         shard_bytes=args.shard_size,
         overwrite=args.overwrite,
     )
-    print(f"wrote {args.hf}: {', '.join(sorted(files))} (from {step})")
+    print(f"wrote {args.hf}: {', '.join(sorted(files))} (from {ckpt.step})")
     return 0

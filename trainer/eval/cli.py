@@ -6,7 +6,6 @@ retrieval at depths 0-100% in filler up to the model's context. Collective: ever
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from contextlib import ExitStack
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from datapipe.errors import InputError
+from datapipe.errors import ConfigError, InputError
 from datapipe.fetch import FetchConfig
 from datapipe.ingest.tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from datapipe.plan.cost import resolve
@@ -26,7 +25,10 @@ from datapipe.settings import from_mapping
 from datapipe.shapes import ModelConfig
 from trainer.data import held_out_mask
 from trainer.eval.passkey import make_cases
+from trainer.eval.report import perplexity
 from trainer.eval.run import evaluate_passkey, evaluate_samples, fetched, planned_batches
+from trainer.model.config import check_model_fits
+from trainer.model.families.base import SHAPE_KEYS
 from trainer.model.transformer import build, torch_dtype
 from trainer.parallel.executor import HDPExecutor
 from trainer.parallel.runtime import Runtime
@@ -73,28 +75,41 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
         from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
 
         pre = inspect_pretrained(path)
+        where = os.path.join(path, "config.json")
+        check_model_fits(
+            pre.shape, _dtype_name(dtype), str(device), lambda k: f"{where}: {SHAPE_KEYS[k]}"
+        )
         model = build(pre.shape, "meta", dtype).to_empty(device=device)
         load_pretrained_weights(model, pre)
         tok = None
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tok = HFTokenizer.from_folder(path)
         return LoadedModel(model, pre.shape, _context(pre.shape), tok, {})
-    from trainer.checkpoint.files import read_json
-    from trainer.checkpoint.weights import checkpoint_step_dir, read_model_weights
+    from trainer.checkpoint.weights import check_weights, read_checkpoint
     from trainer.config.job import TrainerConfig
 
-    step = checkpoint_step_dir(path)
-    saved = read_json(os.path.join(step, "run.json"))
-    cfg = from_mapping(TrainerConfig, saved.get("config", {}))
-    shape = cfg.model.shape()
+    seen: dict[str, Any] = {}
+
+    def settings(step: str, run: dict[str, Any]) -> None:
+        """The run's model: its shape, checked against the memory before the weights are read."""
+        seen["cfg"] = cfg = from_mapping(TrainerConfig, run["config"])
+        seen["shape"] = cfg.model.shape()
+        check_model_fits(seen["shape"], _dtype_name(dtype), str(device), cfg.model.key_of)
+
+    ckpt = read_checkpoint(path, 0, settings)
+    cfg, shape = seen["cfg"], seen["shape"]
+    pre = cfg.model.pretrained
+    source = os.path.join(pre, "config.json") if pre else "the run's settings"
+    check_weights(ckpt.weights, shape, ckpt.step, source)
     model = build(shape, "meta", dtype).to_empty(device=device)
-    weights = read_model_weights(step)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name not in weights:
-                raise InputError(f"{step}: the checkpoint has no weights for {name}")
-            p.copy_(weights.pop(name).to(dtype))
-    return LoadedModel(model, shape, _context(shape), None, saved.get("config", {}))
+            p.copy_(ckpt.weights.pop(name).to(dtype))
+    return LoadedModel(model, shape, _context(shape), None, ckpt.run["config"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _context(shape: ModelConfig) -> int | None:
@@ -116,7 +131,13 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int) -> np.ndarray:
             f"--split val: {opts.model} trained without a held-out split (data.val_fraction = "
             "0); give --val-fraction, or --split all"
         )
-    return ids[held_out_mask(ids, int(seed), float(frac))]
+    held = ids[held_out_mask(ids, int(seed), float(frac))]
+    if held.size == 0:
+        raise InputError(
+            f"--split val: the held-out fraction {frac} (seed {seed}) selects none of the {n:,} "
+            f"samples of {opts.data}; give a larger --val-fraction, or --split all"
+        )
+    return held
 
 
 def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokenizer:
@@ -146,6 +167,8 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     json_cost = bool(opts.cost and opts.cost.endswith(".json"))
     cost = resolve(None, opts.cost) if json_cost else resolve(opts.cost or "debug", None)
     planner = PlannerConfig(policy=opts.policy, capacity=int(cap)).build(cost, rt.world)
+    if opts.passkey:
+        _check_passkey_lengths(opts.passkey_lengths or [], loaded, rt.world, int(cap))
     ex = HDPExecutor(loaded.model, None, rt.comm, device=rt.device)
     out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
     with ExitStack() as stack:
@@ -160,11 +183,19 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
         plans = planned_batches(planner, ids, lengths[ids], rt.world * int(cap))
         buckets = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, rt.rank), rt.rank)
         manifest = fetcher.index.manifest
+    if not buckets.tokens:
+        raise InputError(
+            f"{opts.data}: the {ids.size:,} evaluated samples hold no labelled position (each "
+            "has fewer than 2 tokens)"
+        )
+    context = loaded.context
     out.update(
         loss=buckets.loss,
-        perplexity=math.exp(buckets.loss) if buckets.tokens else float("nan"),
+        perplexity=perplexity(buckets.loss),
         tokens=buckets.tokens,
         samples=int((lengths[ids] > 0).sum()),
+        context=context,
+        beyond_context=int((lengths[ids] > context).sum()) if context else 0,
         by_position=buckets.by_position(),
         by_length=buckets.by_length(),
     )
@@ -172,6 +203,25 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     if opts.passkey:
         out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, int(cap))
     return out
+
+
+def _check_passkey_lengths(lengths: list[int], loaded: LoadedModel, world: int, cap: int) -> None:
+    """ConfigError naming --passkey-lengths for a length beyond the model's declared context or
+    beyond what the island's ranks hold (checked before anything is evaluated)."""
+    if loaded.context and any(n > loaded.context for n in lengths):
+        n = next(n for n in lengths if n > loaded.context)
+        raise ConfigError(
+            f"--passkey-lengths: {n:,} is longer than the model's context, {loaded.context:,} "
+            "(its max_position_embeddings); give lengths within it"
+        )
+    if any(n > world * cap for n in lengths):
+        n = next(n for n in lengths if n > world * cap)
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        raise ConfigError(
+            f"--passkey-lengths: {n:,} tokens is more than {ranks} of --capacity {cap:,} hold "
+            f"({world * cap:,} positions); give shorter lengths, more ranks (--nproc) or a "
+            "larger --capacity"
+        )
 
 
 def _check_vocab(shape: ModelConfig, fetcher: Any, data: str) -> None:

@@ -7,11 +7,16 @@ import math
 import os
 from typing import Any
 
-__all__ = ["plot_passkey", "render"]
+__all__ = ["perplexity", "plot_passkey", "render"]
 
 
 def _k(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), infinite where the float would overflow (a loss above ~709)."""
+    return math.exp(loss) if loss < 709.0 else math.inf
 
 
 def render(result: dict[str, Any]) -> str:
@@ -19,14 +24,22 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"mixlen eval {result['model']} on {result['data']} ({result['split']}): "
         f"{result['samples']} samples, {result['tokens']:,} labelled positions, loss "
-        f"{result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
+        f"{result['loss']:.4f}, perplexity {perplexity(result['loss']):.2f}",
+    ]
+    if result.get("beyond_context"):
+        lines.append(
+            f"note: {result['beyond_context']} samples are longer than the model's context "
+            f"({result['context']:,} positions, its max_position_embeddings): their far "
+            "positions measure extrapolation"
+        )
+    lines += [
         "",
         "| positions | loss | perplexity | tokens |",
         "| --- | ---: | ---: | ---: |",
     ]
     for r in result["by_position"]:
         lines.append(
-            f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {math.exp(r['loss']):.2f} | "
+            f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {perplexity(r['loss']):.2f} | "
             f"{r['tokens']:,} |"
         )
     lines += ["", "| sample length | loss | tokens | samples |", "| --- | ---: | ---: | ---: |"]
