@@ -51,6 +51,7 @@ def data(tmp_path_factory) -> dict[str, str]:
     out = {
         "code": _dataset(root / "code", 150, 5, 300, seed=1),
         "books": _dataset(root / "books", 30, 300, 1500, seed=2),
+        "books2": _dataset(root / "books2", 12, 300, 1500, seed=4),
         "bpe": _dataset(root / "bpe", 20, 10, 200, seed=3, tokenizer=BPE),
     }
     shutil.copytree(out["code"], root / "code-copy")
@@ -267,3 +268,37 @@ def test_profile_and_plan_take_a_mixture(data, tmp_path) -> None:
     assert got[0]["num_samples"] == 150 and (tmp_path / "p.png").exists()
     bad = _cli("profile", f"{data['code']}@0", data["books"])
     assert bad.returncode == 2 and f"{data['code']}@0: must be > 0" in bad.stderr
+
+
+def test_a_resume_on_other_sources_is_refused_naming_the_source(data, tmp_path) -> None:
+    from trainer.checkpoint.checkpointer import check_run_matches
+
+    cfg = from_dict(_cfg(data, tmp_path))
+    with ExitStack() as stack:
+        saved = _train_data(cfg, stack=stack).stream
+        next(saved)
+        ckpt = tmp_path / "step-1"
+        ckpt.mkdir()
+        run = {"config": cfg.to_dict(), "stream": saved.state_dict()}
+        (ckpt / "run.json").write_text(json.dumps(run))
+        other = from_dict(_cfg(data, tmp_path))
+        other.data.sources[1].path = data["books2"]
+        other.data.sources[1].name = "books"
+        with pytest.raises(ConfigError, match=r"sources\[1\]: source 'books' is not the dataset"):
+            check_run_matches(str(ckpt), other, _train_data(other, stack=stack).stream)
+        reweighted = from_dict(_cfg(data, tmp_path))  # weights may change on resume
+        reweighted.data.sources[0].weight = 0.2
+        check_run_matches(str(ckpt), reweighted, _train_data(reweighted, stack=stack).stream)
+
+
+def test_a_mixture_config_round_trips_through_print_config(data, tmp_path) -> None:
+    from trainer.config.toml import load_config, to_toml
+
+    d = _cfg(data, tmp_path)
+    d["data"]["stages"].append(
+        {"start_step": 9, "weights": {"books": 0.0}, "global_batch_tokens": 512}
+    )
+    cfg = from_dict(d)
+    path = tmp_path / "again.toml"
+    path.write_text(to_toml(cfg, comments=True))
+    assert load_config(path) == cfg

@@ -291,3 +291,44 @@ def test_unsupported_scheme_is_named(corpus, tmp_path, capsys) -> None:
     assert rc == 2 and "xyz://b/ds: scheme 'xyz' cannot be written" in err and "s3://" in err
     with pytest.raises(StoreError, match="data.path: xyz://b/ds/manifest.json: scheme 'xyz'"):
         StreamConfig().open("xyz://b/ds", 100, cache_dir=str(tmp_path / "c"), names=Names("data"))
+
+
+def test_a_mixture_of_a_local_and_an_s3_source_reads_as_two_local_ones(s3, tmp_path) -> None:
+    """[data] sources mixes a local dataset with one in the store: the same batches and the same
+    fetched tokens as with both local (the store's copy downloaded under cache_dir/NAME)."""
+    from contextlib import ExitStack
+
+    from _train_worker import make_dataset, train_config
+
+    code = make_dataset(str(tmp_path / "code"), n_docs=40, seed=1)
+    books = make_dataset(str(tmp_path / "books"), n_docs=20, max_chars=900, seed=2)
+    uri = f"s3://{s3['bucket']}/mix/books"
+    assert cli_main(["preprocess", str(tmp_path / "books.jsonl"), "--out", uri, "--chunk-tokens",
+                     "128", "--quiet"]) == 0  # fmt: skip
+    fetched = {}
+    for name, path in (("local", books), ("s3", uri)):
+        cfg = train_config(
+            code,
+            str(tmp_path / f"run-{name}"),
+            checkpoint={"dir": None},
+            parallel={"capacity": 1024},
+        )
+        cfg.data.path = ""
+        cfg.data.sources = [_source(code, 0.5, "code"), _source(path, 0.5, "books")]
+        cfg.data.cache_dir = str(tmp_path / f"cache-{name}")
+        cfg.validate()
+        with ExitStack() as stack:
+            td = cfg.train_data(0, 1, stack, validation=False)
+            out = []
+            for _, (batch, plan, _) in zip(range(3), td.plans()):
+                mbs = td.fetcher.fetch_step(td.pieces(plan, batch))
+                out.append((batch.digest(), [mb.input_ids.tolist() for mb in mbs]))
+            fetched[name] = out
+    assert fetched["s3"] == fetched["local"]
+    assert (tmp_path / "cache-s3" / "books" / "manifest.json").exists()
+
+
+def _source(path: str, weight: float, name: str):
+    from datapipe.mix.config import SourceConfig
+
+    return SourceConfig(path=path, weight=weight, name=name)

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from datapipe.errors import ConfigError, MixlenError, PeerError
+from datapipe.mix.stream import MixtureStream
 from datapipe.stream import LengthAwareStream
 from trainer.checkpoint.config import CheckpointConfig
 from trainer.checkpoint.files import (
@@ -179,7 +180,10 @@ def _job_of(path: str) -> str | None:
 
 
 def check_run_matches(
-    path: str, cfg: TrainerConfig, stream: LengthAwareStream, fingerprint: str | None = None
+    path: str,
+    cfg: TrainerConfig,
+    stream: LengthAwareStream | MixtureStream,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """ConfigError if checkpoint `path` belongs to a run with other settings (naming the keys)
     or another dataset (other sample lengths; or, unless `data.allow_other_dataset`, another
@@ -195,6 +199,14 @@ def check_run_matches(
             f"checkpoint.resume: {path} belongs to a run with other settings ("
             + "; ".join(conflicts)
             + "); resume with its settings, or start a new run (checkpoint.resume = false)"
+        )
+    if stream_state.get("lengths_digest") != stream.lengths_digest() and (
+        cfg.data.is_mixture or stream_state.get("kind") == "mixture"
+    ):
+        stream.load_state_dict(stream_state)  # names the source that differs
+        raise ConfigError(
+            f"checkpoint.resume: {path} was saved on other data than data.sources / data.path "
+            "name now (the sources' samples differ)"
         )
     if stream_state.get("lengths_digest") != stream.lengths_digest():
         raise ConfigError(
@@ -305,7 +317,7 @@ class Checkpointer:
             return [f"{', '.join(missing)} not listed in {CHECKSUMS_FILE}"], True
         return verify_files(path, files, self.rank, self.comm.size), False
 
-    def resume(self, stream: LengthAwareStream) -> int:
+    def resume(self, stream: LengthAwareStream | MixtureStream) -> int:
         """Restore the checkpoint that `checkpoint.resume` (or a torchrun restart) asks for;
         returns the step to continue after (0: a fresh run)."""
         paths, explicit = self.candidates()
@@ -335,7 +347,7 @@ class Checkpointer:
             )
         raise PeerError("no intact checkpoint (reported by rank 0)")
 
-    def _load(self, path: str, stream: LengthAwareStream) -> int:
+    def _load(self, path: str, stream: LengthAwareStream | MixtureStream) -> int:
         """Load the verified checkpoint `path` after checking it belongs to this run."""
         stream_state = check_run_matches(path, self.run, stream, self.fingerprint)
         try:
