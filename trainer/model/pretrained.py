@@ -293,11 +293,16 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
 
 
 def non_finite(t: torch.Tensor, chunk: int = 1 << 22) -> int:
-    """How many values of `t` are NaN or infinite (read in chunks: no second copy of `t`)."""
-    flat = t.detach().reshape(-1)
-    return sum(
-        int((~torch.isfinite(flat[i : i + chunk])).sum()) for i in range(0, flat.numel(), chunk)
-    )
+    """How many values of `t` are NaN or infinite, read in chunks (no second copy of `t`): each
+    chunk's min and max first (one pass, ~7 GiB/s a core; NaN propagates), counted only when
+    they are not finite."""
+    flat, bad = t.detach().reshape(-1), 0
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i : i + chunk]
+        lo, hi = torch.aminmax(part)
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            bad += int((~torch.isfinite(part)).sum())
+    return bad
 
 
 def _check_finite(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
