@@ -140,3 +140,20 @@ def test_calibrate_refuses_an_unwritable_out_before_timing(tmp_path, capsys):
     assert f"--out {bad}: {tmp_path / 'file'} is a file, not a directory" in err, err
     err = cli_error(["calibrate", "--out", str(tmp_path), "--lengths", "8,16,32"], capsys)
     assert f"--out {tmp_path}: is a directory" in err, err
+
+
+def test_calibrate_names_out_when_the_write_fails(tmp_path, capsys, monkeypatch):
+    """A cost file that cannot be written after the timings (made unwritable meanwhile) is named
+    by --out, not by its temporary file."""
+    import tools.cmd_calibrate
+
+    out = str(tmp_path / "c.json")
+
+    def denied(path, text):
+        raise PermissionError(13, "Permission denied", f"{path}.tmp-1234")
+
+    monkeypatch.setattr(tools.cmd_calibrate, "write_text_atomic", denied)
+    err = cli_error(["calibrate", "--out", out, "--lengths", "8,16,32", "--packs", "2x8",
+                     "--repeats", "1", "--min-seconds", "0"], capsys)  # fmt: skip
+    assert f"--out {out}: cannot write the cost file (Permission denied)" in err, err
+    assert ".tmp-" not in err

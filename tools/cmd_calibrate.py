@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, InputError
 from datapipe.files import write_text_atomic
 from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
@@ -183,7 +183,10 @@ def run(args: argparse.Namespace) -> int:
         args.inter_node_bytes_per_s,
         shape=shape,
     )
-    write_text_atomic(out, cal.to_json())
+    try:
+        write_text_atomic(out, cal.to_json())
+    except OSError as exc:  # made unwritable while timing: name --out, not the temporary file
+        raise InputError(f"--out {out}: cannot write the cost file ({exc.strerror})") from None
     print(render(cal))
     print(f"-> {out}")
     return 0
@@ -222,7 +225,6 @@ def _check_out(out: str) -> None:
     directory in its place), checked before anything is timed."""
     from pathlib import Path
 
-    from datapipe.errors import InputError
     from datapipe.ingest.output import check_out_path
 
     check_out_path(Path(out).absolute(), out, [])
