@@ -208,7 +208,11 @@ def test_training_on_a_mixture_resumes_mid_stage_with_the_same_batches(data, tmp
         assert sum(r["tokens_by_source"].values()) == r["tokens"]
     assert set(a[2]["val_by_source"]) == {"code", "books"} and "val_loss" in a[2]
     report = (tmp_path / "a" / "balance.md").read_text()
-    assert "| source | tokens | realised share | target share |" in report
+    assert (
+        "| source | tokens | realised share | target share | of its tokens, in samples >= |"
+        in report
+    )
+    assert "| books |" in report and "| 600: " in report
     assert straight["losses"][-1] < straight["losses"][0]
     newest = sorted((tmp_path / "b" / "ckpt").glob("step-*/run.json"))[-1]
     state = json.loads(newest.read_text())["stream"]  # the data state: each source and the stage
@@ -302,3 +306,15 @@ def test_a_mixture_config_round_trips_through_print_config(data, tmp_path) -> No
     path = tmp_path / "again.toml"
     path.write_text(to_toml(cfg, comments=True))
     assert load_config(path) == cfg
+
+
+def test_the_declared_context_is_checked_against_the_longest_unit(data, tmp_path) -> None:
+    d = _cfg(data, tmp_path)  # units of at most 256 tokens (books hold 1,500-character samples)
+    d["model"]["max_position_embeddings"] = 256
+    _train_data(from_dict(d))  # the pieces fit the declared context
+    d["model"]["max_position_embeddings"] = 200
+    with pytest.raises(
+        ConfigError,
+        match=r"up to 256 tokens.*data.sources \(the longest unit\)|data.sources \(the longest unit\) holds samples of up to 256",
+    ):
+        _train_data(from_dict(d))

@@ -117,16 +117,29 @@ class BalanceSummary:
     mix_tokens: dict[str, int] | None = None  # a mixture's tokens by source
     mix_target: dict[str, float] | None = None  # and the tokens its shares in force asked for
 
-    def add_mix(self, tokens: dict[str, int], shares: dict[str, float]) -> None:
-        """A mixture step's tokens by source and the shares in force for it."""
+    mix_above: dict[str, dict[int, int]] | None = None  # boosted sources: tokens >= threshold
+
+    def add_mix(
+        self,
+        tokens: dict[str, int],
+        shares: dict[str, float],
+        above: dict[str, dict[int, int]] | None = None,
+    ) -> None:
+        """A mixture step's tokens by source, the shares in force for it, and each boosted
+        source's tokens from samples at or above its thresholds."""
         total = sum(tokens.values())
         if self.mix_tokens is None:
             self.mix_tokens = dict.fromkeys(tokens, 0)
             self.mix_target = dict.fromkeys(tokens, 0.0)
-        assert self.mix_target is not None
+            self.mix_above = {}
+        assert self.mix_target is not None and self.mix_above is not None
         for name, n in tokens.items():
             self.mix_tokens[name] += n
             self.mix_target[name] += shares.get(name, 0.0) * total
+        for name, by in (above or {}).items():
+            mine = self.mix_above.setdefault(name, dict.fromkeys(by, 0))
+            for t, n in by.items():
+                mine[t] += n
 
     def add(
         self,
@@ -181,12 +194,14 @@ class BalanceSummary:
         total = sum(self.mix_tokens.values()) or 1
         lines = [
             "",
-            "| source | tokens | realised share | target share |",
-            "| --- | ---: | ---: | ---: |",
+            "| source | tokens | realised share | target share | of its tokens, in samples >= |",
+            "| --- | ---: | ---: | ---: | --- |",
         ]
         for name, n in self.mix_tokens.items():
+            above = (self.mix_above or {}).get(name, {})
+            tail = ", ".join(f"{t:,}: {k / n if n else 0:.3f}" for t, k in above.items()) or "-"
             lines.append(
-                f"| {name} | {n:,} | {n / total:.4f} | {self.mix_target[name] / total:.4f} |"
+                f"| {name} | {n:,} | {n / total:.4f} | {self.mix_target[name] / total:.4f} | {tail} |"
             )
         return lines
 

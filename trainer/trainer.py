@@ -255,7 +255,8 @@ class Trainer:
             rec["tokens_by_source"] = self.data.tokens_by_source(batch)
             rec["stage"] = item.stream_state["stage"]
             target = dict(zip(self.data.source_names, item.stream_state["segment"]["weights"]))
-            self.balance.add_mix(rec["tokens_by_source"], target)
+            above = self.data.stream.tokens_above(batch)
+            self.balance.add_mix(rec["tokens_by_source"], target, above)
         rec.update(outer)
         rec.update(self.memory_record())
         if self.balance.offload is not None and self.executor.plan_offload is not None:

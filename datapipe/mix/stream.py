@@ -327,6 +327,19 @@ class MixtureStream:
         t = np.bincount(batch.units[:, 0], weights=batch.lengths, minlength=len(self.sources))
         return {n: int(x) for n, x in zip(self.source_names, t)}
 
+    def tokens_above(self, batch: GlobalBatch) -> dict[str, dict[int, int]]:
+        """Of each boosted source's tokens in `batch`, those from samples at or above each of its
+        `length_boost` thresholds (the sample's stored length, whatever piece was taken)."""
+        assert batch.units is not None
+        out: dict[str, dict[int, int]] = {}
+        for s, src in enumerate(self.sources):
+            if not src.boosts:
+                continue
+            mine = batch.units[:, 0] == s
+            whole, n = src.lengths[batch.units[mine, 1]], batch.lengths[mine]
+            out[src.name] = {t: int(n[whole >= t].sum()) for t, _ in src.boosts}
+        return out
+
     # --- resume
     def lengths_digest(self) -> str:
         """Of every source's name and training samples (a resume must see the same data)."""

@@ -188,8 +188,10 @@ class TrainerConfig:
         )
         if self.model.pretrained:
             pre = pretrained_of(self.model)
-            check_special_ids(data.fetcher.index.manifest, pre.config, self.data.path, pre.path)
-        self.model.check_context(data.fetcher.lengths, self.data.path)
+            first = self.data.mix_sources()[0].path  # a mixture's sources share one tokenizer
+            check_special_ids(data.fetcher.index.manifest, pre.config, first, pre.path)
+        where = self.data.path or f"{self.key(self.data, 'sources')} (the longest unit)"
+        self.model.check_context([data.longest], where)  # a mixture's: its longest piece
         return data
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
