@@ -51,26 +51,27 @@ demo-train: install
 # stage, evaluated before and after (loss by position, passkey by length)
 EXTEND := $(DEMO_DIR)/extend
 BPE := --tokenizer tests/assets/bpe-stdlib.json --workers 2 --format parquet --overwrite
-EXTEND_EVAL := --val-fraction 0.02 --max-tokens 24576 --capacity 2048 --nproc 2 \
-	--passkey-lengths 256,1024,2048 --passkey-depths 0,0.5,1
+EXTEND_EVAL := --val-fraction 0.02 --max-tokens 32768 --capacity 4096 --nproc 2 --passkey-depths 0,0.5,1
 SHORT_RUN := --set data.path='"$(EXTEND)/short"' --set train.steps=40 \
 	--set train.global_batch_tokens=16384 --set train.eval_interval=0 --set train.warmup=4 \
-	--set parallel.capacity=2048 --set model.max_position_embeddings=256 \
+	--set parallel.capacity=4096 --set model.max_position_embeddings=1024 \
 	--set checkpoint.dir='"$(EXTEND)/short-run/ckpt"' --set checkpoint.interval=40 \
 	--set metrics.dir='"$(EXTEND)/short-run"'
 
 demo-extend: install
-	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '*.py' --max-len 256 $(BPE) --out $(EXTEND)/short
+	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '*.py' --max-len 1024 $(BPE) --out $(EXTEND)/short
 	$(VENV)/bin/mixlen preprocess "$(STDLIB)" --glob '*/**/*.py' --exclude 'site-packages/*' \
 		--exclude 'test/*' --exclude '*/test/*' --exclude '*/tests/*' --exclude '*/idle_test/*' \
-		--max-len 2048 --min-tokens 1024 $(BPE) --out $(EXTEND)/long
+		--max-len 4096 --min-tokens 2048 $(BPE) --out $(EXTEND)/long
 	rm -rf $(EXTEND)/short-run $(EXTEND)/long-run $(EXTEND)/eval-before $(EXTEND)/eval-after
 	$(VENV)/bin/mixlen train configs/debug.toml --nproc 2 $(SHORT_RUN)
 	$(VENV)/bin/mixlen export $(EXTEND)/short-run/ckpt --hf $(EXTEND)/short-hf --overwrite
-	$(VENV)/bin/mixlen eval $(EXTEND)/short-hf $(EXTEND)/long $(EXTEND_EVAL) --out $(EXTEND)/eval-before
+	$(VENV)/bin/mixlen eval $(EXTEND)/short-hf $(EXTEND)/long $(EXTEND_EVAL) --passkey-lengths 1024 \
+		--out $(EXTEND)/eval-before
 	$(VENV)/bin/mixlen train configs/extend-demo.toml --nproc 2
 	$(VENV)/bin/mixlen export $(EXTEND)/long-run/ckpt --hf $(EXTEND)/long-hf --overwrite
-	$(VENV)/bin/mixlen eval $(EXTEND)/long-hf $(EXTEND)/long $(EXTEND_EVAL) --out $(EXTEND)/eval-after
+	$(VENV)/bin/mixlen eval $(EXTEND)/long-hf $(EXTEND)/long $(EXTEND_EVAL) \
+		--passkey-lengths 1024,2048,4096 --out $(EXTEND)/eval-after
 	$(PY) benchmarks/extend_report.py $(EXTEND)/eval-before/eval.json \
 		$(EXTEND)/eval-after/eval.json --out $(EXTEND)/report.json
 
