@@ -117,10 +117,17 @@ def plot_profile(prof: dict, lengths: np.ndarray, path: str) -> None:
     ax.set_ylabel("samples")
     ax.set_title(f"{prof['num_samples']:,} samples, {prof['num_tokens']:,} tokens")
     ax.legend(loc="upper left")
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> None:
+    """Write a matplotlib figure as PNG to a temporary path, then rename it into place."""
+    import os
+
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp)
     plt.close(fig)
-    import os
-
     os.replace(tmp, path)

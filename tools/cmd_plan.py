@@ -56,20 +56,9 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "dir",
-        metavar="DIR",
-        nargs="*",
-        help="dataset directory (index.parquet + manifest.json); several, or DIR@WEIGHT, for a "
-        "mixture",
-    )
-    p.add_argument(
-        "--mix",
-        metavar="FILE.toml",
-        default=None,
-        help="a mixture: sources = [...] and [[stages]] (at the top or under [data], as in a "
-        "training config); stages' start_step counts the planned steps from 1",
-    )
+    from tools.cmd_profile import add_dataset_arguments
+
+    add_dataset_arguments(p, "; stages' start_step counts the planned steps from 1")
     p.add_argument("--ranks", type=int, required=True, help="ranks N of one island")
     p.add_argument(
         "--capacity", type=int, required=True, help="positions C per rank per micro-batch"

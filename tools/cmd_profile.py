@@ -9,7 +9,9 @@ import json
 from datapipe.errors import InputError
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_dataset_arguments(p: argparse.ArgumentParser, stages: str = "") -> None:
+    """DIR arguments (several, or DIR@WEIGHT, for a mixture) and --mix FILE.toml; `stages` says
+    what the command does with a mixture file's stages."""
     p.add_argument(
         "dir",
         metavar="DIR",
@@ -21,8 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mix",
         metavar="FILE.toml",
         default=None,
-        help="a mixture: sources = [...] (and [[stages]]), at the top or under [data]",
+        help="a mixture: sources = [...] and [[stages]], at the top or under [data] (as in a "
+        "training config)" + stages,
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_dataset_arguments(p, "; stages are not used here")
     p.add_argument(
         "--capacity",
         type=int,

@@ -6,7 +6,6 @@ every source's length histogram."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -225,6 +224,8 @@ def plot_mixture(loaded: list[LoadedSource], path: str, capacity: int | None = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from datapipe.profile import save_figure
+
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     top = max(2, max(int(s.lengths.max()) for s in loaded))
     bins = np.logspace(0, np.log10(top) + 0.01, 60)
@@ -239,8 +240,4 @@ def plot_mixture(loaded: list[LoadedSource], path: str, capacity: int | None = N
     ax.set_ylabel("samples")
     ax.set_title(f"length histograms of {len(loaded)} sources")
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
