@@ -1,18 +1,21 @@
 """A mixture's sources from their indexes: each dataset's manifest and lengths, checked to be
-distinct datasets with one tokenizer, and turned into the stream's `MixSource`s."""
+distinct datasets with one tokenizer, and turned into the stream's `MixSource`s. Imports no numba
+until a stream is built (`mixlen profile` reads mixtures too)."""
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from datapipe.errors import ConfigError
 from datapipe.index import dataset_fingerprint, read_index, resolve_dataset
 from datapipe.mix.config import SourceConfig, check_mixture
-from datapipe.mix.stream import MixSource
 from datapipe.settings import Names
+
+if TYPE_CHECKING:
+    from datapipe.mix.stream import MixSource
 
 __all__ = ["LoadedSource", "TOKENIZER_KEYS", "load_sources", "mix_sources"]
 
@@ -88,6 +91,8 @@ def mix_sources(
 ) -> list[MixSource]:
     """The stream's view of each source: every sample but the held-out (`held_out[i]`: a bool
     mask, True = held out) and the empty ones."""
+    from datapipe.mix.stream import MixSource  # numba: not for `mixlen profile`
+
     out = []
     for i, src in enumerate(loaded):
         keep = src.lengths > 0
