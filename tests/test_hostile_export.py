@@ -245,6 +245,21 @@ def test_eval_out_is_checked_before_the_evaluation(ds, run, capsys, monkeypatch)
     (run / "taken").write_text("x")
     err = cli_error(["eval", str(run / "ckpt"), ds, "--out", str(run / "taken")], capsys)
     assert f"--out {run / 'taken'}: is a file, not a directory" in err, err
+    err = cli_error(["eval", str(run / "ckpt"), ds, "--out", str(run / "taken" / "sub")], capsys)
+    assert f"--out {run / 'taken' / 'sub'}: {run / 'taken'} is a file, not a directory" in err
+
+
+def test_an_existing_hf_is_refused_before_the_checkpoint_is_read(run, capsys, monkeypatch):
+    """Without --overwrite an existing --hf was refused only after every weight was read."""
+    import trainer.checkpoint.weights
+
+    def never(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(trainer.checkpoint.weights, "read_checkpoint", never)
+    (run / "out").mkdir()
+    err = cli_error(["export", str(run / "ckpt"), "--hf", str(run / "out")], capsys)
+    assert f"--hf {run / 'out'}: already exists (pass --overwrite to replace it)" in err, err
 
 
 def test_eval_reports_samples_beyond_the_models_context_and_never_a_bare_nan(

@@ -117,17 +117,21 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _check_out(out: str | None) -> None:
-    """InputError naming --out when eval.json could not be written there (checked before the
-    evaluation, not after it)."""
+    """InputError naming --out when eval.json could not be written there: the folder, or one
+    above it, is a file (checked before the evaluation, not after it)."""
     if out is None:
         return
     from pathlib import Path
 
-    from datapipe.ingest.output import check_out_path
-
-    check_out_path(Path(out).absolute(), out, [])
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise InputError(f"--out {out}: is a file, not a directory (the folder for eval.json)")
+    path = Path(out).absolute()
+    for anc in (path, *path.parents):
+        if anc.exists():
+            if not anc.is_dir():
+                where = "is" if anc == path else f"{anc} is"
+                raise InputError(
+                    f"--out {out}: {where} a file, not a directory (the folder for eval.json)"
+                )
+            return
 
 
 def finite_json(obj: Any) -> Any:

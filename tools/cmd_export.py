@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     from trainer.model.export import export_hf
 
     _check_output(args, [args.checkpoint])  # before anything is read
+    if os.path.lexists(args.hf) and not args.overwrite:
+        raise InputError(f"--hf {args.hf}: already exists (pass --overwrite to replace it)")
     seen: dict = {}
 
     def settings(step: str, run: dict) -> None:
