@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.settings import Names, setting
 from datapipe.shapes import DTYPES, INT_BOUNDS, MODEL_CONFIGS, ModelConfig, RopeScaling, get_config
@@ -101,7 +103,8 @@ class ModelSection:
         declares (max_position_embeddings, the context an export writes), unless dynamic NTK
         scaling stretches the base for longer documents by design."""
         shape = self.shape()
-        declared, longest = shape.max_position_embeddings, int(max(lengths, default=0))
+        declared = shape.max_position_embeddings
+        longest = int(np.max(lengths)) if len(lengths) else 0
         dynamic = shape.rope_scaling is not None and shape.rope_scaling.type == "dynamic"
         if declared is None or dynamic or longest <= declared:
             return
