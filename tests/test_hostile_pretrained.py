@@ -214,3 +214,12 @@ def test_a_device_as_the_weights_file_is_named(llama, tmp_path):
         InputError, match=r"model.safetensors: a character device, not a regular file"
     ):
         inspect_pretrained(path)
+
+
+@pytest.mark.parametrize("window", ["4096", float("nan"), True])
+def test_a_mistral_window_that_is_not_a_number_is_named(tmp_path, window):
+    """A string sliding_window was a TypeError traceback comparing it with the context."""
+    path = save(hf_model("mistral"), str(tmp_path / "m"))
+    edit_config(path, sliding_window=window)
+    with pytest.raises(InputError, match="config.json: sliding_window must be an integer or null"):
+        inspect_pretrained(path)

@@ -32,6 +32,9 @@ class Mistral(LlamaStyle):
 
     def check(self, config: Mapping[str, Any], where: str) -> None:
         window, context = config.get("sliding_window"), config.get("max_position_embeddings")
+        number = isinstance(window, (int, float)) and not isinstance(window, bool)
+        if window is not None and not (number and window == window):  # NaN != NaN
+            raise InputError(f"{where}: sliding_window must be an integer or null, got {window!r}")
         if window is not None and not (isinstance(context, int) and window >= context):
             raise InputError(
                 f"{where}: sliding_window = {window} is smaller than max_position_embeddings "
