@@ -223,3 +223,11 @@ def test_a_mistral_window_that_is_not_a_number_is_named(tmp_path, window):
     edit_config(path, sliding_window=window)
     with pytest.raises(InputError, match="config.json: sliding_window must be an integer or null"):
         inspect_pretrained(path)
+
+
+def test_qwen2_layer_types_that_are_not_a_list_are_named(tmp_path):
+    """A number as layer_types was a TypeError traceback (`in` on an int)."""
+    path = save(hf_model("qwen2"), str(tmp_path / "q"))
+    edit_config(path, layer_types=5)
+    with pytest.raises(InputError, match="config.json: layer_types must be a list or null, got 5"):
+        inspect_pretrained(path)

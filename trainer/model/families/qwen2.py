@@ -35,6 +35,8 @@ class Qwen2(LlamaStyle):
                 "supported, mixlen attends to the whole document"
             )
         layer_types = config.get("layer_types") or []
+        if not isinstance(layer_types, list):
+            raise InputError(f"{where}: layer_types must be a list or null, got {layer_types!r}")
         if "sliding_attention" in layer_types:
             raise InputError(
                 f"{where}: layer_types has 'sliding_attention' layers: sliding-window attention "
