@@ -79,6 +79,10 @@ def dataset(tmp_path_factory) -> str:
             {"vocab_size": 10**11},
             r"vocab_size must be an integer in \[1, 4,294,967,296\] \(got 100000000000\)",
         ),
+        (
+            {"tie_word_embeddings": "false"},
+            "tie_word_embeddings must be true, false or null, got 'false'",
+        ),
     ],
     ids=[
         "theta-inf",
@@ -92,6 +96,7 @@ def dataset(tmp_path_factory) -> str:
         "mscale-zero-denominator",
         "layers-1e9",
         "vocab-1e11",
+        "tie-string",
     ],  # fmt: skip
 )
 def test_config_json_numbers_out_of_range_are_named(llama, tmp_path, changes, message):

@@ -147,6 +147,11 @@ class LlamaStyle(Family):
                 f"{where}: attention_dropout {d['attention_dropout']!r}: mixlen trains without dropout"
             )
         self.check(d, where)
+        tie = d.get("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool):  # bool("false") would tie them
+            raise InputError(
+                f"{where}: tie_word_embeddings must be true, false or null, got {tie!r}"
+            )
         dim, n_heads = _int(d, "hidden_size", where), _int(d, "num_attention_heads", where)
         head_dim = _int(d, "head_dim", where, dim // n_heads)
         max_pos = _int(d, "max_position_embeddings", where)
