@@ -66,8 +66,8 @@ demo-extend: install
 	rm -rf $(EXTEND)/short-run $(EXTEND)/long-run $(EXTEND)/eval-before $(EXTEND)/eval-after
 	$(VENV)/bin/mixlen train configs/debug.toml --nproc 2 $(SHORT_RUN)
 	$(VENV)/bin/mixlen export $(EXTEND)/short-run/ckpt --hf $(EXTEND)/short-hf --overwrite
-	$(VENV)/bin/mixlen eval $(EXTEND)/short-hf $(EXTEND)/long $(EXTEND_EVAL) --passkey-lengths 1024 \
-		--out $(EXTEND)/eval-before
+	$(VENV)/bin/mixlen eval $(EXTEND)/short-hf $(EXTEND)/long $(EXTEND_EVAL) \
+		--passkey-lengths 1024,2048,4096 --passkey-beyond-context --out $(EXTEND)/eval-before
 	$(VENV)/bin/mixlen train configs/extend-demo.toml --nproc 2
 	$(VENV)/bin/mixlen export $(EXTEND)/long-run/ckpt --hf $(EXTEND)/long-hf --overwrite
 	$(VENV)/bin/mixlen eval $(EXTEND)/long-hf $(EXTEND)/long $(EXTEND_EVAL) \

@@ -318,3 +318,49 @@ def test_the_declared_context_is_checked_against_the_longest_unit(data, tmp_path
         match=r"data.sources \(the longest unit\) holds samples of up to 256",
     ):
         _train_data(from_dict(d))
+
+
+@pytest.mark.timeout(300)
+def test_mixlen_eval_on_a_mixture_reports_each_source_as_training_did(
+    data, tmp_path, capsys
+) -> None:
+    """`mixlen eval CKPT --mix FILE`: each source's held-out samples (the run's val_fraction and
+    seed, per source) evaluated on their own; by_source equals the run's val_by_source at that
+    step and the pooled loss its val_loss."""
+    from tools.cli import main as cli_main
+    from trainer.train import run_training
+
+    d = _cfg(data, tmp_path / "run", val_tokens=1 << 20)  # the whole held-out split
+    d["train"].update(steps=2, eval_interval=2)
+    d["parallel"]["capacity"] = 2048  # every held-out sample fits one rank
+    run_training(from_dict(d))
+    last = _losses(tmp_path / "run")[-1]
+    mix = tmp_path / "mix.toml"
+    mix.write_text(
+        f'sources = [{{path = "{data["code"]}"}}, {{path = "{data["books"]}", weight = 3}}]\n'
+    )
+    ckpt = str(tmp_path / "run" / "ckpt")
+    assert (
+        cli_main(["eval", ckpt, "--mix", str(mix), "--no-passkey", "--capacity", "2048", "--json"])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)
+    assert set(got["by_source"]) == {"code", "books"}
+    for name, r in got["by_source"].items():
+        assert r["loss"] == pytest.approx(last["val_by_source"][name], rel=1e-6)
+    assert got["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert got["tokens"] == sum(r["tokens"] for r in got["by_source"].values())
+    assert cli_main(["eval", ckpt, data["code"], f"{data['books']}@1", "--no-passkey",
+                     "--capacity", "2048"]) == 0  # fmt: skip
+    assert "| books |" in capsys.readouterr().out
+
+
+def test_passkey_beyond_the_declared_context_only_when_asked() -> None:
+    from trainer.eval.cli import LoadedModel, _check_passkey_lengths
+
+    model = LoadedModel(None, None, 1024, None, {})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--passkey-beyond-context"):
+        _check_passkey_lengths([1024, 4096], model, 2, 4096)
+    _check_passkey_lengths([1024, 4096], model, 2, 4096, beyond=True)  # before an extension
+    with pytest.raises(ConfigError, match="more than 2 ranks"):  # the ranks still bound it
+        _check_passkey_lengths([16384], model, 2, 4096, beyond=True)

@@ -4,7 +4,9 @@ held-out samples, and passkey retrieval at every depth of filler up to the model
 ranks with the planner and executor of training (long samples on rings).
 
 MODEL is a mixlen checkpoint (a `step-NNNNNNNN` directory, or a checkpoint.dir: its newest) or a
-Hugging Face `save_pretrained` folder; DATA a dataset written by `mixlen preprocess`.
+Hugging Face `save_pretrained` folder; DATA a dataset written by `mixlen preprocess`, or several
+(a mixture: `DIR@WEIGHT ...` or `--mix FILE.toml`, weights not used): each source's held-out
+samples evaluated separately (`by_source`), pooled for the overall figures.
 """
 
 from __future__ import annotations
@@ -23,7 +25,19 @@ from trainer.model.config import DTYPES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a mixlen checkpoint (or checkpoint.dir) or a Hugging Face folder")
-    p.add_argument("data", help="a dataset written by `mixlen preprocess`")
+    p.add_argument(
+        "data",
+        nargs="*",
+        help="a dataset written by `mixlen preprocess`; several (DIR or DIR@WEIGHT) for a "
+        "mixture, each source evaluated on its own",
+    )
+    p.add_argument(
+        "--mix",
+        metavar="FILE.toml",
+        default=None,
+        help="a mixture's sources (sources = [...], at the top or under [data], as in a training "
+        "config): each evaluated on its own",
+    )
     p.add_argument(
         "--split",
         choices=("val", "all"),
@@ -56,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
     p.add_argument("--passkey-lengths", default=None, help="comma list (default 1K, 2K, ...)")
     p.add_argument("--passkey-depths", default="0,0.25,0.5,0.75,1", help="comma list in [0, 1]")
+    p.add_argument(
+        "--passkey-beyond-context",
+        action="store_true",
+        help="allow passkey lengths beyond the model's declared context (a model measured "
+        "before its context is extended)",
+    )
     p.add_argument("--tokenizer", default=None, help="the passkey's tokenizer.json (or bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="write eval.json and passkey.png into this folder")
@@ -85,9 +105,12 @@ def _options(args: argparse.Namespace):
     for flag, given in (("--passkey-depths", depths), ("--passkey-lengths", lengths)):
         if given == [] and not args.no_passkey:
             raise ConfigError(f"{flag}: no value given (--no-passkey skips passkey retrieval)")
+    data, sources = _datasets(args)
     return EvalOptions(
         model=args.model,
-        data=args.data,
+        data=data,
+        sources=sources,
+        passkey_beyond_context=args.passkey_beyond_context,
         split=args.split,
         dtype=args.dtype,
         capacity=args.capacity,
@@ -101,6 +124,22 @@ def _options(args: argparse.Namespace):
         passkey_depths=depths,
         tokenizer=args.tokenizer,
     )
+
+
+def _datasets(args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]]:
+    """DATA as one path, or a mixture's (name, path) sources and a label for the report."""
+    from datapipe.mix.report import is_mixture_args, parse_mixture
+    from datapipe.mix.sources import load_sources
+    from datapipe.settings import Names
+
+    if not args.data and not args.mix:
+        raise ConfigError("DATA: a dataset written by `mixlen preprocess` (or several, or --mix)")
+    if not is_mixture_args(args.data, args.mix):
+        return args.data[0], []
+    sources, _ = parse_mixture(args.data, args.mix)
+    loaded = load_sources(sources, Names(flags=True).using(sources="DATA"))  # checked as train does
+    pairs = [(s.name, s.config.path) for s in loaded]
+    return "+".join(name for name, _ in pairs), pairs
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

@@ -228,8 +228,7 @@ class MixValidation:
         for name, val in self.parts.items():
             b = val.run(executor, rank)
             self.by_source[name] = b.loss
-            for key in ("pos_sum", "pos_n", "len_sum", "len_n", "len_samples"):
-                setattr(pooled, key, getattr(pooled, key) + getattr(b, key))
+            pooled = pooled.merged(b)
         return pooled
 
 

@@ -60,6 +60,13 @@ class BucketLosses:
             self.len_sum += np.bincount(lb, t.loss, minlength=NUM_BUCKETS)
             self.len_n += np.bincount(lb, minlength=NUM_BUCKETS)
 
+    def merged(self, other: BucketLosses) -> BucketLosses:
+        """The sums of both (two held-out sets pooled: a mixture's sources)."""
+        out = BucketLosses()
+        for key in ("pos_sum", "pos_n", "len_sum", "len_n", "len_samples"):
+            setattr(out, key, getattr(self, key) + getattr(other, key))
+        return out
+
     def count_samples(self, lengths: np.ndarray) -> None:
         """Count a plan's samples by length bucket (once per plan, on one rank)."""
         self.len_samples += np.bincount(bucket_of(lengths), minlength=NUM_BUCKETS)

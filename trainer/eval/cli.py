@@ -56,6 +56,8 @@ class EvalOptions:
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] = field(default_factory=lambda: list(DEPTHS))
     tokenizer: str | None = None
+    passkey_beyond_context: bool = False  # passkey lengths beyond the declared context allowed
+    sources: list[tuple[str, str]] = field(default_factory=list)  # a mixture: (name, path)
 
 
 class LoadedModel(NamedTuple):
@@ -117,9 +119,9 @@ def _context(shape: ModelConfig) -> int | None:
     return int(ctx) if ctx else None
 
 
-def _eval_ids(opts: EvalOptions, run: dict, n: int) -> np.ndarray:
-    """The evaluated sample ids: the held-out ones (the run's val_fraction and seed, or the
-    options'), or all."""
+def _eval_ids(opts: EvalOptions, run: dict, n: int, path: str = "") -> np.ndarray:
+    """The evaluated sample ids of dataset `path`: the held-out ones (the run's val_fraction and
+    seed, or the options'; a mixture's sources hold out the same way, each its own), or all."""
     ids = np.arange(n, dtype=np.int64)
     if opts.split == "all":
         return ids
@@ -135,7 +137,7 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int) -> np.ndarray:
     if held.size == 0:
         raise InputError(
             f"--split val: the held-out fraction {frac} (seed {seed}) selects none of the {n:,} "
-            f"samples of {opts.data}; give a larger --val-fraction, or --split all"
+            f"samples of {path or opts.data}; give a larger --val-fraction, or --split all"
         )
     return held
 
@@ -168,51 +170,91 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     cost = resolve(None, opts.cost) if json_cost else resolve(opts.cost or "debug", None)
     planner = PlannerConfig(policy=opts.policy, capacity=int(cap)).build(cost, rt.world)
     if opts.passkey:
-        _check_passkey_lengths(opts.passkey_lengths or [], loaded, rt.world, int(cap))
+        lengths = opts.passkey_lengths or []
+        _check_passkey_lengths(lengths, loaded, rt.world, int(cap), opts.passkey_beyond_context)
     ex = HDPExecutor(loaded.model, None, rt.comm, device=rt.device)
     out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
-    with ExitStack() as stack:
-        fetcher = FetchConfig().build(opts.data)
-        stack.callback(fetcher.close)
-        _check_vocab(loaded.shape, fetcher, opts.data)
-        lengths = np.asarray(fetcher.lengths, dtype=np.int64)
-        ids = _eval_ids(opts, run, lengths.size)
-        if opts.max_tokens:
-            n = int(np.searchsorted(np.cumsum(lengths[ids]), opts.max_tokens, side="right"))
-            ids = ids[: max(n, 1)]
-        plans = planned_batches(planner, ids, lengths[ids], rt.world * int(cap))
-        buckets = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, rt.rank), rt.rank)
-        manifest = fetcher.index.manifest
-    if not buckets.tokens:
-        raise InputError(
-            f"{opts.data}: the {ids.size:,} evaluated samples hold no labelled position (each "
-            "has fewer than 2 tokens)"
-        )
+    datasets = opts.sources or [("", opts.data)]
+    parts = [_evaluate(path, opts, loaded, planner, ex, rt, int(cap)) for _, path in datasets]
+    buckets = parts[0].buckets
+    for part in parts[1:]:  # a mixture: its sources' held-out sets pooled
+        buckets = buckets.merged(part.buckets)
     context = loaded.context
+    lengths = np.concatenate([part.lengths for part in parts])
     out.update(
         loss=buckets.loss,
         perplexity=perplexity(buckets.loss),
         tokens=buckets.tokens,
-        samples=int((lengths[ids] > 0).sum()),
+        samples=int((lengths > 0).sum()),
         context=context,
-        beyond_context=int((lengths[ids] > context).sum()) if context else 0,
+        beyond_context=int((lengths > context).sum()) if context else 0,
         by_position=buckets.by_position(),
         by_length=buckets.by_length(),
     )
+    if opts.sources:
+        out["by_source"] = {
+            name: {
+                "data": path,
+                "loss": part.buckets.loss,
+                "perplexity": perplexity(part.buckets.loss),
+                "tokens": part.buckets.tokens,
+                "samples": int((part.lengths > 0).sum()),
+                "by_position": part.buckets.by_position(),
+            }
+            for (name, path), part in zip(datasets, parts)
+        }
+    manifest = parts[0].manifest
     out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
         out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, int(cap))
     return out
 
 
-def _check_passkey_lengths(lengths: list[int], loaded: LoadedModel, world: int, cap: int) -> None:
-    """ConfigError naming --passkey-lengths for a length beyond the model's declared context or
-    beyond what the island's ranks hold (checked before anything is evaluated)."""
-    if loaded.context and any(n > loaded.context for n in lengths):
+class Evaluated(NamedTuple):
+    """One dataset's held-out losses, the evaluated samples' lengths and its manifest."""
+
+    buckets: Any
+    lengths: np.ndarray
+    manifest: dict
+
+
+def _evaluate(
+    path: str, opts: EvalOptions, loaded: LoadedModel, planner: Any, ex: HDPExecutor,
+    rt: Runtime, cap: int,
+) -> Evaluated:  # fmt: skip
+    """The held-out samples of the dataset at `path` (at most --max-tokens of them), evaluated."""
+    with ExitStack() as stack:
+        fetcher = FetchConfig().build(path)
+        stack.callback(fetcher.close)
+        _check_vocab(loaded.shape, fetcher, path)
+        lengths = np.asarray(fetcher.lengths, dtype=np.int64)
+        ids = _eval_ids(opts, loaded.run, lengths.size, path)
+        if opts.max_tokens:
+            n = int(np.searchsorted(np.cumsum(lengths[ids]), opts.max_tokens, side="right"))
+            ids = ids[: max(n, 1)]
+        plans = planned_batches(planner, ids, lengths[ids], rt.world * cap)
+        buckets = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, rt.rank), rt.rank)
+        manifest = fetcher.index.manifest
+    if not buckets.tokens:
+        raise InputError(
+            f"{path}: the {ids.size:,} evaluated samples hold no labelled position (each "
+            "has fewer than 2 tokens)"
+        )
+    return Evaluated(buckets, lengths[ids], manifest)
+
+
+def _check_passkey_lengths(
+    lengths: list[int], loaded: LoadedModel, world: int, cap: int, beyond: bool = False
+) -> None:
+    """ConfigError naming --passkey-lengths for a length beyond the model's declared context
+    (unless `beyond`: --passkey-beyond-context) or beyond what the island's ranks hold (checked
+    before anything is evaluated)."""
+    if loaded.context and not beyond and any(n > loaded.context for n in lengths):
         n = next(n for n in lengths if n > loaded.context)
         raise ConfigError(
             f"--passkey-lengths: {n:,} is longer than the model's context, {loaded.context:,} "
-            "(its max_position_embeddings); give lengths within it"
+            "(its max_position_embeddings); give lengths within it, or --passkey-beyond-context "
+            "to measure a model before its context is extended"
         )
     if any(n > world * cap for n in lengths):
         n = next(n for n in lengths if n > world * cap)

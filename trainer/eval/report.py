@@ -42,6 +42,17 @@ def render(result: dict[str, Any]) -> str:
             f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {perplexity(r['loss']):.2f} | "
             f"{r['tokens']:,} |"
         )
+    if result.get("by_source"):
+        lines += [
+            "",
+            "| source | loss | perplexity | tokens | samples |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for name, r in result["by_source"].items():
+            lines.append(
+                f"| {name} | {r['loss']:.4f} | {perplexity(r['loss']):.2f} | {r['tokens']:,} | "
+                f"{r['samples']} |"
+            )
     lines += ["", "| sample length | loss | tokens | samples |", "| --- | ---: | ---: | ---: |"]
     for r in result["by_length"]:
         lines.append(
