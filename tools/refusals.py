@@ -158,6 +158,36 @@ REFUSALS: tuple[Refusal, ...] = (
         "trainer/eval/cli.py",
         "tests/test_hostile_export.py::test_evaluations_that_would_be_empty_are_refused",
     ),
+    Refusal(
+        "train, plan, profile, eval",
+        "a mixture source weight <= 0, NaN or inf (`data.sources[1].weight`, `DIR@0`)",
+        "must be > 0, got",
+        "datapipe/mix/config.py",
+        "tests/test_mixture.py::test_mixture_config_refusals_name_the_key",
+    ),
+    Refusal(
+        "train, plan, profile, eval",
+        "the same dataset twice in a mixture (one fingerprint), or sources tokenized differently "
+        "(both sources and what differs named)",
+        "every source of a mixture must share one",
+        "datapipe/mix/sources.py",
+        "tests/test_mixture.py::test_dataset_refusals_name_both_sources",
+    ),
+    Refusal(
+        "train, plan",
+        "`[[data.stages]]` whose start_step does not increase, with unknown keys or source names, "
+        "or all weights 0",
+        "but stages must start at increasing steps",
+        "datapipe/mix/config.py",
+        "tests/test_mixture.py::test_mixture_config_refusals_name_the_key",
+    ),
+    Refusal(
+        "train",
+        "a resume on other sources than the checkpoint's (weights and stages may change)",
+        "is not the dataset the checkpoint",
+        "datapipe/mix/stream.py",
+        "tests/test_mixture.py::test_a_resume_on_other_sources_is_refused_naming_the_source",
+    ),
 )
 
 
