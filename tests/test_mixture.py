@@ -350,6 +350,8 @@ def test_mixlen_eval_on_a_mixture_reports_each_source_as_training_did(
         assert r["loss"] == pytest.approx(last["val_by_source"][name], rel=1e-6)
     assert got["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
     assert got["tokens"] == sum(r["tokens"] for r in got["by_source"].values())
+    weighted = sum(r["loss"] * r["tokens"] for r in got["by_source"].values()) / got["tokens"]
+    assert got["loss"] == pytest.approx(weighted, rel=1e-9)  # pooled: the token-weighted mean
     assert cli_main(["eval", ckpt, data["code"], f"{data['books']}@1", "--no-passkey",
                      "--capacity", "2048"]) == 0  # fmt: skip
     assert "| books |" in capsys.readouterr().out
