@@ -347,12 +347,15 @@ CORPORA = {
 VARIANTS = {
     "sync": {"mode": "sync"},
     "diloco": {"mode": "diloco"},  # as published: Nesterov 0.9, outer lr 0.7, no penalty or clip
-    "co2": {},
-    # the staleness penalty's rules, the other defaults kept: off, the CO2 code's constant factor
-    # (1 + lambda = 1.5), mixlen's adaptive one (the default)
+    "co2": {},  # the defaults (mixlen's adaptive staleness penalty)
+    # the staleness penalty's rules, the other defaults kept: off, and the CO2 code's constant
+    # factor (1 + lambda = 1.5)
     "co2-penalty-off": {"staleness_lambda": 0.0},
     "co2-penalty-constant": {"staleness_rule": "constant"},
-    "co2-penalty-adaptive": {"staleness_rule": "adaptive"},
+    # the warm-up rounds moving the anchor all the way (issue 30's proposal for short runs)
+    "warmup-lr1.0": {"warmup_outer_lr": 1.0},
+    # DiLoCo's schedule with plain averaging of the deltas (outer lr 1, no momentum)
+    "diloco-tuned": {"mode": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
 }
 CONVERGE_PNG = os.path.join(ROOT, "benchmarks", "co2_converge.png")
 EARLY = 48  # issue 30: within 5% of sync at every evaluation from this step on
@@ -463,6 +466,26 @@ def converge_report(result: dict, name: str = "converge") -> None:
             f"  {name_:34} val {v:.4f} {gap(v, vs):+6.2f}% (max {worst_gap(r, sync):+6.2f}%)  "
             f"train {t:.4f} {gap(t, ts):+6.2f}%  {r['step_s']:.3f} s/step  {json.dumps(r['co2'])}"
         )
+    print(
+        "\nmarkdown (benchmarks/RESULTS.md): corpus, run, final held-out loss and gap, the largest"
+    )
+    print(f"gap from step {EARLY} on, the gap at some evals")
+    evals = [s for s, _ in runs[f"{corpora[0]}/sync"]["val"]]
+    marks = [s for s in evals if s >= EARLY and (s <= 96 or s % 80 == 0 or s == evals[-1])]
+    print(
+        "| corpus | run | held-out | gap | max gap >= "
+        + f"{EARLY} | "
+        + " | ".join(str(s) for s in marks)
+        + " |"
+    )
+    for name_, r in runs.items():
+        c, label = name_.split("/", 1)
+        sync = runs[f"{c}/sync"]
+        ref, v = dict(sync["val"]), r["val"][-1][1]
+        at = dict(r["val"])
+        cells = " | ".join(f"{gap(at[s], ref[s]):+.1f}" if s in at else "" for s in marks)
+        print(f"| {c} | {label} | {v:.3f} | {gap(v, sync['val'][-1][1]):+.1f}% | "
+              f"{worst_gap(r, sync):+.1f}% | {cells} |")  # fmt: skip
     if name == "converge":
         plot_converge(runs, corpora)
 
@@ -483,7 +506,7 @@ def plot_converge(runs: dict, corpora: list[str]) -> None:
 
     fig, axes = plt.subplots(2, len(corpora), figsize=(5 * len(corpora), 6), squeeze=False,
                              sharex=True, gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
-    colors = {"sync": "black", "diloco": "tab:blue", "co2": "tab:red"}
+    colors = {"sync": "black", "diloco": "tab:blue", "diloco-tuned": "tab:cyan", "co2": "tab:red"}
     for j, c in enumerate(corpora):
         top, bottom = axes[0][j], axes[1][j]
         sync = dict(runs[f"{c}/sync"]["val"])
@@ -504,6 +527,8 @@ def plot_converge(runs: dict, corpora: list[str]) -> None:
         top.legend(fontsize=8)
         bottom.axhline(0, color="black", lw=0.5)
         bottom.axhline(3, color="grey", lw=0.5, ls="--")
+        bottom.axhline(5, color="grey", lw=0.5, ls=":")
+        bottom.axvline(EARLY, color="grey", lw=0.5, ls=":")
         bottom.set_ylabel("held-out gap to sync (%)")
         bottom.set_xlabel("step")
         bottom.legend(fontsize=8)
