@@ -69,9 +69,7 @@ def test_compare_mode_sizes_the_static_mesh_for_max_context(max_context, cp):
     par = {"policy": "hdp", "capacity": 256, "max_context": max_context}
     cfg = from_dict({"data": {"path": "unused"}, "parallel": par})
     spec = cfg.planner_spec(4)
-    data = SimpleNamespace(
-        planner_spec=spec, planner=spec.build(300, 0), fetcher=SimpleNamespace(lengths=[300, 20])
-    )
+    data = SimpleNamespace(planner_spec=spec, planner=spec.build(300, 0), longest=300)
     other = PolicyComparison("static", 1, data, executor=None, rank=0).planners["other"]
     assert other.plan(np.array([100, 100, 100, 100])).meta["cp"] == cp
 
@@ -228,9 +226,7 @@ def _comparison(interval: int = 1):
 
     par = {"policy": "hdp", "capacity": 256, "max_context": 1024}
     spec = from_dict({"data": {"path": "unused"}, "parallel": par}).planner_spec(4)
-    data = SimpleNamespace(
-        planner_spec=spec, planner=spec.build(1024, 0), fetcher=SimpleNamespace(lengths=[1024])
-    )
+    data = SimpleNamespace(planner_spec=spec, planner=spec.build(1024, 0), longest=1024)
     return PolicyComparison("static", interval, data, executor=None, rank=0)
 
 
@@ -254,7 +250,7 @@ def test_compare_mode_alternates_the_order_and_reports_each_step_s_ratio():
     measured = {}  # (step, policy) -> (wall s, CPU s) fed in as the pass's measurement
     rng = np.random.default_rng(3)
 
-    def fake_pass(plan, step):
+    def fake_pass(plan, batch, step):
         log.append((step, plan.policy))
         if len(log) <= 2:  # the warm-up passes: a value no row may show
             return 1000.0, 1000.0

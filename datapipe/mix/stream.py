@@ -408,10 +408,11 @@ class MixtureStream:
                     f"{k(key)}={self.state_dict_key(key)!r}"
                     + (" (set it to match)" if settable else "")
                 )
-        if state.get("num_islands") != self.num_islands:
+        islands = state.get("num_islands")
+        if islands != self.num_islands:
             raise ConfigError(
-                f"stream state: {k('num_islands')}={state.get('num_islands')!r} was saved, but "
-                f"this run has {self.num_islands}"
+                f"stream state: {k('num_islands')}={islands!r} was saved, but this run has "
+                f"{self.num_islands}"
             )
         saved = state.get("sources", {})
         mine = {src.name: src for src in self.sources}
