@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from datapipe.errors import ConfigError
@@ -133,6 +133,49 @@ def test_share_bound_on_every_prefix_of_batches(case) -> None:
             dev = tokens[s] - w[s] * total
             assert dev <= (1 - w[s]) * int(src.lengths.max()) + 1e-6 * total
             assert dev >= -longest - 1e-6 * total
+
+
+def _lags(units: np.ndarray, weights: list[float]) -> np.ndarray:
+    """w_s * T - T_s after every unit of the sequence (rows) for every source (columns)."""
+    total = np.cumsum(units[:, 3])
+    mine = np.stack(
+        [np.cumsum(np.where(units[:, 0] == s, units[:, 3], 0)) for s in range(len(weights))], 1
+    )
+    return np.asarray(weights)[None, :] * total[:, None] - mine
+
+
+@st.composite
+def tight_fills(draw):
+    """Many sources, long units near the budget, repeated orders (the regime where a source passed
+    over for not fitting fell more than one unit behind)."""
+    num = draw(st.integers(2, 8))
+    top = draw(st.integers(2, 2000))
+    lengths = [draw(st.lists(st.integers(1, top), min_size=1, max_size=12)) for _ in range(num)]
+    orders = [list(range(len(x))) * draw(st.integers(30, 60)) for x in lengths]
+    raw = draw(st.lists(st.floats(0.001, 1.0), min_size=num, max_size=num))
+    longest = max(max(x) for x in lengths)
+    budget = draw(st.integers(longest, 3 * longest))
+    return lengths, orders, [x / sum(raw) for x in raw], budget, draw(st.integers(1, 64))
+
+
+REVIEWED = ([[10], [8], [8, 7], [9, 10, 2]], [[0] * 60, [0] * 60, [0, 1] * 30, [0, 1, 2] * 20],
+            [8 / 12, 2 / 12, 1 / 12, 1 / 12], 19, 2)  # fmt: skip
+
+
+@settings(deadline=None, max_examples=80)
+@given(tight_fills())
+@example(REVIEWED)
+def test_share_bound_on_every_unit_prefix_with_tight_budgets(case) -> None:
+    """The bound on every prefix of the unit sequence (so of the batches): lag <= L, the longest
+    unit; lead <= (1 - w_s) L_s. The example is a case where passing over a source whose offer
+    did not fit let it fall 1.13 units behind."""
+    lengths, orders, weights, budget, w = case
+    units, _ = _kernel(lengths, orders, weights, budget, 0, w, 40)
+    lag = _lags(units, weights)
+    longest = max(max(x) for x in lengths)
+    assert lag.max() <= longest * (1 + 1e-9)
+    for s, ls in enumerate(lengths):
+        assert -lag[:, s].min() <= (1 - weights[s]) * max(ls) + 1e-6 * max(1, units[:, 3].sum())
 
 
 def test_length_boost_draws_long_samples_factor_times_per_epoch() -> None:

@@ -10,15 +10,15 @@ weights, i.e. a stage, or the part of it after a source ran out):
 
 1. *Eligible* sources: weight w_s > 0 and ``taken_s <= w_s * total`` (not ahead of their
    share). Some source always is, since the shares sum to the total.
-2. Each eligible source offers a *candidate*: its first unit that fits the batch's room, looking
-   at its deferred units first (oldest first), then at most ``W - deferred`` units ahead in its
-   order (W = `lookahead`); into an empty batch its head unit goes whatever its size (a unit
-   longer than the budget is a batch on its own).
-3. The candidate with the smallest finish tag ``(taken_s + len) / w_s`` is taken (ties: the
-   first source); units of that source it skipped are deferred. This is WF2Q's rule (Bennett and
-   Zhang, 1996) with tokens for bytes, which keeps every source within one longest unit of its
-   share of every prefix of the unit sequence (docs/ARCHITECTURE.md gives the bound).
-4. No eligible candidate fits: the batch closes; a batch also closes when its room is used up.
+2. Among them, the source whose *head* unit (its oldest deferred unit, else the next of its
+   order) has the smallest finish tag ``(taken_s + len) / w_s`` is chosen (ties: the first
+   source). This is WF2Q's choice (Bennett and Zhang, 1996), with tokens for bytes.
+3. The chosen source gives its first unit that fits the batch's room, looking at its deferred
+   units (oldest first), then at most ``W - deferred`` units ahead in its order (W =
+   `lookahead`); the units of its order it skipped are deferred. Into an empty batch its head
+   unit goes whatever its size (a unit longer than the budget is a batch on its own). If
+   nothing of it fits, the batch closes (a batch also closes when its room is used up); no other
+   source takes its turn, which is what keeps the share bound (docs/ARCHITECTURE.md).
 
 Batches are consecutive runs of the unit sequence, so a bound on every prefix of the sequence
 holds on every prefix of the batches. `fill_reference` is the same rule in plain Python (tests).
@@ -77,12 +77,21 @@ def _peek(s, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, em
 
 
 @njit(cache=True)
+def _head(s, lengths, len_off, order, cur, cur_off, dlen, ndef, max_unit):
+    """Source s's head unit's length: its oldest deferred unit, else the next of its order."""
+    if ndef[s] > 0:
+        return dlen[s, 0]
+    return _unit_len(lengths, len_off[s], order, cur[s], cur_off[s], max_unit)
+
+
+@njit(cache=True)
 def _choose(
     lengths, len_off, order, ord_hi, cur, cur_off, refillable, dlen, ndef, taken, weight, total,
     room, empty, max_unit, w,
 ):  # fmt: skip
-    """The unit to take: (status, source, kind, index, length); status 0 with source -1 when no
-    eligible candidate fits, REFILL / EXHAUSTED with the source that needs it."""
+    """The unit to take: (status, source, kind, index, length); status 0 with source -1 when the
+    chosen source has nothing that fits (the batch closes), REFILL / EXHAUSTED with the source
+    that needs it."""
     num = weight.shape[0]
     # the eligible sources (rounding aside, at least one; else the most behind one)
     lag_best, lag_src = -1e300, -1
@@ -94,8 +103,8 @@ def _choose(
                 any_eligible = True
             if lag > lag_best:
                 lag_best, lag_src = lag, s
-    best, best_kind, best_idx, best_len = -1, 0, 0, 0
-    best_tag = 0.0
+    # WF2Q: the eligible source whose head unit would finish first
+    best, best_tag = -1, 0.0
     for s in range(num):
         if weight[s] <= 0.0:
             continue
@@ -104,19 +113,22 @@ def _choose(
                 continue
         elif s != lag_src:
             continue
-        kind, idx, n = _peek(
-            s, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, empty, max_unit, w
-        )
-        if kind == -1:
-            if ndef[s] == 0 or refillable[s]:
-                return (REFILL if refillable[s] else EXHAUSTED), s, 0, 0, 0
-            continue  # deferred units only, none fits
-        if kind == 0:
-            continue
-        tag = (taken[s] + n) / weight[s]
+        if ndef[s] == 0 and cur[s] == ord_hi[s]:
+            return (REFILL if refillable[s] else EXHAUSTED), s, 0, 0, 0
+        tag = (
+            taken[s] + _head(s, lengths, len_off, order, cur, cur_off, dlen, ndef, max_unit)
+        ) / weight[s]
         if best < 0 or tag < best_tag:
-            best, best_kind, best_idx, best_len, best_tag = s, kind, idx, n, tag
-    return 0, best, best_kind, best_idx, best_len
+            best, best_tag = s, tag
+    # it gives its first unit that fits the room (its look-ahead window), else the batch closes
+    kind, idx, n = _peek(
+        best, lengths, len_off, order, ord_hi, cur, cur_off, dlen, ndef, room, empty, max_unit, w
+    )
+    if kind == -1 and refillable[best]:
+        return REFILL, best, 0, 0, 0
+    if kind <= 0:
+        return 0, -1, 0, 0, 0
+    return 0, best, kind, idx, n
 
 
 @njit(cache=True)
@@ -250,33 +262,35 @@ def fill_reference(
         elig = [s for s in active if weights[s] * total - taken[s] >= 0.0]
         if not elig:  # rounding: the most behind one (the first of equals)
             elig = [max(active, key=lambda s: (weights[s] * total - taken[s], -s))]
+        # WF2Q: the eligible source whose head unit would finish first
         best = None
         for s in elig:
             if not deferred[s] and head[s] >= len(queues[s]):
                 return units, bounds, True
-            cand = None
-            for i, unit in enumerate(deferred[s]):
-                if empty or unit[2] <= room:
-                    cand = ("d", i, unit)
-                    break
-            if cand is None:
-                for k in range(lookahead - len(deferred[s])):
-                    if head[s] + k >= len(queues[s]):
-                        break
-                    unit = queues[s][head[s] + k]
-                    if empty or unit[2] <= room:
-                        cand = ("q", k, unit)
-                        break
-            if cand is None:
-                continue
-            tag = (taken[s] + cand[2][2]) / weights[s]
+            first = deferred[s][0] if deferred[s] else queues[s][head[s]]
+            tag = (taken[s] + first[2]) / weights[s]
             if best is None or tag < best[0]:
-                best = (tag, s, cand)
-        if best is None:
+                best = (tag, s)
+        # it gives its first unit that fits (deferred ones first, then its window), else close
+        s = best[1]
+        cand = None
+        for i, unit in enumerate(deferred[s]):
+            if empty or unit[2] <= room:
+                cand = ("d", i, unit)
+                break
+        if cand is None:
+            for k in range(lookahead - len(deferred[s])):
+                if head[s] + k >= len(queues[s]):
+                    break
+                unit = queues[s][head[s] + k]
+                if empty or unit[2] <= room:
+                    cand = ("q", k, unit)
+                    break
+        if cand is None:
             bounds.append(len(units))
             room, empty = budget, True
             continue
-        _, s, (kind, i, unit) = best
+        kind, i, unit = cand
         if kind == "d":
             deferred[s].pop(i)
         else:
