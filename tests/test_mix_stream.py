@@ -350,3 +350,103 @@ def test_oversize_error_names_the_stage() -> None:
             [StageConfig(start_step=3, global_batch_tokens=4000, max_sample_tokens=8000)],
             200000, names=Names("data").using(global_batch_tokens="train.global_batch_tokens"),
         )  # fmt: skip
+
+
+def _small_sources(max_epochs: int = 0):
+    rng = np.random.default_rng(5)
+    a = MixSource("a", rng.integers(1, 300, 40), np.arange(40), max_epochs=max_epochs)
+    b = MixSource("b", rng.integers(50, 900, 15), np.arange(15), ((600, 2.0),))
+    return [a, b]
+
+
+def test_resume_across_epochs_and_a_source_running_out(caplog) -> None:
+    """Sources small enough to wrap many epochs, one of them stopping after 3: a resume at any
+    step (mid-epoch, after the stop) gives the uninterrupted batches."""
+    stages = [StageConfig(start_step=50, weights={"b": 2.0})]  # a segment after the stop
+    ref = _stream(_small_sources(3), [1, 1], 1500, lookahead=6, stages=stages)
+    want = [next(ref).digest() for _ in range(60)]
+    assert ref.exhausted[0] and ref.epoch[1] >= 3
+    for k in (7, 23, 41, 59):
+        s = _stream(_small_sources(3), [1, 1], 1500, lookahead=6, stages=stages)
+        for _ in range(k):
+            next(s)
+        t = _stream(_small_sources(3), [1, 1], 1500, lookahead=6, stages=stages)
+        t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+        assert [next(t).digest() for _ in range(60 - k)] == want[k:]
+    # max_epochs raised on resume: the source that ran out draws again
+    s = _stream(_small_sources(3), [1, 1], 1500, lookahead=6)
+    for _ in range(45):
+        next(s)
+    state = json.loads(json.dumps(s.state_dict()))
+    assert state["sources"]["a"]["exhausted"]
+    more = _stream(_small_sources(0), [1, 1], 1500, lookahead=6)
+    with caplog.at_level(logging.INFO, logger="mixlen"):
+        again = _stream(_small_sources(3), [1, 1], 1500, lookahead=6, stages=stages)
+        again.load_state_dict(state)
+        for _ in range(10):
+            next(again)
+    assert not [r for r in caplog.records if "max_epochs" in r.message]  # it stays stopped
+    more.load_state_dict(state)
+    drawn = np.concatenate([next(more).units for _ in range(5)])
+    assert (drawn[:, 0] == 0).any() and int(more.epoch[0]) == 3
+
+
+def test_units_tile_each_sample_once_per_epoch_across_a_stage_that_cuts_them() -> None:
+    """Every sample of a source (no boosts) is covered exactly once per epoch by its units, also
+    when a stage cuts deferred units and a sample in progress into pieces."""
+    rng = np.random.default_rng(8)
+    a = MixSource("a", rng.integers(100, 5000, 60), np.arange(60))
+    b = MixSource("b", rng.integers(1, 400, 200), np.arange(200))
+    stages = [  # pieces of 2,000, then of 700: deferred pieces cut again
+        StageConfig(start_step=2, max_sample_tokens=2000),
+        StageConfig(start_step=4, max_sample_tokens=700),
+    ]
+    probe = _stream([a, b], [1, 1], 3000, stages=stages)
+    for _ in range(3):
+        next(probe)
+    assert (probe.doff[0, : probe.ndef[0]] > 0).any()  # pieces of 2,000 wait to be cut again
+    s = _stream([a, b], [1, 1], 3000, stages=stages)
+    units = []
+    while True:  # the batches before source a's epoch 1 began
+        batch = next(s)
+        if s.epoch[0] > 0:
+            break
+        units.append(np.concatenate([batch.units, batch.lengths[:, None]], axis=1))
+    units = np.concatenate(units)
+    mine = units[units[:, 0] == 0]
+    for sid in range(60):  # no token of a sample twice in an epoch, none outside it
+        got = mine[mine[:, 1] == sid]
+        ranges = sorted((int(x), int(x + n)) for x, n in zip(got[:, 2], got[:, 3]))
+        assert all(p[1] <= q[0] for p, q in zip(ranges, ranges[1:])), (sid, ranges)
+        assert all(0 <= x < y <= a.lengths[sid] for x, y in ranges)
+    done = [sid for sid in range(60) if mine[mine[:, 1] == sid, 3].sum() == a.lengths[sid]]
+    assert len(done) >= 50
+    assert (mine[len(mine) // 2 :, 3] <= 700).all()  # after the stage: pieces of at most 700
+
+
+def test_refills_and_a_full_buffer_mid_batch_match_the_reference() -> None:
+    """With no look-ahead the stream (epochs refilled inside batches, its unit buffer regrown
+    from 2 rows) gives the reference's units over the same orders laid end to end."""
+    srcs = _small_sources()
+    s = _stream(srcs, [2, 1], 1400, lookahead=0)
+    s.out = np.zeros((2, 4), np.int64)
+    got = [next(s) for _ in range(40)]
+    epochs = [int(s.epoch[i]) + 1 for i in range(2)]
+    orders = [np.concatenate([source_epoch_order(src, 0, e) for e in range(n)]).tolist()
+              for src, n in zip(srcs, epochs)]  # fmt: skip
+    w = [2 / 3, 1 / 3]
+    units, bounds, _ = fill_reference([x.lengths.tolist() for x in srcs], orders, w, 1400, 0, 1, 40)
+    flat = np.concatenate([np.concatenate([b.units, b.lengths[:, None]], 1) for b in got])
+    assert [tuple(u) for u in flat] == units[: len(flat)]
+    assert np.cumsum([len(b.lengths) for b in got]).tolist() == bounds[1 : len(got) + 1]
+
+
+def test_boosts_that_draw_nothing_are_refused() -> None:
+    src = MixSource("b", np.full(5, 1000), np.arange(5), ((1000, 1e-9),))
+    other = MixSource("a", np.full(50, 10), np.arange(50))
+    s = _stream([other, src], [1, 1], 2000)
+    with pytest.raises(
+        ConfigError, match=r"data.sources\[1\].length_boost: 100 epochs|sources\[1\].length_boost"
+    ):
+        for _ in range(5):
+            next(s)

@@ -20,7 +20,7 @@ from datapipe.fetch import FetchConfig, Fetcher, PackedMicroBatch, rank_pieces
 from datapipe.index import dataset_fingerprint
 from datapipe.mix.config import SourceConfig, StageConfig, check_mixture, source_name
 from datapipe.mix.fetch import MixtureFetcher, unit_pieces
-from datapipe.mix.sources import load_sources, mix_sources
+from datapipe.mix.sources import load_sources, mix_sources, path_key
 from datapipe.mix.stream import MixtureStream
 from datapipe.plan.cost import CostModel
 from datapipe.plan.planner import Planner, PlannerConfig
@@ -317,12 +317,12 @@ class TrainData:
     ) -> None:
         """The mixture's sources, fetch, held-out sets, stream and planner."""
         srcs = cfg.mix_sources()
-        loaded = load_sources(srcs, names, cfg.cache_dir)
+        keys = [f"{names('sources')}[{i}]" for i in range(len(srcs))]
+        loaded = load_sources(srcs, names, cfg.cache_dir, keys if cfg.sources else [names("path")])
         self.source_names = tuple(s.name for s in loaded)
         fetchers = []
-        for i, src in enumerate(loaded):
-            key = f"{names('sources')}[{i}].path" if cfg.sources else names("path")
-            f = cfg.fetch.build(src.config.path, src.cache, names.using(path=key))
+        for src in loaded:
+            f = cfg.fetch.build(src.config.path, src.cache, names.using(path=path_key(src.key)))
             stack.callback(f.close)
             fetchers.append(f)
         self.fetcher = MixtureFetcher(fetchers)
@@ -351,8 +351,9 @@ class TrainData:
                 raise ConfigError(
                     f"{names('val_fraction')}: leaves source {src.name!r} no training samples"
                 )
+        quiet = None if self.rank == 0 else (lambda _: None)  # a source running out: said once
         self.stream = MixtureStream(
-            cfg.stream, mix, srcs, cfg.stages, global_batch_tokens, island, islands, names
+            cfg.stream, mix, srcs, cfg.stages, global_batch_tokens, island, islands, names, quiet
         )
         self.longest = self.stream.longest_unit()
         self.planner = planner.build(self.longest, cfg.stream.seed)

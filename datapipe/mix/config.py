@@ -16,6 +16,8 @@ from datapipe.settings import MAX_INT, Names, setting
 
 __all__ = ["SourceConfig", "StageConfig", "Stage", "check_mixture", "source_name", "stage_at"]
 
+MAX_WEIGHT = 1e12  # weights are relative; this keeps their sum finite
+
 
 def source_name(path: str) -> str:
     """A source's default name: the last component of its path or URI."""
@@ -28,7 +30,10 @@ class SourceConfig:
 
     path: str = setting("", help="a dataset written by `mixlen preprocess` (directory or URI)")
     weight: float = setting(
-        1.0, help="its share of the tokens, normalised over the sources (> 0)", lo=0.0
+        1.0,
+        help="its share of the tokens, normalised over the sources (> 0)",
+        lo=0.0,
+        hi=MAX_WEIGHT,
     )
     name: str = setting("", help="its name in metrics and reports (default: the path's last part)")
     max_epochs: int = setting(
@@ -68,6 +73,8 @@ class SourceConfig:
                 raise ConfigError(
                     f"{where}: the factor must be a number in (0, 1e6], got {factor!r}"
                 )
+            if threshold in [t for t, _ in out]:
+                raise ConfigError(f"{where}: the token count {threshold} is given twice")
             out.append((threshold, float(factor)))
         return sorted(out)
 
@@ -142,8 +149,10 @@ def check_mixture(
                     f"{key}.weights.{k}: no source of that name (sources: {', '.join(out)})"
                 )
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or v < 0:
-                raise ConfigError(f"{key}.weights.{k}: must be a finite number >= 0, got {v!r}")
+            if not ok or not 0 <= v <= MAX_WEIGHT:
+                raise ConfigError(
+                    f"{key}.weights.{k}: must be a number in [0, {MAX_WEIGHT:g}], got {v!r}"
+                )
         weights.update(st.weights)
         if not any(v > 0 for v in weights.values()):
             raise ConfigError(f"{key}.weights: every source has weight 0 in this stage")

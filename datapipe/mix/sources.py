@@ -17,7 +17,7 @@ from datapipe.settings import Names
 if TYPE_CHECKING:
     from datapipe.mix.stream import MixSource
 
-__all__ = ["LoadedSource", "TOKENIZER_KEYS", "load_sources", "mix_sources"]
+__all__ = ["LoadedSource", "TOKENIZER_KEYS", "load_sources", "mix_sources", "path_key"]
 
 # what makes two datasets' token ids mean the same thing
 TOKENIZER_KEYS = ("vocab_size", "bos_id", "eos_id", "dtype")
@@ -25,7 +25,7 @@ TOKENIZER_KEYS = ("vocab_size", "bos_id", "eos_id", "dtype")
 
 class LoadedSource(NamedTuple):
     """One source's config, name, local directory (`cache` for a remote one's copy), manifest,
-    sample lengths and dataset fingerprint."""
+    sample lengths, dataset fingerprint and its key in errors (`data.sources[1]`, `data.path`)."""
 
     config: SourceConfig
     name: str
@@ -34,6 +34,12 @@ class LoadedSource(NamedTuple):
     manifest: dict
     lengths: np.ndarray
     fingerprint: str
+    key: str
+
+
+def path_key(key: str) -> str:
+    """The key of a source's path: `data.sources[1].path`, or `data.path` itself."""
+    return f"{key}.path" if key.endswith("]") else key
 
 
 def _tokenizer_identity(manifest: dict) -> dict:
@@ -45,14 +51,19 @@ def _tokenizer_identity(manifest: dict) -> dict:
 
 
 def load_sources(
-    configs: list[SourceConfig], names: Names, cache_dir: str | None = None
+    configs: list[SourceConfig],
+    names: Names,
+    cache_dir: str | None = None,
+    keys: list[str] | None = None,
 ) -> list[LoadedSource]:
     """Read every source's index (a remote one's into `cache_dir`/NAME). ConfigError naming the
-    sources for: a source with no samples, the same dataset twice, or another tokenizer."""
+    sources (`keys`, default `data.sources[i]`) for: a source with no samples, the same dataset
+    twice, or another tokenizer."""
     source_names = check_mixture(configs, [], names)
+    keys = keys or [f"{names('sources')}[{i}]" for i in range(len(configs))]
     out: list[LoadedSource] = []
     for i, (cfg, name) in enumerate(zip(configs, source_names)):
-        key = f"{names('sources')}[{i}].path"
+        key = path_key(keys[i])
         cache = os.path.join(cache_dir, name) if cache_dir else None
         local, _ = resolve_dataset(cfg.path, cache, key)
         index = read_index(local)
@@ -62,15 +73,15 @@ def load_sources(
         out.append(
             LoadedSource(
                 cfg, name, local, cache, index.manifest, lengths,
-                dataset_fingerprint(index.manifest),
+                dataset_fingerprint(index.manifest), keys[i],
             )
         )  # fmt: skip
     for i, a in enumerate(out):
-        for j, b in enumerate(out[:i]):
-            src_a, src_b = f"{names('sources')}[{i}]", f"{names('sources')}[{j}]"
+        for b in out[:i]:
+            src_a, src_b = a.key, b.key
             if a.fingerprint == b.fingerprint:
                 raise ConfigError(
-                    f"{src_a}.path: {a.config.path!r} ({a.name}) is the same dataset as "
+                    f"{path_key(src_a)}: {a.config.path!r} ({a.name}) is the same dataset as "
                     f"{src_b} {b.config.path!r} ({b.name}) (fingerprint {a.fingerprint}); "
                     "give it once, with the weight you want"
                 )
@@ -79,7 +90,7 @@ def load_sources(
             if differ:
                 what = "; ".join(f"{k} {ia[k]!r} vs {ib[k]!r}" for k in differ)
                 raise ConfigError(
-                    f"{src_a}.path: {a.name} was tokenized differently from {src_b} {b.name} "
+                    f"{path_key(src_a)}: {a.name} was tokenized differently from {src_b} {b.name} "
                     f"({what} in their manifest.json); every source of a mixture must share one "
                     "tokenizer (preprocess them with the same --tokenizer)"
                 )
@@ -105,6 +116,8 @@ def mix_sources(
                 np.flatnonzero(keep).astype(np.int64),
                 tuple(src.config.boosts()),
                 int(src.config.max_epochs),
+                src.key,
+                src.fingerprint,
             )
         )
     return out

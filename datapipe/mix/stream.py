@@ -21,6 +21,7 @@ ranks) continues with the same batches.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import zlib
@@ -44,13 +45,13 @@ from datapipe.mix.fill import (
     ST_UNITS,
     fill_kernel,
 )
+from datapipe.mix.state import check_state, load_state, state_of
 from datapipe.settings import Names, check
 from datapipe.stream import GlobalBatch, StreamConfig
 
 __all__ = ["DataExhausted", "MixSource", "MixtureStream", "source_epoch_order"]
 
-STATE_VERSION = 1
-MAX_EMPTY_EPOCHS = 1000  # epochs in a row without a unit (boosts < 1) before giving up
+MAX_EMPTY_EPOCHS = 100  # epochs in a row without a unit (boosts < 1) before giving up
 
 
 class DataExhausted(MixlenError):
@@ -67,9 +68,12 @@ class MixSource:
     ids: np.ndarray  # int64, the training samples (held-out ones and empty ones left out)
     boosts: tuple[tuple[int, float], ...] = ()
     max_epochs: int = 0
+    key: str = ""  # its key in errors (`data.sources[1]`, `data.path`; default from the index)
+    fingerprint: str = ""  # its dataset's (datapipe.index.dataset_fingerprint)
 
+    @functools.cached_property
     def digest(self) -> str:
-        """Of the training samples' ids and lengths."""
+        """Of the training samples' ids and lengths (computed once)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(np.ascontiguousarray(self.ids, "<i8").tobytes())
         h.update(np.ascontiguousarray(self.lengths[self.ids], "<i8").tobytes())
@@ -131,10 +135,12 @@ class MixtureStream:
         self.island, self.num_islands = int(island), int(num_islands)
         self.log = log or logging.getLogger("mixlen").info
         self.source_names = tuple(s.name for s in sources)
-        for s, src in zip(source_configs, sources):
+        self.from_path = len(sources) == 1 and sources[0].key == k("path")  # data.path + stages
+        for i, (s, src) in enumerate(zip(source_configs, sources)):
             if src.ids.shape[0] == 0:
                 raise ConfigError(
-                    f"{k('sources')}: source {src.name!r} ({s.path}) has no samples to train on"
+                    f"{self.source_key(i)}: source {src.name!r} ({s.path}) has no samples to "
+                    "train on"
                 )
         self._check_oversize()
         # kernel state
@@ -159,7 +165,12 @@ class MixtureStream:
         self.units = 0  # units formed, all islands
         self.stage: Stage | None = None
         self.weights = np.zeros(num)  # the segment's weights (normalised over live sources)
+        self._digest: str | None = None
         self._pack_orders()
+
+    def source_key(self, s: int) -> str:
+        """How the user wrote source s: `data.sources[1]`, or `data.path` for a one-source run."""
+        return self.sources[s].key or f"{self.names('sources')}[{s}]"
 
     # --- settings in force
     def stage_at(self, step: int) -> Stage:
@@ -244,26 +255,46 @@ class MixtureStream:
                     (sid, off, n)
                 ]
             per.append(rows)
-        cap = max([self.dsid.shape[1]] + [len(r) for r in per])
-        self.dsid, self.doff, self.dlen = (np.zeros((len(per), cap), np.int64) for _ in range(3))
         for s, rows in enumerate(per):
-            self.ndef[s] = len(rows)
-            if rows:
-                self.dsid[s, : len(rows)], self.doff[s, : len(rows)], self.dlen[s, : len(rows)] = (
-                    np.asarray(rows, np.int64).T
-                )
+            self.set_deferred(s, np.asarray(rows, np.int64).reshape(-1, 3))
 
     def _refill(self, s: int) -> None:
+        """Source s's next epoch (skipping epochs its boosts below 1 left empty)."""
         src = self.sources[s]
         for _ in range(MAX_EMPTY_EPOCHS):
             self.epoch[s] += 1
-            order = source_epoch_order(src, int(self.config.seed), int(self.epoch[s]))
-            if order.size or not self._refillable()[s]:
-                break
-        self.orders[s] = order
+            self.restart_order(s)
+            if self.orders[s].size or not self._refillable()[s]:
+                return
+        raise ConfigError(
+            f"{self.source_key(s)}.length_boost: {MAX_EMPTY_EPOCHS} epochs of source "
+            f"{src.name!r} in a row drew no sample (factors below 1: {list(src.boosts)}); raise "
+            "them"
+        )
+
+    def restart_order(self, s: int) -> None:
+        """Source s at the start of its epoch `self.epoch[s]`."""
+        self.orders[s] = source_epoch_order(
+            self.sources[s], int(self.config.seed), int(self.epoch[s])
+        )
         self.cur_rel[s] = 0
         self.cur_off[s] = 0
         self._pack_orders()
+
+    def set_deferred(self, s: int, rows: np.ndarray) -> None:
+        """Source s's deferred units: rows of (sample, start, length), oldest first."""
+        if rows.shape[0] > self.dsid.shape[1]:
+            grow = rows.shape[0] - self.dsid.shape[1]
+            self.dsid, self.doff, self.dlen = (
+                np.pad(x, ((0, 0), (0, grow))) for x in (self.dsid, self.doff, self.dlen)
+            )
+        self.ndef[s] = rows.shape[0]
+        for arr, col in zip((self.dsid, self.doff, self.dlen), rows.T):
+            arr[s, : rows.shape[0]] = col
+
+    def refillable_now(self) -> np.ndarray:
+        """Which sources may start another epoch (their max_epochs allows it)."""
+        return self._refillable()
 
     def _round(self) -> tuple[np.ndarray, np.ndarray]:
         """The next island step's I global batches: (units [n, 4], bounds [I + 1])."""
@@ -343,134 +374,23 @@ class MixtureStream:
     # --- resume
     def lengths_digest(self) -> str:
         """Of every source's name and training samples (a resume must see the same data)."""
-        h = hashlib.blake2b(digest_size=16)
-        for src in self.sources:
-            h.update(src.name.encode() + b"\0" + src.digest().encode())
-        return h.hexdigest()
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for src in self.sources:
+                h.update(src.name.encode() + b"\0" + src.digest.encode())
+            self._digest = h.hexdigest()
+        return self._digest
 
     def state_dict(self) -> dict[str, Any]:
-        """Each source's epoch, cursor, deferred units and counts, the stage and the step."""
-        stage = self.stage or self.stage_at(self.step + 1)
-        per = {}
-        for s, src in enumerate(self.sources):
-            nd = int(self.ndef[s])
-            per[src.name] = {
-                "epoch": int(self.epoch[s]),
-                "cursor": int(self.cur_rel[s]),
-                "cursor_offset": int(self.cur_off[s]),
-                "deferred": [
-                    [int(self.dsid[s, i]), int(self.doff[s, i]), int(self.dlen[s, i])]
-                    for i in range(nd)
-                ],
-                "taken": int(self.taken[s]),
-                "exhausted": bool(self.exhausted[s]),
-                "num_samples": int(src.ids.shape[0]),
-                "lengths_digest": src.digest(),
-                "length_boost": [[t, f] for t, f in src.boosts],
-            }
-        return {
-            "version": STATE_VERSION,
-            "kind": "mixture",
-            "step": self.step,
-            "units": self.units,
-            "seed": int(self.config.seed),
-            "lookahead": int(self.config.lookahead),
-            "num_islands": self.num_islands,
-            "island": self.island,
-            "stage": stage.index,
-            "stage_start_step": stage.start_step,
-            "segment": None
-            if self.stage is None
-            else {
-                "stage_weights": [float(x) for x in stage.weights],
-                "weights": [float(x) for x in self.weights],
-                "max_sample_tokens": stage.max_sample_tokens,
-                "global_batch_tokens": stage.global_batch_tokens,
-                "total": int(self.st[ST_TOTAL]),
-            },
-            "sources": per,
-            "lengths_digest": self.lengths_digest(),
-        }
+        """Each source's epoch, cursor, deferred units and counts, the stage and the step
+        (datapipe.mix.state)."""
+        return state_of(self)
+
+    def check_state(self, state: dict[str, Any], allow_other_dataset: bool = False) -> None:
+        """ConfigError naming the key if `state` belongs to another mixture."""
+        check_state(self, state, allow_other_dataset)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was saved (the stages in force from here on are this
         config's); ConfigError if it belongs to another mixture."""
-        k = self.names
-        if state.get("kind") != "mixture":
-            raise ConfigError(
-                f"stream state: saved by a run on one dataset ({k('path')}), this run reads "
-                f"{k('sources')}; a run cannot switch between them on resume"
-            )
-        for key, settable in (("version", False), ("seed", True), ("lookahead", True)):
-            if state.get(key) != self.state_dict_key(key):
-                raise ConfigError(
-                    f"stream state: {k(key)}={state.get(key)!r} was saved, but this stream has "
-                    f"{k(key)}={self.state_dict_key(key)!r}"
-                    + (" (set it to match)" if settable else "")
-                )
-        islands = state.get("num_islands")
-        if islands != self.num_islands:
-            raise ConfigError(
-                f"stream state: {k('num_islands')}={islands!r} was saved, but this run has "
-                f"{self.num_islands}"
-            )
-        saved = state.get("sources", {})
-        mine = {src.name: src for src in self.sources}
-        if set(saved) != set(mine):
-            raise ConfigError(
-                f"{k('sources')}: the checkpoint's mixture has sources {sorted(saved)}, this "
-                f"config {sorted(mine)}; a resumed run keeps its sources (weights and stages may "
-                "change)"
-            )
-        for s, src in enumerate(self.sources):
-            st = saved[src.name]
-            if st["lengths_digest"] != src.digest() or st["num_samples"] != src.ids.shape[0]:
-                raise ConfigError(
-                    f"{k('sources')}[{s}]: source {src.name!r} is not the dataset the checkpoint "
-                    "was saved on (its samples differ)"
-                )
-            if [list(x) for x in st["length_boost"]] != [[t, f] for t, f in src.boosts]:
-                raise ConfigError(
-                    f"{k('sources')}[{s}].length_boost: {st['length_boost']} was saved; a "
-                    "resumed run keeps it (it shapes the epoch in progress)"
-                )
-            self.epoch[s] = int(st["epoch"])
-            self.orders[s] = source_epoch_order(src, int(self.config.seed), int(self.epoch[s]))
-            self.cur_rel[s] = int(st["cursor"])
-            self.cur_off[s] = int(st["cursor_offset"])
-            d = np.asarray(st["deferred"], np.int64).reshape(-1, 3)
-            if d.shape[0] > self.dsid.shape[1]:
-                grow = d.shape[0] - self.dsid.shape[1]
-                self.dsid, self.doff, self.dlen = (
-                    np.pad(x, ((0, 0), (0, grow))) for x in (self.dsid, self.doff, self.dlen)
-                )
-            self.ndef[s] = d.shape[0]
-            self.dsid[s, : d.shape[0]], self.doff[s, : d.shape[0]], self.dlen[s, : d.shape[0]] = d.T
-            self.taken[s] = int(st["taken"])
-            self.exhausted[s] = bool(st["exhausted"])
-        self._pack_orders()
-        self.step, self.units = int(state["step"]), int(state["units"])
-        seg = state["segment"]
-        stage = self.stage_at(self.step + 1)
-        same = seg is not None and (
-            list(stage.weights),
-            stage.max_sample_tokens,
-            stage.global_batch_tokens,
-        ) == (
-            [float(x) for x in seg["stage_weights"]],
-            seg["max_sample_tokens"],
-            seg["global_batch_tokens"],
-        )
-        if same and state.get("stage") == stage.index:
-            self.stage = stage
-            self.weights = np.asarray(seg["weights"], np.float64)
-            self.st[ST_TOTAL] = int(seg["total"])
-        else:  # the stages changed: the one in force now starts a segment here
-            self.stage = None
-
-    def state_dict_key(self, key: str) -> Any:
-        return {
-            "version": STATE_VERSION,
-            "seed": int(self.config.seed),
-            "lookahead": int(self.config.lookahead),
-        }[key]
+        load_state(self, state)

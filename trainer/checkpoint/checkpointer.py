@@ -200,15 +200,13 @@ def check_run_matches(
             + "; ".join(conflicts)
             + "); resume with its settings, or start a new run (checkpoint.resume = false)"
         )
-    if stream_state.get("lengths_digest") != stream.lengths_digest() and (
-        cfg.data.is_mixture or stream_state.get("kind") == "mixture"
-    ):
-        stream.load_state_dict(stream_state)  # names the source that differs
-        raise ConfigError(
-            f"checkpoint.resume: {path} was saved on other data than data.sources / data.path "
-            "name now (the sources' samples differ)"
-        )
-    if stream_state.get("lengths_digest") != stream.lengths_digest():
+    if isinstance(stream, MixtureStream):  # each source checked, and named, by the stream
+        stream.check_state(stream_state, cfg.data.allow_other_dataset)
+        if stream_state.get("kind") == "mixture":
+            return stream_state
+    elif stream_state.get("kind") == "mixture":
+        stream.load_state_dict(stream_state)  # refused: a mixture's state, one dataset now
+    elif stream_state.get("lengths_digest") != stream.lengths_digest():
         raise ConfigError(
             f"checkpoint.resume: {path} was saved on another dataset (data.path "
             f"{config.get('data', {}).get('path')!r} then, {cfg.data.path!r} now: the sample "
