@@ -380,6 +380,7 @@ def test_resume_across_epochs_and_a_source_running_out(caplog) -> None:
     state = json.loads(json.dumps(s.state_dict()))
     assert state["sources"]["a"]["exhausted"]
     more = _stream(_small_sources(0), [1, 1], 1500, lookahead=6)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="mixlen"):
         again = _stream(_small_sources(3), [1, 1], 1500, lookahead=6, stages=stages)
         again.load_state_dict(state)
