@@ -211,6 +211,8 @@ def test_training_on_a_mixture_resumes_mid_stage_with_the_same_batches(data, tmp
     for r in a:
         assert sum(r["tokens_by_source"].values()) == r["tokens"]
     assert set(a[2]["val_by_source"]) == {"code", "books"} and "val_loss" in a[2]
+    # books' held-out samples are longer than the 256 positions a plan holds: cut into units
+    assert all(np.isfinite(v) and v > 0 for v in a[2]["val_by_source"].values())
     report = (tmp_path / "a" / "balance.md").read_text()
     assert (
         "| source | tokens | realised share | target share | of its tokens, in samples >= |"

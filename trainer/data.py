@@ -189,6 +189,7 @@ class Validation:
         planner: Planner,
         max_tokens: int,
         batch_tokens: int,
+        units: np.ndarray | None = None,
     ) -> None:
         # a held-out dataset may hold samples no plan of this island can (longer than N * C)
         keep = (lengths > 0) & planner.fits(lengths)
@@ -196,11 +197,18 @@ class Validation:
         n = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
         n = max(n, min(1, len(ids)))  # at least one sample when there is one
         ids, lengths = ids[:n], lengths[:n]
+        if units is not None:  # a mixture's units (source, sample, start): keyed 0..n-1
+            units, ids = units[keep][:n], np.arange(n, dtype=np.int64)
         bounds = greedy_boundaries(lengths, batch_tokens) if len(ids) else [0]
         self.batches = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             plan = planner.plan(lengths[a:b], ids[a:b])
-            self.batches.append((plan, fetcher.fetch_step(rank_pieces(plan, rank))))
+            if units is None:
+                pieces = rank_pieces(plan, rank)
+            else:
+                batch = GlobalBatch(-1, 0, ids[a:b], lengths[a:b], units[a:b])
+                pieces = unit_pieces(plan, batch, rank)
+            self.batches.append((plan, fetcher.fetch_step(pieces)))
         self.tokens = int(lengths.sum())
 
     def run(self, executor: HDPExecutor, rank: int) -> BucketLosses:
@@ -362,16 +370,31 @@ class TrainData:
         )
         self.planner.check_fits(np.array([self.longest]), what)
         if eval_interval and cfg.val_fraction > 0:
-            parts = {}
-            for s, (src, mask) in enumerate(zip(loaded, held)):
-                ids = np.flatnonzero(mask & (src.lengths > 0)).astype(np.int64)
-                if ids.size:
-                    gids = ids + self.fetcher.offsets[s]
-                    parts[src.name] = Validation(
-                        self.rank, self.fetcher, gids, src.lengths[ids], self.planner,
-                        cfg.val_tokens, global_batch_tokens,
-                    )  # fmt: skip
-            self.validation = MixValidation(parts) if parts else None
+            self.validation = self._mix_validation(cfg, loaded, held, global_batch_tokens)
+
+    def _mix_validation(
+        self, cfg: DataConfig, loaded: list, held: list[np.ndarray], batch_tokens: int
+    ) -> MixValidation | None:
+        """Each source's held-out samples, whole where a plan holds them, else cut into units of
+        the longest unit a stage forms (as training saw them); sources with none left out."""
+        parts = {}
+        for s, (src, mask) in enumerate(zip(loaded, held)):
+            ids = np.flatnonzero(mask & (src.lengths > 0)).astype(np.int64)
+            n = src.lengths[ids]
+            cut = np.where(self.planner.fits(n), n, min(self.longest, int(n.max(initial=1))))
+            pieces = -(-n // cut)  # units per sample
+            sid, size = np.repeat(ids, pieces), np.repeat(cut, pieces)
+            first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+            start = (np.arange(sid.shape[0]) - first) * size
+            length = np.minimum(size, src.lengths[sid] - start)
+            units = np.stack([np.full_like(sid, s), sid, start], axis=1)
+            val = Validation(
+                self.rank, self.fetcher, np.arange(sid.shape[0]), length, self.planner,
+                cfg.val_tokens, batch_tokens, units,
+            )  # fmt: skip
+            if val.tokens:
+                parts[src.name] = val
+        return MixValidation(parts) if parts else None
 
     def _check_vocab(self, cfg: DataConfig, vocab_size: int, names: Names) -> None:
         manifest_vocab = int(self.fetcher.index.manifest.get("vocab_size") or 0)
