@@ -361,6 +361,15 @@ def test_mixlen_eval_on_a_mixture_reports_each_source_as_training_did(
     assert cli_main(["eval", ckpt, data["code"], f"{data['books']}@1", "--no-passkey",
                      "--capacity", "2048"]) == 0  # fmt: skip
     assert "| books |" in capsys.readouterr().out
+    # a source whose held-out split is empty is left out and named, as training leaves it out
+    from trainer.data import held_out_mask
+
+    frac = next(f for f in (0.01, 0.02, 0.03, 0.05) if not held_out_mask(np.arange(12), 0, f).any()
+                and held_out_mask(np.arange(150), 0, f).any())  # fmt: skip
+    assert cli_main(["eval", ckpt, data["code"], data["books2"], "--no-passkey", "--capacity",
+                     "2048", "--val-fraction", str(frac), "--json"]) == 0  # fmt: skip
+    left = json.loads(capsys.readouterr().out)
+    assert left["left_out"] == ["books2"] and set(left["by_source"]) == {"code"}
 
 
 def test_passkey_beyond_the_declared_context_only_when_asked() -> None:

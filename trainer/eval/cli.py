@@ -134,7 +134,7 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int, path: str = "") -> np.ndarra
             "0); give --val-fraction, or --split all"
         )
     held = ids[held_out_mask(ids, int(seed), float(frac))]
-    if held.size == 0:
+    if held.size == 0 and not opts.sources:  # a mixture leaves such a source out, as training
         raise InputError(
             f"--split val: the held-out fraction {frac} (seed {seed}) selects none of the {n:,} "
             f"samples of {path or opts.data}; give a larger --val-fraction, or --split all"
@@ -176,6 +176,15 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
     datasets = opts.sources or [("", opts.data)]
     parts = [_evaluate(path, opts, loaded, planner, ex, rt, int(cap)) for _, path in datasets]
+    if opts.sources:  # sources whose held-out split is empty are left out (and named)
+        out["left_out"] = [name for (name, _), p in zip(datasets, parts) if p is None]
+        datasets = [d for d, p in zip(datasets, parts) if p is not None]
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            raise InputError(
+                f"--split val: the held-out split selects no sample of any source "
+                f"({', '.join(out['left_out'])}); give a larger --val-fraction, or --split all"
+            )
     buckets = parts[0].buckets
     for part in parts[1:]:  # a mixture: its sources' held-out sets pooled
         buckets = buckets.merged(part.buckets)
@@ -221,14 +230,17 @@ class Evaluated(NamedTuple):
 def _evaluate(
     path: str, opts: EvalOptions, loaded: LoadedModel, planner: Any, ex: HDPExecutor,
     rt: Runtime, cap: int,
-) -> Evaluated:  # fmt: skip
-    """The held-out samples of the dataset at `path` (at most --max-tokens of them), evaluated."""
+) -> Evaluated | None:  # fmt: skip
+    """The held-out samples of the dataset at `path` (at most --max-tokens of them), evaluated;
+    None for a mixture's source with none."""
     with ExitStack() as stack:
         fetcher = FetchConfig().build(path)
         stack.callback(fetcher.close)
         _check_vocab(loaded.shape, fetcher, path)
         lengths = np.asarray(fetcher.lengths, dtype=np.int64)
         ids = _eval_ids(opts, loaded.run, lengths.size, path)
+        if ids.size == 0:  # a mixture's source with no held-out sample
+            return None
         if opts.max_tokens:
             n = int(np.searchsorted(np.cumsum(lengths[ids]), opts.max_tokens, side="right"))
             ids = ids[: max(n, 1)]
