@@ -150,6 +150,18 @@ def merge_empty_batches(lengths: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return bounds[keep]
 
 
+def held_out_mask(sample_ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """True for held-out samples: splitmix64(id ^ seed) / 2^64 < fraction (stable across runs,
+    datasets sizes and ranks)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(sample_ids, dtype=np.uint64) ^ np.uint64(seed)
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
+
+
 @dataclass(frozen=True)
 class GlobalBatch:
     """One optimizer step of one island: which samples, how long. ``step`` counts island steps.

@@ -26,7 +26,7 @@ from datapipe.plan.cost import CostModel
 from datapipe.plan.planner import Planner, PlannerConfig
 from datapipe.plan.stepplan import StepPlan
 from datapipe.settings import Names, setting
-from datapipe.stream import GlobalBatch, StreamConfig, greedy_boundaries
+from datapipe.stream import GlobalBatch, StreamConfig, greedy_boundaries, held_out_mask
 
 if TYPE_CHECKING:
     from trainer.eval.buckets import BucketLosses
@@ -163,18 +163,6 @@ def check_special_ids(manifest: dict, config: dict, data: str, model: str) -> No
             f"dataset was tokenized with another tokenizer than the model's (preprocess it with "
             f"--tokenizer-from {model})"
         )
-
-
-def held_out_mask(sample_ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
-    """True for held-out samples: splitmix64(id ^ seed) / 2^64 < fraction (stable across runs,
-    datasets sizes and ranks)."""
-    with np.errstate(over="ignore"):
-        z = np.asarray(sample_ids, dtype=np.uint64) ^ np.uint64(seed)
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
 
 class Validation:

@@ -99,6 +99,31 @@ def parse_mixture(dirs: list[str], mix: str | None) -> tuple[list[SourceConfig],
     return out[0], out[1]
 
 
+STREAM_KEYS = ("seed", "lookahead", "oversize")
+
+
+def mixture_settings(mix: str | None) -> tuple[dict[str, Any], float]:
+    """A --mix file's stream settings (`seed`, `lookahead`, `oversize`, as a StreamConfig takes
+    them) and `val_fraction` (0 when absent), so a plan draws the batches training will."""
+    if not mix:
+        return {}, 0.0
+    doc = tomllib.loads(read_bounded_text(mix, CONFIG_FILE_LIMIT, "a mixture file"))
+    table = doc["data"] if isinstance(doc.get("data"), dict) else doc
+    names = Names("data" if table is not doc else "")
+    from datapipe.stream import StreamConfig
+
+    keys = {k: table[k] for k in STREAM_KEYS if k in table}
+    try:
+        check(from_mapping(StreamConfig, keys, names), names)
+    except ConfigError as exc:
+        raise ConfigError(f"--mix {mix}: {exc}") from None
+    frac = table.get("val_fraction", 0.0)
+    ok = isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0 <= frac < 1
+    if not ok:
+        raise ConfigError(f"--mix {mix}: {names('val_fraction')}: must be in [0, 1), got {frac!r}")
+    return keys, float(frac)
+
+
 def describe(loaded: list[LoadedSource]) -> str:
     """`name@weight+...` (normalised weights)."""
     total = math.fsum(s.config.weight for s in loaded)
