@@ -62,7 +62,9 @@ KINDS = tuple(KIND_SPECS)
 
 def _init(rank: int, world: int, port: int) -> None:
     from trainer.parallel.comm import init_local_gloo
+    from trainer.parallel.runtime import keep_freed_memory
 
+    keep_freed_memory()  # as the trainer's CPU ranks and `mixlen calibrate` run
     init_local_gloo(rank, world, port, timeout_s=600)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "COST_FREE_FIELDS",
     "DTYPES",
     "FLOAT_RANGES",
     "INT_BOUNDS",
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
+# ModelConfig fields that leave a step's work as it is: a cost file timed on a shape that differs
+# from a run's in these only still times the run's model (any other field moves its cost)
+COST_FREE_FIELDS = ("norm_eps", "rope_theta", "init_std", "rope_scaling", "max_position_embeddings")
 
 # the settings of each RoPE scaling type besides `type` and `factor`: (required, optional)
 ROPE_SETTINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -4,6 +4,7 @@ processes), the model a training config trains, and its per-step term."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -135,6 +136,144 @@ def test_timed_shape_differences_name_each_field(tmp_path):
     assert run({"shape": {"n_layers": 4, "dim": 128}}) == ["n_layers 4 -> 2"]  # fields recorded
     assert run({"shape": record}, cost="debug") == []  # a preset: no record
     assert run(None) == [] and run({"timings": []}) == []
+
+
+def _cost_file(path, vocab_size: int = 258, dtype: str = "float32", **shape) -> str:
+    """A cost file as `mixlen calibrate --model debug` records it: the preset's terms and the
+    timed model (a debug shape of `vocab_size`, `shape`'s fields, `dtype`)."""
+    import dataclasses
+
+    from datapipe.plan.cost import preset
+    from datapipe.shapes import get_config
+
+    timed = get_config("debug", vocab_size=vocab_size, **shape)
+    body = preset("debug").to_dict()
+    body["calibration"] = {
+        "model": "debug",
+        "dtype": dtype,
+        "shape": json.loads(json.dumps(dataclasses.asdict(timed))),
+    }
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_compare_mode_refuses_a_cost_file_timed_on_another_model(tmp_path):
+    """Issue 30, item 6: `mixlen calibrate --model debug` times vocab_size 258; the debug config
+    trains 4,096, whose loss over the vocabulary doubles a step's time, so compare mode's
+    predicted times would be another model's: refused at validation naming metrics.compare,
+    parallel.cost and each field that moves the cost (and train.dtype), with the command that
+    times this model. Fields that leave the work as it is (rope_theta), a matching file, a
+    preset and a run without compare are not refused; the run without compare warns with the
+    same fields."""
+    from trainer.config.job import from_dict
+
+    def config(cost: str, model: dict | None = None, compare: str = "static", dtype="float32"):
+        return from_dict(
+            {
+                "data": {"path": "unused"},
+                "model": {"name": "debug", "vocab_size": 4096, **(model or {})},
+                "train": {"dtype": dtype},
+                "parallel": {"cost": cost},
+                "metrics": {"compare": compare},
+            }
+        )
+
+    issue = _cost_file(tmp_path / "debug-258.json")  # the issue's calibration
+    with pytest.raises(ConfigError) as exc:
+        config(issue)
+    msg = str(exc.value)
+    assert msg.startswith("metrics.compare: parallel.cost ") and "vocab_size 258 -> 4096" in msg
+    assert "`mixlen calibrate CONFIG.toml`" in msg
+    with pytest.raises(ConfigError, match=r"n_layers 4 -> 2; dtype 'float64' -> 'float32'\)"):
+        config(_cost_file(tmp_path / "c.json", 4096, "float64", n_layers=4))
+    matching = _cost_file(tmp_path / "debug-4096.json", 4096)
+    assert config(matching).metrics.compare == "static"
+    assert config(matching, {"rope_theta": 5e5}).parallel.cost == matching  # same work
+    assert config("debug").parallel.cost == "debug"  # a preset: no record to check
+    plain = config(issue, compare="")  # without compare: trains, and warns with the fields
+    assert plain.parallel.timed_shape_differences(plain.model.shape(), "float32") == [
+        "vocab_size 258 -> 4096"
+    ]
+    assert plain.parallel.timed_cost_differences(plain.model.shape(), "bfloat16") == [
+        "vocab_size 258 -> 4096",
+        "dtype 'float32' -> 'bfloat16'",
+    ]
+
+
+def test_plan_warns_of_a_cost_file_timed_on_a_smaller_vocabulary(tmp_path, capsys):
+    """`mixlen plan --cost FILE DIR`: a file timed on a vocabulary smaller than the dataset's
+    token ids times no model that trains the data: a warning on stderr names both sizes and the
+    command; a file timed on the dataset's vocabulary (or a larger one) and a preset plan
+    without it, and the plan itself is the same."""
+    from _train_worker import make_dataset
+
+    from tools.cli import main
+
+    ds = make_dataset(str(tmp_path / "ds"), n_docs=20)  # bytes: 258 token ids
+    base = ["plan", ds, "--ranks", "2", "--capacity", "512", "--global-batch-tokens", "1024"]
+    base += ["--steps", "1", "--policy", "hdp", "--json", "--quiet"]
+    outs = []
+    for vocab, warned in ((200, True), (258, False), (4096, False), (None, False)):
+        cost = ["--model", "debug"] if vocab is None else ["--cost", ""]
+        if vocab is not None:
+            cost[1] = _cost_file(tmp_path / f"cost-{vocab}.json", vocab)
+        assert main([*base, *cost]) == 0
+        out, err = capsys.readouterr()
+        assert ("vocab_size 200, but the dataset's token ids need 258" in err) == warned, err
+        assert ("--vocab-size 258" in err) == warned
+        outs.append([(p["policy"], p["est_step_time_s"]) for p in json.loads(out)["policies"]])
+    assert outs[0] == outs[1] == outs[2] == outs[3]  # the warning changes no plan
+
+
+_REFAULTS = """
+import resource, sys
+import torch
+
+def refaults():  # page faults of a 64 MiB tensor allocated and filled again after it was freed
+    a = torch.ones(1 << 24)
+    del a
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = torch.ones(1 << 24)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+before = refaults()
+if sys.argv[1] == "train":
+    from trainer.parallel.runtime import setup_runtime
+    setup_runtime("cpu")  # one CPU process, as `mixlen train` without --nproc
+else:
+    from datapipe.shapes import get_config
+    from trainer.calibrate import CalibrationGrid, measure
+    grid = CalibrationGrid(lengths=(16, 32, 64), packed=((2, 16),), repeats=1, min_seconds=0)
+    measure(get_config("debug"), 1, grid)  # `mixlen calibrate --nproc 1` times in-process
+refaults()  # a first step (the heap may first grow elsewhere than where it stopped)
+print(before, refaults())
+"""
+
+
+def _glibc() -> bool:
+    try:
+        return "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc only")
+@pytest.mark.parametrize("who", ["train", "calibrate"])
+def test_cpu_ranks_keep_freed_memory_for_the_next_step(who):
+    """Issue 30, item 6: glibc's malloc maps a large tensor afresh each time and unmaps it when it
+    is freed, so every step faulted its memory in again (a 4 x 1,024 debug step: 65,000 page
+    faults), more or less by what the process had run before, which set a calibration apart from
+    a training run of small steps. The trainer's CPU process and `mixlen calibrate` keep freed
+    memory for the next allocation: a 64 MiB tensor allocated again after it was freed faults
+    16,384 pages in by default, none after either (from the second such step on)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _REFAULTS, who], capture_output=True, text=True, check=True
+    ).stdout
+    before, after = map(int, out.split()[-2:])
+    assert before >= 16000 and after < 100, out
 
 
 def test_short_cases_run_until_their_runs_add_up_to_min_seconds() -> None:

@@ -300,4 +300,10 @@ def render(cal) -> str:
         f"{c.attn_n_half:.4g}, hop_latency_s = {c.hop_latency_s:.4g}, link = "
         f"{c.link_bytes_per_s:.4g} B/s, overlap = {c.overlap:.3f}  ({cal.meta['seconds']:.0f} s)"
     )
+    m, shape = cal.meta, cal.meta["shape"]
+    lines.append(
+        f"timed: {m['model']} (vocab_size {shape['vocab_size']}, dim {shape['dim']}, n_layers "
+        f"{shape['n_layers']}, {m['dtype']}); a model of another vocabulary, width, depth or dtype "
+        "costs another time per position: time it (`mixlen calibrate CONFIG.toml`)"
+    )
     return "\n".join(lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any, NamedTuple
 
 POLICY_CHOICES = ("hdp", "static", "naive-hdp", "single", "all")
@@ -146,9 +147,10 @@ def run(args: argparse.Namespace) -> int:
     if is_mixture_args(args.dir, args.mix):
         mixture = plan_mixture(args, names)
         lengths, batches, longest = mixture.lengths, mixture.batches, mixture.longest
+        vocab = max(int(s.manifest.get("vocab_size") or 0) for s in mixture.loaded)
     else:
         (path,) = args.dir
-        read_manifest(path)
+        vocab = int(read_manifest(path).get("vocab_size") or 0)
         lengths = read_lengths(path)
         stream = StreamConfig(seed=args.seed).build(
             lengths, args.global_batch_tokens, names=names.using(path="DIR")
@@ -166,8 +168,28 @@ def run(args: argparse.Namespace) -> int:
     ) as bar:
         res = compare(planners, steps, cost, on_plan=bar.update)
     # render
+    warning = timed_vocab_warning(args.cost, vocab)
+    if warning:
+        print(f"mixlen plan: warning: {warning}", file=sys.stderr)
     render_plan(args, cost, lengths, batches, res, mixture)
     return 0
+
+
+def timed_vocab_warning(cost_file: str | None, vocab: int) -> str:
+    """What to say when `cost_file` was timed on a model whose vocabulary is smaller than the
+    dataset's `vocab` token ids: no model that trains the data has that shape, and the loss over a
+    larger vocabulary costs more per position, so the estimated times are another model's ('':
+    no such record)."""
+    from datapipe.plan.cost import timed_model
+
+    timed = timed_model(cost_file).get("shape", {}).get("vocab_size") if cost_file else None
+    if not isinstance(timed, int) or timed >= vocab:
+        return ""
+    return (
+        f"--cost {cost_file} was timed on a model of vocab_size {timed}, but the dataset's token "
+        f"ids need {vocab}: its estimated times are that model's, not the one you train on this "
+        f"data; time that one (`mixlen calibrate CONFIG.toml`, or --vocab-size {vocab})"
+    )
 
 
 class PlannedMixture(NamedTuple):

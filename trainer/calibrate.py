@@ -190,10 +190,13 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
 
     from trainer.attention.local import LocalAttention
     from trainer.model.transformer import build_model, torch_dtype
+    from trainer.parallel.runtime import keep_freed_memory
 
     torch.set_num_threads(job["threads"])
     grid = CalibrationGrid(**{k: _tup(v) for k, v in job["grid"].items()})
     dev = torch.device(job["device"])
+    if dev.type == "cpu":
+        keep_freed_memory()  # as the trainer's CPU ranks run: no page faults step after step
     dtype = torch_dtype(job["dtype"])
     model, _ = build_model(ModelConfig(**job["shape"]), dtype, dev, seed=0)
     gen = torch.Generator().manual_seed(1000 + rank)

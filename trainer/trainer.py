@@ -120,7 +120,7 @@ class Trainer:
                 f"set up with {rt.islands} island(s)"
             )
         self._build_model()
-        differ = cfg.parallel.timed_shape_differences(cfg.model.shape())
+        differ = cfg.parallel.timed_shape_differences(cfg.model.shape(), cfg.train.dtype)
         if differ and rt.global_rank == 0:
             get_logger().warning(
                 f"{cfg.key(cfg.parallel, 'cost')} {cfg.parallel.cost} was timed on another model "

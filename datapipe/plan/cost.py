@@ -477,6 +477,19 @@ def load(path: str | os.PathLike) -> CostModel:
     return dataclasses.replace(model, file_hash=hashlib.sha256(raw).hexdigest())
 
 
+def timed_model(path: str | os.PathLike) -> dict:
+    """What `mixlen calibrate` recorded of the model it timed for the cost file `path`: `shape`
+    (datapipe.shapes.ModelConfig's fields, those the file has) and `dtype`; {} for a file without
+    a record or one load() cannot read (load() names its errors)."""
+    try:
+        rec = json.loads(read_bounded_bytes(path, CONFIG_FILE_LIMIT, "a cost file"))["calibration"]
+        shape, dtype = rec.get("shape"), rec.get("dtype")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # MixlenError: a ValueError
+        return {}
+    out = {"shape": shape} if isinstance(shape, dict) else {}
+    return {**out, "dtype": dtype} if isinstance(dtype, str) else out
+
+
 def resolve(model: str | None, cost_file: str | None) -> CostModel:
     """The CLI's choice: --cost FILE wins over --model NAME (default llama-7b)."""
     if cost_file:

@@ -121,6 +121,7 @@ class TrainerConfig:
         for f in dataclasses.fields(self):
             check(getattr(self, f.name), Names(f.name))
         self._validate_offload()
+        self._validate_compare()
 
     def _validate_offload(self) -> None:
         """A planned offload needs a policy that offloads and the model's layer count in the cost
@@ -141,6 +142,21 @@ class TrainerConfig:
                 f"{layers} ({self.key(self.model, 'n_layers')}); offload plans Eq. 3 with the "
                 "model's layer count: make a cost file for this model (`mixlen calibrate "
                 "CONFIG.toml`) or use the preset of its shape"
+            )
+
+    def _validate_compare(self) -> None:
+        """Compare mode reports the cost model's predicted times beside the measured ones: refused
+        with a cost file timed on a model whose work per position differs (another vocabulary,
+        width, depth or dtype), whose predictions are that model's, not this one's."""
+        if not self.metrics.compare or not self.parallel.cost.endswith(".json"):
+            return
+        differ = self.parallel.timed_cost_differences(self.model.shape(), self.train.dtype)
+        if differ:
+            raise ConfigError(
+                f"{self.key(self.metrics, 'compare')}: {self.key(self.parallel, 'cost')} "
+                f"{self.parallel.cost} was timed on another model ({'; '.join(differ)}), so the "
+                "comparison's predicted times would be that model's: time this one with "
+                "`mixlen calibrate CONFIG.toml` (or --vocab-size with --model)"
             )
 
     def cost_model(self) -> CostModel:

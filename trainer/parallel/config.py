@@ -4,14 +4,13 @@ cost model, the ZeRO level and the number of islands."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from datapipe.errors import ConfigError, MixlenError
-from datapipe.plan.cost import CostModel, load, preset
+from datapipe.plan.cost import CostModel, load, preset, timed_model
 from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, setting
-from datapipe.shapes import ModelConfig
+from datapipe.shapes import COST_FREE_FIELDS, ModelConfig
 from trainer.islands.config import ranks_per_island
 
 __all__ = ["ParallelConfig"]
@@ -57,20 +56,28 @@ class ParallelConfig:
             return self.zero
         return 1 if ranks > 1 else 0
 
-    def timed_shape_differences(self, shape: ModelConfig) -> list[str]:
-        """`field: timed -> now` for each shape field where the model `mixlen calibrate` timed
-        for the cost file differs from `shape` (empty for presets and files without a record)."""
+    def _timed_differences(self, shape: ModelConfig, dtype: str | None) -> list[tuple]:
+        """(field, timed, now) where the model timed for the cost file differs from `shape` (and
+        the compute `dtype`, if given), in the shape's field order; [] for presets and files
+        without a record (of a field: older files)."""
         if not self.cost.endswith(".json"):
             return []
-        try:
-            with open(self.cost) as f:
-                timed = json.load(f).get("calibration", {}).get("shape")
-        except (OSError, ValueError, AttributeError):
-            return []
-        if not isinstance(timed, dict):
-            return []
-        now = dataclasses.asdict(shape)
-        return [f"{k} {timed[k]!r} -> {now[k]!r}" for k in now if k in timed and timed[k] != now[k]]
+        timed = timed_model(self.cost)
+        have = {**timed.get("shape", {}), **({"dtype": timed["dtype"]} if "dtype" in timed else {})}
+        now = {**dataclasses.asdict(shape), **({"dtype": dtype} if dtype is not None else {})}
+        return [(k, have[k], now[k]) for k in now if k in have and have[k] != now[k]]
+
+    def timed_shape_differences(self, shape: ModelConfig, dtype: str | None = None) -> list[str]:
+        """`field timed -> now` for each difference between the model `mixlen calibrate` timed
+        for the cost file and `shape` (and the compute `dtype`, if given)."""
+        return [f"{k} {a!r} -> {b!r}" for k, a, b in self._timed_differences(shape, dtype)]
+
+    def timed_cost_differences(self, shape: ModelConfig, dtype: str) -> list[str]:
+        """timed_shape_differences less the fields that leave a step's work as it is
+        (datapipe.shapes.COST_FREE_FIELDS): with any of these, the cost file predicts another
+        model's times (another vocabulary, width, depth or dtype)."""
+        diff = self._timed_differences(shape, dtype)
+        return [f"{k} {a!r} -> {b!r}" for k, a, b in diff if k not in COST_FREE_FIELDS]
 
     def cost_model(self, names: Names | None = None) -> CostModel:
         """The planner's cost model: a `mixlen calibrate` file (*.json) or a preset name."""
