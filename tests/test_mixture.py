@@ -381,3 +381,77 @@ def test_passkey_beyond_the_declared_context_only_when_asked() -> None:
     _check_passkey_lengths([1024, 4096], model, 2, 4096, beyond=True)  # before an extension
     with pytest.raises(ConfigError, match="more than 2 ranks"):  # the ranks still bound it
         _check_passkey_lengths([16384], model, 2, 4096, beyond=True)
+
+
+@pytest.mark.timeout(240)
+def test_plan_with_the_training_config_as_mix_draws_the_training_batches(data, tmp_path) -> None:
+    """`mixlen plan --mix CONFIG.toml` (the training config itself) plans the batches training
+    draws: its seed, look-ahead and held-out split."""
+    from trainer.config.toml import to_toml
+
+    d = _cfg(data, tmp_path, seed=3, lookahead=5)  # val_fraction 0.1 from _cfg
+    cfg = from_dict(d)
+    path = tmp_path / "train.toml"
+    path.write_text(to_toml(cfg))
+    out = _cli("plan", "--mix", str(path), "--ranks", "1", "--capacity", "256",
+               "--global-batch-tokens", "1024", "--steps", "4", "--model", "debug",
+               "--policy", "single", "--dump", str(tmp_path / "dump.json"), "--quiet")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    planned = [
+        [n for _, n in step["samples"]]
+        for step in json.loads((tmp_path / "dump.json").read_text())["steps"]
+    ]
+    with ExitStack() as stack:
+        td = _train_data(cfg, stack=stack)
+        drawn = [next(td.stream).lengths.tolist() for _ in range(4)]
+    assert planned == drawn
+
+
+def test_resume_checks_order_and_fingerprints_and_takes_a_data_path_run_into_stages(
+    data, tmp_path
+) -> None:
+    from trainer.checkpoint.checkpointer import check_run_matches
+
+    def saved(cfg, stream, fingerprint: str) -> str:
+        ckpt = tmp_path / f"ckpt-{len(list(tmp_path.iterdir()))}"
+        ckpt.mkdir()
+        run = {
+            "config": cfg.to_dict(),
+            "stream": stream.state_dict(),
+            "dataset_fingerprint": fingerprint,
+        }
+        (ckpt / "run.json").write_text(json.dumps(run))
+        return str(ckpt)
+
+    with ExitStack() as stack:
+        cfg = from_dict(_cfg(data, tmp_path))
+        td = _train_data(cfg, stack=stack)
+        next(td.stream)
+        path = saved(cfg, td.stream, td.fingerprint)
+        swapped = from_dict(_cfg(data, tmp_path))
+        swapped.data.sources.reverse()
+        with pytest.raises(ConfigError, match=r"data.sources: .* in this order"):
+            check_run_matches(path, swapped, _train_data(swapped, stack=stack).stream)
+        state = json.loads((tmp_path / path / "run.json").read_text())
+        state["stream"]["sources"]["books"]["fingerprint"] = "0" * 32  # a re-sharded copy
+        (tmp_path / path / "run.json").write_text(json.dumps(state))
+        with pytest.raises(ConfigError, match=r"data.sources\[1\]: source 'books' is dataset"):
+            check_run_matches(path, cfg, _train_data(cfg, stack=stack).stream)
+        cfg.data.allow_other_dataset = True
+        check_run_matches(path, cfg, _train_data(cfg, stack=stack).stream)
+        # a run on one dataset, resumed with a context stage: a one-source mixture from there on
+        wide = {**_cfg(data, tmp_path), "parallel": {"policy": "hdp", "capacity": 1024}}
+        plain = from_dict({**wide, "data": {"path": data["code"], "val_fraction": 0.1}})
+        one = _train_data(plain, stack=stack)
+        for _ in range(3):
+            next(one.stream)
+        path = saved(plain, one.stream, one.fingerprint)
+        staged = from_dict(
+            {**wide, "data": {"path": data["code"], "val_fraction": 0.1,
+             "stages": [{"start_step": 1, "max_sample_tokens": 64}]}}
+        )  # fmt: skip
+        mix = _train_data(staged, stack=stack)
+        state = check_run_matches(path, staged, mix.stream, mix.fingerprint)
+        mix.stream.load_state_dict(state)
+        b = next(mix.stream)
+        assert b.step == 3 and b.lengths.max() <= 64 and mix.stream.epoch[0] == one.stream.epoch + 1

@@ -73,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="static mesh context (default: the dataset's longest sample)",
     )
-    p.add_argument("--seed", type=int, default=0, help="stream seed")
+    p.add_argument(
+        "--seed", type=int, default=None, help="stream seed (default: --mix's data.seed, else 0)"
+    )
     p.add_argument(
         "--lengths-plot",
         metavar="FILE.png",
@@ -150,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = max(int(s.manifest.get("vocab_size") or 0) for s in mixture.loaded)
     else:
         (path,) = args.dir
+        args.seed = 0 if args.seed is None else args.seed
         vocab = int(read_manifest(path).get("vocab_size") or 0)
         lengths = read_lengths(path)
         stream = StreamConfig(seed=args.seed).build(
@@ -208,19 +211,24 @@ def plan_mixture(args: argparse.Namespace, names: Any) -> PlannedMixture:
     """The first --steps batches of the mixture stream, as `mixlen train` draws them."""
     import numpy as np
 
-    from datapipe.mix.report import describe, parse_mixture
+    from datapipe.mix.report import describe, mixture_settings, parse_mixture
     from datapipe.mix.sources import load_sources, mix_sources
     from datapipe.mix.stream import MixtureStream
-    from datapipe.stream import StreamConfig
+    from datapipe.stream import StreamConfig, held_out_mask
 
     sources, stages = parse_mixture(args.dir, args.mix)
+    keys, frac = mixture_settings(args.mix)  # the file's seed, look-ahead, held-out fraction
+    if args.seed is not None:
+        keys["seed"] = args.seed
+    args.seed = keys.setdefault("seed", 0)
     mix_names = names.using(
         sources="DIR" if args.dir else "sources",
         global_batch_tokens="--global-batch-tokens",
     )
     loaded = load_sources(sources, mix_names)
+    held = [held_out_mask(np.arange(s.lengths.shape[0]), args.seed, frac) for s in loaded]
     stream = MixtureStream(
-        StreamConfig(seed=args.seed), mix_sources(loaded), sources, stages,
+        StreamConfig(**keys), mix_sources(loaded, held), sources, stages,
         args.global_batch_tokens, names=mix_names,
     )  # fmt: skip
     batches, targets = [], []
