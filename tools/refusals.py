@@ -185,7 +185,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "train",
         "a resume on other sources than the checkpoint's (weights and stages may change)",
         "is not the dataset the checkpoint",
-        "datapipe/mix/stream.py",
+        "datapipe/mix/state.py",
         "tests/test_mixture.py::test_a_resume_on_other_sources_is_refused_naming_the_source",
     ),
 )

@@ -11,15 +11,14 @@ one-source mixture from the dataset's next epoch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from datapipe.errors import ConfigError
 from datapipe.mix.fill import ST_TOTAL
 
-if TYPE_CHECKING:
-    from datapipe.mix.stream import MixtureStream
+MixtureStream = Any  # datapipe.mix.stream.MixtureStream (which imports this module)
 
 __all__ = ["STATE_VERSION", "check_state", "load_state", "state_of"]
 
