@@ -4,6 +4,7 @@
 # installed), bfloat16 compute with float32 master weights, activation offload on side streams.
 #
 #   bash benchmarks/gpu_smoke.sh            # on a machine with >= 2 GPUs (uses all of them)
+#   PY=python3 bash benchmarks/gpu_smoke.sh # no .venv: mixlen runs as `python3 -m tools.cli`
 #
 # Needs `make demo` (the .demo/stdlib dataset) or DATA=<preprocessed dataset dir>.
 set -euo pipefail
@@ -13,21 +14,24 @@ DATA=${DATA:-.demo/stdlib}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 1 ]; then echo "gpu_smoke: no CUDA device" >&2; exit 1; fi
 if [ "$NGPU" -lt 2 ]; then echo "gpu_smoke: 1 GPU: NCCL rings and P2P are not exercised (need >= 2)" >&2; fi
-MIXLEN="$(dirname "$PY")/mixlen"
+MIXBIN="$(dirname "$PY")/mixlen"
+mixlen() { if [ -x "$MIXBIN" ]; then "$MIXBIN" "$@"; else "$PY" -m tools.cli "$@"; fi; }
 CAP=$((16384 / NGPU > 2048 ? 16384 / NGPU : 2048))  # NGPU ranks x CAP hold a 16K sample
 $PY -c "import flash_attn" 2>/dev/null && echo "flash-attn: installed" || echo "flash-attn: not installed (math backend)"
-OUT=$(mktemp -d)
-echo "== CUDA tests (threaded fake ranks on one GPU, float32 + bfloat16)"
-$PY -m pytest -q -p no:cacheprovider tests/test_executor.py -k cuda
+RUN=$(mktemp -d)
+FAILED=()
+check() { "$@" || { echo "gpu_smoke: FAILED: $*" >&2; FAILED+=("$*"); }; }  # go on, report at the end
+echo "== CUDA tests (attention against the naive reference; threaded fake ranks on one GPU, float32 + bfloat16)"
+check $PY -m pytest -q -x -p no:cacheprovider tests/test_attention.py tests/test_executor.py -k cuda
 echo "== activation offload (side-stream copies, pinned pool): gradients of r = 0.5 equal r = 0"
-$PY -m pytest -q -s -p no:cacheprovider tests/test_offload.py -k cuda
+check $PY -m pytest -q -s -p no:cacheprovider tests/test_offload.py -k cuda
 for dtype in float32 bfloat16; do
   echo "== mixlen train: $NGPU ranks, nccl, $dtype, hdp"
-  "$MIXLEN" train configs/debug.toml --nproc "$NGPU" \
+  check mixlen train configs/debug.toml --nproc "$NGPU" \
     --set data.path="\"$DATA\"" --set train.device='"cuda"' --set train.dtype="\"$dtype\"" \
     --set train.steps=6 --set train.eval_interval=3 --set parallel.capacity=$CAP \
-    --set metrics.dir="\"$OUT/$dtype\"" --set checkpoint.dir="\"$OUT/$dtype/ckpt\"" --set metrics.progress=false
-  $PY - "$OUT/$dtype/metrics.jsonl" <<'PYEOF'
+    --set metrics.dir="\"$RUN/$dtype\"" --set checkpoint.dir="\"$RUN/$dtype/ckpt\"" --set metrics.progress=false
+  check $PY - "$RUN/$dtype/metrics.jsonl" <<'PYEOF'
 import json, math, sys
 recs = [json.loads(x) for x in open(sys.argv[1])]
 assert len(recs) == 6 and all(math.isfinite(r["loss"]) for r in recs), recs
@@ -36,13 +40,13 @@ print("ok:", [round(r["loss"], 3) for r in recs])
 PYEOF
 done
 echo "== mixlen train with offload r = 0.5 (side streams, pinned pool) and checkpointing every:2, bf16"
-"$MIXLEN" train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+check mixlen train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
   --set train.device='"cuda"' --set train.dtype='"bfloat16"' --set train.steps=4 \
   --set train.eval_interval=0 --set parallel.capacity=$CAP --set model.n_layers=4 \
   --set offload.enabled=true --set offload.force_ratio=0.5 \
   --set train.activation_checkpoint='"every:2"' \
-  --set metrics.dir="\"$OUT/offload\"" --set checkpoint.dir="\"$OUT/offload/ckpt\"" --set metrics.progress=false
-$PY - "$OUT/offload/metrics.jsonl" <<'PYEOF'
+  --set metrics.dir="\"$RUN/offload\"" --set checkpoint.dir="\"$RUN/offload/ckpt\"" --set metrics.progress=false
+check $PY - "$RUN/offload/metrics.jsonl" <<'PYEOF'
 import json, math, sys
 recs = [json.loads(x) for x in open(sys.argv[1])]
 assert len(recs) == 4 and all(math.isfinite(r["loss"]) for r in recs), recs
@@ -50,14 +54,17 @@ assert all(sum(r["offload_bytes_per_rank"]) > 0 for r in recs), "nothing moved t
 print("ok: moved MiB per step", [round(sum(r["offload_bytes_per_rank"]) / 2**20, 1) for r in recs])
 PYEOF
 echo "== resume on GPU (3 more steps from the step-6 checkpoint)"
-"$MIXLEN" train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+check mixlen train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
   --set train.device='"cuda"' --set train.steps=9 --set checkpoint.resume=true \
   --set parallel.capacity=$CAP \
-  --set metrics.dir="\"$OUT/float32\"" --set checkpoint.dir="\"$OUT/float32/ckpt\"" --set metrics.progress=false
-$PY - "$OUT/float32/metrics.jsonl" <<'PYEOF'
+  --set metrics.dir="\"$RUN/float32\"" --set checkpoint.dir="\"$RUN/float32/ckpt\"" --set metrics.progress=false
+check $PY - "$RUN/float32/metrics.jsonl" <<'PYEOF'
 import json, sys
 steps = [json.loads(x)["step"] for x in open(sys.argv[1])]
 assert steps == list(range(1, 10)), steps  # 6 steps, then 7..9 resumed from the checkpoint
 print("ok: resumed, steps", steps)
 PYEOF
-echo "gpu_smoke: all passed ($OUT)"
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "gpu_smoke: ${#FAILED[@]} step(s) failed ($RUN):" >&2; printf '  %s\n' "${FAILED[@]}" >&2; exit 1
+fi
+echo "gpu_smoke: all passed ($RUN)"

@@ -202,7 +202,11 @@ def _run(
 
     def body(i: int) -> None:
         try:
-            results[i] = fn(*make(i))
+            # each rank's backward in its own thread: on CUDA autograd otherwise runs every
+            # backward on one worker thread per device, and a rank waiting there for a ring hop
+            # blocks the backward of the peer that would send it (a deadlock on one GPU)
+            with torch.autograd.set_multithreading_enabled(False):
+                results[i] = fn(*make(i))
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors[i] = e
             for w in worlds:
