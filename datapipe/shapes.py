@@ -23,6 +23,7 @@ __all__ = [
     "INT_BOUNDS",
     "MODEL_CONFIGS",
     "ROPE_SETTINGS",
+    "TP_DEGREES",
     "ModelConfig",
     "Range",
     "RopeScaling",
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "float64", "bfloat16")  # compute dtypes by config name (trainer.model maps)
+TP_DEGREES = (1, 2, 4, 8)  # tensor-parallel processes per HDP rank (trainer.parallel.tensor)
 # ModelConfig fields that leave a step's work as it is: a cost file timed on a shape that differs
 # from a run's in these only still times the run's model (any other field moves its cost)
 COST_FREE_FIELDS = ("norm_eps", "rope_theta", "init_std", "rope_scaling", "max_position_embeddings")
@@ -271,6 +273,39 @@ class ModelConfig:
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + emb + self.dim
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this shape cannot be split over `tp` tensor-parallel processes (None: it can):
+        tp must divide the heads, the SwiGLU width and the vocabulary, and either divide the K/V
+        heads or be a multiple of them (K/V replicated)."""
+        if tp not in TP_DEGREES:
+            return f"must be one of {', '.join(map(str, TP_DEGREES))}, got {tp!r}"
+        for name in ("n_heads", "ffn_dim", "vocab_size"):
+            v = getattr(self, name)
+            if v % tp:
+                return f"{tp} does not divide the model's {name} ({v})"
+        if self.n_kv_heads % tp and tp % self.n_kv_heads:
+            return (
+                f"{tp} and the model's n_kv_heads ({self.n_kv_heads}): one must divide the other "
+                "(K/V heads are split over tp, or replicated when tp is the larger)"
+            )
+        return None
+
+    def tp_params(self, tp: int = 1) -> int:
+        """Parameters one process of a tensor-parallel group of `tp` holds (trainer.parallel.tensor:
+        vocabulary, heads and SwiGLU units split; norms, and K/V when tp > n_kv_heads,
+        replicated); `num_params()` at tp 1."""
+        problem = self.tp_problem(tp)
+        if problem:
+            raise ValueError(f"parallel.tp {problem}")
+        kv = self.n_kv_heads * self.head_dim
+        kv_share = kv // tp if self.n_kv_heads % tp == 0 else kv
+        attn = self.dim * (2 * self.q_dim // tp + 2 * kv_share)
+        if self.qkv_bias:
+            attn += self.q_dim // tp + 2 * kv_share
+        layer = attn + 3 * self.dim * self.ffn_dim // tp + 2 * self.dim
+        emb = self.vocab_size // tp * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * layer + emb + self.dim
+
     # --- what the cost model needs ----------------------------------------------------------------
     def attn_proj_flops_per_token(self) -> float:
         """Forward FLOPs per position of one layer's Q, K, V and O projections."""
@@ -341,6 +376,17 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         n_kv_heads=8,
         ffn_dim=_llama_ffn(8192, 4096, 1.3),
         tie_embeddings=False,
+    ),
+    "llama3-70b": ModelConfig(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=_llama_ffn(8192, 4096, 1.3),
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        max_position_embeddings=8192,
     ),
 }
 

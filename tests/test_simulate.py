@@ -218,7 +218,7 @@ def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "hdp+offload" in text and "est. step time" in text
     # the default --model llama-7b: 121.3 GB of model state per rank at zero 0 on 8 ranks
-    assert "model state per rank (llama-7b, bfloat16 compute, 8 ranks per island, GB)" in text
+    assert "model state per rank (llama-7b, bfloat16 compute, 8 ranks per island, GB;" in text
     assert "zero 0: weights 13.5  master 27.0  moments 53.9  grads 27.0" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = page.read_text().split('id="plan-data">', 1)[1].split("</script>", 1)[0]

@@ -43,6 +43,14 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
         "where that is estimated faster: on by default, as `mixlen train` plans ([parallel] "
         "widen); --no-widen plans hdp with ByteScale's smallest-group rule only (docs/PLAN.md)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel processes per rank (1, 2, 4, 8) for the model-state table: "
+        "bytes per process of a Llama-like shape split as trainer.parallel.tensor splits it "
+        "(the plan's times are per rank and do not model tp)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="per-rank stacked bars")
     p.add_argument(
@@ -121,6 +129,19 @@ def model_name(args: argparse.Namespace) -> str:
     return "" if args.cost else args.model
 
 
+def check_tp_flag(args: argparse.Namespace) -> None:
+    """--tp: a degree the model shape of --model splits over (ConfigError naming the flag)."""
+    from datapipe.errors import ConfigError
+    from datapipe.shapes import MODEL_CONFIGS, TP_DEGREES
+
+    if args.tp not in TP_DEGREES:
+        raise ConfigError(f"--tp: must be one of {', '.join(map(str, TP_DEGREES))}, got {args.tp}")
+    shape = MODEL_CONFIGS.get(model_name(args).split("@")[0])
+    problem = shape.tp_problem(args.tp) if shape is not None else None
+    if problem:
+        raise ConfigError(f"--tp: {problem}")
+
+
 def planner_names():
     """How this command line spells the planner's settings and runtime values."""
     from datapipe.settings import Names
@@ -141,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     # parse: the dataset's first steps and the planners
     if not 1 <= args.steps <= 100_000:
         raise ConfigError(f"--steps: must be in [1, 100,000], got {args.steps}")
+    check_tp_flag(args)
     cost = resolve_cost(args)
     names = planner_names()
     mixture = None
@@ -304,7 +326,7 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
         hdp = next((m for m in all_metrics if m.policy.startswith("hdp")), None)
         if "static" in by and hdp is not None and hdp.est_step_time_s > 0:
             out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
-        out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks)
+        out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks, tp=args.tp)
         if mixture is not None:
             out["mixture"] = shares
         print(json.dumps(out))
@@ -314,7 +336,7 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
     if mixture is not None:
         print(f"\ntoken shares over the {len(batches)} planned steps:")
         print(format_shares(shares))
-    memory = format_preset_memory(model_name(args), args.ranks)
+    memory = format_preset_memory(model_name(args), args.ranks, tp=args.tp)
     if memory:
         print(memory)
     for path in (args.plot, args.html, args.dump, args.lengths_plot if mixture else None):

@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from tools.cmd_plan import add_planner_arguments, legend, model_name, planner_names, resolve_cost
+from tools.cmd_plan import (
+    add_planner_arguments,
+    check_tp_flag,
+    legend,
+    model_name,
+    planner_names,
+    resolve_cost,
+)
 
 ASSUMPTIONS = """assumptions:
   - per-rank time = cost model (a*S^2/k at the chunk efficiency eff(S/k) + b*S/k, c per
@@ -50,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: must be in [1, 10,000], got {args.steps}")
     if args.context < 1 or args.ranks < 1 or args.capacity < 1:
         raise ConfigError("--context, --ranks and --capacity must be >= 1")
+    check_tp_flag(args)
     if not 1 <= args.global_batch_tokens <= 1 << 40:
         raise ConfigError(
             f"--global-batch-tokens: must be in [1, 2^40], got {args.global_batch_tokens}"
@@ -106,7 +114,7 @@ def render_simulate(args, cost, pool, batches, res) -> None:
                 "step_times_s": S.PAPER_STEP_TIMES_S,
                 "step_time_speedup": paper_steps,
             },
-            "model_state_bytes_per_rank": preset_memory(model_name(args), args.ranks),
+            "model_state_bytes_per_rank": preset_memory(model_name(args), args.ranks, tp=args.tp),
         }
         print(json.dumps(out))
     else:
@@ -133,7 +141,7 @@ def render_simulate(args, cost, pool, batches, res) -> None:
             " + offload, + balance; its step times 8m40s / 4m32s / 2m37s)"
         )
         print(f"length stats of the pool: {json.dumps({k: round(v, 4) for k, v in stats.items()})}")
-        memory = format_preset_memory(model_name(args), args.ranks)
+        memory = format_preset_memory(model_name(args), args.ranks, tp=args.tp)
         if memory:
             print(memory)
         print(legend(args.widen))

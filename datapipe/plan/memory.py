@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 __all__ = [
+    "DEVICE_GB",
     "DTYPE_BYTES",
     "ModelStateBytes",
     "accum_dtype_name",
@@ -126,30 +127,43 @@ def outer_state_bytes(numel: int, ranks: int, compute: str = "bfloat16", align: 
     return 4 * (end - start) * DTYPE_BYTES[accum_dtype_name(compute)]
 
 
-def preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> dict[str, dict[str, int]]:
-    """Model-state bytes per rank of the named shape (datapipe.shapes; a cost preset's
-    `name@device` suffix is ignored) on an island of `ranks` ranks, by ZeRO level ("zero0" is
-    the replicated optimizer); {} for a name that is not a model shape (a cost file)."""
+def preset_memory(
+    model: str, ranks: int, compute: str = "bfloat16", tp: int = 1
+) -> dict[str, dict[str, int]]:
+    """Model-state bytes per process of the named shape (datapipe.shapes; a cost preset's
+    `name@device` suffix is ignored) on an island of `ranks` HDP ranks of `tp` tensor-parallel
+    processes each (ZeRO shards each process's TP share over the HDP ranks of its TP index), by
+    ZeRO level ("zero0" is the replicated optimizer); {} for a name that is not a model shape (a
+    cost file). ValueError when the shape cannot be split over `tp`."""
     from datapipe.shapes import MODEL_CONFIGS
 
     shape = MODEL_CONFIGS.get(model.split("@")[0])
     if shape is None:
         return {}
-    n = shape.num_params()
+    n = shape.tp_params(tp)
     return {f"zero{z}": model_state_bytes(n, ranks, z, compute).as_dict() for z in (0, 1, 2)}
 
 
-def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16") -> str:
+DEVICE_GB = 80.0  # the device memory the table compares with (an H100's 80 GB)
+
+
+def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16", tp: int = 1) -> str:
     """One line per ZeRO level for `mixlen plan` / `simulate` ('' when `model` is no shape)."""
-    table = preset_memory(model, ranks, compute)
+    table = preset_memory(model, ranks, compute, tp)
     if not table:
         return ""
     name = model.split("@")[0]
-    lines = [f"model state per rank ({name}, {compute} compute, {ranks} ranks per island, GB):"]
+    who = f"process (tp {tp} per rank)" if tp > 1 else "rank"
+    lines = [
+        f"model state per {who} ({name}, {compute} compute, {ranks} ranks per island, GB; "
+        f"activations not included):"
+    ]
     for level, b in table.items():
+        fits = "fits" if b["total"] <= DEVICE_GB * 1e9 else "over"
         lines.append(
             f"  zero {level[-1]}: weights {b['weights'] / 1e9:.1f}  master {b['master'] / 1e9:.1f}"
             f"  moments {b['moments'] / 1e9:.1f}  grads {b['grads'] / 1e9:.1f}"
             f" (peak {b['grads_peak'] / 1e9:.1f})  total {b['total'] / 1e9:.1f}"
+            f"  ({fits} {DEVICE_GB:.0f} GB)"
         )
     return "\n".join(lines)

@@ -73,9 +73,10 @@ class Attention(nn.Module):
         self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         T = x_TC.shape[0]
-        q = self.wq(x_TC).view(T, self.n_heads, self.head_dim)
-        k = self.wk(x_TC).view(T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_TC).view(T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism (trainer.parallel.tensor) a process holds a share
+        q = self.wq(x_TC).view(T, -1, self.head_dim)
+        k = self.wk(x_TC).view(T, -1, self.head_dim)
+        v = self.wv(x_TC).view(T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out_THD = attn.attend(q, k, v.contiguous())
         return self.wo(out_THD.reshape(T, -1))
@@ -118,6 +119,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope = Rope(cfg)  # tables only, no parameters or buffers
+        self.tp_mesh: Any = None  # the TP group's DeviceMesh once parallelized
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
@@ -166,12 +168,19 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
         h = self.norm(h)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
+        if self.tp_mesh is not None:  # logits sharded over the vocabulary (a DTensor)
+            from trainer.parallel.tensor import sharded_logits, vocab_parallel_loss
+
+            logits = sharded_logits(self, h)
+            if labels is None:
+                return logits.full_tensor()
+            return vocab_parallel_loss(logits, labels), (labels != IGNORE_INDEX).sum()
         w_out = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits = F.linear(h, w_out)
         if labels is None:
             return logits
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
         loss_sum = F.cross_entropy(
             logits.float() if logits.dtype != torch.float64 else logits,
             labels.long(),  # int32 from the fetch; the loss takes int64 targets

@@ -1,0 +1,94 @@
+"""Tensor parallelism of the decoder (trainer.parallel.tensor) against the plain decoder, and the
+per-process parameter count and model-state table (`--tp`) against hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import _tp_worker
+import pytest
+
+from datapipe.plan.memory import format_preset_memory, model_state_bytes, preset_memory
+from datapipe.shapes import MODEL_CONFIGS
+from tools.cli import main as cli_main
+from trainer.parallel.comm import free_port, spawn
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def tp_reports(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tp")
+    spawn(_tp_worker.main, WORLD, (WORLD, free_port(), str(out)), timeout=150)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", [c[0] for c in _tp_worker.CASES])
+def test_tp_decoder_equals_plain_decoder_float64(tp_reports, case) -> None:
+    """Loss, labelled count, every parameter's gradient and the logits of each TP group equal
+    the plain decoder's on that group's micro-batch (1e-10)."""
+    for rank, rep in enumerate(tp_reports):
+        r = rep[case]
+        assert r["is_dtensor"]
+        assert r["group"] == rank // r["tp"]
+        assert r["n"] == r["n_ref"] > 0
+        assert abs(r["loss"] - r["loss_ref"]) <= 1e-10 * abs(r["loss_ref"])
+        assert r["weight_err"] == 0.0  # the shards put back together are the weights
+        assert r["grad_err"] < 1e-10, (rank, r)
+        assert r["logit_err"] < 1e-10, (rank, r)
+    if tp_reports[0][case]["tp"] == 2:  # two groups, two micro-batches
+        assert tp_reports[0][case]["loss"] != tp_reports[2][case]["loss"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", [c[0] for c in _tp_worker.CASES])
+def test_tp_params_is_what_a_process_holds(tp_reports, case) -> None:
+    tp, kw = next((tp, kw) for name, tp, kw in _tp_worker.CASES if name == case)
+    cfg = _tp_worker.shape(**kw)
+    assert all(rep[case]["held"] == cfg.tp_params(tp) for rep in tp_reports)
+    assert cfg.tp_params(1) == cfg.num_params() > cfg.tp_params(tp)
+
+
+def test_llama3_70b_published_size_and_tp8_share() -> None:
+    cfg = MODEL_CONFIGS["llama3-70b"]
+    assert cfg.num_params() == 70_553_706_496  # Meta's published count
+    # by hand, one process of 8: vocabulary rows of embedding and output, 1/8 of every layer's
+    # matrices (8 K/V heads: one per process), norms whole
+    d, v, ffn, layers = 8192, 128256, 28672, 80
+    per_layer = d * d // 8 * 2 + d * 1024 // 8 * 2 + 3 * d * ffn // 8 + 2 * d
+    assert cfg.tp_params(8) == layers * per_layer + 2 * v * d // 8 + d == 8_820_367_360
+
+
+def test_tp_model_state_table_llama3_70b_tp8_zero1_16_ranks() -> None:
+    n = 8_820_367_360
+    got = preset_memory("llama3-70b@h100", 16, "bfloat16", tp=8)["zero1"]
+    want = model_state_bytes(n, 16, 1, "bfloat16").as_dict()
+    assert got == want
+    own = -(-n // 16 // 64) * 64  # rank 0's slice (aligned to 64 elements)
+    assert got["weights"] >= 2 * n and got["moments"] == 2 * own * 4
+    assert got["total"] < 80e9 < preset_memory("llama3-70b", 16, "bfloat16", tp=1)["zero1"]["total"]
+    table = format_preset_memory("llama3-70b", 16, tp=8)
+    assert "tp 8" in table and "zero 1:" in table and "(fits 80 GB)" in table
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "message"),
+    [
+        ("debug", 4, "--tp: 4 does not divide the model's vocab_size (258)"),
+        ("llama-7b", 3, "--tp: must be one of 1, 2, 4, 8, got 3"),
+    ],
+)
+def test_tp_flag_refusals(model, tp, message, capsys) -> None:
+    argv = ["simulate", "--model", model, "--ranks", "8", "--tp", str(tp), "--steps", "1"]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_problem_kv_heads() -> None:
+    cfg = _tp_worker.shape(n_heads=8, n_kv_heads=4)
+    assert cfg.tp_problem(8) is None and cfg.tp_problem(2) is None
+    bad = _tp_worker.shape(n_heads=24, n_kv_heads=3, dim=48, ffn_dim=48)
+    assert "n_kv_heads (3)" in bad.tp_problem(2)
+    with pytest.raises(ValueError, match="parallel.tp 2 and the model's n_kv_heads"):
+        bad.tp_params(2)

@@ -1,0 +1,187 @@
+"""Tensor parallelism of the decoder over a one-dimensional device mesh (torch DTensor).
+
+`parallelize(model, mesh)` applies torch's own plans (`parallelize_module`, no hand-written
+matmul collectives) to a `trainer.model.transformer.Transformer`:
+
+| module | plan | what each of the tp processes holds |
+| --- | --- | --- |
+| tok_embeddings | RowwiseParallel, input replicated | vocabulary rows V/tp (vocabulary-parallel) |
+| attention.wq | ColwiseParallel | n_heads/tp query heads |
+| attention.wk, wv | ColwiseParallel when tp divides n_kv_heads | n_kv_heads/tp K/V heads |
+| attention.wk, wv | replicated when tp > n_kv_heads | all K/V heads; each process keeps its group's |
+| attention.wo | RowwiseParallel | the input columns of its heads, output all-reduced |
+| feed_forward.w1, w3 | ColwiseParallel | ffn_dim/tp hidden units |
+| feed_forward.w2 | RowwiseParallel | their input columns, output all-reduced |
+| output (untied) | ColwiseParallel, output kept sharded | vocabulary rows V/tp |
+| norms | replicated (no sequence parallelism) | the whole weight |
+
+The logits stay sharded over the vocabulary (a DTensor `Shard(-1)`) and the loss is torch's
+vocabulary-parallel cross-entropy (`loss_parallel`): no process materialises [T, V] logits.
+The loss rule is unchanged: the model returns the SUM of token losses and the labelled count.
+Every process of a TP group runs the same micro-batch and attends with its own heads. Not yet
+wired into the trainer (README, "Tensor parallelism"): there a ring over HDP ranks
+(trainer.attention.ring) would join the processes of one TP index, each ring on its heads.
+
+Norm weights are plain replicated parameters: every process computes the same gradient for them
+(their inputs are the all-reduced activations), so no reduction over the TP group is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from datapipe.shapes import TP_DEGREES, ModelConfig
+
+__all__ = [
+    "TP_DEGREES",
+    "check_tp",
+    "full_state_dict",
+    "parallelize",
+    "sharded_logits",
+    "tp_mesh",
+    "vocab_parallel_loss",
+]
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming the shape's field when `cfg` cannot be split over `tp` processes."""
+    problem = cfg.tp_problem(tp)
+    if problem:
+        raise ValueError(f"parallel.tp {problem}")
+
+
+def tp_mesh(tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A mesh over all processes of the default group, as tp groups of adjacent ranks; the
+    returned mesh is this process's TP group (dimension "tp")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"parallel.tp = {tp} must divide the number of processes ({world})")
+    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"]
+
+
+class _ReplicatedKV(nn.Module):
+    """K or V projection replicated over the TP group (tp > n_kv_heads): the whole projection is
+    computed on every process, its heads repeated to tp groups, and each process keeps its own
+    group's (a local chunk; the backward all-gathers the groups' gradients)."""
+
+    def __init__(self, proj: nn.Linear, mesh: DeviceMesh, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.proj = proj
+        self.mesh = mesh
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.repeat = mesh.size() // n_kv_heads
+        for name, p in list(proj.named_parameters(recurse=False)):
+            dp = nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]), p.requires_grad)
+            proj.register_parameter(name, dp)
+
+    def forward(self, x_TC: torch.Tensor) -> torch.Tensor:
+        T = x_TC.shape[0]
+        x = DTensor.from_local(x_TC, self.mesh, [Replicate()], run_check=False)
+        y = self.proj(x).view(T, self.n_kv_heads, self.head_dim)
+        y = y.repeat_interleave(self.repeat, dim=1)  # [T, tp, hd]: one head per process
+        return y.redistribute(self.mesh, [Shard(1)]).to_local().reshape(T, self.head_dim)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` (a Transformer, on the mesh's device) over `mesh` in place; returns it."""
+    cfg: ModelConfig = model.cfg
+    tp = mesh.size()
+    check_tp(cfg, tp)
+    if tp == 1:
+        return model
+    split_kv = cfg.n_kv_heads % tp == 0
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+    }
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, plan)
+    for block in model.layers:
+        layer_plan: dict[str, Any] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+        if split_kv:
+            layer_plan["attention.wk"] = ColwiseParallel()
+            layer_plan["attention.wv"] = ColwiseParallel()
+        parallelize_module(block, mesh, layer_plan)
+        if not split_kv:
+            att = block.attention
+            att.wk = _ReplicatedKV(att.wk, mesh, cfg.n_kv_heads, cfg.head_dim)
+            att.wv = _ReplicatedKV(att.wv, mesh, cfg.n_kv_heads, cfg.head_dim)
+    model.tp_mesh = mesh
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded parameters of a (possibly) tensor-parallel model, under the plain model's
+    names (every process gets all of them: for export and tests)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name.replace(".proj.", ".")] = t.detach()
+    return out
+
+
+def sharded_logits(model: nn.Module, h: torch.Tensor) -> DTensor:
+    """Logits [T, V] of the final hidden states `h` (replicated), sharded over the vocabulary."""
+    if model.output is not None:
+        return model.output(h)
+    hd = DTensor.from_local(h, model.tp_mesh, [Replicate()], run_check=False)
+    return torch.nn.functional.linear(hd, model.tok_embeddings.weight)
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Sum of token losses of vocabulary-sharded logits; its gradient is computed with the loss
+    (under `loss_parallel`, whose backward must run inside the same context) and kept until the
+    caller's backward, so any `.backward()` of the model's loss works as without TP."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh
+    ) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        from datapipe.plan.loss import IGNORE_INDEX
+
+        with torch.enable_grad():
+            x = local.detach().requires_grad_(local.requires_grad)
+            xd = DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(
+                    xd, labels.long(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                if x.requires_grad:
+                    (grad,) = torch.autograd.grad(loss, x)
+                    ctx.save_for_backward(grad)
+        return loss.to_local().detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * g, None, None
+
+
+def vocab_parallel_loss(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
+    """SUM of token losses from vocabulary-sharded logits (torch's `loss_parallel`: each process
+    reduces its own vocabulary share; the full logits are never gathered)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    local = x.to_local()  # the gradient flows back through DTensor's to_local as Shard(-1)
+    return _VocabParallelLoss.apply(local, labels, logits.device_mesh)
