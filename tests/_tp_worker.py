@@ -100,3 +100,38 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
         json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# the executor at tp 2 x HDP 2 against the reference trainer (tests/test_tensor_parallel.py)
+EXEC_CASES = [("hdp", 0), ("static", 0), ("hdp", 1), ("hdp", 2)]
+# on 2 HDP ranks of capacity 64: 103 rings over both (hdp), static puts everything on a CP-2 mesh
+EXEC_LENGTHS = [103, 60, 20, 17, 30, 9, 25, 12, 5, 40, 3]
+
+
+def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """4 processes as 2 HDP ranks x tp 2 (TP members adjacent): the exactness scenario of
+    tests/_train_worker.py in float64 under each (policy, ZeRO level) of EXEC_CASES; rank 0 saves
+    the whole gradients, loss curves and norms."""
+    import _train_worker as w
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.comm import TorchComm
+
+    init_local_gloo(rank, world, port, timeout_s=60)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    hdp = TorchComm(mesh.get_group("dp"))  # the ranks of this TP index
+    tp = {"mesh": mesh["tp"], "comm": TorchComm(mesh.get_group("tp"))}
+    for t in range(2):  # the gradient reductions' group of each TP index, created by every rank
+        group = dist.new_group(list(range(t, world, 2)))
+        if t == rank % 2:
+            grad_comm = TorchComm(group)
+    results = {}
+    for policy, zero in EXEC_CASES:
+        got = w.run_policy(
+            hdp, policy, torch.float64, zero=zero, grad_comm=grad_comm, lengths=EXEC_LENGTHS, tp=tp
+        )
+        results[(policy, zero)] = got
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "tp_exactness.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

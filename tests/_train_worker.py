@@ -10,6 +10,7 @@ plain trainer on whole samples, which shares nothing with the executor but the m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -126,17 +127,28 @@ def run_policy(
     grad_comm: Communicator | None = None,
     all_grads: bool = False,
     lengths: list[int] = LENGTHS,
+    tp: dict | None = None,
 ) -> dict:
     """Train `steps` steps through the executor at ZeRO level `zero`, with the optimizer and
     schedule built as trainer.trainer.Trainer builds them from TRAIN (`clip` replaces its
     grad_clip). Returns the first step's reduced gradient (flat, float64; every step's in "grads"
     with `all_grads`), the loss curve, the pre-clip gradient norms, each step's learning rate, the
     final master weights (flat, float64), the group sizes each plan used and the first step's
-    micro-batch counts."""
+    micro-batch counts. `tp`: {"mesh": the TP group's DeviceMesh, "comm": its communicator}:
+    the model is split over it (trainer.parallel.tensor) and the gradient and weights returned
+    are put back together whole."""
     tokens, batches = scenario_data(lengths=lengths)
     fetcher = MemoryFetcher(tokens)
     model, master = build_model(model_config(), dtype, "cpu", seed=MODEL_SEED)
     kw = {} if clip is None else {"grad_clip": clip}
+    whole = lambda flat: flat  # noqa: E731
+    if tp is not None:
+        from trainer.parallel.tensor import parallelize, whole_flat
+
+        for m in {id(model): model, id(master): master}.values():
+            parallelize(m, tp["mesh"])
+        kw["tp_comm"] = tp["comm"]
+        whole = functools.partial(whole_flat, model)
     opt, sched = optimizer(model, master, comm, level=zero, grad_comm=grad_comm, **kw)
     ex = HDPExecutor(model, opt, comm, scheduler=sched)
     out: dict = {"losses": [], "grad_norms": [], "lrs": [], "group_sizes": [], "grads": []}
@@ -149,7 +161,7 @@ def run_policy(
         out["lrs"].append(opt.optimizer.param_groups[0]["lr"])
         res = ex.accumulate(plan, fetched, step)
         if step == 0 or all_grads:
-            grad = opt.gather_grad().double()
+            grad = whole(opt.gather_grad()).double()
             out.setdefault("grad", grad)
             if all_grads:
                 out["grads"].append(grad)
@@ -157,7 +169,7 @@ def run_policy(
         ex.update(res)
         out["losses"].append(res.loss)
         out["grad_norms"].append(res.grad_norm)
-    out["weights"] = opt.gather_master().double()
+    out["weights"] = whole(opt.gather_master()).double()
     return out
 
 

@@ -92,3 +92,27 @@ def test_tp_problem_kv_heads() -> None:
     assert "n_kv_heads (3)" in bad.tp_problem(2)
     with pytest.raises(ValueError, match="parallel.tp 2 and the model's n_kv_heads"):
         bad.tp_params(2)
+
+
+@pytest.mark.timeout(240)
+def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
+    """4 gloo processes as 2 HDP ranks x tp 2: hdp (a ring of 2 beside local work) and static (a
+    CP-2 mesh) at ZeRO 0, and hdp at ZeRO 1 and 2, each against the plain reference trainer:
+    the whole first-step gradient within 1e-10 (exact zeros zero), the loss curve within 1e-9,
+    the gradient norms (TP shards summed, replicated norms counted once) and the final weights."""
+    import numpy as np
+    import torch
+    from _train_worker import MODEL_SEED, TRAIN, compare, model_config, scenario_data
+    from test_reference_trainer import reference_train
+
+    spawn(_tp_worker.exactness_main, WORLD, (WORLD, free_port(), str(tmp_path)), timeout=220)
+    results = torch.load(tmp_path / "tp_exactness.pt", weights_only=False)
+    tokens, batches = scenario_data(lengths=_tp_worker.EXEC_LENGTHS)
+    ref = reference_train(tokens, batches, TRAIN, model_config(), torch.float64, MODEL_SEED)
+    for case in _tp_worker.EXEC_CASES:
+        got = results[case]
+        assert got["group_sizes"][0] == ([2] if case[0] == "static" else [1, 2]), case
+        compare(ref, got, torch.float64)
+        np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=1e-9)
+        err = (got["weights"] - ref["weights"]).abs().max().item()
+        assert err < 1e-10 * ref["weights"].abs().max().item(), (case, err)

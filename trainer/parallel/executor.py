@@ -109,7 +109,10 @@ class HDPExecutor:
         self.cross_comm = cross_comm if cross_comm is not None and cross_comm.size > 1 else None
         self.device = torch.device(device)
         self.check_agreement = check_agreement
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        from trainer.parallel.tensor import local_tensor
+
+        # the tensors this process computes with (a DTensor parameter's local shard under TP)
+        self.params = [local_tensor(p) for p in model.parameters() if p.requires_grad]
         self.compute_dtype = next(model.parameters()).dtype
         self.acc_dtype = accum_dtype(self.compute_dtype)
         self.numel = sum(p.numel() for p in self.params)

@@ -46,10 +46,13 @@ __all__ = [
     "TP_DEGREES",
     "check_tp",
     "full_state_dict",
+    "is_replicated",
+    "local_tensor",
     "parallelize",
     "sharded_logits",
     "tp_mesh",
     "vocab_parallel_loss",
+    "whole_flat",
 ]
 
 
@@ -185,3 +188,32 @@ def vocab_parallel_loss(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
     x = logits if logits.dtype == torch.float64 else logits.float()
     local = x.to_local()  # the gradient flows back through DTensor's to_local as Shard(-1)
     return _VocabParallelLoss.apply(local, labels, logits.device_mesh)
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor parameter (the tensor it computes with: rebinding its
+    storage rebinds the parameter's), or `p` itself."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def is_replicated(p: torch.Tensor) -> bool:
+    """Does every process of the TP group hold `p` whole (norms; K/V when tp > n_kv_heads)?"""
+    if isinstance(p, DTensor):
+        return all(isinstance(pl, Replicate) for pl in p.placements)
+    return True
+
+
+def whole_flat(model: nn.Module, flat: torch.Tensor) -> torch.Tensor:
+    """A flat vector over this process's shards of `model`'s trainable parameters (in their
+    order), put back together into the flat vector of the whole parameters (collective over the
+    TP group; for tests and debugging)."""
+    out, at = [], 0
+    for p in (p for p in model.parameters() if p.requires_grad):
+        local = local_tensor(p)
+        piece = flat[at : at + local.numel()].view(local.shape)
+        at += local.numel()
+        if isinstance(p, DTensor):
+            piece = DTensor.from_local(piece, p.device_mesh, p.placements).full_tensor()
+        out.append(piece.reshape(-1))
+    assert at == flat.numel(), (at, flat.numel())
+    return torch.cat(out)

@@ -26,6 +26,12 @@ with unequal micro-batch counts, and why buckets travel on their own communicato
 trainer/parallel/README.md). Checkpoints: `state_dict()` holds this rank's slice of the moments (and master weights when
 they are separate from the weights) marked with their global offsets (`checkpointable`), so DCP
 reshards them: a checkpoint of 4 ranks loads on 2 or 1, at any level.
+
+Under tensor parallelism (trainer.parallel.tensor) the optimizer of each TP index runs over the
+HDP ranks of that index, on the local shards of the DTensor parameters (`params` are the local
+tensors, `leaves` the autograd leaves the hooks watch); the global norm adds the squared norms of
+the TP group's shards and counts the parameters every TP member holds whole once (`tp_comm`,
+`replicated`).
 """
 
 from __future__ import annotations
@@ -81,12 +87,20 @@ class ZeroOptimizer:
         grad_comm: Communicator | None = None,
         cross_comm: Communicator | None = None,
         async_gather: bool = False,
+        leaves: Sequence[torch.Tensor] | None = None,
+        tp_comm: Communicator | None = None,
+        replicated: Sequence[bool] | None = None,
     ) -> None:
         if level not in (0, 1, 2):
             raise ValueError(f"zero level must be 0, 1 or 2, got {level!r}")
         self.params = list(params)
         if not self.params:
             raise ValueError("no parameters to optimize")
+        self.leaves = list(leaves) if leaves is not None else self.params
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
+        self.replicated = list(replicated) if replicated is not None else [False] * len(self.params)
+        if len(self.leaves) != len(self.params) or len(self.replicated) != len(self.params):
+            raise ValueError("leaves and replicated must match the parameters one for one")
         self.comm, self.level, self.rank = comm, level, comm.rank
         self.grad_comm = grad_comm if grad_comm is not None else comm
         self.cross_comm = cross_comm
@@ -174,11 +188,19 @@ class ZeroOptimizer:
         """Over `model`'s trainable parameters in registration order (forward order for
         trainer.model.transformer); `master`: a module of the same parameters in the accumulation dtype
         holding the initial weights (bfloat16 compute; not needed afterwards)."""
-        params = [p for p in model.parameters() if p.requires_grad]
+        from trainer.parallel.tensor import local_tensor
+
+        leaves = [p for p in model.parameters() if p.requires_grad]
+        params = [local_tensor(p) for p in leaves]
         masters = None
         if master is not None and master is not model:
-            masters = [p for p in master.parameters() if p.requires_grad]
-        return cls(params, comm, master_params=masters, **kwargs)
+            masters = [local_tensor(p) for p in master.parameters() if p.requires_grad]
+        mesh = getattr(model, "tp_mesh", None)
+        if mesh is not None and mesh.size() > 1:
+            from trainer.parallel.tensor import is_replicated
+
+            kwargs.setdefault("replicated", [is_replicated(p) for p in leaves])
+        return cls(params, comm, master_params=masters, leaves=leaves, **kwargs)
 
     # -- gradient accumulation ---------------------------------------------------------------------
 
@@ -188,7 +210,7 @@ class ZeroOptimizer:
         if not self._hooks:
             self._hooks = [
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                for i, p in enumerate(self.params)
+                for i, p in enumerate(self.leaves)
             ]
 
     def remove_hooks(self) -> None:
@@ -216,7 +238,7 @@ class ZeroOptimizer:
 
     def accumulate_grads(self) -> None:
         """Move every parameter's `.grad` into the buckets (the path without hooks)."""
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.leaves):
             if p.grad is not None:
                 self._add(i, p.grad)
                 p.grad = None
@@ -244,6 +266,12 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _add(self, i: int, grad: torch.Tensor) -> None:
+        if hasattr(grad, "to_local"):  # a DTensor parameter's gradient: this process's shard
+            # of it in the parameter's own layout (an embedding's can arrive replicated)
+            leaf = self.leaves[i]
+            if grad.placements != leaf.placements:
+                grad = grad.redistribute(leaf.device_mesh, leaf.placements)
+            grad = grad.to_local()
         g = grad.detach().reshape(-1)
         for b, ps, bs, n in self._parts[i]:
             self._bucket_buf(b)[bs : bs + n].add_(g[ps : ps + n])
@@ -344,10 +372,27 @@ class ZeroOptimizer:
         )
         if scale != 1.0:
             g.mul_(scale)
-        sq = torch.dot(g, g).reshape(1) if g.numel() else g.new_zeros(1)
+        sq = self._square_norm(g)
         if self.level > 0 and self.comm.size > 1:
             self.comm.all_reduce(sq)
+        if self.tp_comm is not None:
+            self.tp_comm.all_reduce(sq)
         return float(sq.sqrt())
+
+    def _square_norm(self, g: torch.Tensor) -> torch.Tensor:
+        """The slice's squared norm; under TP, what every TP member holds whole counts 1/tp, so
+        the TP group's sum counts it once."""
+        if g.numel() == 0:
+            return g.new_zeros(1)
+        if self.tp_comm is None or not any(self.replicated):
+            return torch.dot(g, g).reshape(1)
+        o0, o1 = self.own
+        whole = g.new_zeros(1)
+        shared = g.new_zeros(1)
+        for part in self.layout.parts(o0, o1):
+            seg = g[part.range_start : part.range_start + part.length]
+            (shared if self.replicated[part.param] else whole).add_(torch.dot(seg, seg))
+        return whole + shared / self.tp_comm.size
 
     @torch.no_grad()
     def apply(self, norm: float) -> None:
