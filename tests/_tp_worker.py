@@ -76,7 +76,7 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
         (loss / 29.0).backward()
         full = full_state_dict(model)
         grads = {
-            k.replace(".proj.", "."): (g.full_tensor() if isinstance(g, DTensor) else g)
+            k: (g.full_tensor() if isinstance(g, DTensor) else g)
             for k, g in ((k, p.grad) for k, p in model.named_parameters())
         }
         weight_err = max((full[k] - p).abs().max().item() for k, p in ref.named_parameters())
@@ -135,3 +135,57 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, "tp_exactness.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
+    """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
+    2nd step; 3 steps then resume to 6; static with full activation checkpointing for 3 steps.
+    Rank 0 writes the loss curves to out_dir/losses.json."""
+    from _train_worker import train_config
+
+    from trainer.parallel.runtime import setup_runtime
+    from trainer.train import run_training
+
+    init_local_gloo(rank, world, port, timeout_s=60)
+    try:
+        rt = setup_runtime("cpu", tp=2)
+        torch.set_num_threads(1)
+        tp = {"tp": 2}
+        straight = run_training(
+            train_config(
+                data,
+                os.path.join(out_dir, "straight"),
+                parallel=tp,
+                metrics={"compare": "static", "compare_interval": 2},
+            ),
+            rt,
+        )
+        part = os.path.join(out_dir, "part")
+        first = run_training(train_config(data, part, parallel=tp, train={"stop_after": 3}), rt)
+        second = run_training(
+            train_config(data, part, parallel=tp, checkpoint={"resume": True}), rt
+        )
+        static = run_training(
+            train_config(
+                data,
+                os.path.join(out_dir, "static"),
+                train={"steps": 3, "activation_checkpoint": "full"},
+                parallel={"policy": "static", **tp},
+                checkpoint={"dir": None},
+            ),
+            rt,
+        )
+        out = {
+            "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
+            "straight": straight["losses"],
+            "val": straight["val_losses"],
+            "first": first["losses"],
+            "second": second["losses"],
+            "second_start": second["start_step"],
+            "static": static["losses"],
+        }
+        with open(os.path.join(out_dir, f"losses{rank}.json"), "w") as f:
+            json.dump(out, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

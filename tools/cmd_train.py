@@ -78,7 +78,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from trainer.config.toml import load_config, to_toml
-    from trainer.islands.config import ranks_per_island
 
     if args.config is None and not args.print_config:
         raise ConfigError("a config file is required (e.g. configs/debug.toml)")
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not under_torchrun:
-        ranks_per_island(cfg.parallel.islands, args.nproc)  # once, before any rank starts
+        cfg.parallel.ranks_per_island(args.nproc)  # once, before any rank starts
     if args.nproc > 1 and not under_torchrun:
         from trainer.train import preflight
 

@@ -41,7 +41,7 @@ def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any
     cfg.validate()
     check_model_fits(cfg.model.shape(), cfg.train.dtype, cfg.train.device, cfg.model.key_of)
     own_rt = rt is None
-    rt = rt or setup_runtime(cfg.train.device, cfg.parallel.islands)
+    rt = rt or setup_runtime(cfg.train.device, cfg.parallel.islands, cfg.parallel.tp)
     try:
         with Trainer(cfg, rt) as trainer:
             return trainer.train()

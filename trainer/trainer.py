@@ -80,10 +80,11 @@ def build_optimizer(
     comm: Communicator,
     grad_comm: Communicator,
     cross: Communicator | None,
+    tp_comm: Communicator | None = None,
 ) -> ZeroOptimizer:
     """The island's AdamW (`[train]`) at ZeRO level `level` (`cross`: sum gradients across
-    islands, sync mode). The weight all-gather of a step is left in flight until the next step
-    needs it."""
+    islands, sync mode; `tp_comm`: the TP group, whose shards make the global norm). The weight
+    all-gather of a step is left in flight until the next step needs it."""
     return ZeroOptimizer.for_model(
         model,
         comm,
@@ -96,6 +97,7 @@ def build_optimizer(
         grad_comm=grad_comm,
         cross_comm=cross,
         async_gather=True,
+        tp_comm=tp_comm,
     )
 
 
@@ -134,7 +136,12 @@ class Trainer:
         self.data = cfg.train_data(rt.rank, rt.world, self._stack, island=rt.island)
         # resume before the first step
         self.state = ModelState(
-            self.model, self.zero, self.cross, rt.island, prefixed=self.cross is not None
+            self.model,
+            self.zero,
+            self.cross,
+            rt.island,
+            prefixed=self.cross is not None,
+            tp_rank=rt.tp_rank if rt.tp > 1 else None,
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg, self.state, self.scheduler, rt.run_comm, rt.device, self.hooks
@@ -155,6 +162,11 @@ class Trainer:
         load = None if pre is None else functools.partial(load_pretrained_weights, pretrained=pre)
         shape = cfg.model.shape()
         self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, load)
+        if rt.tp > 1:  # every TP member built the whole model from one seed: each keeps its shards
+            from trainer.parallel.tensor import parallelize
+
+            for m in {id(self.model): self.model, id(master): master}.values():
+                parallelize(m, rt.tp_mesh)
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)
@@ -166,6 +178,7 @@ class Trainer:
             rt.comm,
             rt.grad_comm,
             cross if mode == "sync" else None,
+            rt.tp_comm,
         )
         del master  # its values are in the optimizer's master weights now
         self.optimizer = self.zero.optimizer

@@ -122,6 +122,29 @@ class TrainerConfig:
             check(getattr(self, f.name), Names(f.name))
         self._validate_offload()
         self._validate_compare()
+        self._validate_tp()
+
+    def _validate_tp(self) -> None:
+        """Tensor parallelism needs a shape it can split, and is refused where it is not yet
+        built (activation offload, CO2 islands)."""
+        tp = self.parallel.tp
+        if tp == 1:
+            return
+        key = self.key(self.parallel, "tp")
+        problem = self.model.shape().tp_problem(tp)
+        if problem:
+            raise ConfigError(f"{key}: {problem}")
+        if self.offload.enabled:
+            raise ConfigError(
+                f"{key}: {tp} with activation offload ({self.key(self.offload, 'enabled')}): "
+                "not built yet for tensor-parallel shards; set parallel.tp = 1 or turn offload off"
+            )
+        if self.parallel.islands > 1:
+            raise ConfigError(
+                f"{key}: {tp} with {self.key(self.parallel, 'islands')} = "
+                f"{self.parallel.islands}: CO2 islands are not built yet for tensor-parallel "
+                "ranks; use one island"
+            )
 
     def _validate_offload(self) -> None:
         """A planned offload needs a policy that offloads and the model's layer count in the cost

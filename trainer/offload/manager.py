@@ -186,7 +186,9 @@ class _Microbatch:
         j = offload_blocks(ratio, n_blocks)
         self.offload = [i < j for i in range(n_blocks)]
         self.checkpointed = mgr.policy.checkpointed(n_blocks)
-        self.frozen = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        from trainer.parallel.tensor import local_tensor  # a DTensor parameter's own shard
+
+        self.frozen = {local_tensor(t).untyped_storage().data_ptr() for t in model.parameters()}
         self.frozen |= {t.untyped_storage().data_ptr() for t in model.buffers()}
         self.stats = MicrobatchStats(ratio, j, sum(self.checkpointed), [0] * n_blocks)
         self.entries: dict[int, _Entry] = {}  # by storage address

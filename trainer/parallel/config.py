@@ -42,13 +42,26 @@ class ParallelConfig:
         lo=1,
         hi=1 << 16,
     )
+    tp: int = setting(
+        1,
+        help="tensor-parallel processes per rank (adjacent processes; the world is islands x "
+        "ranks per island x tp): they split the model's heads, SwiGLU units and vocabulary and "
+        "run the same micro-batches, one rank to the planner (README, Tensor parallelism)",
+        choices=(1, 2, 4, 8),
+    )
 
     def validate(self, names: Names) -> None:
         self.cost_model(names)
 
     def ranks_per_island(self, world: int) -> int:
-        """N of a run of `world` ranks (ConfigError unless `islands` divides it)."""
-        return ranks_per_island(self.islands, world)
+        """N of a run of `world` processes: its HDP ranks per island (ConfigError unless `tp`
+        and then `islands` divide it)."""
+        if world % self.tp:
+            raise ConfigError(
+                f"parallel.tp: {self.tp} tensor-parallel processes per rank do not divide the "
+                f"{world} processes of the run (world = islands x ranks per island x tp)"
+            )
+        return ranks_per_island(self.islands, world // self.tp)
 
     def zero_level(self, ranks: int) -> int:
         """The ZeRO level of an island of `ranks` ranks (`zero`, default 1 if ranks > 1)."""

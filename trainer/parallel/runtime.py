@@ -8,6 +8,12 @@ agreement and step statistics, one for the bucketed gradient reductions ZeRO lau
 last backward (on NCCL a reduction queued on the ring's communicator would hold that backward's
 ring hops behind a collective the other members join only after their own last micro-batch).
 Rank i of every island shares a cross-island group (CO2's slice averages, sync's gradients).
+
+With `tp` tensor-parallel processes per rank (`[parallel] tp`) the world is islands x N x tp:
+process p is TP member p mod tp of HDP rank p // tp (TP members adjacent, on one node). The
+island, gradient and cross-island groups above are made for each TP index over the processes of
+that index, so rings, plan agreement and ZeRO run per TP index as they would without TP; the TP
+group (`tp_mesh`, a DeviceMesh dimension, and `tp_comm`) holds the members of one rank.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +72,8 @@ class IslandGroups:
     comm: Communicator
     grad_comm: Communicator
     cross_comm: Communicator
+    tp_comm: Communicator | None = None
+    tp_mesh: Any = None
 
 
 @dataclass
@@ -84,6 +93,10 @@ class Runtime:
     grad_comm: Communicator | None = None  # default: comm
     cross_comm: Communicator | None = None  # default: a one-rank SoloComm
     run_comm: Communicator | None = None  # default: comm
+    tp: int = 1  # tensor-parallel processes per rank
+    tp_rank: int = 0  # this process's index in its TP group
+    tp_comm: Communicator | None = None  # the TP group (None at tp 1)
+    tp_mesh: Any = None  # its DeviceMesh (None at tp 1)
 
     def __post_init__(self) -> None:
         if self.grad_comm is None:
@@ -95,11 +108,13 @@ class Runtime:
 
     @property
     def global_rank(self) -> int:
-        return self.island * self.world + self.rank
+        """This process's rank in the run (0 writes the run's files)."""
+        return (self.island * self.world + self.rank) * self.tp + self.tp_rank
 
     @property
     def global_world(self) -> int:
-        return self.islands * self.world
+        """Processes in the run."""
+        return self.islands * self.world * self.tp
 
     def close(self) -> None:
         """Tear down the process group if this runtime created it."""
@@ -111,35 +126,57 @@ def _comm(group: dist.ProcessGroup | None, size: int) -> Communicator:
     return SoloComm() if size == 1 else TorchComm(group)
 
 
-def island_groups(islands: int) -> IslandGroups:
-    """Create the island, gradient and cross-island groups of the world (collective: every rank
-    creates every group, in one order, as torch.distributed.new_group requires)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    n = ranks_per_island(islands, world)
+def island_groups(islands: int, tp: int = 1) -> IslandGroups:
+    """Create the island, gradient and cross-island groups of the world for each TP index, and
+    the TP groups (collective: every rank creates every group, in one order, as
+    torch.distributed.new_group requires)."""
+    world, proc = dist.get_world_size(), dist.get_rank()
+    n = ranks_per_island(islands, world // tp)
+    rank, t = divmod(proc, tp)  # HDP rank across islands, TP index
     island, local = divmod(rank, n)
     comm = grad = cross = None
-    for j in range(islands):
-        members = list(range(j * n, (j + 1) * n))
-        g = dist.group.WORLD if islands == 1 else dist.new_group(members) if n > 1 else None
-        gg = dist.new_group(members) if n > 1 else None
-        if j == island:
-            comm, grad = _comm(g, n), _comm(gg, n)
-    for i in range(n):
-        g = dist.new_group(list(range(i, world, n))) if islands > 1 else None
-        if i == local:
-            cross = _comm(g, islands)
+    for ti in range(tp):
+        for j in range(islands):
+            members = [(j * n + r) * tp + ti for r in range(n)]
+            whole = islands == 1 and tp == 1
+            g = dist.group.WORLD if whole else dist.new_group(members) if n > 1 else None
+            gg = dist.new_group(members) if n > 1 else None
+            if (j, ti) == (island, t):
+                comm, grad = _comm(g, n), _comm(gg, n)
+        for i in range(n):
+            members = [(j * n + i) * tp + ti for j in range(islands)]
+            g = dist.new_group(members) if islands > 1 else None
+            if (i, ti) == (local, t):
+                cross = _comm(g, islands)
     assert comm is not None and grad is not None and cross is not None
-    return IslandGroups(island, islands, comm, grad, cross)
+    tp_comm = tp_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(_mesh_device(), (world // tp, tp), mesh_dim_names=("rank", "tp"))
+        tp_mesh = mesh["tp"]
+        tp_comm = TorchComm(mesh.get_group("tp"))
+    return IslandGroups(island, islands, comm, grad, cross, tp_comm, tp_mesh)
 
 
-def setup_runtime(device: str = "auto", islands: int = 1) -> Runtime:
+def _mesh_device() -> str:
+    """The device type of this process group's tensors ("cuda" on NCCL)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def setup_runtime(device: str = "auto", islands: int = 1, tp: int = 1) -> Runtime:
     """Join the process group named by torchrun's environment (or run as one process) and create
-    the island groups of `islands` islands."""
+    the island groups of `islands` islands of ranks of `tp` processes."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
         world = dist.get_world_size()
-    ranks_per_island(islands, world)  # before joining: every rank raises the same error
+    if world % tp:  # before joining: every rank raises the same error
+        raise ConfigError(
+            f"parallel.tp: {tp} tensor-parallel processes per rank do not divide the {world} "
+            "processes of the run"
+        )
+    ranks_per_island(islands, world // tp)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
@@ -168,9 +205,9 @@ def setup_runtime(device: str = "auto", islands: int = 1) -> Runtime:
         )
         owns = True
     if dist.is_initialized() and dist.get_world_size() > 1:
-        groups = island_groups(islands)
+        groups = island_groups(islands, tp)
         dist.barrier()
-        n = dist.get_world_size() // islands
+        n = dist.get_world_size() // islands // tp
         return Runtime(
             groups.comm.rank,
             n,
@@ -182,7 +219,11 @@ def setup_runtime(device: str = "auto", islands: int = 1) -> Runtime:
             islands=islands,
             grad_comm=groups.grad_comm,
             cross_comm=groups.cross_comm,
-            run_comm=groups.comm if islands == 1 else TorchComm(),
+            run_comm=groups.comm if islands == 1 and tp == 1 else TorchComm(),
+            tp=tp,
+            tp_rank=dist.get_rank() % tp,
+            tp_comm=groups.tp_comm,
+            tp_mesh=groups.tp_mesh,
         )
     return Runtime(0, 1, 0, dev, SoloComm(), owns)
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -47,9 +47,12 @@ __all__ = [
     "check_tp",
     "full_state_dict",
     "is_replicated",
+    "local_grad",
     "local_tensor",
+    "optimizer_params",
     "parallelize",
     "sharded_logits",
+    "square_norm",
     "tp_mesh",
     "vocab_parallel_loss",
     "whole_flat",
@@ -76,27 +79,22 @@ def tp_mesh(tp: int, device_type: str = "cpu") -> DeviceMesh:
     return mesh["tp"]
 
 
-class _ReplicatedKV(nn.Module):
-    """K or V projection replicated over the TP group (tp > n_kv_heads): the whole projection is
-    computed on every process, its heads repeated to tp groups, and each process keeps its own
-    group's (a local chunk; the backward all-gathers the groups' gradients)."""
+def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    (x,) = inputs
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False),)
 
-    def __init__(self, proj: nn.Linear, mesh: DeviceMesh, n_kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.proj = proj
-        self.mesh = mesh
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.repeat = mesh.size() // n_kv_heads
-        for name, p in list(proj.named_parameters(recurse=False)):
-            dp = nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]), p.requires_grad)
-            proj.register_parameter(name, dp)
 
-    def forward(self, x_TC: torch.Tensor) -> torch.Tensor:
-        T = x_TC.shape[0]
-        x = DTensor.from_local(x_TC, self.mesh, [Replicate()], run_check=False)
-        y = self.proj(x).view(T, self.n_kv_heads, self.head_dim)
-        y = y.repeat_interleave(self.repeat, dim=1)  # [T, tp, hd]: one head per process
-        return y.redistribute(self.mesh, [Shard(1)]).to_local().reshape(T, self.head_dim)
+def _own_kv_heads(n_kv_heads: int, head_dim: int) -> Any:
+    """An output_fn of distribute_module: the whole K or V projection (replicated) -> this
+    process's K/V head: the heads repeated to one per process, then each keeps its own (a local
+    chunk; the backward all-gathers the processes' gradients)."""
+
+    def output_fn(module: nn.Module, y: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        T = y.shape[0]
+        y = y.view(T, n_kv_heads, head_dim).repeat_interleave(mesh.size() // n_kv_heads, dim=1)
+        return y.redistribute(mesh, [Shard(1)]).to_local().reshape(T, head_dim)
+
+    return output_fn
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -125,10 +123,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             layer_plan["attention.wk"] = ColwiseParallel()
             layer_plan["attention.wv"] = ColwiseParallel()
         parallelize_module(block, mesh, layer_plan)
-        if not split_kv:
-            att = block.attention
-            att.wk = _ReplicatedKV(att.wk, mesh, cfg.n_kv_heads, cfg.head_dim)
-            att.wv = _ReplicatedKV(att.wv, mesh, cfg.n_kv_heads, cfg.head_dim)
+        if not split_kv:  # K/V weights replicated (torch's distribute_module), heads picked
+            own = _own_kv_heads(cfg.n_kv_heads, cfg.head_dim)
+            for proj in (block.attention.wk, block.attention.wv):
+                distribute_module(proj, mesh, None, _replicated_input, own)
     model.tp_mesh = mesh
     return model
 
@@ -139,7 +137,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[name.replace(".proj.", ".")] = t.detach()
+        out[name] = t.detach()
     return out
 
 
@@ -217,3 +215,42 @@ def whole_flat(model: nn.Module, flat: torch.Tensor) -> torch.Tensor:
         out.append(piece.reshape(-1))
     assert at == flat.numel(), (at, flat.numel())
     return torch.cat(out)
+
+
+def optimizer_params(
+    model: nn.Module, master: nn.Module | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[bool] | None]:
+    """For trainer.parallel.zero: the tensors the optimizer binds (local shards), the autograd
+    leaves, the master module's local shards (None without a separate master) and which
+    parameters every TP member holds whole (None without TP)."""
+    leaves = [p for p in model.parameters() if p.requires_grad]
+    params = [local_tensor(p) for p in leaves]
+    masters = None
+    if master is not None and master is not model:
+        masters = [local_tensor(p) for p in master.parameters() if p.requires_grad]
+    mesh = getattr(model, "tp_mesh", None)
+    replicated = [is_replicated(p) for p in leaves] if mesh is not None else None
+    return params, leaves, masters, replicated
+
+
+def square_norm(g: torch.Tensor, parts: Any, replicated: list[bool], tp_comm: Any) -> torch.Tensor:
+    """Squared norm [1] of a flat gradient slice whose `parts` (trainer.parallel.slices.Part)
+    map it to parameters; under TP (`tp_comm`) a parameter every member holds whole counts 1/tp,
+    so the sum over the TP group counts it once."""
+    if g.numel() == 0:
+        return g.new_zeros(1)
+    if tp_comm is None or not any(replicated):
+        return torch.dot(g, g).reshape(1)
+    whole, shared = g.new_zeros(1), g.new_zeros(1)
+    for part in parts:
+        seg = g[part.range_start : part.range_start + part.length]
+        (shared if replicated[part.param] else whole).add_(torch.dot(seg, seg))
+    return whole + shared / tp_comm.size
+
+
+def local_grad(grad: DTensor, leaf: DTensor) -> torch.Tensor:
+    """This process's shard of a DTensor parameter's gradient, in the parameter's own layout (an
+    embedding's gradient can arrive replicated)."""
+    if grad.placements != leaf.placements:
+        grad = grad.redistribute(leaf.device_mesh, leaf.placements)
+    return grad.to_local()

@@ -4,34 +4,25 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
 (`trainer.parallel.slices.FlatLayout`). Each step:
 
 1. Micro-batches accumulate their gradients into accumulation-dtype buckets (pieces of the
-   per-rank slices): from post-accumulate-grad hooks (`install_hooks`, the parameter's `.grad` is
-   freed at once) or by `accumulate_grads()` after a backward.
-2. After the rank's last micro-batch the buckets are reduced to their owners. With hooks, each
-   bucket is launched (async) as soon as every parameter in it has its final gradient of the
-   last micro-batch, so communication overlaps the rest of that backward. Buckets are launched in
-   one fixed order (a ready bucket waits for the ones before it), so every rank issues the same
-   sequence of collectives whatever order its hooks fire in; `finish_backward()` launches the rest
-   (ranks without micro-batches launch everything there). Without hooks one reduce-scatter (zero 1)
-   or all-reduce (zero 0) of the whole buffer runs instead.
-3. `step(scale)` = `reduce(scale)`: wait, optionally all-reduce the slice across islands
-   (`sync`), scale by 1 / labelled positions, global norm (squared slice norms, one 1-element
-   all-reduce); then `apply(norm)`: clip by the global norm, AdamW on the slice (element-wise, so
-   a flat slice steps exactly as `torch.optim.AdamW` on the whole model: `self.optimizer` IS a
-   torch AdamW over the slice, for the LR schedule), then all-gather the updated weights into every rank's compute-dtype parameters
-   (by bucket, in forward order; `async_gather=True` leaves the wait to `wait_weights()`).
+   per-rank slices), from post-accumulate-grad hooks (`install_hooks`; `.grad` freed at once) or
+   `accumulate_grads()` after a backward.
+2. After the rank's last micro-batch the buckets are reduced to their owners: with hooks each is
+   launched (async) once its parameters have their final gradients, in one fixed order (a ready
+   bucket waits for those before it) so every rank issues the same collectives, overlapping the
+   rest of that backward; `finish_backward()` launches the rest (everything, on a rank without
+   micro-batches). Without hooks one reduce-scatter (zero 1) or all-reduce (zero 0) runs.
+3. `step(scale)` = `reduce(scale)` (wait; all-reduce across islands in `sync`; scale by 1 /
+   labelled positions; global norm from squared slice norms) then `apply(norm)`: clip, AdamW on
+   the slice (`self.optimizer` IS a torch AdamW over it: element-wise, so exactly the whole
+   model's step), all-gather the new weights by bucket in forward order (`async_gather=True`
+   leaves the wait to `wait_weights()`).
 
-Levels: zero 0 keeps everything on every rank (all-reduce, no gather); zero 1 shards master
-weights and moments; zero 2 also shards the gradient buffer where HDP allows it (what that saves
-with unequal micro-batch counts, and why buckets travel on their own communicator:
-trainer/parallel/README.md). Checkpoints: `state_dict()` holds this rank's slice of the moments (and master weights when
-they are separate from the weights) marked with their global offsets (`checkpointable`), so DCP
-reshards them: a checkpoint of 4 ranks loads on 2 or 1, at any level.
-
-Under tensor parallelism (trainer.parallel.tensor) the optimizer of each TP index runs over the
-HDP ranks of that index, on the local shards of the DTensor parameters (`params` are the local
-tensors, `leaves` the autograd leaves the hooks watch); the global norm adds the squared norms of
-the TP group's shards and counts the parameters every TP member holds whole once (`tp_comm`,
-`replicated`).
+Levels: zero 0 keeps everything on every rank; zero 1 shards master weights and moments; zero 2
+also the gradient buffer where HDP allows it (trainer/parallel/README.md). `state_dict()` marks
+this rank's slices with their global offsets (`checkpointable`): DCP reshards them to any rank
+count and level. Tensor parallelism: one optimizer per TP index over its HDP ranks, on the
+DTensor parameters' local shards (`params`; `leaves`, the autograd leaves, get the hooks);
+trainer.parallel.tensor's `square_norm` makes the global norm (`tp_comm`, `replicated`).
 """
 
 from __future__ import annotations
@@ -48,6 +39,7 @@ from trainer.attention.local import accum_dtype
 from trainer.parallel.comm import Communicator, Handle
 from trainer.parallel.slices import FlatLayout, checkpointable
 from trainer.parallel.stats import ReduceStats
+from trainer.parallel.tensor import local_grad, square_norm
 
 __all__ = ["ZeroOptimizer"]
 
@@ -98,9 +90,8 @@ class ZeroOptimizer:
             raise ValueError("no parameters to optimize")
         self.leaves = list(leaves) if leaves is not None else self.params
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
-        self.replicated = list(replicated) if replicated is not None else [False] * len(self.params)
-        if len(self.leaves) != len(self.params) or len(self.replicated) != len(self.params):
-            raise ValueError("leaves and replicated must match the parameters one for one")
+        self.replicated = list(replicated) if replicated else [False] * len(self.params)
+        assert len(self.leaves) == len(self.replicated) == len(self.params)
         self.comm, self.level, self.rank = comm, level, comm.rank
         self.grad_comm = grad_comm if grad_comm is not None else comm
         self.cross_comm = cross_comm
@@ -129,8 +120,7 @@ class ZeroOptimizer:
         self.begin_step()
 
     def _init_master(self, master_params: Sequence[torch.Tensor] | None, dev: torch.device) -> None:
-        """The accumulation-dtype master weights of the owned range (the weights themselves when
-        the compute dtype is the accumulation dtype)."""
+        """The owned range's accumulation-dtype master weights (or the weights themselves)."""
         lay, acc, (o0, o1) = self.layout, self.acc_dtype, self.own
         self.separate_master = self.compute_dtype != acc
         self._master_flat: torch.Tensor | None = None
@@ -188,18 +178,10 @@ class ZeroOptimizer:
         """Over `model`'s trainable parameters in registration order (forward order for
         trainer.model.transformer); `master`: a module of the same parameters in the accumulation dtype
         holding the initial weights (bfloat16 compute; not needed afterwards)."""
-        from trainer.parallel.tensor import local_tensor
+        from trainer.parallel.tensor import optimizer_params
 
-        leaves = [p for p in model.parameters() if p.requires_grad]
-        params = [local_tensor(p) for p in leaves]
-        masters = None
-        if master is not None and master is not model:
-            masters = [local_tensor(p) for p in master.parameters() if p.requires_grad]
-        mesh = getattr(model, "tp_mesh", None)
-        if mesh is not None and mesh.size() > 1:
-            from trainer.parallel.tensor import is_replicated
-
-            kwargs.setdefault("replicated", [is_replicated(p) for p in leaves])
+        params, leaves, masters, replicated = optimizer_params(model, master)
+        kwargs.setdefault("replicated", replicated)
         return cls(params, comm, master_params=masters, leaves=leaves, **kwargs)
 
     # -- gradient accumulation ---------------------------------------------------------------------
@@ -244,8 +226,7 @@ class ZeroOptimizer:
                 p.grad = None
 
     def finish_backward(self) -> None:
-        """After the rank's last micro-batch (or at once on a rank without micro-batches): launch
-        every reduction not launched yet."""
+        """After the rank's last micro-batch (or none): launch every reduction not launched."""
         self._early = len(self._handles)
         if not self._hooks and self.level < 2 and not self._handles:
             self._reduce_whole()
@@ -266,12 +247,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _add(self, i: int, grad: torch.Tensor) -> None:
-        if hasattr(grad, "to_local"):  # a DTensor parameter's gradient: this process's shard
-            # of it in the parameter's own layout (an embedding's can arrive replicated)
-            leaf = self.leaves[i]
-            if grad.placements != leaf.placements:
-                grad = grad.redistribute(leaf.device_mesh, leaf.placements)
-            grad = grad.to_local()
+        if hasattr(grad, "to_local"):  # a DTensor parameter's: this process's shard of it
+            grad = local_grad(grad, self.leaves[i])
         g = grad.detach().reshape(-1)
         for b, ps, bs, n in self._parts[i]:
             self._bucket_buf(b)[bs : bs + n].add_(g[ps : ps + n])
@@ -372,27 +349,12 @@ class ZeroOptimizer:
         )
         if scale != 1.0:
             g.mul_(scale)
-        sq = self._square_norm(g)
+        sq = square_norm(g, self.layout.parts(*self.own), self.replicated, self.tp_comm)
         if self.level > 0 and self.comm.size > 1:
             self.comm.all_reduce(sq)
         if self.tp_comm is not None:
             self.tp_comm.all_reduce(sq)
         return float(sq.sqrt())
-
-    def _square_norm(self, g: torch.Tensor) -> torch.Tensor:
-        """The slice's squared norm; under TP, what every TP member holds whole counts 1/tp, so
-        the TP group's sum counts it once."""
-        if g.numel() == 0:
-            return g.new_zeros(1)
-        if self.tp_comm is None or not any(self.replicated):
-            return torch.dot(g, g).reshape(1)
-        o0, o1 = self.own
-        whole = g.new_zeros(1)
-        shared = g.new_zeros(1)
-        for part in self.layout.parts(o0, o1):
-            seg = g[part.range_start : part.range_start + part.length]
-            (shared if self.replicated[part.param] else whole).add_(torch.dot(seg, seg))
-        return whole + shared / self.tp_comm.size
 
     @torch.no_grad()
     def apply(self, norm: float) -> None:
@@ -426,29 +388,22 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def gather_master(self) -> torch.Tensor:
-        """The whole accumulation-dtype master weights on every rank: a copy (collective at
-        zero 1/2; for tests and debugging)."""
-        n = self.layout.numel
-        if self.level == 0:
-            base = self._master_flat if self._master_flat is not None else self.flat_params
-            return base[:n].clone()
-        flat = self.layout.new_flat(self.acc_dtype, self.master.device)
-        o0, o1 = self.own
-        flat[o0:o1].copy_(self.master)
-        self.comm.all_gather_into(flat)
-        return flat[:n]
+        """A copy of the whole master weights on every rank (collective; tests, debugging)."""
+        base = self._master_flat if self._master_flat is not None else self.flat_params
+        return self._gather(self.master, base)
 
     @torch.no_grad()
     def gather_grad(self) -> torch.Tensor:
-        """The whole reduced gradient (between `reduce` and `apply`), on every rank: a copy
-        (collective at zero 1/2; for tests and debugging)."""
+        """A copy of the whole reduced gradient on every rank, between `reduce` and `apply`."""
+        return self._gather(self.grad, self.grad_flat)
+
+    def _gather(self, own: torch.Tensor, whole: torch.Tensor | None) -> torch.Tensor:
         n = self.layout.numel
         if self.level == 0:
-            assert self.grad_flat is not None
-            return self.grad_flat[:n].clone()
-        flat = self.layout.new_flat(self.acc_dtype, self.grad.device)
-        o0, o1 = self.own
-        flat[o0:o1].copy_(self.grad)
+            assert whole is not None
+            return whole[:n].clone()
+        flat = self.layout.new_flat(self.acc_dtype, own.device)
+        flat[self.own[0] : self.own[1]].copy_(own)
         self.comm.all_gather_into(flat)
         return flat[:n]
 
