@@ -137,12 +137,14 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
+def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:
     """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
-    2nd step; 3 steps then resume to 6; static with full activation checkpointing for 3 steps.
-    Rank 0 writes the loss curves to out_dir/losses.json."""
+    2nd step; 3 steps then resume to 6; static with full activation checkpointing for 3 steps; one
+    step from the Hugging Face folder `pretrained`. Each process writes the loss curves to
+    out_dir/losses{rank}.json."""
     from _train_worker import train_config
 
+    from trainer.model.config import ModelSection
     from trainer.parallel.runtime import setup_runtime
     from trainer.train import run_training
 
@@ -175,7 +177,14 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str) -> Non
             ),
             rt,
         )
+        pre = train_config(
+            data, os.path.join(out_dir, "pre"), parallel=tp, checkpoint={"dir": None}
+        )
+        pre.model = ModelSection(pretrained=pretrained)
+        pre.train.steps = 1
+        first = run_training(pre, rt)
         out = {
+            "pretrained": first["losses"],
             "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
             "straight": straight["losses"],
             "val": straight["val_losses"],

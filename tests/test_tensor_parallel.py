@@ -4,9 +4,11 @@ per-process parameter count and model-state table (`--tp`) against hand arithmet
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import _tp_worker
 import pytest
+from _hf_reference import hf_model, save
 
 from datapipe.plan.memory import format_preset_memory, model_state_bytes, preset_memory
 from datapipe.shapes import MODEL_CONFIGS
@@ -135,7 +137,10 @@ def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
     torch.set_num_threads(1)
     data = make_dataset(str(tmp_path / "ds"))
     ref = reference_run(train_config(data, str(tmp_path / "ref")))
-    spawn(_tp_worker.train_main, WORLD, (WORLD, free_port(), data, str(tmp_path)), timeout=280)
+    hf = hf_model("llama-llama3", vocab_size=300, bos_token_id=256, eos_token_id=257)
+    folder = save(hf, str(tmp_path / "llama"))
+    args = (WORLD, free_port(), data, str(tmp_path), folder)
+    spawn(_tp_worker.train_main, WORLD, args, timeout=280)
     runs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in range(WORLD)]
     assert [r["world"] for r in runs] == [[2, 2, p % 2, p, 4] for p in range(WORLD)]
     got = runs[0]
@@ -157,3 +162,63 @@ def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
     assert flat.shape == ref["weights"].shape
     err = float((flat - ref["weights"]).norm() / ref["weights"].norm())
     assert err < 1e-5, err
+    # from a Hugging Face Llama (tied embeddings, GQA) at tp 2: transformers' loss of that batch
+    assert got["pretrained"][0] == pytest.approx(hf_first_loss(hf, data), rel=1e-5)
+
+
+def hf_first_loss(hf, data: str) -> float:
+    """transformers' loss of the first global batch of `train_config(data)`: token losses summed
+    over the batch's samples, divided by its labelled positions (the same stream and split as
+    test_reference_trainer.reference_run)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from _train_worker import train_config
+    from readback import read_rows, samples_from_rows
+
+    from datapipe.stream import held_out_mask
+
+    cfg = train_config(data, "unused")
+    manifest = json.loads((Path(data) / "manifest.json").read_text())
+    by_id = samples_from_rows(read_rows(data, manifest))
+    lengths = np.array([len(by_id[i]) for i in range(len(by_id))], dtype=np.int64)
+    ids = np.arange(len(lengths), dtype=np.int64)
+    train_ids = ids[~held_out_mask(ids, cfg.data.stream.seed, cfg.data.val_fraction)]
+    stream = cfg.data.stream.build(lengths[train_ids], cfg.train.global_batch_tokens)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in train_ids[next(stream).sample_ids]:
+            x = torch.as_tensor(np.asarray(by_id[i], dtype=np.int64))
+            logits = hf(x[None]).logits[0]
+            total += float(F.cross_entropy(logits[:-1].double(), x[1:], reduction="sum"))
+            count += len(x) - 1
+    return total / count
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"parallel": {"tp": 4}}, "parallel.tp: 4 does not divide the model's vocab_size (258)"),
+        ({"parallel": {"tp": 3}}, "parallel.tp"),
+        ({"parallel": {"tp": 2}, "offload": {"enabled": True}}, "with activation offload"),
+        ({"parallel": {"tp": 2, "islands": 2}}, "CO2 islands are not built yet"),
+    ],
+)
+def test_tp_config_refusals(sections, message) -> None:
+    from _train_worker import train_config
+
+    from datapipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        train_config("unused", "unused", **sections).validate()
+
+
+def test_tp_must_divide_the_processes() -> None:
+    from _train_worker import train_config
+
+    from datapipe.errors import ConfigError
+
+    cfg = train_config("unused", "unused", parallel={"tp": 2})
+    assert cfg.parallel.ranks_per_island(4) == 2
+    with pytest.raises(ConfigError, match="parallel.tp: 2 tensor-parallel processes per rank"):
+        cfg.parallel.ranks_per_island(3)

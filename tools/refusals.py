@@ -7,7 +7,6 @@ each row's message against the module that raises it, and each row's test agains
 
 from __future__ import annotations
 
-import argparse
 from typing import NamedTuple
 
 __all__ = ["BEGIN", "END", "REFUSALS", "Refusal", "markdown", "replace_table"]
@@ -188,6 +187,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "datapipe/mix/state.py",
         "tests/test_mixture.py::test_a_resume_on_other_sources_is_refused_naming_the_source",
     ),
+    Refusal(
+        "train, plan, simulate",
+        "`parallel.tp` (or `--tp`) that does not split the model's heads, SwiGLU width, "
+        "vocabulary or K/V heads; tp with activation offload or with islands; another tp on "
+        "resume",
+        "does not divide the model's",
+        "datapipe/shapes.py",
+        "tests/test_tensor_parallel.py::test_tp_config_refusals",
+    ),
 )
 
 
@@ -205,25 +213,12 @@ def markdown() -> str:
 
 def replace_table(text: str) -> str:
     """`text` with the part between BEGIN and END replaced by `markdown()`."""
-    head, sep, rest = text.partition(BEGIN)
-    if not sep or END not in rest:
-        raise ValueError(f"the markers {BEGIN!r} and {END!r} are missing")
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{markdown()}{END}{tail}"
+    from trainer.config.reference import replace_between
 
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write", metavar="README.md", help="replace the table in this file")
-    args = p.parse_args()
-    if args.write:
-        with open(args.write) as f:
-            text = f.read()
-        with open(args.write, "w") as f:
-            f.write(replace_table(text))
-    else:
-        print(markdown(), end="")
+    return replace_between(text, BEGIN, END, markdown())
 
 
 if __name__ == "__main__":
-    main()
+    from trainer.config.reference import generator_main
+
+    generator_main(__doc__.split("\n\n")[0], markdown, replace_table)

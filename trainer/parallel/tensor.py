@@ -18,9 +18,9 @@ matmul collectives) to a `trainer.model.transformer.Transformer`:
 The logits stay sharded over the vocabulary (a DTensor `Shard(-1)`) and the loss is torch's
 vocabulary-parallel cross-entropy (`loss_parallel`): no process materialises [T, V] logits.
 The loss rule is unchanged: the model returns the SUM of token losses and the labelled count.
-Every process of a TP group runs the same micro-batch and attends with its own heads. Not yet
-wired into the trainer (README, "Tensor parallelism"): there a ring over HDP ranks
-(trainer.attention.ring) would join the processes of one TP index, each ring on its heads.
+Every process of a TP group runs the same micro-batch and attends with its own heads; in the
+trainer (`[parallel] tp`, trainer.parallel.runtime) a ring over HDP ranks joins the processes of
+one TP index, each ring on its heads.
 
 Norm weights are plain replicated parameters: every process computes the same gradient for them
 (their inputs are the all-reduced activations), so no reduction over the TP group is needed.
