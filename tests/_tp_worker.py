@@ -182,9 +182,9 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         )
         pre.model = ModelSection(pretrained=pretrained)
         pre.train.steps = 1
-        first = run_training(pre, rt)
+        pre_run = run_training(pre, rt)
         out = {
-            "pretrained": first["losses"],
+            "pretrained": pre_run["losses"],
             "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
             "straight": straight["losses"],
             "val": straight["val_losses"],

@@ -137,7 +137,13 @@ def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
     torch.set_num_threads(1)
     data = make_dataset(str(tmp_path / "ds"))
     ref = reference_run(train_config(data, str(tmp_path / "ref")))
-    hf = hf_model("llama-llama3", vocab_size=300, bos_token_id=256, eos_token_id=257)
+    hf = hf_model(
+        "llama-llama3",
+        vocab_size=300,
+        bos_token_id=256,
+        eos_token_id=257,
+        max_position_embeddings=1024,
+    )
     folder = save(hf, str(tmp_path / "llama"))
     args = (WORLD, free_port(), data, str(tmp_path), folder)
     spawn(_tp_worker.train_main, WORLD, args, timeout=280)
