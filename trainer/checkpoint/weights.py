@@ -82,12 +82,7 @@ def read_model_weights(path: str, island: int = 0, verify: bool = True) -> dict[
     the checkpoint for a damaged, incomplete or unreadable one."""
     step = checkpoint_step_dir(path)
     if verify:
-        try:
-            problems = verify_files(step, read_checksums(step), 0, 1)
-        except ValueError as exc:
-            raise InputError(f"{step}: {exc}") from None
-        if problems:
-            raise InputError(f"{step}: " + "; ".join(problems))
+        _verify(step)
     try:
         meta = SafeReader(step).read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError) as exc:
