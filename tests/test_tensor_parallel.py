@@ -168,6 +168,18 @@ def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
     assert flat.shape == ref["weights"].shape
     err = float((flat - ref["weights"]).norm() / ref["weights"].norm())
     assert err < 1e-5, err
+    # exported from the tp 2 checkpoint, transformers gives the plain decoder's logits
+    from test_hf_export import hf_load
+
+    assert (
+        cli_main(["export", str(tmp_path / "straight" / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    )
+    mine = build(train_config(data, "unused").model.shape())
+    mine.load_state_dict(weights)
+    ids = torch.randint(0, 258, (200,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got_hf = mine(ids, torch.arange(200)), hf_load(str(tmp_path / "hf"))(ids[None])
+    assert (got_hf.logits[0] - want).norm() <= 1e-5 * want.norm()
     # from a Hugging Face Llama (tied embeddings, GQA) at tp 2: transformers' loss of that batch
     assert got["pretrained"][0] == pytest.approx(hf_first_loss(hf, data), rel=1e-5)
 
