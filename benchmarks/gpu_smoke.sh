@@ -64,6 +64,23 @@ steps = [json.loads(x)["step"] for x in open(sys.argv[1])]
 assert steps == list(range(1, 10)), steps  # 6 steps, then 7..9 resumed from the checkpoint
 print("ok: resumed, steps", steps)
 PYEOF
+if [ "$NGPU" -ge 2 ] && [ $((NGPU % 2)) -eq 0 ]; then
+  echo "== tensor parallelism: tp 2 x $((NGPU / 2)) ranks, nccl, bf16; equal to tp 1 in float32"
+  for tp in 1 2; do
+    check mixlen train configs/debug.toml --nproc "$NGPU" --set data.path="\"$DATA\"" \
+      --set train.device='"cuda"' --set train.steps=4 --set train.eval_interval=0 \
+      --set parallel.capacity=$CAP --set parallel.tp=$tp --set checkpoint.interval=0 \
+      --set metrics.dir="\"$RUN/tp$tp\"" --set checkpoint.dir="\"$RUN/tp$tp/ckpt\"" --set metrics.progress=false
+  done
+  check $PY - "$RUN/tp1/metrics.jsonl" "$RUN/tp2/metrics.jsonl" <<'PYEOF'
+import json, sys
+a, b = ([json.loads(x)["loss"] for x in open(p)] for p in sys.argv[1:])
+assert len(a) == len(b) == 4 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b)), (a, b)
+print("ok: tp 2 losses", [round(x, 4) for x in b], "tp 1", [round(x, 4) for x in a])
+PYEOF
+else
+  echo "tensor parallelism: not exercised (needs an even number >= 2 of GPUs)"
+fi
 if [ ${#FAILED[@]} -gt 0 ]; then
   echo "gpu_smoke: ${#FAILED[@]} step(s) failed ($RUN):" >&2; printf '  %s\n' "${FAILED[@]}" >&2; exit 1
 fi

@@ -183,7 +183,19 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         pre.model = ModelSection(pretrained=pretrained)
         pre.train.steps = 1
         pre_run = run_training(pre, rt)
+        import argparse
+
+        from tools.cmd_eval import _options, add_arguments
+        from trainer.eval.cli import run_eval
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        ckpt = os.path.join(out_dir, "straight", "ckpt")
+        argv = [ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
+        opts = _options(parser.parse_args(argv))
+        evaluated = run_eval(opts, rt)  # `mixlen eval --nproc 4 --tp 2`
         out = {
+            "eval": {k: evaluated[k] for k in ("loss", "tokens", "by_position")},
             "pretrained": pre_run["losses"],
             "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
             "straight": straight["losses"],

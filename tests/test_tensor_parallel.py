@@ -121,7 +121,7 @@ def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
+def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     """`parallel.tp = 2` on 4 gloo processes (2 HDP ranks): the hdp loss curve and validation
     losses equal the reference trainer's (float32), comparing with static on the way changes
     nothing, a resume continues the curve exactly, static with activation checkpointing equals
@@ -168,6 +168,16 @@ def test_train_tp2_four_processes_equals_reference(tmp_path) -> None:
     assert flat.shape == ref["weights"].shape
     err = float((flat - ref["weights"]).norm() / ref["weights"].norm())
     assert err < 1e-5, err
+    # `mixlen eval` of the checkpoint at tp 2 x 2 ranks gives the one-process evaluation
+    ev = ["eval", str(tmp_path / "straight" / "ckpt"), data, "--split", "all", "--no-passkey"]
+    ev += ["--capacity", "1024"]
+    assert cli_main([*ev, "--json"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["eval"]["tokens"] == one["tokens"] > 0
+    assert got["eval"]["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert [b["tokens"] for b in got["eval"]["by_position"]] == [
+        b["tokens"] for b in one["by_position"]
+    ]
     # exported from the tp 2 checkpoint, transformers gives the plain decoder's logits
     from test_hf_export import hf_load
 

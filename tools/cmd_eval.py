@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc", type=int_in(1, MAX_NPROC), default=1, help="ranks to launch through torchrun"
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        choices=(1, 2, 4, 8),
+        default=1,
+        help="tensor-parallel processes per rank (--nproc = ranks x tp; README, Tensor parallelism)",
+    )
+    p.add_argument(
         "--capacity",
         type=int_in(1, MAX_CAPACITY),
         default=None,
@@ -189,13 +196,15 @@ def run(args: argparse.Namespace) -> int:
 
     opts = _options(args)
     _check_out(args.out)
+    if args.nproc % args.tp and not under_torchrun():  # a rank's world: setup_runtime checks
+        raise ConfigError(f"--tp: {args.tp} does not divide --nproc {args.nproc}")
     if args.nproc > 1 and not under_torchrun():
         return launch(_without_nproc(args.argv), args.nproc)
     from trainer.eval.cli import run_eval
     from trainer.eval.report import plot_passkey, render
     from trainer.parallel.runtime import setup_runtime
 
-    rt = setup_runtime(args.device)
+    rt = setup_runtime(args.device, tp=args.tp)
     try:
         result = run_eval(opts, rt)
     finally:

@@ -161,6 +161,14 @@ def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokeni
 def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     """Evaluate as `opts` says on the runtime's ranks; every rank returns the same result."""
     loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device)
+    if rt.tp > 1:  # every TP member loaded the whole model: each keeps its shards
+        from trainer.parallel.tensor import check_tp, parallelize
+
+        try:
+            check_tp(loaded.model.cfg, rt.tp)
+        except ValueError as exc:
+            raise ConfigError(f"--tp: {exc}") from None
+        parallelize(loaded.model, rt.tp_mesh)
     t0 = time.perf_counter()
     loaded.model.eval()
     run = loaded.run
