@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datapipe.plan import cost as C
@@ -129,6 +129,7 @@ SLOW_LINK = C.CostModel(1e-9, 2e-6, 3e-5, 4096.0, 1e8, 4, 2000.0, 5e8, name="slo
     st.lists(st.integers(0, 10**6), max_size=40),
     st.sampled_from([DEBUG, C.preset("llama-7b"), OFFLOAD, SLOW_LINK]),
 )
+@example(1, 1, [1] * 7, C.preset("llama-7b"))  # CI found 3 ns of rounding on 7 samples, 1 rank
 @settings(deadline=None, max_examples=150)
 def test_lower_bound_is_its_formula(n: int, cap: int, raw: list[int], cost) -> None:
     lengths = np.array([x % (n * cap + 1) for x in raw], dtype=np.int64)
@@ -138,7 +139,10 @@ def test_lower_bound_is_its_formula(n: int, cap: int, raw: list[int], cost) -> N
     work, share = reference_plan_bound(cost, lengths, n, cap)
     recorded = plan_lower_bound_ns(cost, lengths, n, cap)
     assert recorded <= max(want)  # never above the smallest-group bound
-    assert recorded == share or abs(recorded - work) <= 1 + n  # rounding of the size terms
+    # rounding: the plan rounds each sample's member time and size terms to whole ns, the
+    # reference sums them unrounded (up to about 2 ns a sample, then the ceiling)
+    live = int(np.count_nonzero(lengths))
+    assert recorded == share or abs(recorded - work) <= 1 + n + 2 * live
     for policy in ("hdp", "naive-hdp", "static"):  # what the plans record for reports
         assert plan(policy, lengths, n, cap, cost).lower_bound_ns == recorded, policy
 
