@@ -186,9 +186,15 @@ class CO2Config:
         return self.mode == "co2" and self.overlap is not False
 
 
-def ranks_per_island(islands: int, world: int) -> int:
-    """Ranks per island of a run of `world` ranks in `islands` islands; ConfigError naming
-    `parallel.islands` unless it divides the world."""
+def ranks_per_island(islands: int, world: int, tp: int = 1) -> int:
+    """(HDP) ranks per island of a run of `world` processes in `islands` islands of ranks of `tp`
+    processes; ConfigError naming `parallel.tp`, then `parallel.islands`, unless it divides."""
+    if world % tp:
+        raise ConfigError(
+            f"parallel.tp: {tp} tensor-parallel processes per rank do not divide the {world} "
+            "processes of the run (world = islands x ranks per island x tp)"
+        )
+    world //= tp
     if islands < 1 or world % islands:
         raise ConfigError(
             f"parallel.islands: {islands} islands do not divide the {world} ranks of the run "

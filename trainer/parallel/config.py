@@ -56,12 +56,7 @@ class ParallelConfig:
     def ranks_per_island(self, world: int) -> int:
         """N of a run of `world` processes: its HDP ranks per island (ConfigError unless `tp`
         and then `islands` divide it)."""
-        if world % self.tp:
-            raise ConfigError(
-                f"parallel.tp: {self.tp} tensor-parallel processes per rank do not divide the "
-                f"{world} processes of the run (world = islands x ranks per island x tp)"
-            )
-        return ranks_per_island(self.islands, world // self.tp)
+        return ranks_per_island(self.islands, world, self.tp)
 
     def zero_level(self, ranks: int) -> int:
         """The ZeRO level of an island of `ranks` ranks (`zero`, default 1 if ranks > 1)."""

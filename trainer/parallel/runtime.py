@@ -131,7 +131,7 @@ def island_groups(islands: int, tp: int = 1) -> IslandGroups:
     the TP groups (collective: every rank creates every group, in one order, as
     torch.distributed.new_group requires)."""
     world, proc = dist.get_world_size(), dist.get_rank()
-    n = ranks_per_island(islands, world // tp)
+    n = ranks_per_island(islands, world, tp)
     rank, t = divmod(proc, tp)  # HDP rank across islands, TP index
     island, local = divmod(rank, n)
     comm = grad = cross = None
@@ -151,11 +151,10 @@ def island_groups(islands: int, tp: int = 1) -> IslandGroups:
     assert comm is not None and grad is not None and cross is not None
     tp_comm = tp_mesh = None
     if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+        from trainer.parallel.tensor import tp_mesh as make_tp_mesh
 
-        mesh = init_device_mesh(_mesh_device(), (world // tp, tp), mesh_dim_names=("rank", "tp"))
-        tp_mesh = mesh["tp"]
-        tp_comm = TorchComm(mesh.get_group("tp"))
+        tp_mesh = make_tp_mesh(tp, _mesh_device())
+        tp_comm = TorchComm(tp_mesh.get_group())
     return IslandGroups(island, islands, comm, grad, cross, tp_comm, tp_mesh)
 
 
@@ -171,12 +170,7 @@ def setup_runtime(device: str = "auto", islands: int = 1, tp: int = 1) -> Runtim
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_initialized():
         world = dist.get_world_size()
-    if world % tp:  # before joining: every rank raises the same error
-        raise ConfigError(
-            f"parallel.tp: {tp} tensor-parallel processes per rank do not divide the {world} "
-            "processes of the run"
-        )
-    ranks_per_island(islands, world // tp)
+    ranks_per_island(islands, world, tp)  # before joining: every rank raises the same error
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
