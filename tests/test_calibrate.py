@@ -246,7 +246,9 @@ else:
     grid = CalibrationGrid(lengths=(16, 32, 64), packed=((2, 16),), repeats=1, min_seconds=0)
     measure(get_config("debug"), 1, grid)  # `mixlen calibrate --nproc 1` times in-process
 refaults()  # a first step (the heap may first grow elsewhere than where it stopped)
-print(before, refaults())
+# the least of three more: a step now and then lands where another allocation split the kept
+# block (seen on 2 of 4 runs of one clean clone); without the setting every step faults it all
+print(before, min(refaults() for _ in range(3)))
 """
 
 
