@@ -139,7 +139,8 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:
     """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
-    2nd step; 3 steps then resume to 6; static with full activation checkpointing for 3 steps; one
+    2nd step; 3 steps then resume to 6; the step-3 checkpoint resumed at tp 1 (4 HDP ranks); 3
+    steps at tp 1 resumed at tp 2; static with full activation checkpointing for 3 steps; one
     step from the Hugging Face folder `pretrained`. Each process writes the loss curves to
     out_dir/losses{rank}.json."""
     from _train_worker import train_config
@@ -166,6 +167,19 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         first = run_training(train_config(data, part, parallel=tp, train={"stop_after": 3}), rt)
         second = run_training(
             train_config(data, part, parallel=tp, checkpoint={"resume": True}), rt
+        )
+        # the same 4 processes as 4 HDP ranks at tp 1: the tp 2 checkpoint of step 3 continues
+        # there, and a tp 1 checkpoint of step 3 continues at tp 2
+        rt1 = setup_runtime("cpu", tp=1)
+        step3 = os.path.join(part, "ckpt", "step-00000003")
+        to_tp1 = os.path.join(out_dir, "to_tp1")
+        at_tp1 = run_training(
+            train_config(data, to_tp1, checkpoint={"resume": step3, "interval": 0}), rt1
+        )
+        to_tp2 = os.path.join(out_dir, "to_tp2")
+        first_tp1 = run_training(train_config(data, to_tp2, train={"stop_after": 3}), rt1)
+        at_tp2 = run_training(
+            train_config(data, to_tp2, parallel=tp, checkpoint={"resume": True}), rt
         )
         static = run_training(
             train_config(
@@ -203,6 +217,9 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
             "first": first["losses"],
             "second": second["losses"],
             "second_start": second["start_step"],
+            "at_tp1": [at_tp1["start_step"], at_tp1["losses"]],
+            "first_tp1": first_tp1["losses"],
+            "at_tp2": [at_tp2["start_step"], at_tp2["losses"]],
             "static": static["losses"],
         }
         with open(os.path.join(out_dir, f"losses{rank}.json"), "w") as f:

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dcp_join import save_as_ranks
+from _dcp_join import detached, save_as_ranks
 
 from datapipe.plan.memory import outer_state_bytes
 from trainer.islands.co2 import LinkEmulator, OuterConfig, OuterSync
@@ -257,17 +257,6 @@ def test_tau1_momentum0_lr1_no_overlap_is_parameter_averaging():
 # --- resume ----------------------------------------------------------------------------------------
 
 
-def _keep(sd):
-    out = {}
-    for k, t in sd.items():
-        c = t.detach().clone()
-        for attr in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
-            if hasattr(t, attr):
-                setattr(c, attr, getattr(t, attr))
-        out[k] = c
-    return out
-
-
 def _resumable(cfg, islands, ranks, total_steps, stop_at, load=None, align=4):
     """Run global local steps [start, total_steps); at `stop_at` return the state (outer state
     and this rank's x) instead of continuing. `load` maps a rank to the state to start from."""
@@ -286,7 +275,7 @@ def _resumable(cfg, islands, ranks, total_steps, stop_at, load=None, align=4):
         xs = []
         for g in range(start, total_steps):
             if g == stop_at:
-                return {"outer": _keep(sync.state_dict()), "x": x.clone(), "step": g}
+                return {"outer": detached(sync.state_dict()), "x": x.clone(), "step": g}
             t, s = divmod(g, cfg.tau)
             x.copy_(local_step(x, cross.rank, t, s, lo))
             sync.after_step(x)
@@ -316,7 +305,7 @@ def _load_rank(path, cfg, rank, ranks, align):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(sd, checkpoint_id=path)
-    return _keep(sd)
+    return detached(sd)
 
 
 class _Rank:

@@ -60,7 +60,9 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     zero = ZeroOptimizer.for_model(model, SoloComm(), master=master, level=0)
     load_checkpoint(str(path), ModelState(model, zero), None, SoloComm(), torch.device("cpu"))
     out = {f"model.{k}": v for k, v in model.state_dict().items()}
-    out.update({f"optim.{k}": v for k, v in zero.state_dict().items()})
+    for k, v in zero.state_dict().items():  # by parameter name, or the step count
+        items = v.items() if isinstance(v, dict) else [("", v)]
+        out.update({f"optim.{k}.{name}": t.clone() for name, t in items})
     return out
 
 

@@ -290,7 +290,7 @@ def test_dcp_checkpoint_reads_back_whole_under_any_ranks_and_zero(
         zero.exp_avg.fill_(r + 1.0)
         sds.append(_flat(ModelState(net, zero, island=0, prefixed=prefixed).state_dict()))
     assert any(k.startswith("island0.model." if prefixed else "model.") for k in sds[0])
-    assert any(k.endswith("optim.master") for k in sds[0]) == (dtype != torch.float32)
+    assert any(".optim.master." in f".{k}" for k in sds[0]) == (dtype != torch.float32)
     step = tmp_path / "ckpt" / "step-00000002"
     step.mkdir(parents=True)
     save_as_ranks(str(step), sds)

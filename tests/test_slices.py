@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer.parallel.comm import SoloComm
-from trainer.parallel.slices import FlatLayout
+from trainer.parallel.slices import FlatLayout, ParamChunks, Place, boxes
 from trainer.testing.threads import ThreadWorld, run_threads
 
 SHAPES = [(7, 3), (5,), (64, 2), (1,), (3, 3, 3), (130,)]  # 367 elements
@@ -206,3 +208,136 @@ def test_bad_chunk_sizes_refused():
         comm.reduce_scatter(torch.zeros(5), torch.zeros(2))
     with pytest.raises(ValueError, match="chunk"):
         comm.all_gather_into(torch.zeros(5), [3, 3])
+
+
+# -- checkpoints by whole parameter ----------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_boxes_cover_a_flat_range_in_order(shape, data) -> None:
+    """Every element of [start, end) of a row-major tensor lies in exactly one box, in order
+    (reference: np.unravel_index of each element)."""
+    n = int(np.prod(shape))
+    start = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(start + 1, n))
+    got = []
+    for off, size in boxes(shape, start, end):
+        idx = np.stack(np.meshgrid(*[np.arange(o, o + z) for o, z in zip(off, size)],
+                                   indexing="ij"), -1).reshape(-1, len(shape))  # fmt: skip
+        got.extend(np.ravel_multi_index(tuple(idx.T), shape).tolist())
+    assert got == list(range(start, end))
+    assert len(boxes(shape, start, end)) <= 2 * len(shape) - 1
+
+
+def _whole_reference(shapes, places, layout, ranks_values):
+    """The whole parameters assembled element by element from each rank's flat slice values."""
+    whole = {p.name: np.full(p.shape, np.nan) for p in places}
+    for (start, end), values in ranks_values:
+        for part in layout.parts(start, end):
+            local = tuple(layout.shapes[part.param])
+            place = places[part.param]
+            for k in range(part.length):
+                idx = np.unravel_index(part.param_start + k, local)
+                g = tuple(i + o for i, o in zip(idx, place.offset))
+                whole[place.name][g] = values[part.range_start + k]
+    return whole
+
+
+def _tp_places(tp, t, wholes):
+    """Places and local shapes of member t of tp: "col" split on dim 0, "row" on dim 1,
+    "rep" whole."""
+    places, local = [], []
+    for name, (kind, shape) in wholes.items():
+        shape = tuple(shape)
+        off, loc = [0] * len(shape), list(shape)
+        d = {"col": 0, "row": 1}.get(kind)
+        if d is not None:
+            loc[d] //= tp
+            off[d] = t * loc[d]
+        places.append(Place(name, shape, tuple(off)))
+        local.append(tuple(loc))
+    return places, local
+
+
+WHOLES = {"emb": ("col", (8, 6)), "wq": ("col", (4, 6)), "wo": ("row", (6, 4)),
+          "norm": ("rep", (6,)), "w2": ("row", (6, 8)), "b": ("col", (4,))}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_param_chunks_pack_whole_parameters(tp, ranks) -> None:
+    """What `pack` marks as boxes of the whole parameters is what an element-by-element
+    reference puts there, for every TP member and rank; `unpack` restores the slice."""
+    ref = {}
+    for t in range(tp):
+        places, local = _tp_places(tp, t, WHOLES)
+        lay = FlatLayout(local, ranks, align=4)
+        for r in range(ranks):
+            s0, s1 = lay.slice(r)
+            vals = torch.randn(s1 - s0, dtype=torch.float64)
+            chunks = ParamChunks(lay, s0, s1, places)
+            packed = chunks.pack(vals)
+            for p in places:
+                got = ref.setdefault(p.name, np.full(p.shape, np.nan))
+                if p.name not in packed:
+                    continue
+                tt = packed[p.name]
+                assert tt.global_shape == p.shape
+                for g, lo, z in zip(tt.global_offsets, tt.local_offsets, tt.local_sizes):
+                    src = tt[tuple(slice(a, a + b) for a, b in zip(lo, z))]
+                    got[tuple(slice(a, a + b) for a, b in zip(g, z))] = src.numpy()
+            want = _whole_reference(local, places, lay, [((s0, s1), vals.numpy())])
+            for name, w in want.items():
+                m = ~np.isnan(w)
+                np.testing.assert_array_equal(ref[name][m], w[m])
+            back = torch.zeros_like(vals)
+            chunks.unpack({k: v.clone() for k, v in packed.items()}, back)
+            assert torch.equal(back, vals)
+    for name, w in ref.items():
+        assert not np.isnan(w).any(), name  # the ranks and members cover every element
+
+
+def _layouts(tp: int, ranks: int):
+    for t in range(tp):
+        places, local = _tp_places(tp, t, WHOLES)
+        lay = FlatLayout(local, ranks, align=4)
+        for r in range(ranks):
+            yield lay, places, lay.slice(r)
+
+
+@pytest.mark.parametrize("before,after", [((2, 3), (1, 2)), ((1, 2), (2, 3)), ((2, 1), (2, 2))])
+def test_param_chunks_reshard_through_dcp(tmp_path, before, after) -> None:
+    """A state saved at tp x ranks through DCP loads at another tp and rank count: every
+    element of every new slice is the saved value of its place in the whole parameters."""
+    import torch.distributed.checkpoint as dcp
+    from _dcp_join import save_as_ranks
+
+    whole = {n: torch.randn(s, dtype=torch.float64).numpy() for n, (_, s) in WHOLES.items()}
+
+    def slice_values(lay, places, s0, s1) -> np.ndarray:
+        out = np.zeros(s1 - s0)
+        for part in lay.parts(s0, s1):
+            p, local = places[part.param], lay.shapes[part.param]
+            for k in range(part.length):
+                idx = np.unravel_index(part.param_start + k, tuple(local))
+                out[part.range_start + k] = whole[p.name][
+                    tuple(i + o for i, o in zip(idx, p.offset))
+                ]
+        return out
+
+    packs = []
+    for lay, places, (s0, s1) in _layouts(*before):
+        vals = torch.from_numpy(slice_values(lay, places, s0, s1))
+        packs.append(ParamChunks(lay, s0, s1, places).pack(vals))
+    save_as_ranks(str(tmp_path), packs)
+    for lay, places, (s0, s1) in _layouts(*after):
+        chunks = ParamChunks(lay, s0, s1, places)
+        vals = torch.zeros(s1 - s0, dtype=torch.float64)
+        packed = chunks.pack(vals)
+        dcp.load(packed, checkpoint_id=str(tmp_path), no_dist=True)
+        chunks.unpack(packed, vals)
+        np.testing.assert_array_equal(vals.numpy(), slice_values(lay, places, s0, s1))

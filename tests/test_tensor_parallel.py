@@ -124,7 +124,8 @@ def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
 def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     """`parallel.tp = 2` on 4 gloo processes (2 HDP ranks): the hdp loss curve and validation
     losses equal the reference trainer's (float32), comparing with static on the way changes
-    nothing, a resume continues the curve exactly, static with activation checkpointing equals
+    nothing, a resume continues the curve exactly, at tp 1 on 4 ranks (and tp 1 -> 2) within
+    float32 rounding, static with activation checkpointing equals
     it; every process reports the same losses; the checkpoint exports the whole model."""
     import numpy as np
     import torch
@@ -153,6 +154,11 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     assert all(r["straight"] == got["straight"] for r in runs)
     assert got["second_start"] == 3
     assert got["first"] + got["second"] == got["straight"]
+    # resumed at another tp and HDP size (tp 2 x 2 ranks <-> tp 1 x 4 ranks), the curve goes on
+    assert got["at_tp1"][0] == got["at_tp2"][0] == 3
+    np.testing.assert_allclose(got["at_tp1"][1], got["straight"][3:], rtol=1e-5)
+    np.testing.assert_allclose(got["first_tp1"], got["straight"][:3], rtol=1e-5)
+    np.testing.assert_allclose(got["at_tp2"][1], got["straight"][3:], rtol=1e-5)
     np.testing.assert_allclose(got["straight"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["static"], ref["losses"][:3], rtol=1e-5)
     np.testing.assert_allclose(

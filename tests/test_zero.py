@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dcp_join import save_as_ranks
+from _dcp_join import detached, save_as_ranks
 from _zero_worker import (
     CLIP,
     LR,
@@ -193,69 +193,70 @@ def test_bfloat16_levels_agree():
 # --- checkpoints: resharding through DCP ---------------------------------------------------------
 
 
-def _keep(sd: dict) -> dict:
-    """A detached copy of a state dict, keeping each chunk's global offset."""
-    out = {}
-    for k, t in sd.items():
-        c = t.detach().clone()
-        for attr in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
-            if hasattr(t, attr):
-                setattr(c, attr, getattr(t, attr))
-        out[k] = c
-    return out
+def _flat_state(zero) -> dict:
+    """The rank's optimizer state as its flat slices (what the checkpoint must restore)."""
+    return {
+        "exp_avg": zero.exp_avg.clone(),
+        "exp_avg_sq": zero.exp_avg_sq.clone(),
+        "step": zero.optimizer.state[zero.master]["step"].clone(),
+    }
 
 
-def _load_rank(path: str, net, rank: int, size: int, level: int) -> dict:
+def _load_rank(path: str, net, rank: int, size: int, level: int) -> tuple[dict, dict]:
     zero = _zero(net, _Rank(rank, size), level)
     sd = zero.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(sd, checkpoint_id=path)
-    return _keep(sd)
+    zero.load_state_dict(sd)
+    return detached(sd), _flat_state(zero)
 
 
-def _cat(sds: list[dict], key: str) -> torch.Tensor:
-    return torch.cat([sd[key] for sd in sds])
+def _cat(flats: list[dict], key: str) -> torch.Tensor:
+    return torch.cat([f[key] for f in flats])
 
 
 @pytest.mark.timeout(60)
 def test_state_reshards_4_to_2_to_1(tmp_path):
-    """State of zero 1 on 4 ranks saved by DCP (one chunk per rank) loads on 2 ranks (zero 2),
-    whose state loads on 1 (zero 0); training continues exactly like the uninterrupted run."""
+    """State of zero 1 on 4 ranks saved by DCP (by parameter, from each rank's slice) loads on
+    2 ranks (zero 2), whose state loads on 1 (zero 0); training continues exactly like the
+    uninterrupted run."""
 
     def first(comm):
         res = run_zero(comm, 1, True, CLIP, range(2))
-        return _keep(res["zero"].state_dict()), res["net"].state_dict()
+        z = res["zero"]
+        return detached(z.state_dict()), res["net"].state_dict(), _flat_state(z)
 
     out4 = run_threads(4, first, timeout=30)
     net_state = {k: v.clone() for k, v in out4[0][1].items()}
-    save_as_ranks(str(tmp_path / "c4"), [sd for sd, _ in out4])
+    save_as_ranks(str(tmp_path / "c4"), [sd for sd, _, _ in out4])
 
     loaded2 = [_load_rank(str(tmp_path / "c4"), fresh_net(), r, 2, 2) for r in range(2)]
     for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(_cat(loaded2, key), _cat([sd for sd, _ in out4], key))
-    assert float(loaded2[0]["step"]) == 2.0
+        assert torch.equal(_cat([f for _, f in loaded2], key), _cat([f for *_, f in out4], key))
+    assert float(loaded2[0][1]["step"]) == 2.0
 
     def second(comm):
         net = fresh_net()
         net.load_state_dict(net_state)
         zero = _zero(net, comm, 2, grad_clip=CLIP)
-        zero.load_state_dict(loaded2[comm.rank])
+        zero.load_state_dict(loaded2[comm.rank][0])
         res = run_zero(comm, 2, True, CLIP, range(2, 4), net, zero)
-        return _keep(res["zero"].state_dict()), res["net"].state_dict()
+        z = res["zero"]
+        return detached(z.state_dict()), res["net"].state_dict(), _flat_state(z)
 
     out2 = run_threads(2, second, timeout=30)
     want, _ = reference([4, 4, 2, 2], CLIP)
     net2 = fresh_net()
     net2.load_state_dict(out2[0][1])
     assert_params_close(net2, want)
-    save_as_ranks(str(tmp_path / "c2"), [sd for sd, _ in out2])
+    save_as_ranks(str(tmp_path / "c2"), [sd for sd, _, _ in out2])
 
     net1 = fresh_net()
     net1.load_state_dict(out2[0][1])
-    loaded1 = _load_rank(str(tmp_path / "c2"), fresh_net(), 0, 1, 0)
+    loaded1, flat1 = _load_rank(str(tmp_path / "c2"), fresh_net(), 0, 1, 0)
     for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(loaded1[key], _cat([sd for sd, _ in out2], key))
+        assert torch.equal(flat1[key], _cat([f for *_, f in out2], key))
 
     def third(comm):
         zero = _zero(net1, comm, 0, grad_clip=CLIP)

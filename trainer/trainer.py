@@ -141,7 +141,6 @@ class Trainer:
             self.cross,
             rt.island,
             prefixed=self.cross is not None,
-            tp_rank=rt.tp_rank if rt.tp > 1 else None,
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg, self.state, self.scheduler, rt.run_comm, rt.device, self.hooks

@@ -9,9 +9,11 @@ flight, received before saving) is identical on every island and saved once. In 
 island holds the same weights and state: saved once, without prefix. `parallel.islands` cannot
 change on resume; the ranks per island and the ZeRO level can (the slices reshard).
 
-With tensor parallelism the weights are DTensors (DCP saves each TP member's shard as a piece of
-the whole tensor) and each TP index's optimizer slices are saved under its own key
-(`optim_tp1`): they are slices of that index's shards. `parallel.tp` cannot change on resume.
+The optimizer and outer state are saved by whole parameter (trainer.parallel.slices.ParamChunks:
+each rank's slice as boxes of the parameters it covers), like the weights. With tensor
+parallelism the weights are DTensors (DCP saves each TP member's shard as a piece of the whole
+tensor) and the slices of a TP member are boxes of its shards placed in the whole parameters, so
+a checkpoint resumes at another `parallel.tp` (2 -> 1, 1 -> 2) as at another rank count.
 """
 
 from __future__ import annotations
@@ -39,18 +41,16 @@ class ModelState:
         cross: CrossIsland | None = None,
         island: int = 0,
         prefixed: bool = False,
-        tp_rank: int | None = None,
     ) -> None:
         self.model, self.zero, self.cross = model, zero, cross
         self.prefix = f"island{island}" if prefixed else ""
-        self.optim_key = "optim" if tp_rank is None else f"optim_tp{tp_rank}"
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors (dcp.load fills them in place); the weights are waited for first."""
         self.zero.wait_weights()
         own: dict[str, Any] = {
             "model": self.model.state_dict(),
-            self.optim_key: self.zero.state_dict(),
+            "optim": self.zero.state_dict(),
         }
         sd: dict[str, Any] = {self.prefix: own} if self.prefix else dict(own)
         if self.cross is not None:
@@ -65,6 +65,6 @@ class ModelState:
         for k, t in own["model"].items():
             if t.data_ptr() != mine[k].data_ptr():
                 mine[k].copy_(t)
-        self.zero.load_state_dict(own[self.optim_key])
+        self.zero.load_state_dict(own["optim"])
         if self.cross is not None:
             self.cross.outer.load_state_dict(sd["outer"])

@@ -56,7 +56,7 @@ import torch
 from trainer.islands.config import CLIPS
 from trainer.islands.config import STALENESS_RULES as RULES
 from trainer.parallel.comm import Communicator, Handle
-from trainer.parallel.slices import FlatLayout, checkpointable
+from trainer.parallel.slices import FlatLayout, ParamChunks, Place, plain_places
 
 __all__ = ["LinkEmulator", "OuterConfig", "OuterStats", "OuterSync"]
 
@@ -207,6 +207,7 @@ class OuterSync:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.perf_counter,
+        places: Sequence[Place] | None = None,
     ) -> None:
         if layout.ranks != island.size:
             raise ValueError(f"{layout} for an island of {island.size} ranks")
@@ -218,7 +219,8 @@ class OuterSync:
             clock,
         )
         s0, s1 = layout.slice(island.rank)
-        self.start_offset = s0
+        places = list(places) if places is not None else plain_places(layout.shapes)
+        self.chunks = ParamChunks(layout, s0, s1, places)  # the checkpoint's view
 
         def buf() -> torch.Tensor:
             return torch.zeros(s1 - s0, dtype=dtype, device=device)
@@ -398,12 +400,11 @@ class OuterSync:
         return self._tensors()
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        s0, n = self.start_offset, self.layout.numel
         return {
-            "anchor": checkpointable(self.anchor, s0, n),
-            "momentum": checkpointable(self.momentum, s0, n),
-            "d_prev": checkpointable(self.d_prev, s0, n),
-            "inflight": checkpointable(self.inflight, s0, n),
+            "anchor": self.chunks.pack(self.anchor),
+            "momentum": self.chunks.pack(self.momentum),
+            "d_prev": self.chunks.pack(self.d_prev),
+            "inflight": self.chunks.pack(self.inflight),
             "counters": self._counters,
         }
 
@@ -411,12 +412,14 @@ class OuterSync:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from a dict shaped like `state_dict()` (tensors `dcp.load` filled in place
         need no copy)."""
-        mine = self._tensors()
-        if set(sd) != set(mine):
-            raise ValueError(f"outer state keys {sorted(sd)}, expected {sorted(mine)}")
-        for k, t in mine.items():
-            if sd[k] is not t:
-                t.copy_(torch.as_tensor(sd[k]).reshape(t.shape))
+        bufs = {"anchor": self.anchor, "momentum": self.momentum, "d_prev": self.d_prev}
+        bufs["inflight"] = self.inflight
+        if set(sd) != {*bufs, "counters"}:
+            raise ValueError(f"outer state keys {sorted(sd)}, expected {sorted(bufs)} + counters")
+        for k, t in bufs.items():
+            self.chunks.unpack(sd[k], t)
+        if sd["counters"] is not self._counters:
+            self._counters.copy_(torch.as_tensor(sd["counters"]).reshape(4))
         r, steps, has_prev, pending = (int(v) for v in self._counters.tolist())
         self.round, self.local_steps = r, steps
         self.has_prev, self.pending = bool(has_prev), bool(pending)

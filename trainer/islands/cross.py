@@ -58,6 +58,7 @@ class CrossIsland:
             cross,
             dtype=zero.acc_dtype,
             device=zero.flat_params.device,
+            places=zero.places,
         )
         self.outer.start(zero.outer_slice())  # the first anchor (a checkpoint may replace it)
 

@@ -48,6 +48,7 @@ class ParallelConfig:
         "ranks per island x tp): they split the model's heads, SwiGLU units and vocabulary and "
         "run the same micro-batches, one rank to the planner (README, Tensor parallelism)",
         choices=(1, 2, 4, 8),
+        free_on_resume=True,
     )
 
     def validate(self, names: Names) -> None:

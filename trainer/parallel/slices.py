@@ -13,6 +13,7 @@ state; both receive the same `FlatLayout`, built once per island. Pure torch: no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,21 +22,131 @@ import torch
 
 from datapipe.plan.memory import slice_bounds, slice_length
 
-__all__ = ["Bucket", "FlatLayout", "Part", "checkpointable"]
+__all__ = [
+    "Bucket",
+    "FlatLayout",
+    "ParamChunks",
+    "Part",
+    "Place",
+    "boxes",
+    "checkpointable",
+    "plain_places",
+]
 
 
-def checkpointable(t: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-    """Mark the 1-D `t` as elements [start, start + len(t)) of a 1-D tensor of `numel` elements,
-    for torch.distributed.checkpoint (DCP's CheckpointableTensor protocol, torch >= 2.14): DCP
-    saves it as that chunk of the global tensor and loads into it whatever saved chunks overlap
-    it, so state saved on N ranks loads on any other number of ranks. Returns `t`."""
-    assert t.dim() == 1 and 0 <= start and start + t.numel() <= numel
-    n = t.numel()
-    t.global_shape = (numel,)  # type: ignore[attr-defined]
-    t.global_offsets = ((start,),) if n else ()  # type: ignore[attr-defined]
-    t.local_offsets = ((0,),) if n else ()  # type: ignore[attr-defined]
-    t.local_sizes = ((n,),) if n else ()  # type: ignore[attr-defined]
+def checkpointable(
+    t: torch.Tensor,
+    global_shape: Sequence[int],
+    boxes: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]],
+) -> torch.Tensor:
+    """Mark `t` as holding `boxes` (global offset, local offset, size) of a tensor of
+    `global_shape`, for torch.distributed.checkpoint (DCP's CheckpointableTensor protocol, torch
+    >= 2.14): DCP saves each box as that chunk of the global tensor and loads into it whatever
+    saved chunks overlap it, so state saved in one layout loads into any other. Returns `t`."""
+    t.global_shape = tuple(global_shape)  # type: ignore[attr-defined]
+    t.global_offsets = tuple(tuple(g) for g, _, _ in boxes)  # type: ignore[attr-defined]
+    t.local_offsets = tuple(tuple(o) for _, o, _ in boxes)  # type: ignore[attr-defined]
+    t.local_sizes = tuple(tuple(z) for _, _, z in boxes)  # type: ignore[attr-defined]
     return t
+
+
+class Place(NamedTuple):
+    """Where the tensor a flat layout holds for parameter `name` sits in the whole parameter:
+    a tensor-parallel shard at `offset` of `shape`, or (offset zero) the whole parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def plain_places(shapes: Sequence[Sequence[int]]) -> list[Place]:
+    """Places of whole parameters named p0, p1, ... (tests, layouts without a model)."""
+    return [Place(f"p{i}", tuple(s), (0,) * len(s)) for i, s in enumerate(shapes)]
+
+
+def boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Elements [start, end) of a row-major tensor of `shape` as rectangular boxes (offset,
+    size), in order; each box is contiguous in memory. At most 2 * len(shape) - 1 boxes."""
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner, rest = math.prod(shape[1:]), shape[1:]
+
+    def row(r: int, a: int, b: int) -> list[tuple[tuple[int, ...], ...]]:
+        return [((r, *o), (1, *z)) for o, z in boxes(rest, a, b)]
+
+    r0, r1 = start // inner, (end - 1) // inner
+    if r0 == r1:
+        return row(r0, start - r0 * inner, end - r0 * inner)
+    out = row(r0, start % inner, inner) if start % inner else []
+    first, last = -(-start // inner), end // inner  # whole rows [first, last)
+    if last > first:
+        out.append(((first, *(0,) * len(rest)), (last - first, *rest)))
+    if end % inner:
+        out += row(last, 0, end % inner)
+    return out
+
+
+class ParamChunks:
+    """A flat range [start, end) of a layout as pieces of whole parameters, for checkpoints:
+    `pack(t)` gives, for every parameter with elements in the range, a tensor holding them as
+    boxes of the whole parameter (checkpointable; a view of `t` where one box covers them, else
+    a copy), `unpack` copies such tensors back into the range. A checkpoint written this way
+    names parameters, not flat offsets, so it loads at any rank count, ZeRO level or tensor
+    parallel degree."""
+
+    def __init__(self, layout: FlatLayout, start: int, end: int, places: Sequence[Place]) -> None:
+        if len(places) != len(layout.shapes):
+            raise ValueError(f"{len(places)} places for {len(layout.shapes)} parameters")
+        self.pieces: list[tuple[Place, int, list[tuple[tuple[int, ...], ...]]]] = []
+        for part in layout.parts(start, end):
+            place, local = places[part.param], layout.shapes[part.param]
+            bx = boxes(local, part.param_start, part.param_start + part.length)
+            self.pieces.append((place, part.range_start, bx))
+
+    def pack(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{parameter name: its elements of the range held by `t` (1-D), as boxes}."""
+        out: dict[str, torch.Tensor] = {}
+        for place, at, bx in self.pieces:
+            if len(bx) == 1:
+                (off, size), n = bx[0], math.prod(bx[0][1])
+                packed = t[at : at + n].view(size)
+                located = [(_add(off, place.offset), (0,) * len(size), size)]
+            else:
+                width = tuple(max(z[d] for _, z in bx) for d in range(1, len(place.shape)))
+                packed = t.new_zeros((sum(z[0] for _, z in bx), *width))
+                located, row = [], 0
+                for off, size in bx:
+                    n = math.prod(size)
+                    piece = packed[(slice(row, row + size[0]), *(slice(0, w) for w in size[1:]))]
+                    piece.copy_(t[at : at + n].view(size))
+                    located.append((_add(off, place.offset), (row, *(0,) * len(width)), size))
+                    row, at = row + size[0], at + n
+            out[place.name] = checkpointable(packed, place.shape, located)
+        return out
+
+    @torch.no_grad()
+    def unpack(self, packed: dict[str, torch.Tensor], t: torch.Tensor) -> None:
+        """Copy tensors shaped like `pack(t)`'s back into `t` (views of `t` need nothing)."""
+        names = {place.name for place, _, _ in self.pieces}
+        if set(packed) != names:
+            raise ValueError(f"parameters {sorted(packed)}, expected {sorted(names)}")
+        for place, at, bx in self.pieces:
+            src = packed[place.name]
+            if len(bx) == 1 and src.data_ptr() == t[at:].data_ptr():
+                continue  # a view of t: dcp.load filled it in place
+            row = 0
+            for _, size in bx:
+                n = math.prod(size)
+                piece = src[(slice(row, row + size[0]), *(slice(0, w) for w in size[1:]))]
+                t[at : at + n].view(size).copy_(piece)
+                row, at = row + size[0], at + n
+
+
+def _add(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
 class Part(NamedTuple):

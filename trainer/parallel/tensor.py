@@ -51,6 +51,7 @@ __all__ = [
     "local_tensor",
     "optimizer_params",
     "parallelize",
+    "place_of",
     "sharded_logits",
     "square_norm",
     "tp_mesh",
@@ -217,20 +218,39 @@ def whole_flat(model: nn.Module, flat: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def place_of(name: str, p: torch.Tensor) -> Any:
+    """Where this process's tensor of parameter `p` sits in the whole parameter
+    (trainer.parallel.slices.Place: tensor-parallel shards split evenly, check_tp)."""
+    from trainer.parallel.slices import Place
+
+    local = local_tensor(p)
+    offset = [0] * p.dim()
+    if isinstance(p, DTensor):
+        for dim_mesh, pl in enumerate(p.placements):
+            if isinstance(pl, Shard):
+                d = pl.dim % p.dim()
+                offset[d] += p.device_mesh.get_local_rank(dim_mesh) * local.shape[d]
+    return Place(name, tuple(p.shape), tuple(offset))
+
+
 def optimizer_params(
     model: nn.Module, master: nn.Module | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[bool] | None]:
+) -> tuple[
+    list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[bool] | None, list[Any]
+]:
     """For trainer.parallel.zero: the tensors the optimizer binds (local shards), the autograd
-    leaves, the master module's local shards (None without a separate master) and which
-    parameters every TP member holds whole (None without TP)."""
-    leaves = [p for p in model.parameters() if p.requires_grad]
+    leaves, the master module's local shards (None without a separate master), which
+    parameters every TP member holds whole (None without TP) and where each local tensor sits
+    in its whole parameter (checkpoints name whole parameters)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    leaves = [p for _, p in named]
     params = [local_tensor(p) for p in leaves]
     masters = None
     if master is not None and master is not model:
         masters = [local_tensor(p) for p in master.parameters() if p.requires_grad]
     mesh = getattr(model, "tp_mesh", None)
     replicated = [is_replicated(p) for p in leaves] if mesh is not None else None
-    return params, leaves, masters, replicated
+    return params, leaves, masters, replicated, [place_of(n, p) for n, p in named]
 
 
 def square_norm(g: torch.Tensor, parts: Any, replicated: list[bool], tp_comm: Any) -> torch.Tensor:

@@ -18,11 +18,10 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
    leaves the wait to `wait_weights()`).
 
 Levels: zero 0 keeps everything on every rank; zero 1 shards master weights and moments; zero 2
-also the gradient buffer where HDP allows it (trainer/parallel/README.md). `state_dict()` marks
-this rank's slices with their global offsets (`checkpointable`): DCP reshards them to any rank
-count and level. Tensor parallelism: one optimizer per TP index over its HDP ranks, on the
-DTensor parameters' local shards (`params`; `leaves`, the autograd leaves, get the hooks);
-trainer.parallel.tensor's `square_norm` makes the global norm (`tp_comm`, `replicated`).
+also the gradient buffer where HDP allows it (trainer/parallel/README.md). `state_dict()` gives
+the slices by whole parameter (`ParamChunks`): DCP reshards them to any rank count, level and tp.
+Tensor parallelism: one optimizer per TP index over its HDP ranks, on the DTensor parameters'
+local shards (`params`; `leaves` get the hooks); `square_norm` makes the global norm.
 """
 
 from __future__ import annotations
@@ -37,15 +36,11 @@ import torch
 from datapipe.plan.memory import ModelStateBytes
 from trainer.attention.local import accum_dtype
 from trainer.parallel.comm import Communicator, Handle
-from trainer.parallel.slices import FlatLayout, checkpointable
+from trainer.parallel.slices import FlatLayout, ParamChunks, Place, plain_places
 from trainer.parallel.stats import ReduceStats
 from trainer.parallel.tensor import local_grad, square_norm
 
 __all__ = ["ZeroOptimizer"]
-
-
-def _scalar_dtype() -> torch.dtype:
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -82,6 +77,7 @@ class ZeroOptimizer:
         leaves: Sequence[torch.Tensor] | None = None,
         tp_comm: Communicator | None = None,
         replicated: Sequence[bool] | None = None,
+        places: Sequence[Place] | None = None,
     ) -> None:
         if level not in (0, 1, 2):
             raise ValueError(f"zero level must be 0, 1 or 2, got {level!r}")
@@ -110,6 +106,8 @@ class ZeroOptimizer:
         lay.bind_params(self.params, self.flat_params)
         # the range this rank's optimizer steps: everything at zero 0, its slice otherwise
         self.own = (0, lay.numel) if level == 0 else lay.slice(self.rank)
+        self.places = list(places) if places is not None else plain_places(lay.shapes)
+        self.chunks = ParamChunks(lay, *self.own, self.places)  # the checkpoint's view
         self._init_master(master_params, dev)
         self._init_buckets(bucket_bytes, dev)
         self._init_adamw(lr, betas, eps, weight_decay)
@@ -166,7 +164,8 @@ class ZeroOptimizer:
             [self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
         state = self.optimizer.state[self.master]
-        state["step"] = torch.zeros((), dtype=_scalar_dtype())
+        f64 = torch.get_default_dtype() == torch.float64
+        state["step"] = torch.zeros((), dtype=torch.float64 if f64 else torch.float32)
         state["exp_avg"] = torch.zeros_like(self.master)
         state["exp_avg_sq"] = torch.zeros_like(self.master)
         self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -180,8 +179,9 @@ class ZeroOptimizer:
         holding the initial weights (bfloat16 compute; not needed afterwards)."""
         from trainer.parallel.tensor import optimizer_params
 
-        params, leaves, masters, replicated = optimizer_params(model, master)
+        params, leaves, masters, replicated, places = optimizer_params(model, master)
         kwargs.setdefault("replicated", replicated)
+        kwargs.setdefault("places", places)
         return cls(params, comm, master_params=masters, leaves=leaves, **kwargs)
 
     # -- gradient accumulation ---------------------------------------------------------------------
@@ -369,10 +369,7 @@ class ZeroOptimizer:
         self.master.grad = g
         self.optimizer.step()
         self.master.grad = None
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-        else:
-            self.grad.zero_()
+        (self.grad_flat if self.grad_flat is not None else self.grad).zero_()
         self.gather_weights()
         if not self.async_gather:
             self.wait_weights()
@@ -380,10 +377,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def discard(self) -> None:
         """Drop a reduced gradient without a step (a pass run only to be measured)."""
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-        else:
-            self.grad.zero_()
+        (self.grad_flat if self.grad_flat is not None else self.grad).zero_()
         self._tmp.clear()
 
     @torch.no_grad()
@@ -461,29 +455,33 @@ class ZeroOptimizer:
     # -- checkpoints and accounting ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state with global offsets (DCP saves and reshards it; the
-        tensors are the live buffers, so `dcp.load` into this dict restores in place)."""
-        o0, n = self.own[0], self.layout.numel
+        """This rank's optimizer state by whole parameter (`ParamChunks`: boxes of each
+        parameter, so DCP reshards it to any rank count, level or tp; views of the live buffers
+        where a parameter's piece is one box, so `dcp.load` into them restores in place)."""
         sd: dict[str, Any] = {
-            "exp_avg": checkpointable(self.exp_avg, o0, n),
-            "exp_avg_sq": checkpointable(self.exp_avg_sq, o0, n),
+            "exp_avg": self.chunks.pack(self.exp_avg),
+            "exp_avg_sq": self.chunks.pack(self.exp_avg_sq),
             "step": self.optimizer.state[self.master]["step"],
         }
         if self.separate_master:
-            sd["master"] = checkpointable(self.master, o0, n)
+            sd["master"] = self.chunks.pack(self.master)
         return sd
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore from a dict shaped like `state_dict()` (nothing to copy for the tensors
-        `dcp.load` filled in place). The compute weights come from the model's own checkpoint
-        (they equal the master weights cast, after every step)."""
-        mine = self.state_dict()
-        if set(sd) != set(mine):
-            raise ValueError(f"optimizer state keys {sorted(sd)}, expected {sorted(mine)}")
-        for k, t in mine.items():
-            if sd[k] is not t:
-                t.copy_(torch.as_tensor(sd[k]).reshape(t.shape))
+        """Restore from a dict shaped like `state_dict()` (`dcp.load` filled it). The compute
+        weights come from the model's own checkpoint (they equal the master weights cast,
+        after every step)."""
+        want = {"exp_avg", "exp_avg_sq", "step"} | ({"master"} if self.separate_master else set())
+        if set(sd) != want:
+            raise ValueError(f"optimizer state keys {sorted(sd)}, expected {sorted(want)}")
+        self.chunks.unpack(sd["exp_avg"], self.exp_avg)
+        self.chunks.unpack(sd["exp_avg_sq"], self.exp_avg_sq)
+        if self.separate_master:
+            self.chunks.unpack(sd["master"], self.master)
+        step = self.optimizer.state[self.master]["step"]
+        if sd["step"] is not step:
+            step.copy_(torch.as_tensor(sd["step"]).reshape(step.shape))
 
     def memory(self) -> ModelStateBytes:
         """Bytes this rank holds (compare `datapipe.plan.memory.model_state_bytes`)."""
