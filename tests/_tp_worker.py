@@ -96,14 +96,92 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
             "held": held,
             "is_dtensor": isinstance(model.layers[0].attention.wq.weight, DTensor),
         }
+    report["offload"] = offload_check(rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def saved_bytes(model: torch.nn.Module, inputs: tuple) -> list[int]:
+    """Reference for the offload manager's accounting: the bytes of distinct storages each block
+    saves first for backward (a tensor-parallel activation counted by its local tensor;
+    parameters not counted), seen through plain saved-tensor hooks around each block."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    params = {
+        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+        for p in model.parameters()
+    }
+    seen: set[int] = set()
+    out = [0] * len(model.layers)
+
+    def wrap(i: int, fwd: object) -> object:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            x = t
+            while isinstance(x, (DTensor, AsyncCollectiveTensor)):
+                x = x._local_tensor if isinstance(x, DTensor) else x.elem
+            key = x.untyped_storage().data_ptr()
+            if key and key not in params and key not in seen:
+                seen.add(key)
+                out[i] += x.untyped_storage().nbytes()
+            return t
+
+        def forward(*a: object, **k: object) -> object:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return fwd(*a, **k)
+
+        return forward
+
+    for i, blk in enumerate(model.layers):
+        blk.forward = wrap(i, blk.forward)
+    model(*inputs)[0].backward()
+    for blk in model.layers:
+        del blk.forward
+    return out
+
+
+def offload_check(rank: int) -> dict:
+    """A 4-layer decoder at tp 4 (K/V replicated) and tp 2: one micro-batch under an activation
+    manager offloading every block it may (ratio 1) against `saved_bytes` on the same model, and
+    the gradients against the plain decoder's."""
+    from trainer.offload.config import OffloadConfig
+    from trainer.offload.manager import ActivationPolicy
+    from trainer.offload.plan import HostNeed
+    from trainer.parallel.tensor import parallelize, tp_mesh
+
+    out = {}
+    for tp in (4, 2):
+        cfg = shape(n_layers=4, n_kv_heads=2)
+        ids, pos, cu, labels = batch(rank // tp)
+        model = parallelize(reference(cfg, seed=3), tp_mesh(tp))
+        want = saved_bytes(model, (ids, pos, cu, labels))
+        model.zero_grad()
+        pol = ActivationPolicy("none", OffloadConfig(enabled=True, force_ratio=1.0, min_bytes=0))
+        mgr = pol.build("cpu", HostNeed.of(cfg, 8, pol.checkpointed(cfg.n_layers)))
+        with mgr.microbatch(model, 1.0) as st:
+            model(ids, pos, cu, labels)[0].backward()
+        ref = reference(cfg, seed=3)
+        ref(ids, pos, cu, labels)[0].backward()
+        got = {k: p.grad for k, p in model.named_parameters()}
+        got = {k: g.full_tensor() if hasattr(g, "full_tensor") else g for k, g in got.items()}
+        err = max((got[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
+        out[f"tp{tp}"] = {
+            "want": want,
+            "blocks": list(st.block_bytes),
+            "moved": st.moved_bytes,
+            "offloaded": st.offloaded_blocks,
+            "grad_err": err,
+            "plain": saved_bytes(ref, (ids, pos, cu, labels)),
+        }
+    return out
+
+
 # the executor at tp 2 x HDP 2 against the reference trainer (tests/test_tensor_parallel.py)
-EXEC_CASES = [("hdp", 0), ("static", 0), ("hdp", 1), ("hdp", 2)]
+# (policy, ZeRO level, offload ratio forced)
+EXEC_CASES = [("hdp", 0, None), ("static", 0, None), ("hdp", 1, None), ("hdp", 2, None)]
+EXEC_CASES += [("hdp", 1, 1.0), ("static", 2, 0.5)]
 # on 2 HDP ranks of capacity 64: 103 rings over both (hdp), static puts everything on a CP-2 mesh
 EXEC_LENGTHS = [103, 60, 20, 17, 30, 9, 25, 12, 5, 40, 3]
 
@@ -126,11 +204,19 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
         if t == rank % 2:
             grad_comm = TorchComm(group)
     results = {}
-    for policy, zero in EXEC_CASES:
+    for policy, zero, offload in EXEC_CASES:
         got = w.run_policy(
-            hdp, policy, torch.float64, zero=zero, grad_comm=grad_comm, lengths=EXEC_LENGTHS, tp=tp
+            hdp,
+            policy,
+            torch.float64,
+            zero=zero,
+            grad_comm=grad_comm,
+            lengths=EXEC_LENGTHS,
+            tp=tp,
+            offload=offload,
+            shape=None if offload is None else w.offload_model_config(),  # 4 layers: 1-2 moved
         )
-        results[(policy, zero)] = got
+        results[(policy, zero, offload)] = got
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "tp_exactness.pt"))
     dist.barrier()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from datapipe.fetch import MemoryFetcher
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model, preset
 from datapipe.plan.planner import PlannerConfig
+from datapipe.shapes import ModelConfig
 from trainer.model.transformer import build_model, get_config
 from trainer.offload.config import OffloadConfig
 from trainer.offload.manager import ActivationPolicy
@@ -128,6 +129,8 @@ def run_policy(
     all_grads: bool = False,
     lengths: list[int] = LENGTHS,
     tp: dict | None = None,
+    offload: float | None = None,
+    shape: ModelConfig | None = None,
 ) -> dict:
     """Train `steps` steps through the executor at ZeRO level `zero`, with the optimizer and
     schedule built as trainer.trainer.Trainer builds them from TRAIN (`clip` replaces its
@@ -136,10 +139,12 @@ def run_policy(
     final master weights (flat, float64), the group sizes each plan used and the first step's
     micro-batch counts. `tp`: {"mesh": the TP group's DeviceMesh, "comm": its communicator}:
     the model is split over it (trainer.parallel.tensor) and the gradient and weights returned
-    are put back together whole."""
+    are put back together whole. `offload`: every micro-batch offloads this ratio of its
+    blocks' saved activations (`offload.force_ratio`). `shape`: the model (model_config())."""
     tokens, batches = scenario_data(lengths=lengths)
     fetcher = MemoryFetcher(tokens)
-    model, master = build_model(model_config(), dtype, "cpu", seed=MODEL_SEED)
+    shape = shape or model_config()
+    model, master = build_model(shape, dtype, "cpu", seed=MODEL_SEED)
     kw = {} if clip is None else {"grad_clip": clip}
     whole = lambda flat: flat  # noqa: E731
     if tp is not None:
@@ -150,7 +155,15 @@ def run_policy(
         kw["tp_comm"] = tp["comm"]
         whole = functools.partial(whole_flat, model)
     opt, sched = optimizer(model, master, comm, level=zero, grad_comm=grad_comm, **kw)
-    ex = HDPExecutor(model, opt, comm, scheduler=sched)
+    acts = None
+    if offload is not None:
+        settings = OffloadConfig(enabled=True, force_ratio=offload, min_bytes=0)
+        pol = ActivationPolicy("none", settings)
+        size = torch.empty(0, dtype=dtype).element_size()
+        acts = pol.build(
+            "cpu", HostNeed.of(model_config(), size, pol.checkpointed(model_config().n_layers))
+        )
+    ex = HDPExecutor(model, opt, comm, scheduler=sched, activations=acts)
     out: dict = {"losses": [], "grad_norms": [], "lrs": [], "group_sizes": [], "grads": []}
     for step in range(steps):
         ids = batches[step]
@@ -169,6 +182,8 @@ def run_policy(
         ex.update(res)
         out["losses"].append(res.loss)
         out["grad_norms"].append(res.grad_norm)
+        if acts is not None:
+            out.setdefault("moved", []).append(sum(st.moved_bytes for st in ex.act_stats))
     out["weights"] = whole(opt.gather_master()).double()
     return out
 

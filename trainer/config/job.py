@@ -126,7 +126,7 @@ class TrainerConfig:
 
     def _validate_tp(self) -> None:
         """Tensor parallelism needs a shape it can split, and is refused where it is not yet
-        built (activation offload, CO2 islands)."""
+        built (CO2 islands)."""
         tp = self.parallel.tp
         if tp == 1:
             return
@@ -134,11 +134,6 @@ class TrainerConfig:
         problem = self.model.shape().tp_problem(tp)
         if problem:
             raise ConfigError(f"{key}: {problem}")
-        if self.offload.enabled:
-            raise ConfigError(
-                f"{key}: {tp} with activation offload ({self.key(self.offload, 'enabled')}): "
-                "not built yet for tensor-parallel shards; set parallel.tp = 1 or turn offload off"
-            )
         if self.parallel.islands > 1:
             raise ConfigError(
                 f"{key}: {tp} with {self.key(self.parallel, 'islands')} = "

@@ -36,7 +36,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -170,6 +170,28 @@ class _Ref:
         self.block, self.tensor, self.entry, self.meta = block, tensor, entry, meta
 
 
+class _Wrapped:
+    """A saved DTensor: its local tensor's reference and the spec that rebuilds it."""
+
+    __slots__ = ("inner", "spec", "requires_grad")
+
+    def __init__(self, inner: _Ref, spec: Any, requires_grad: bool) -> None:
+        self.inner, self.spec, self.requires_grad = inner, spec, requires_grad
+
+
+def _unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+    """(local tensor, DTensor spec) of a tensor-parallel activation; (the waited result, None)
+    of an async collective's; None for any other tensor."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t._local_tensor, t._spec
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.trigger_wait(), None
+    return None
+
+
 def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -231,8 +253,12 @@ class _Microbatch:
         self.in_transit = [e for e in self.in_transit if e.owner == index]
         return out
 
-    def pack(self, t: torch.Tensor) -> _Ref:
+    def pack(self, t: torch.Tensor) -> _Ref | _Wrapped:
         b = self.fwd_block
+        wrapped = _unwrap(t)
+        if wrapped is not None:  # tensor parallelism: the local tensor moves, the wrapper stays
+            local, spec = wrapped
+            return _Wrapped(self.pack(local), spec, t.requires_grad) if spec else self.pack(local)
         if (
             type(t) not in (torch.Tensor, nn.Parameter)
             or t.layout != torch.strided
@@ -277,7 +303,11 @@ class _Microbatch:
         return e
 
     # -- backward --
-    def unpack(self, ref: _Ref) -> torch.Tensor:
+    def unpack(self, ref: _Ref | _Wrapped) -> torch.Tensor:
+        if isinstance(ref, _Wrapped):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor(self.unpack(ref.inner), ref.spec, requires_grad=ref.requires_grad)
         e = ref.entry
         if e is None:
             assert ref.tensor is not None
