@@ -61,21 +61,30 @@ def data() -> tuple[MemoryFetcher, list[np.ndarray]]:
 # --- the code under test: executor + sharded optimizer + trainer.islands.cross ---------------------------
 
 
-def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config) -> dict:
-    """STEPS steps of island `cross.rank` on this rank; returns its loss curve and final weights."""
+def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config, tp: dict | None = None) -> dict:
+    """STEPS steps of island `cross.rank` on this rank; returns its loss curve and final weights.
+    `tp`: {"mesh", "comm"} of this rank's TP group (the model split over it; the weights
+    returned whole; one HDP rank per island, capacity 128)."""
     fetcher, batches = data()
     model, master = build_model(model_config(), F64, seed=1)
+    whole, capacity, kw = (lambda flat: flat), 64, {}
+    if tp is not None:
+        from trainer.parallel.tensor import parallelize, whole_flat
+
+        for m in {id(model): model, id(master): master}.values():
+            parallelize(m, tp["mesh"])
+        whole, capacity, kw = (lambda flat: whole_flat(model, flat)), 128, {"tp_comm": tp["comm"]}
     sync = cross if mode == "sync" else None
     zero = ZeroOptimizer.for_model(
         model, comm, master=master, level=1, lr=LR, weight_decay=WD, grad_clip=CLIP,
-        grad_comm=grad_comm, cross_comm=sync, async_gather=True,
+        grad_comm=grad_comm, cross_comm=sync, async_gather=True, **kw,
     )  # fmt: skip
     ex = HDPExecutor(model, zero, comm, cross_comm=sync)
     rounds = CrossIsland(co2, zero, comm, cross) if mode != "sync" else None
     losses, records, waits = [], [], []
     for s in range(STEPS):
         ids = batches[s * ISLANDS + cross.rank]
-        plan = make_plan("hdp", fetcher.lengths[ids], ids, comm.size)
+        plan = make_plan("hdp", fetcher.lengths[ids], ids, comm.size, capacity)
         mine = plan.microbatches(comm.rank)
         fetched = fetcher.fetch_step([np.array(m.pieces, dtype=np.int64) for m in mine])
         res = ex.accumulate(plan, fetched, s)
@@ -87,7 +96,7 @@ def run_mode(comm, grad_comm, cross, mode: str, co2: CO2Config) -> dict:
     if rounds is not None:
         rounds.finish()
     zero.wait_weights()
-    return {"losses": losses, "weights": zero.flat_params[: zero.layout.numel].clone(),
+    return {"losses": losses, "weights": whole(zero.flat_params[: zero.layout.numel].clone()),
             "records": records, "groups": sorted({int(k) for k in plan.group_sizes}),
             "cross_wait_s": waits}  # fmt: skip
 

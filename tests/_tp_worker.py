@@ -3,6 +3,7 @@ one, float64, on gloo."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -217,10 +218,45 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
             shape=None if offload is None else w.offload_model_config(),  # 4 layers: 1-2 moved
         )
         results[(policy, zero, offload)] = got
+    results["islands"] = islands_at_tp2(rank)
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "tp_exactness.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# the islands' scenarios at tp 2 (tests/_co2_worker.py's, and global-norm clipping)
+ISLAND_CASES = ["co2", "sync", "co2-clipnorm"]
+
+
+def islands_at_tp2(rank: int) -> dict:
+    """The same 4 processes as 2 islands x 1 HDP rank x tp 2: each scenario of ISLAND_CASES
+    through the executor, ZeRO and trainer.islands.cross; rank 0's whole final weights and both
+    islands' loss curves, and its outer records."""
+    import _co2_worker as cw
+
+    from trainer.islands.config import CO2Config
+    from trainer.parallel.runtime import setup_runtime
+
+    rt = setup_runtime("cpu", islands=2, tp=2)
+    assert (rt.world, rt.island, rt.tp_rank) == (1, rank // 2, rank % 2)
+    scenarios = {name: (mode, c) for name, mode, c in cw.SCENARIOS}
+    clip = CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6, staleness_lambda=0.5, clip="norm")
+    scenarios["co2-clipnorm"] = ("co2", dataclasses.replace(clip, clip_value=0.05))
+    out = {}
+    for name in ISLAND_CASES:
+        mode, c = scenarios[name]
+        tp = {"mesh": rt.tp_mesh, "comm": rt.tp_comm}
+        got = cw.run_mode(rt.comm, rt.grad_comm, rt.cross_comm, mode, c, tp=tp)
+        losses = rt.cross_comm.all_gather(torch.tensor(got["losses"], dtype=torch.float64))
+        out[name] = {
+            "mode": mode,
+            "co2": c,
+            "losses": [x.tolist() for x in losses],
+            "weights": got["weights"],
+            "records": got["records"],
+        }
+    return out
 
 
 def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:

@@ -94,11 +94,11 @@ WIDEN_COST = CostModel(
 )
 
 
-def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int):
+def make_plan(policy: str, lengths: np.ndarray, ids: np.ndarray, n: int, capacity: int = CAPACITY):
     """A plan for `policy` (hdp, naive-hdp, static, single, or hdp+widen)."""
     widen = policy == "hdp+widen"
     return (
-        PlannerConfig(policy=policy.split("+")[0], capacity=CAPACITY, widen=widen)
+        PlannerConfig(policy=policy.split("+")[0], capacity=capacity, widen=widen)
         .build(WIDEN_COST if widen else preset("debug"), num_ranks=n)
         .plan(lengths, ids)
     )

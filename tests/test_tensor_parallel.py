@@ -112,7 +112,7 @@ def test_tp_problem_kv_heads() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
+def test_executor_tp2_hdp2_equals_reference_trainer_float64(tp_exactness) -> None:
     """4 gloo processes as 2 HDP ranks x tp 2: hdp (a ring of 2 beside local work) and static (a
     CP-2 mesh) at ZeRO 0, and hdp at ZeRO 1 and 2, with offload forced (hdp ZeRO 1 ratio 1,
     static ZeRO 2 ratio 0.5), each against the plain reference trainer:
@@ -130,8 +130,7 @@ def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
     )
     from test_reference_trainer import reference_train
 
-    spawn(_tp_worker.exactness_main, WORLD, (WORLD, free_port(), str(tmp_path)), timeout=220)
-    results = torch.load(tmp_path / "tp_exactness.pt", weights_only=False)
+    results = tp_exactness
     tokens, batches = scenario_data(lengths=_tp_worker.EXEC_LENGTHS)
     refs = {
         m: reference_train(tokens, batches, TRAIN, m(), torch.float64, MODEL_SEED)
@@ -147,6 +146,39 @@ def test_executor_tp2_hdp2_equals_reference_trainer_float64(tmp_path) -> None:
             assert min(got["moved"]) > 0, (case, got["moved"])
         err = (got["weights"] - ref["weights"]).abs().max().item()
         assert err < 1e-10 * ref["weights"].abs().max().item(), (case, err)
+
+
+@pytest.fixture(scope="module")
+def tp_exactness(tmp_path_factory) -> dict:
+    import torch
+
+    out = tmp_path_factory.mktemp("exact")
+    spawn(_tp_worker.exactness_main, WORLD, (WORLD, free_port(), str(out)), timeout=220)
+    return torch.load(out / "tp_exactness.pt", weights_only=False)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", _tp_worker.ISLAND_CASES)
+def test_islands_at_tp2_equal_plain_references_float64(tp_exactness, name) -> None:
+    """2 islands x 1 HDP rank x tp 2 (4 processes): co2 (overlap, adaptive penalty, value
+    clipping, Nesterov), global-norm clipping of the outer momentum, and sync equal the plain
+    references of tests/_co2_worker.py (whole samples, torch AdamW per island, the contract's
+    outer rule): every island's loss curve and the final weights within 1e-9."""
+    import _co2_worker as cw
+    from test_islands import check
+
+    got = tp_exactness["islands"][name]
+    want = cw.reference(got["mode"], got["co2"])
+    w = want["weights"]
+    err = float((got["weights"] - w).abs().max() / w.abs().max())
+    check(name, got["losses"], err, want)
+    if name == "co2-clipnorm":  # the momentum's global norm (TP shards summed) was clipped
+        recs = [r for r in got["records"] if r.get("co2_applied")]
+        assert recs and all(r["co2_clipped_fraction"] == 1.0 for r in recs), recs
+    if name == "co2":
+        recs = [r for r in got["records"] if r.get("co2_applied")]
+        assert all(0 < r["co2_clipped_fraction"] < 1 for r in recs), recs
+        assert recs[-1]["co2_penalty"] > 1.01
 
 
 @pytest.mark.timeout(300)
@@ -263,7 +295,6 @@ def hf_first_loss(hf, data: str) -> float:
     [
         ({"parallel": {"tp": 4}}, "parallel.tp: 4 does not divide the model's vocab_size (258)"),
         ({"parallel": {"tp": 3}}, "parallel.tp"),
-        ({"parallel": {"tp": 2, "islands": 2}}, "CO2 islands are not built yet"),
     ],
 )
 def test_tp_config_refusals(sections, message) -> None:

@@ -125,21 +125,10 @@ class TrainerConfig:
         self._validate_tp()
 
     def _validate_tp(self) -> None:
-        """Tensor parallelism needs a shape it can split, and is refused where it is not yet
-        built (CO2 islands)."""
-        tp = self.parallel.tp
-        if tp == 1:
-            return
-        key = self.key(self.parallel, "tp")
-        problem = self.model.shape().tp_problem(tp)
+        """Tensor parallelism needs a shape it can split."""
+        problem = self.model.shape().tp_problem(self.parallel.tp) if self.parallel.tp > 1 else ""
         if problem:
-            raise ConfigError(f"{key}: {problem}")
-        if self.parallel.islands > 1:
-            raise ConfigError(
-                f"{key}: {tp} with {self.key(self.parallel, 'islands')} = "
-                f"{self.parallel.islands}: CO2 islands are not built yet for tensor-parallel "
-                "ranks; use one island"
-            )
+            raise ConfigError(f"{self.key(self.parallel, 'tp')}: {problem}")
 
     def _validate_offload(self) -> None:
         """A planned offload needs a policy that offloads and the model's layer count in the cost

@@ -208,6 +208,8 @@ class OuterSync:
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.perf_counter,
         places: Sequence[Place] | None = None,
+        tp: Communicator | None = None,
+        replicated: Sequence[bool] | None = None,
     ) -> None:
         if layout.ranks != island.size:
             raise ValueError(f"{layout} for an island of {island.size} ranks")
@@ -221,6 +223,16 @@ class OuterSync:
         s0, s1 = layout.slice(island.rank)
         places = list(places) if places is not None else plain_places(layout.shapes)
         self.chunks = ParamChunks(layout, s0, s1, places)  # the checkpoint's view
+        # tensor parallelism: sums also over the TP group, a parameter every member holds whole
+        # counted once (its pieces in this slice weigh 1/tp)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        rep = list(replicated) if replicated else [False] * len(layout.shapes)
+        self._shared = [
+            (p.range_start, p.length) for p in layout.parts(s0, s1) if self.tp and rep[p.param]
+        ]
+        whole = sum(s.numel() for i, s in enumerate(layout.shapes) if not rep[i])
+        shared = layout.numel - whole
+        self.model_numel = whole * (self.tp.size if self.tp else 1) + shared
 
         def buf() -> torch.Tensor:
             return torch.zeros(s1 - s0, dtype=dtype, device=device)
@@ -332,16 +344,28 @@ class OuterSync:
         return waited
 
     def _island_sum(self, values: list[float | torch.Tensor]) -> list[float]:
+        """Sums over the island (and the TP group) of per-slice values."""
         dev = self.anchor.device  # NCCL reduces device tensors only
         t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in values])
         if self.island.size > 1:
             self.island.all_reduce(t)
+        if self.tp is not None:
+            self.tp.all_reduce(t)
         return t.tolist()
 
+    def _weighed(self, total: torch.Tensor, t: torch.Tensor, f: Callable) -> torch.Tensor:
+        """`total` = f(t) over the slice, less (1 - 1/tp) of f over replicated pieces."""
+        if self._shared:
+            keep = 1.0 - 1.0 / self.tp.size  # type: ignore[union-attr]
+            for a, n in self._shared:
+                total = total - keep * f(t[a : a + n])
+        return total
+
     def _sq(self, t: torch.Tensor) -> torch.Tensor:
-        if t.numel():
-            return torch.dot(t, t).double()
-        return torch.zeros((), dtype=torch.float64, device=t.device)
+        if not t.numel():
+            return torch.zeros((), dtype=torch.float64, device=t.device)
+        dot = lambda x: torch.dot(x, x).double()  # noqa: E731
+        return self._weighed(dot(t), t, dot)
 
     def _penalty(self, stale: bool) -> float:
         """The staleness gap penalty of the average D in the in-flight buffer: 1 unless it is
@@ -369,7 +393,8 @@ class OuterSync:
         count = zero
         rescaled = False
         if cfg.clip == "value":
-            count = (m.abs() > cfg.clip_value).sum().double()
+            over = lambda x: (x.abs() > cfg.clip_value).sum().double()  # noqa: E731
+            count = self._weighed(over(m), m, over)
             m.clamp_(-cfg.clip_value, cfg.clip_value)
         elif cfg.clip == "norm":
             (m2,) = self._island_sum([self._sq(m)])
@@ -383,7 +408,7 @@ class OuterSync:
         else:
             d.copy_(m)
         s2, clipped = self._island_sum([self._sq(d), count])
-        fraction = float(rescaled) if cfg.clip == "norm" else clipped / max(self.layout.numel, 1)
+        fraction = float(rescaled) if cfg.clip == "norm" else clipped / max(self.model_numel, 1)
         return penalty, alpha * math.sqrt(s2), fraction
 
     # -- checkpoints and accounting ----------------------------------------------------------------

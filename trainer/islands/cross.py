@@ -59,6 +59,8 @@ class CrossIsland:
             dtype=zero.acc_dtype,
             device=zero.flat_params.device,
             places=zero.places,
+            tp=zero.tp_comm,
+            replicated=zero.replicated,
         )
         self.outer.start(zero.outer_slice())  # the first anchor (a checkpoint may replace it)
 
