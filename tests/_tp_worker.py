@@ -3,9 +3,11 @@ one, float64, on gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -259,6 +261,48 @@ def islands_at_tp2(rank: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def counting_reads() -> Iterator[dict[str, int]]:
+    """Count the elements this process reads from safetensors files (whole tensors and
+    slices), by tensor name."""
+    import safetensors
+
+    real, read = safetensors.safe_open, {}
+
+    class Counted:
+        def __init__(self, *a: object, **k: object) -> None:
+            self.f = real(*a, **k)
+
+        def __enter__(self) -> Counted:
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.__exit__(*exc)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            t = self.f.get_tensor(name)
+            read[name] = read.get(name, 0) + t.numel()
+            return t
+
+        def get_slice(self, name: str) -> object:
+            sl = self.f.get_slice(name)
+
+            class Sliced:
+                def __getitem__(_, idx: object) -> torch.Tensor:
+                    t = sl[idx]
+                    read[name] = read.get(name, 0) + t.numel()
+                    return t
+
+            return Sliced()
+
+    safetensors.safe_open = Counted
+    try:
+        yield read
+    finally:
+        safetensors.safe_open = real
+
+
 def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:
     """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
     2nd step; 3 steps then resume to 6; the step-3 checkpoint resumed at tp 1 (4 HDP ranks); 3
@@ -318,7 +362,8 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         )
         pre.model = ModelSection(pretrained=pretrained)
         pre.train.steps = 1
-        pre_run = run_training(pre, rt)
+        with counting_reads() as read:
+            pre_run = run_training(pre, rt)
         import argparse
 
         from tools.cmd_eval import _options, add_arguments
@@ -330,9 +375,14 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         argv = [ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
         opts = _options(parser.parse_args(argv))
         evaluated = run_eval(opts, rt)  # `mixlen eval --nproc 4 --tp 2`
+        argv[0] = pretrained  # a Hugging Face folder, read slice by slice
+        with counting_reads() as hf_read:
+            hf_eval = run_eval(_options(parser.parse_args(argv)), rt)
         out = {
             "eval": {k: evaluated[k] for k in ("loss", "tokens", "by_position")},
+            "hf_eval": [hf_eval["loss"], hf_eval["tokens"], hf_read],
             "pretrained": pre_run["losses"],
+            "pretrained_read": read,
             "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
             "straight": straight["losses"],
             "val": straight["val_losses"],

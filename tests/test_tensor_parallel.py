@@ -245,6 +245,11 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     assert [b["tokens"] for b in got["eval"]["by_position"]] == [
         b["tokens"] for b in one["by_position"]
     ]
+    # the Hugging Face folder evaluated at tp 2 (its tensors read slice by slice) too
+    assert cli_main(["eval", folder, *ev[2:], "--json"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loss, tokens, _ = got["hf_eval"]
+    assert tokens == one["tokens"] > 0 and loss == pytest.approx(one["loss"], rel=1e-6)
     # exported from the tp 2 checkpoint, transformers gives the plain decoder's logits
     from test_hf_export import hf_load
 
@@ -259,6 +264,15 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     assert (got_hf.logits[0] - want).norm() <= 1e-5 * want.norm()
     # from a Hugging Face Llama (tied embeddings, GQA) at tp 2: transformers' loss of that batch
     assert got["pretrained"][0] == pytest.approx(hf_first_loss(hf, data), rel=1e-5)
+    # each process read only its shards' slices of the safetensors tensors (training and
+    # `mixlen eval --tp 2` of the folder): half of each sharded tensor, each norm whole
+    total = {n: t.numel() for n, t in hf.state_dict().items() if n != "lm_head.weight"}
+    for reads in ([r["pretrained_read"] for r in runs], [r["hf_eval"][2] for r in runs]):
+        assert all(set(r) == set(total) for r in reads)
+        for name, n in total.items():
+            each = [r[name] for r in reads]
+            want = [n] * 4 if "norm" in name else [n // 2] * 4
+            assert each == want, (name, each)
 
 
 def hf_first_loss(hf, data: str) -> float:

@@ -160,12 +160,12 @@ class Trainer:
         pre = pretrained_of(cfg.model)  # a Hugging Face folder's weights, or None
         load = None if pre is None else functools.partial(load_pretrained_weights, pretrained=pre)
         shape = cfg.model.shape()
-        self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, load)
-        if rt.tp > 1:  # every TP member built the whole model from one seed: each keeps its shards
+        shard = None
+        if rt.tp > 1:  # seeded: built whole, then split; pretrained: each reads its shards only
             from trainer.parallel.tensor import parallelize
 
-            for m in {id(self.model): self.model, id(master): master}.values():
-                parallelize(m, rt.tp_mesh)
+            shard = functools.partial(parallelize, mesh=rt.tp_mesh)
+        self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, load, shard)
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -71,8 +72,14 @@ class LoadedModel(NamedTuple):
     run: dict[str, dict[str, Any]]
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """A mixlen checkpoint (a step directory or a checkpoint.dir) or a Hugging Face folder."""
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Callable[[nn.Module], nn.Module] | None = None,
+) -> LoadedModel:
+    """A mixlen checkpoint (a step directory or a checkpoint.dir) or a Hugging Face folder;
+    `shard` splits the model (tensor parallelism: a folder's tensors are read slice by slice)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
 
@@ -81,7 +88,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
         check_model_fits(
             pre.shape, _dtype_name(dtype), str(device), lambda k: f"{where}: {SHAPE_KEYS[k]}"
         )
-        model = build(pre.shape, "meta", dtype).to_empty(device=device)
+        model = build(pre.shape, "meta", dtype)
+        model = (shard(model) if shard else model).to_empty(device=device)
         load_pretrained_weights(model, pre)
         tok = None
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -107,6 +115,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(ckpt.weights.pop(name).to(dtype))
+    model = shard(model) if shard else model
     return LoadedModel(model, shape, _context(shape), None, ckpt.run["config"])
 
 
@@ -158,17 +167,25 @@ def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokeni
     return TokenizerSpec(kind, path).build()
 
 
-def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
-    """Evaluate as `opts` says on the runtime's ranks; every rank returns the same result."""
-    loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device)
-    if rt.tp > 1:  # every TP member loaded the whole model: each keeps its shards
-        from trainer.parallel.tensor import check_tp, parallelize
+def _sharding(rt: Runtime) -> Callable[[nn.Module], nn.Module] | None:
+    """The split of a model over the runtime's TP group (None at tp 1)."""
+    if rt.tp == 1:
+        return None
+    from trainer.parallel.tensor import check_tp, parallelize
 
+    def shard(model: nn.Module) -> nn.Module:
         try:
-            check_tp(loaded.model.cfg, rt.tp)
+            check_tp(model.cfg, rt.tp)
         except ValueError as exc:
             raise ConfigError(f"--tp: {exc}") from None
-        parallelize(loaded.model, rt.tp_mesh)
+        return parallelize(model, rt.tp_mesh)
+
+    return shard
+
+
+def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
+    """Evaluate as `opts` says on the runtime's ranks; every rank returns the same result."""
+    loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device, _sharding(rt))
     t0 = time.perf_counter()
     loaded.model.eval()
     run = loaded.run

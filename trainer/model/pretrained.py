@@ -8,7 +8,7 @@ its shape and a float dtype, nothing left over, every listed file there, so a la
 bad folder before any rank starts. `load_pretrained_weights` then maps one tensor at a time
 with safetensors' memory-mapped `safe_open` and copies it into the model's parameter in place
 (cast to its dtype), so a process never holds a second copy of the model (nor more than one
-tensor's pages of the file). Errors are
+tensor's pages of the file); a tensor-parallel shard reads only its slice. Errors are
 `InputError`s naming the file and the tensor (or key).
 
 `apply_overrides` merges a run's `[model]` keys with the pretrained shape: `rope_theta`,
@@ -264,8 +264,11 @@ def inspect_pretrained(path: str) -> Pretrained:
 def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> Pretrained:
     """Copy a folder's weights into `model`'s parameters in place (cast to each parameter's
     dtype, on its device), one tensor at a time; the model must have the folder's shape (up to
-    the CONTEXT_KEYS) and real (not meta) parameters. Returns the inspection."""
+    the CONTEXT_KEYS) and real (not meta) parameters. A tensor-parallel model's process reads
+    only its shards' slices of each tensor. Returns the inspection."""
     from safetensors import safe_open
+
+    from trainer.parallel.tensor import local_tensor, place_of
 
     pre = pretrained if isinstance(pretrained, Pretrained) else inspect_pretrained(pretrained)
     params = dict(model.named_parameters())
@@ -279,15 +282,19 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
                 f"{pre.path}: parameter {mine} {tuple(p.shape)} cannot take {hf} {e.shape}"
             )
     for mine, hf in pre.names.items():
-        # one mapping per tensor: only that tensor's pages are mapped while it is copied
+        # one mapping per tensor: only that tensor's pages are mapped while it is copied; a
+        # tensor-parallel shard reads only its slice of the tensor
+        p = params[mine]
+        local, place = local_tensor(p), place_of(mine, p)
+        part = tuple(slice(o, o + n) for o, n in zip(place.offset, local.shape))
         fpath = os.path.join(pre.path, pre.tensors[hf].file)
         try:
             with safe_open(fpath, framework="pt", device="cpu") as f:
-                src = f.get_tensor(hf)
-                params[mine].copy_(src)
+                src = f.get_slice(hf)[part] if part else f.get_tensor(hf)
+                local.copy_(src)
         except (OSError, RuntimeError, ValueError) as exc:
             raise InputError(f"{fpath}: cannot read tensor {hf} ({exc})") from None
-        _check_finite(params[mine], src, f"{fpath}: tensor {hf}")
+        _check_finite(local, src, f"{fpath}: tensor {hf}")
         del src
     return pre
 

@@ -234,11 +234,30 @@ def build_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     load: Callable[[nn.Module], Any] | None = None,
+    shard: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, nn.Module]:
     """(compute model, master weights) of `cfg`, initialised from `seed`, or with the weights
     `load(module)` writes into it (e.g. a Hugging Face folder's, trainer.model.pretrained): one
-    module for float32/float64; for bfloat16 a float32 master and a bfloat16 copy."""
+    module for float32/float64; for bfloat16 a float32 master and a bfloat16 copy. `shard`
+    (tensor parallelism) splits both: a loaded model is split on the meta device, so `load`
+    writes each process's shards only; a seeded one is initialised whole, then split (the
+    same weights as without `shard`)."""
     master_dtype = accum_dtype(dtype)
+    if shard is not None and load is not None:
+        master = shard(build(cfg, "meta", master_dtype)).to_empty(device=device)
+        load(master)
+        if dtype == master_dtype:
+            return master, master
+        from trainer.parallel.tensor import local_tensor
+
+        model = shard(build(cfg, "meta", dtype)).to_empty(device=device)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), master.parameters()):
+                local_tensor(p).copy_(local_tensor(q))
+        return model, master
+    if shard is not None:
+        model, master = build_model(cfg, dtype, device, seed)
+        return shard(model), (master if master is model else shard(master))
     # built on the meta device and materialised once: the weights are written exactly once
     master = build(cfg, "meta", master_dtype).to_empty(device=device)
     if load is None:
