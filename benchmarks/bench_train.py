@@ -104,7 +104,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
     from datapipe.plan.compare import compare
     from datapipe.plan.cost import load
     from datapipe.plan.metrics import predicted_step_ns
-    from trainer.calibrate import runs_for
+    from trainer.calibrate_ranks import runs_for
     from trainer.compare import replayed_cpu_s
     from trainer.parallel.comm import TorchComm
 

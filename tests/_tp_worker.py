@@ -303,12 +303,33 @@ def counting_reads() -> Iterator[dict[str, int]]:
         safetensors.safe_open = real
 
 
+def evaluations(rt: object, data: str, ckpt: str, pretrained: str) -> dict:
+    """`mixlen eval --nproc 4 --tp 2` of the checkpoint `ckpt` and of the Hugging Face folder
+    `pretrained` (read slice by slice: what this process read, by tensor)."""
+    import argparse
+
+    from tools.cmd_eval import _options, add_arguments
+    from trainer.eval.cli import run_eval
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = [ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
+    evaluated = run_eval(_options(parser.parse_args(argv)), rt)
+    argv[0] = pretrained
+    with counting_reads() as hf_read:
+        hf_eval = run_eval(_options(parser.parse_args(argv)), rt)
+    return {
+        "eval": {k: evaluated[k] for k in ("loss", "tokens", "by_position")},
+        "hf_eval": [hf_eval["loss"], hf_eval["tokens"], hf_read],
+    }
+
+
 def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:
     """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
     2nd step; 3 steps then resume to 6; the step-3 checkpoint resumed at tp 1 (4 HDP ranks); 3
     steps at tp 1 resumed at tp 2; static with full activation checkpointing for 3 steps; one
-    step from the Hugging Face folder `pretrained`. Each process writes the loss curves to
-    out_dir/losses{rank}.json."""
+    step from the Hugging Face folder `pretrained`; `evaluations`. Each process writes the loss
+    curves to out_dir/losses{rank}.json."""
     from _train_worker import train_config
 
     from trainer.model.config import ModelSection
@@ -317,9 +338,8 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
 
     init_local_gloo(rank, world, port, timeout_s=60)
     try:
-        rt = setup_runtime("cpu", tp=2)
+        rt, tp = setup_runtime("cpu", tp=2), {"tp": 2}
         torch.set_num_threads(1)
-        tp = {"tp": 2}
         straight = run_training(
             train_config(
                 data,
@@ -364,23 +384,8 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
         pre.train.steps = 1
         with counting_reads() as read:
             pre_run = run_training(pre, rt)
-        import argparse
-
-        from tools.cmd_eval import _options, add_arguments
-        from trainer.eval.cli import run_eval
-
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        ckpt = os.path.join(out_dir, "straight", "ckpt")
-        argv = [ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
-        opts = _options(parser.parse_args(argv))
-        evaluated = run_eval(opts, rt)  # `mixlen eval --nproc 4 --tp 2`
-        argv[0] = pretrained  # a Hugging Face folder, read slice by slice
-        with counting_reads() as hf_read:
-            hf_eval = run_eval(_options(parser.parse_args(argv)), rt)
         out = {
-            "eval": {k: evaluated[k] for k in ("loss", "tokens", "by_position")},
-            "hf_eval": [hf_eval["loss"], hf_eval["tokens"], hf_read],
+            **evaluations(rt, data, os.path.join(out_dir, "straight", "ckpt"), pretrained),
             "pretrained": pre_run["losses"],
             "pretrained_read": read,
             "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],

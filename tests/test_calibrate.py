@@ -94,6 +94,34 @@ def test_calibrate_two_processes_fits_ring_terms(tmp_path):
     assert cal["nproc"] == 2 and cal["clock"] == "wall"
 
 
+@pytest.mark.timeout(120)
+def test_calibrate_tp2_times_and_fits_the_tp_all_reduces(tmp_path):
+    """`--nproc 2 --tp 2`: one HDP rank of a TP group of 2; the group's micro-batches, its
+    all-reduces of [T, dim] activations and its steps are timed, the all-reduce latency and
+    bandwidth fitted and folded into b and c (costfit.tp_seconds); the file records tp 2."""
+    from datapipe.plan.cost import load
+    from datapipe.plan.costfit import tp_seconds
+    from tools.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["calibrate", "--out", str(out), "--nproc", "2", "--tp", "2", "--repeats", "1"]
+    args += ["--lengths", "64,128,256,1024", "--packs", "4x32,2x64", "--min-seconds", "0"]
+    assert main(args) == 0
+    cost = load(out)
+    cal = json.loads(out.read_text())["calibration"]
+    kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
+    assert kinds == {("local", 1), ("tp", 2), ("step", 1)}
+    assert {t["nbytes"] for t in cal["timings"] if t["kind"] == "tp"} == {
+        n * 128 * 4 for n in (64, 128, 256, 1024)
+    }  # [T, dim 128] float32
+    assert cal["tp"] == 2 and cost.tp == 2 and cost.name.endswith("-tp2")
+    assert cost.tp_bytes_per_s > 0 and cost.tp_latency_s >= 0
+    assert "tp_latency_s" in cal["fitted_terms"]
+    per_mb, per_pos = tp_seconds(cost.num_layers, cost.tp_latency_s, cost.tp_bytes_per_s, 512)
+    assert cost.c >= per_mb and cost.b >= per_pos  # the TP terms are inside b and c
+    assert main([*args[:3], "--nproc", "3", "--tp", "2", "--out", str(out)]) == 2
+
+
 def test_timed_shape_differences_name_each_field(tmp_path):
     """`[parallel] cost` timed on another model: each differing shape field is named with the
     timed and the run's value, in the shape's field order (what `mixlen train` warns with); the
@@ -136,6 +164,8 @@ def test_timed_shape_differences_name_each_field(tmp_path):
     assert run({"shape": {"n_layers": 4, "dim": 128}}) == ["n_layers 4 -> 2"]  # fields recorded
     assert run({"shape": record}, cost="debug") == []  # a preset: no record
     assert run(None) == [] and run({"timings": []}) == []
+    # timed at tp 2 (`mixlen calibrate --tp 2`), trained at tp 1: a TP group's times
+    assert run({"shape": {"n_layers": 2}, "tp": 2}) == ["tp 2 -> 1"]
 
 
 def _cost_file(path, vocab_size: int = 258, dtype: str = "float32", **shape) -> str:
@@ -282,7 +312,7 @@ def test_short_cases_run_until_their_runs_add_up_to_min_seconds() -> None:
     """`runs_for` against its rule written out; `_best` times each case that many runs after an
     untimed warm-up pass, the cases taking turns round by round (one process, fake times), and
     keeps each case's least."""
-    from trainer.calibrate import MAX_RUNS, CalibrationGrid, _best, runs_for
+    from trainer.calibrate_ranks import MAX_RUNS, CalibrationGrid, _best, runs_for
 
     assert runs_for(2.0, 3, 1.0) == 3  # long: exactly the repeats
     assert runs_for(0.25, 3, 1.0) == 4  # 4 x 0.25 s = 1 s

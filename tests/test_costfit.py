@@ -123,6 +123,42 @@ def test_fit_recovers_known_terms(ring_sizes, change) -> None:
     }
 
 
+TP = {"tp_lat": 4e-4, "tp_bw": 3e9}
+TP_BYTES = 512.0  # one all-reduce's bytes per position (dim x dtype)
+
+
+def with_tp(p: dict, timings: list[Timing]) -> list[Timing]:
+    """`timings` of a TP group: each micro-batch also runs 4 all-reduces per layer of its
+    member's positions (latency + bytes / bandwidth), and the all-reduces are timed alone."""
+    out = []
+    for m in timings:
+        if m.kind in ("local", "ring"):
+            n = sum(m.lengths) / m.k
+            extra = 4 * LAYERS * (TP["tp_lat"] + n * TP_BYTES / TP["tp_bw"])
+            m = dataclasses.replace(m, seconds=m.seconds + extra)
+        out.append(m)
+    for n in (128, 1024, 8192):
+        nb = n * TP_BYTES
+        out.append(Timing("tp", 2, (), nb, TP["tp_lat"] + nb / TP["tp_bw"]))
+    return out
+
+
+def test_fit_recovers_the_tp_all_reduce_terms() -> None:
+    """TP all-reduce latency and bandwidth fitted from their own timings, the compute terms from
+    the micro-batches less them (as without TP), b and c holding both."""
+    fit = fit_terms(with_tp(TRUE, synthetic(TRUE)), KV, LAYERS, tp_bytes_per_token=TP_BYTES)
+    t = fit.terms
+    assert t.tp_latency_s == pytest.approx(TP["tp_lat"], rel=1e-6)
+    assert t.tp_bytes_per_s == pytest.approx(TP["tp_bw"], rel=1e-6)
+    calls = 4 * LAYERS
+    assert t.c == pytest.approx(TRUE["c"] + calls * TP["tp_lat"], rel=0.02)
+    assert t.b == pytest.approx(TRUE["b"] + calls * TP_BYTES / TP["tp_bw"], rel=0.02)
+    for key in ("a", "h", "lat", "bw", "ov", "r1", "r2"):
+        assert as_dict(t)[key] == pytest.approx(TRUE[key], rel=0.02, abs=1e-3 * TRUE[key]), key
+    assert np.abs(fit.rel_residuals).max() < 1e-3
+    assert {"tp_latency_s", "tp_bytes_per_s"} <= set(fit.fitted_terms)
+
+
 def test_fit_model_is_the_planners() -> None:
     """costfit's ring formula and the planner's integer group times agree (same terms)."""
     t = Terms(3e-8, 4e-5, 5e-3, 150.0, 3e-4, 7e8, 0.7, (1000.0, 5000.0), (2e-6, 9e-6))

@@ -181,24 +181,18 @@ def test_islands_at_tp2_equal_plain_references_float64(tp_exactness, name) -> No
         assert recs[-1]["co2_penalty"] > 1.01
 
 
-@pytest.mark.timeout(300)
-def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
-    """`parallel.tp = 2` on 4 gloo processes (2 HDP ranks): the hdp loss curve and validation
-    losses equal the reference trainer's (float32), comparing with static on the way changes
-    nothing, a resume continues the curve exactly, at tp 1 on 4 ranks (and tp 1 -> 2) within
-    float32 rounding, static with activation checkpointing equals
-    it; every process reports the same losses; the checkpoint exports the whole model."""
-    import numpy as np
+@pytest.fixture(scope="module")
+def tp_train(tmp_path_factory) -> dict:
+    """The tp 2 training worker's runs (tests/_tp_worker.py train_main) beside the reference
+    trainer's run of the same config and the Hugging Face Llama folder it started from."""
     import torch
     from _train_worker import make_dataset, train_config
     from test_reference_trainer import reference_run
 
-    from trainer.checkpoint.weights import read_model_weights
-    from trainer.model.transformer import build
-
+    tmp = tmp_path_factory.mktemp("tp_train")
     torch.set_num_threads(1)
-    data = make_dataset(str(tmp_path / "ds"))
-    ref = reference_run(train_config(data, str(tmp_path / "ref")))
+    data = make_dataset(str(tmp / "ds"))
+    ref = reference_run(train_config(data, str(tmp / "ref")))
     hf = hf_model(
         "llama-llama3",
         vocab_size=300,
@@ -206,10 +200,27 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
         eos_token_id=257,
         max_position_embeddings=1024,
     )
-    folder = save(hf, str(tmp_path / "llama"))
-    args = (WORLD, free_port(), data, str(tmp_path), folder)
-    spawn(_tp_worker.train_main, WORLD, args, timeout=280)
-    runs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in range(WORLD)]
+    folder = save(hf, str(tmp / "llama"))
+    spawn(_tp_worker.train_main, WORLD, (WORLD, free_port(), data, str(tmp), folder), timeout=280)
+    runs = [json.loads((tmp / f"losses{r}.json").read_text()) for r in range(WORLD)]
+    return {"tmp": tmp, "data": data, "ref": ref, "hf": hf, "folder": folder, "runs": runs}
+
+
+@pytest.mark.timeout(300)
+def test_train_tp2_four_processes_equals_reference(tp_train) -> None:
+    """`parallel.tp = 2` on 4 gloo processes (2 HDP ranks): the hdp loss curve and validation
+    losses equal the reference trainer's (float32), comparing with static on the way changes
+    nothing, a resume continues the curve exactly, at tp 1 on 4 ranks (and tp 1 -> 2) within
+    float32 rounding, static with activation checkpointing equals it; every process reports the
+    same losses; the checkpoint holds the reference's final weights."""
+    import numpy as np
+    import torch
+    from _train_worker import train_config
+
+    from trainer.checkpoint.weights import read_model_weights
+    from trainer.model.transformer import build
+
+    tmp, runs, ref, data = tp_train["tmp"], tp_train["runs"], tp_train["ref"], tp_train["data"]
     assert [r["world"] for r in runs] == [[2, 2, p % 2, p, 4] for p in range(WORLD)]
     got = runs[0]
     assert all(r["straight"] == got["straight"] for r in runs)
@@ -225,19 +236,33 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
     np.testing.assert_allclose(
         [v for _, v in got["val"]], [v for _, v in ref["val_losses"]], rtol=1e-5
     )
-    recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    recs = [json.loads(x) for x in open(tmp / "straight" / "metrics.jsonl")]
     assert [r["step"] for r in recs] == list(range(1, 7))  # one writer: process 0
     assert [r["step"] for r in recs if "compare" in r] == [2, 4, 6]
     # the DCP checkpoint holds whole tensors: the reference's final weights, under plain names
-    weights = read_model_weights(str(tmp_path / "straight" / "ckpt"))
+    weights = read_model_weights(str(tmp / "straight" / "ckpt"))
     plain = build(train_config(data, "unused").model.shape(), device="meta")
     flat = torch.cat([weights[n].reshape(-1).double() for n, _ in plain.named_parameters()])
     assert flat.shape == ref["weights"].shape
     err = float((flat - ref["weights"]).norm() / ref["weights"].norm())
     assert err < 1e-5, err
-    # `mixlen eval` of the checkpoint at tp 2 x 2 ranks gives the one-process evaluation
-    ev = ["eval", str(tmp_path / "straight" / "ckpt"), data, "--split", "all", "--no-passkey"]
-    ev += ["--capacity", "1024"]
+
+
+@pytest.mark.timeout(300)
+def test_tp2_eval_and_export_equal_one_process(tp_train, capsys) -> None:
+    """`mixlen eval --nproc 4 --tp 2` of the tp 2 checkpoint and of the Hugging Face folder
+    equal the one-process evaluations; the checkpoint exported gives transformers the plain
+    decoder's logits (1e-5)."""
+    import torch
+    from _train_worker import train_config
+    from test_hf_export import hf_load
+
+    from trainer.checkpoint.weights import read_model_weights
+    from trainer.model.transformer import build
+
+    tmp, got, data = tp_train["tmp"], tp_train["runs"][0], tp_train["data"]
+    ckpt = str(tmp / "straight" / "ckpt")
+    ev = ["eval", ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
     assert cli_main([*ev, "--json"]) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["eval"]["tokens"] == one["tokens"] > 0
@@ -246,26 +271,27 @@ def test_train_tp2_four_processes_equals_reference(tmp_path, capsys) -> None:
         b["tokens"] for b in one["by_position"]
     ]
     # the Hugging Face folder evaluated at tp 2 (its tensors read slice by slice) too
-    assert cli_main(["eval", folder, *ev[2:], "--json"]) == 0
+    assert cli_main(["eval", tp_train["folder"], *ev[2:], "--json"]) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     loss, tokens, _ = got["hf_eval"]
     assert tokens == one["tokens"] > 0 and loss == pytest.approx(one["loss"], rel=1e-6)
     # exported from the tp 2 checkpoint, transformers gives the plain decoder's logits
-    from test_hf_export import hf_load
-
-    assert (
-        cli_main(["export", str(tmp_path / "straight" / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
-    )
+    assert cli_main(["export", ckpt, "--hf", str(tmp / "hf")]) == 0
     mine = build(train_config(data, "unused").model.shape())
-    mine.load_state_dict(weights)
+    mine.load_state_dict(read_model_weights(ckpt))
     ids = torch.randint(0, 258, (200,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, got_hf = mine(ids, torch.arange(200)), hf_load(str(tmp_path / "hf"))(ids[None])
+        want, got_hf = mine(ids, torch.arange(200)), hf_load(str(tmp / "hf"))(ids[None])
     assert (got_hf.logits[0] - want).norm() <= 1e-5 * want.norm()
-    # from a Hugging Face Llama (tied embeddings, GQA) at tp 2: transformers' loss of that batch
-    assert got["pretrained"][0] == pytest.approx(hf_first_loss(hf, data), rel=1e-5)
-    # each process read only its shards' slices of the safetensors tensors (training and
-    # `mixlen eval --tp 2` of the folder): half of each sharded tensor, each norm whole
+
+
+@pytest.mark.timeout(300)
+def test_tp2_pretrained_reads_only_its_slices(tp_train) -> None:
+    """A Hugging Face Llama (tied embeddings, GQA) at tp 2 gives transformers' loss of the first
+    batch; each process read only its shards' slices of the safetensors tensors (training and
+    `mixlen eval --tp 2` of the folder): half of each split tensor, each norm whole."""
+    hf, runs = tp_train["hf"], tp_train["runs"]
+    assert runs[0]["pretrained"][0] == pytest.approx(hf_first_loss(hf, tp_train["data"]), rel=1e-5)
     total = {n: t.numel() for n, t in hf.state_dict().items() if n != "lm_head.weight"}
     for reads in ([r["pretrained_read"] for r in runs], [r["hf_eval"][2] for r in runs]):
         assert all(set(r) == set(total) for r in reads)

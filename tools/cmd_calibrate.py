@@ -3,6 +3,11 @@ model and real ring attention on this machine (trainer/calibrate.py measures, da
 fits by least squares) and write a `mixlen-cost/2` file (datapipe.plan.cost) that `mixlen train`
 (`[parallel] cost`) and `mixlen plan --cost` read.
 
+With `--tp N` (default: the config's `parallel.tp`) the processes form TP groups of N: the model
+is timed split over each group (every term is then a group's, one HDP rank to the planner), the
+group's all-reduces of [T, dim] activations are timed and fitted (latency, bandwidth), and b and c
+include them; rings join the same TP index of the --nproc / N HDP ranks.
+
 With `--nproc 1` only local micro-batches are timed (a, b, c; the ring terms stay neutral and the
 link is `--link-bytes-per-s`). With K >= 2 processes (one per core, or one per GPU) rings of 2..K
 ranks are timed too, and the hop latency, link bandwidth, attention chunk efficiency and overlap
@@ -22,6 +27,7 @@ import os
 
 from datapipe.errors import ConfigError, InputError
 from datapipe.files import write_text_atomic
+from datapipe.plan.costfit import TP_PASSES
 from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
 from trainer.calibrate import CalibrationGrid
@@ -56,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_in(1, MAX_NPROC),
         default=1,
         help="processes (ranks) to time rings with (default 1)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        choices=(1, 2, 4, 8),
+        default=None,
+        help="tensor-parallel processes per rank (default: the config's parallel.tp, else 1): "
+        "the model is timed split over TP groups and their all-reduces are fitted",
     )
     parser.add_argument(
         "--clock",
@@ -93,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype (default: train.dtype, float32)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    _add_link_arguments(parser)
+
+
+def _add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """The links the timings cannot see (or that another machine has)."""
     parser.add_argument(
         "--link-bytes-per-s",
         type=float,
@@ -160,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
     _check_nproc(args)
     name, shape, dtype, out, packs = _what_to_time(args)
     _check_out(out)
+    if args.nproc % args.tp:
+        raise ConfigError(f"--tp {args.tp} must divide --nproc {args.nproc}")
+    if sizes and sizes[-1] > args.nproc // args.tp:
+        raise ConfigError(
+            f"--ring-sizes: {sizes[-1]} is more than the {args.nproc // args.tp} HDP ranks of "
+            f"--nproc {args.nproc} at --tp {args.tp}"
+        )
     grid = CalibrationGrid(
         lengths=lengths,
         packed=packs,
@@ -182,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         args.ranks_per_node,
         args.inter_node_bytes_per_s,
         shape=shape,
+        tp=args.tp,
     )
     try:
         write_text_atomic(out, cal.to_json())
@@ -242,6 +269,7 @@ def _what_to_time(args: argparse.Namespace):
             raise ConfigError("--set needs a config file")
         if args.out is None:
             raise ConfigError("--out: required without a config file")
+        args.tp = args.tp or 1
         model = args.model or "debug"
         extra = {"vocab_size": args.vocab_size} if args.vocab_size is not None else {}
         try:
@@ -259,6 +287,7 @@ def _what_to_time(args: argparse.Namespace):
         raise ConfigError("--model and --vocab-size come from the config file (model.*)")
     cfg = load_model_config(args.config, args.overrides)
     shape = cfg.model.shape()
+    args.tp = args.tp or cfg.parallel.tp
     out = args.out or (cfg.parallel.cost if cfg.parallel.cost.endswith(".json") else None)
     if out is None:
         raise ConfigError(
@@ -277,7 +306,7 @@ def render(cal) -> str:
     Calibration)."""
     lines = [f"{'kind':<6} {'k':>2} {'case':<16} {'measured s':>11} {'fit s':>10} {'resid':>7}"]
     for m, f, r in zip(cal.fit.timings, cal.fit.fitted_s, cal.fit.rel_residuals):
-        if m.kind == "hop":
+        if m.kind in ("hop", "tp"):
             case = f"{int(m.nbytes)} B"
         elif len(set(m.lengths)) == 1 and len(m.lengths) > 1:
             case = f"{len(m.lengths)} x {m.lengths[0]}"
@@ -300,6 +329,11 @@ def render(cal) -> str:
         f"{c.attn_n_half:.4g}, hop_latency_s = {c.hop_latency_s:.4g}, link = "
         f"{c.link_bytes_per_s:.4g} B/s, overlap = {c.overlap:.3f}  ({cal.meta['seconds']:.0f} s)"
     )
+    if c.tp > 1:
+        lines.append(
+            f"tp {c.tp}: all-reduce latency {c.tp_latency_s:.4g} s, {c.tp_bytes_per_s:.4g} B/s "
+            f"(in b and c: {TP_PASSES} all-reduces per layer and micro-batch)"
+        )
     m, shape = cal.meta, cal.meta["shape"]
     lines.append(
         f"timed: {m['model']} (vocab_size {shape['vocab_size']}, dim {shape['dim']}, n_layers "

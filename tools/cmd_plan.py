@@ -205,7 +205,7 @@ def timed_vocab_warning(cost_file: str | None, vocab: int) -> str:
     dataset's `vocab` token ids: no model that trains the data has that shape, and the loss over a
     larger vocabulary costs more per position, so the estimated times are another model's ('':
     no such record)."""
-    from datapipe.plan.cost import timed_model
+    from datapipe.plan.costcheck import timed_model
 
     timed = timed_model(cost_file).get("shape", {}).get("vocab_size") if cost_file else None
     if not isinstance(timed, int) or timed >= vocab:

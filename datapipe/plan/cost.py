@@ -30,6 +30,10 @@ backward; each direction hides under the compute of its own pass and only the ex
 Decisions use integer nanoseconds (int64). Float arithmetic is plain IEEE float64 on numpy arrays
 (no fast-math, no fused multiply-add), rounded once per term, so every rank computes the same integers.
 
+A file timed at tensor-parallel degree ``tp`` > 1 (``mixlen calibrate --tp``) holds a TP group's
+times, one HDP rank: ``b`` and ``c`` include its all-reduces (4 per layer of ``dim`` values per
+position, ``tp_latency_s`` each plus bytes / ``tp_bytes_per_s``), recorded beside them.
+
 The cost file schema (``--cost cost.json``, ``"schema": "mixlen-cost/2"``) is in docs/PLAN.md.
 ``mixlen calibrate`` writes /2 files; presets (:func:`preset`) build the same object from a model
 shape and a device's rates.
@@ -154,6 +158,9 @@ class CostModel:
     size_knots: tuple[float, ...] = ()
     size_rates: tuple[float, ...] = ()
     step: float = 0.0
+    tp: int = 1  # timed at this TP degree: b and c include the TP all-reduces (docstring)
+    tp_latency_s: float = 0.0
+    tp_bytes_per_s: float = 0.0
     name: str = "custom"
     file_hash: str = dataclasses.field(default="", compare=False, repr=False)
     # ranks of the island being planned (for_island; 0: not known), not part of the file
@@ -167,7 +174,16 @@ class CostModel:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         del d["file_hash"], d["island_ranks"]
-        for key in ("d", "size_knots", "size_rates", "step"):
+        d["tp"] = d["tp"] if d["tp"] > 1 else 0  # dropped below, with its terms
+        for key in (
+            "d",
+            "size_knots",
+            "size_rates",
+            "step",
+            "tp",
+            "tp_latency_s",
+            "tp_bytes_per_s",
+        ):
             if not d[key]:
                 del d[key]  # files without the term keep their bytes and hashes
             elif isinstance(d[key], tuple):
@@ -402,26 +418,11 @@ def preset(name: str) -> CostModel:
     return build_cost_model(model, MODEL_CONFIGS[model], DEVICES[dev])
 
 
-_REQUIRED_V1 = (
-    "a",
-    "b",
-    "c",
-    "kv_bytes_per_token",
-    "link_bytes_per_s",
-    "num_layers",
-    "act_bytes_per_token_layer",
-    "offload_bytes_per_s",
-)
+_REQUIRED_V1 = ("a", "b", "c", "kv_bytes_per_token", "link_bytes_per_s", "num_layers")
+_REQUIRED_V1 += ("act_bytes_per_token_layer", "offload_bytes_per_s")
 _REQUIRED_V2 = ("attn_n_half", "hop_latency_s", "overlap")
-_OPTIONAL = (
-    "comm_passes",
-    "ranks_per_node",
-    "node_link_bytes_per_s",
-    "d",
-    "size_knots",
-    "size_rates",
-    "step",
-)  # default if absent
+_OPTIONAL = ("comm_passes", "ranks_per_node", "node_link_bytes_per_s", "d", "size_knots")
+_OPTIONAL += ("size_rates", "step", "tp", "tp_latency_s", "tp_bytes_per_s")  # default if absent
 
 
 def from_dict(d: dict, source: str = "cost model") -> CostModel:
@@ -452,7 +453,7 @@ def from_dict(d: dict, source: str = "cost model") -> CostModel:
     kwargs = {k: d[k] for k in required}
     kwargs.update({k: d[k] for k in _OPTIONAL if k in d})
     kwargs["name"] = str(d.get("name", os.path.basename(source)))
-    for key in ("num_layers", "ranks_per_node"):
+    for key in ("num_layers", "ranks_per_node", "tp"):
         v = kwargs.get(key)
         if isinstance(v, float) and v.is_integer():
             kwargs[key] = int(v)
@@ -475,19 +476,6 @@ def load(path: str | os.PathLike) -> CostModel:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
     model = from_dict(d, str(path))
     return dataclasses.replace(model, file_hash=hashlib.sha256(raw).hexdigest())
-
-
-def timed_model(path: str | os.PathLike) -> dict:
-    """What `mixlen calibrate` recorded of the model it timed for the cost file `path`: `shape`
-    (datapipe.shapes.ModelConfig's fields, those the file has) and `dtype`; {} for a file without
-    a record or one load() cannot read (load() names its errors)."""
-    try:
-        rec = json.loads(read_bounded_bytes(path, CONFIG_FILE_LIMIT, "a cost file"))["calibration"]
-        shape, dtype = rec.get("shape"), rec.get("dtype")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # MixlenError: a ValueError
-        return {}
-    out = {"shape": shape} if isinstance(shape, dict) else {}
-    return {**out, "dtype": dtype} if isinstance(dtype, str) else out
 
 
 def resolve(model: str | None, cost_file: str | None) -> CostModel:

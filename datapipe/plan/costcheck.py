@@ -1,12 +1,15 @@
 """Validation of a cost model's terms (datapipe.plan.cost.CostModel): every error names the key
-and the range it must be in."""
+and the range it must be in; and what a cost file records of the model it was timed on."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 from datapipe.errors import ConfigError
+from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_bytes
 
 _NON_NEGATIVE = (
     "a",
@@ -19,6 +22,8 @@ _NON_NEGATIVE = (
     "node_link_bytes_per_s",
     "d",
     "step",
+    "tp_latency_s",
+    "tp_bytes_per_s",
 )
 _POSITIVE = ("link_bytes_per_s", "offload_bytes_per_s", "comm_passes")
 
@@ -48,6 +53,8 @@ def check_terms(model: Any) -> dict[str, tuple[float, ...]]:
         raise ConfigError(
             f"cost model: 'ranks_per_node' must be an int >= 0, got {model.ranks_per_node!r}"
         )
+    if model.tp not in (1, 2, 4, 8) or isinstance(model.tp, bool):
+        raise ConfigError(f"cost model: 'tp' must be 1, 2, 4 or 8, got {model.tp!r}")
     if model.ranks_per_node and not model.node_link_bytes_per_s > 0:
         raise ConfigError(
             "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"
@@ -76,3 +83,18 @@ def size_table(knots: object, rates: object) -> dict[str, tuple[float, ...]]:
     if any(y < x for x, y in zip(rt, rt[1:])):
         raise ConfigError(f"cost model: 'size_rates' must not decrease, got {list(rt)}")
     return out
+
+
+def timed_model(path: str | os.PathLike) -> dict:
+    """What `mixlen calibrate` recorded of the model it timed for the cost file `path`: `shape`
+    (datapipe.shapes.ModelConfig's fields, those the file has), `dtype` and `tp` (1 in files
+    from before tensor parallelism); {} for a file without a record or one load() cannot read
+    (load() names its errors)."""
+    try:
+        rec = json.loads(read_bounded_bytes(path, CONFIG_FILE_LIMIT, "a cost file"))["calibration"]
+        shape, dtype, tp = rec.get("shape"), rec.get("dtype"), rec.get("tp", 1)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # MixlenError: a ValueError
+        return {}
+    out = {"shape": shape} if isinstance(shape, dict) else {}
+    out = {**out, "tp": tp} if type(tp) is int else out
+    return {**out, "dtype": dtype} if isinstance(dtype, str) else out

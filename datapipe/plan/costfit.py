@@ -39,6 +39,7 @@ residuals are relative.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ import numpy as np
 from datapipe.errors import MixlenError
 from datapipe.plan.cost import size_rate
 
-KINDS = ("local", "hop", "ring", "step")
+KINDS = ("local", "hop", "ring", "step", "tp")
+TP_PASSES = 4  # all-reduces per layer under TP: attention and SwiGLU outputs, their inputs' grads
 UNRESOLVED_LINK = 1e15  # bytes/s taken when hop times do not grow with the message size
 
 
@@ -97,6 +99,8 @@ class Terms:
     size_knots: tuple[float, ...] = ()  # positions T of one rank's micro-batch
     size_rates: tuple[float, ...] = ()  # seconds per position at each knot (cost.size_rate)
     step: float = 0.0  # seconds per optimizer step around its micro-batches
+    tp_latency_s: float = 0.0  # per TP all-reduce call (0: no TP timings)
+    tp_bytes_per_s: float = 0.0  # the TP group's all-reduce bandwidth
 
 
 @dataclass
@@ -192,20 +196,21 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray, power: float = 1.0) -> np.nda
     return coef
 
 
-def fit_hops(timings: Sequence[Timing]) -> tuple[float, float, str | None]:
-    """(hop latency s, link bytes/s, note) from hop timings: t = L + nbytes / link. When the
-    times do not grow with the size (a link faster than the timings resolve, or a CPU clock that
-    does not see the copies), the link is UNRESOLVED_LINK and the note says so."""
-    hs = [m for m in timings if m.kind == "hop"]
+def fit_hops(timings: Sequence[Timing], kind: str = "hop") -> tuple[float, float, str | None]:
+    """(hop latency s, link bytes/s, note) from hop timings (or the TP all-reduces', `kind` "tp"):
+    t = L + nbytes / link. When the times do not grow with the size (a link faster than the
+    timings resolve, or a CPU clock that does not see the copies), the link is UNRESOLVED_LINK
+    and the note says so."""
+    hs = [m for m in timings if m.kind == kind]
     nb = np.array([m.nbytes for m in hs], dtype=np.float64)
     t = np.array([m.seconds for m in hs], dtype=np.float64)
     if len(set(nb.tolist())) < 2:
-        raise CalibrationError("hop timings need at least two message sizes")
+        raise CalibrationError(f"{kind} timings need at least two message sizes")
     lat, inv_bw = _nonneg_lstsq(np.stack([np.ones_like(nb), nb], axis=1), t)
     if not inv_bw > 0:
         lat = float(np.exp(np.mean(np.log(t))))  # geometric mean: the sizes do not matter
         note = (
-            "hop times do not grow with the message size: the link is faster than these "
+            f"{kind} times do not grow with the message size: the link is faster than these "
             f"timings resolve (link taken as {UNRESOLVED_LINK:g} B/s; larger --hop-bytes, or "
             "the wall clock, would measure it)"
         )
@@ -308,9 +313,13 @@ def fit_terms(
     comm_passes: float = 3.0,
     link_bytes_per_s: float | None = None,
     weight_power: float = WEIGHT_POWER,
+    tp_bytes_per_token: float = 0.0,
 ) -> FitResult:
     """Fit every term the timings determine (module docstring); `link_bytes_per_s` is used when
-    there are no hop timings; `weight_power`: the compute stages' residual weight 1/t**power."""
+    there are no hop timings; `weight_power`: the compute stages' residual weight 1/t**power.
+    With "tp" timings (tensor parallelism; `tp_bytes_per_token`: one all-reduce's bytes per
+    position) the TP all-reduce latency and bandwidth come first, the compute terms are fitted
+    to the micro-batch times less `tp_seconds`, and b and c get the TP terms back."""
     kinds = {m.kind for m in timings}
     bad = kinds - set(KINDS)
     if bad:
@@ -326,22 +335,48 @@ def fit_terms(
         notes += [note] if note else []
     if bw is None:
         raise CalibrationError("no hop timings and no link bandwidth given")
-    a, b1, c, knots, rates = fit_local(timings, weight_power)
+    tp_b = tp_c = tp_lat = tp_bw = 0.0
+    compute = list(timings)
+    if "tp" in kinds:
+        tp_lat, tp_bw, note = fit_hops(timings, "tp")
+        fitted += ["tp_latency_s"] + ([] if note else ["tp_bytes_per_s"])
+        notes += [note] if note else []
+        tp_c, tp_b = tp_seconds(num_layers, tp_lat, tp_bw, tp_bytes_per_token)
+        compute = [_less_tp(m, tp_c, tp_b) for m in timings]
+    a, b1, c, knots, rates = fit_local(compute, weight_power)
     if knots:
         fitted.insert(3, "size_rates")
     h, ov = 0.0, 1.0
     if "ring" in kinds:
         args = (lat, bw, kv_bytes_per_token, num_layers, comm_passes, weight_power)
-        h, ov = fit_rings(timings, a, b1, c, (knots, rates), *args)
+        h, ov = fit_rings(compute, a, b1, c, (knots, rates), *args)
         fitted += ["attn_n_half", "overlap"]
     # h may sit at its bound b'/a, where b' - a*h rounds to a tiny negative number
     step = 0.0
     if "step" in kinds:
         step = float(np.median([m.seconds for m in timings if m.kind == "step"]))
         fitted.append("step")
-    terms = Terms(a, max(b1 - a * h, 0.0), c, h, lat, bw, ov, knots, rates, step)
+    b = max(b1 - a * h, 0.0) + tp_b
+    terms = Terms(a, b, c + tp_c, h, lat, bw, ov, knots, rates, step, tp_lat, tp_bw)
     fit_s = predict(terms, timings, kv_bytes_per_token, num_layers, comm_passes)
     return FitResult(terms, list(timings), fit_s, fitted, notes)
+
+
+def tp_seconds(
+    num_layers: int, latency_s: float, bytes_per_s: float, bytes_per_token: float
+) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per position) of a micro-batch's TP all-reduces:
+    TP_PASSES per layer, each of `bytes_per_token` per position of the process's share."""
+    calls = TP_PASSES * num_layers
+    return calls * latency_s, calls * bytes_per_token / bytes_per_s
+
+
+def _less_tp(m: Timing, per_mb: float, per_pos: float) -> Timing:
+    """A micro-batch timing less its TP all-reduces (a member's positions: sum S / k)."""
+    if m.kind not in ("local", "ring"):
+        return m
+    left = m.seconds - per_mb - per_pos * sum(m.lengths) / m.k
+    return dataclasses.replace(m, seconds=max(left, 0.05 * m.seconds))
 
 
 def predict(
@@ -356,6 +391,9 @@ def predict(
     for i, m in enumerate(timings):
         if m.kind == "hop":
             out[i] = terms.hop_latency_s + m.nbytes / terms.link_bytes_per_s
+            continue
+        if m.kind == "tp":
+            out[i] = terms.tp_latency_s + m.nbytes / terms.tp_bytes_per_s
             continue
         if m.kind == "step":
             out[i] = terms.step

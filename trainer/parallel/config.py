@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from datapipe.errors import ConfigError, MixlenError
-from datapipe.plan.cost import CostModel, load, preset, timed_model
+from datapipe.plan.cost import CostModel, load, preset
+from datapipe.plan.costcheck import timed_model
 from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, setting
 from datapipe.shapes import COST_FREE_FIELDS, ModelConfig
@@ -67,13 +68,15 @@ class ParallelConfig:
 
     def _timed_differences(self, shape: ModelConfig, dtype: str | None) -> list[tuple]:
         """(field, timed, now) where the model timed for the cost file differs from `shape` (and
-        the compute `dtype`, if given), in the shape's field order; [] for presets and files
-        without a record (of a field: older files)."""
+        the compute `dtype`, if given, and `tp`), in the shape's field order; [] for presets and
+        files without a record (of a field: older files)."""
         if not self.cost.endswith(".json"):
             return []
         timed = timed_model(self.cost)
         have = {**timed.get("shape", {}), **({"dtype": timed["dtype"]} if "dtype" in timed else {})}
+        have.update({"tp": timed["tp"]} if "tp" in timed else {})
         now = {**dataclasses.asdict(shape), **({"dtype": dtype} if dtype is not None else {})}
+        now["tp"] = self.tp
         return [(k, have[k], now[k]) for k in now if k in have and have[k] != now[k]]
 
     def timed_shape_differences(self, shape: ModelConfig, dtype: str | None = None) -> list[str]:
