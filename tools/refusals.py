@@ -190,8 +190,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "train, plan, simulate",
         "`parallel.tp` (or `--tp`) that does not split the model's heads, SwiGLU width, "
-        "vocabulary or K/V heads; tp with activation offload or with islands; another tp on "
-        "resume",
+        "vocabulary or K/V heads",
         "does not divide the model's",
         "datapipe/shapes.py",
         "tests/test_tensor_parallel.py::test_tp_config_refusals",
