@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from _dcp_join import save_as_ranks
+from _dcp_join import flat_keys, save_as_ranks
 from _hf_reference import CASES, ORIGINAL, assert_close_per_doc, hf_model, packed, save
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -239,16 +239,6 @@ def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path
     assert "tok.json" in files and (tmp_path / "o2" / "tok.json").read_text() == "{}"
 
 
-def _flat(sd: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 class _Rank:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -288,7 +278,7 @@ def test_dcp_checkpoint_reads_back_whole_under_any_ranks_and_zero(
         net = copy.deepcopy(model)
         zero = ZeroOptimizer(list(net.parameters()), _Rank(r, ranks), level=level)
         zero.exp_avg.fill_(r + 1.0)
-        sds.append(_flat(ModelState(net, zero, island=0, prefixed=prefixed).state_dict()))
+        sds.append(flat_keys(ModelState(net, zero, island=0, prefixed=prefixed).state_dict()))
     assert any(k.startswith("island0.model." if prefixed else "model.") for k in sds[0])
     assert any(".optim.master." in f".{k}" for k in sds[0]) == (dtype != torch.float32)
     step = tmp_path / "ckpt" / "step-00000002"

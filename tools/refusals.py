@@ -116,6 +116,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "tests/test_hostile_export.py::test_a_damaged_run_json_is_named_before_it_is_parsed",
     ),
     Refusal(
+        "train",
+        "resuming a checkpoint whose optimizer state is saved by flat offsets (written before "
+        "checkpoints named parameters; its weights still export)",
+        "optimizer state is saved by flat offsets",
+        "trainer/checkpoint/checkpointer.py",
+        "tests/test_faults_checkpoint.py::"
+        "test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why",
+    ),
+    Refusal(
         "export",
         "`--island` of a run without that island",
         "the run had",

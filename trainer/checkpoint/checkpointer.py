@@ -349,7 +349,13 @@ class Checkpointer:
         """Load the verified checkpoint `path` after checking it belongs to this run."""
         stream_state = check_run_matches(path, self.run, stream, self.fingerprint)
         try:
-            SafeReader(path).read_metadata()  # refused here, before DCP logs its own traceback
+            meta = SafeReader(path).read_metadata()  # refused here, before DCP's own traceback
+            if any(k.endswith("optim.exp_avg") for k in meta.state_dict_metadata):
+                raise ConfigError(
+                    f"checkpoint {path}: its optimizer state is saved by flat offsets (a mixlen "
+                    "from before checkpoints named parameters); resume it with that mixlen, or "
+                    "start a new run from its weights (`mixlen export`, then [model] pretrained)"
+                )
             run = load_checkpoint(path, self.state, self.scheduler, self.comm, self.device)
         except MixlenError:
             raise

@@ -93,7 +93,8 @@ class ParamChunks:
     """A flat range [start, end) of a layout as pieces of whole parameters, for checkpoints:
     `pack(t)` gives, for every parameter with elements in the range, a tensor holding them as
     boxes of the whole parameter (checkpointable; a view of `t` where one box covers them, else
-    a copy), `unpack` copies such tensors back into the range. A checkpoint written this way
+    a copy: only the range's first and last parameter can be cut mid-row), `unpack` copies such
+    tensors back into the range. A checkpoint written this way
     names parameters, not flat offsets, so it loads at any rank count, ZeRO level or tensor
     parallel degree."""
 
