@@ -431,28 +431,6 @@ def test_hostile_pickles_in_a_checkpoint_are_refused(dataset, tmp_path) -> None:
     assert not marker.exists()
 
 
-def test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why(dataset, tmp_path) -> None:
-    """A checkpoint from before checkpoints named parameters (its optimizer state one flat
-    tensor, `optim.exp_avg`) is refused with what to do, not DCP's missing-key error."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    run = tmp_path / "r"
-    _first_part(dataset, run, stop=2)
-    step2 = run / "ckpt" / "step-00000002"
-    for f in step2.iterdir():
-        if f.name == ".metadata" or f.suffix == ".distcp":
-            f.unlink()
-    old = {"model": {"w": torch.ones(3)}, "optim": {"exp_avg": torch.zeros(3)}}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(old, checkpoint_id=str(step2))
-    write_checksums(str(step2))
-    with pytest.raises(ConfigError, match="optimizer state is saved by flat offsets"):
-        run_training(cfg(dataset, run, checkpoint={"resume": True}))
-
-
 def test_no_unsafe_unpickling_in_the_code() -> None:
     """Every torch.load passes weights_only=True; pickle.load(s) appears only in the restricted
     metadata reader (a source scan of datapipe/, trainer/, tools/)."""

@@ -4,7 +4,8 @@ trained on and saved NaN, exit 0), also when only one island of a co2 run goes b
 in a collective); a model whose weights alone exceed the machine's memory is refused naming the
 key before anything is allocated; a declared context shorter than the dataset's samples is
 refused; calibrate refuses more processes than the cores can time, and an unwritable `--out`
-before timing anything."""
+before timing anything; a checkpoint of flat optimizer offsets (older mixlen) is refused on resume
+saying what to do."""
 
 from __future__ import annotations
 
@@ -157,3 +158,31 @@ def test_calibrate_names_out_when_the_write_fails(tmp_path, capsys, monkeypatch)
                      "--repeats", "1", "--min-seconds", "0"], capsys)  # fmt: skip
     assert f"--out {out}: cannot write the cost file (Permission denied)" in err, err
     assert ".tmp-" not in err
+
+
+def test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why(dataset, tmp_path) -> None:
+    """A checkpoint from before checkpoints named parameters (its optimizer state one flat
+    tensor, `optim.exp_avg`) is refused with what to do, not DCP's missing-key error."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from datapipe.errors import ConfigError
+    from trainer.checkpoint.files import write_checksums
+    from trainer.train import run_training
+
+    run = tmp_path / "r"
+    sections = {"parallel": {"policy": "single"}, "train": {"steps": 4, "eval_interval": 0}}
+    run_training(train_config(dataset, str(run), **sections, checkpoint={"interval": 2}))
+    step = run / "ckpt" / "step-00000004"
+    for f in step.iterdir():
+        if f.name == ".metadata" or f.suffix == ".distcp":
+            f.unlink()
+    old = {"model": {"w": torch.ones(3)}, "optim": {"exp_avg": torch.zeros(3)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(old, checkpoint_id=str(step))
+    write_checksums(str(step))
+    resumed = train_config(dataset, str(run), **sections, checkpoint={"resume": str(step)})
+    with pytest.raises(ConfigError, match="optimizer state is saved by flat offsets"):
+        run_training(resumed)

@@ -121,7 +121,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "checkpoints named parameters; its weights still export)",
         "optimizer state is saved by flat offsets",
         "trainer/checkpoint/checkpointer.py",
-        "tests/test_faults_checkpoint.py::"
+        "tests/test_hostile_train.py::"
         "test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why",
     ),
     Refusal(
