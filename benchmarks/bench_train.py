@@ -21,6 +21,9 @@ batches), `short` (the same samples, 16,384-token batches), `mixed` (the demo's 
   and after its measurement; its change says whether the machine's speed moved under the run
   (it did by 20-30% in one run here, in both directions).
 - Optional: hdp against torch DistributedDataParallel on the short batches (`overhead`).
+- Tensor parallelism (`tp`): one HDP rank at tp 2 (2 processes) beside tp 1 (1 process) on the
+  mixed batches' one-rank hdp plans, interleaved in one run: step time and model state per
+  process (`--skip wall2,replay4,overhead` runs only this part).
 
     .venv/bin/python benchmarks/bench_train.py [--data .demo/stdlib] [--steps 3] [--repeats 3]
         [--min-seconds 2]
@@ -255,6 +258,78 @@ def _overhead(rank: int, world: int, comm, job: dict) -> None:
             json.dump({"tokens": tokens, "seconds": times}, f)
 
 
+def _tp_main(rank: int, world: int, port: int, job: dict) -> None:
+    """One HDP rank at tp 1 (process 0 alone) and at tp 2 (both processes) on the same hdp
+    plans of one rank, interleaved, the order alternating; rank 0 writes each step's time (the
+    slowest member's, barrier to the end of the optimizer step), the first step's loss and the
+    bytes of model state per process."""
+    import torch
+    import torch.distributed as dist
+
+    from datapipe.fetch import MemoryFetcher
+    from datapipe.plan.cost import load
+    from datapipe.plan.planner import PlannerConfig
+    from datapipe.shapes import ModelConfig
+    from trainer.model.transformer import build_model
+    from trainer.parallel.comm import SoloComm, TorchComm
+    from trainer.parallel.executor import HDPExecutor
+    from trainer.parallel.tensor import parallelize, tp_mesh
+    from trainer.parallel.zero import ZeroOptimizer
+
+    _init(rank, world, port)
+    try:
+        torch.set_num_threads(1)
+        data = np.load(job["tokens"], allow_pickle=True)
+        fetcher = MemoryFetcher(list(data["tokens"]))
+        cfg = PlannerConfig(policy="hdp", capacity=job["capacity"], widen=False)
+        planner = cfg.build(load(job["cost"]), num_ranks=1)
+        plans = [planner.plan(fetcher.lengths[ids], ids) for ids in data[job["kind"]]]
+        fetched = [fetcher.fetch_step([m.pieces for m in p.microbatches(0)]) for p in plans]
+        shape = ModelConfig(**job["shape"])
+        model, master = build_model(shape, torch.float32, seed=0)
+        for m in {id(model): model, id(master): master}.values():
+            parallelize(m, tp_mesh(world))
+        opt = ZeroOptimizer.for_model(model, SoloComm(), master=master, level=0, lr=1e-3,
+                                      grad_clip=1.0, tp_comm=TorchComm())  # fmt: skip
+        split = HDPExecutor(model, opt, SoloComm())
+        plain = _executor(SoloComm(), job["shape"]) if rank == 0 else None
+        times: dict[str, list[list[float]]] = {"tp1": [], "tp2": []}
+        first = {}
+        for rep in range(job["repeats"] + 1):
+            for i, (plan, mbs) in enumerate(zip(plans, fetched)):
+                for j in range(2):
+                    name = ("tp1", "tp2")[(rep + i + j) % 2]
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if name == "tp2":
+                        res = split.step(plan, mbs, i)
+                    elif plain is not None:
+                        res = plain.step(plan, mbs, i)
+                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                    if rep == 0:
+                        first.setdefault(name, res.loss if name == "tp2" or plain else None)
+                    else:  # the first pass warms up
+                        if len(times[name]) <= i:
+                            times[name].append([])
+                        times[name][i].append(float(dt.item()))
+        if rank == 0:
+            mem = {"tp1": plain.zero.memory(), "tp2": opt.memory()}
+            out = {
+                "times": times,
+                "first_loss": first,
+                "tokens": [int(p.lengths.sum()) for p in plans],
+                "state_bytes": {
+                    k: {"weights": m.weights, "moments": m.moments} for k, m in mem.items()
+                },
+            }
+            with open(job["out"], "w") as f:
+                json.dump(out, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _spawn(fn, world: int, job: dict, timeout: float) -> None:
     from trainer.parallel.comm import free_port, spawn
 
@@ -436,6 +511,44 @@ def _calibrate(nproc: int, clock: str, shape, path: str) -> dict:
     return cal.report()
 
 
+def _tp_part(args, tok_path: str, shape, work: str) -> dict:
+    """The executor at tp 2 beside tp 1 for one HDP rank on the mixed batches (2 processes on
+    2 cores against 1 process on 1 core: the CPU cost of the split; the gain is the memory)."""
+    cost = args.cost2 or os.path.join(work, "cost2.json")
+    if not os.path.isfile(cost):
+        _calibrate(2, "wall", shape, cost)
+    job = {
+        "tokens": tok_path,
+        "cost": cost,
+        "capacity": args.tp_capacity,
+        "kind": "mixed",
+        "repeats": args.repeats,
+        "shape": dataclasses.asdict(shape),
+        "out": os.path.join(work, "tp.json"),
+    }
+    _spawn(_tp_main, 2, job, timeout=7200)
+    o = json.load(open(job["out"]))
+    print(f"\none HDP rank, capacity {args.tp_capacity}: tp 1 (1 process) vs tp 2 (2 processes)")
+    print("| batch | tokens | tp 1 s (min) | tp 2 s (min) | tp 1 / tp 2 |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for i, tok in enumerate(o["tokens"]):
+        a, b = min(o["times"]["tp1"][i]), min(o["times"]["tp2"][i])
+        print(f"| {i} | {tok} | {a:.3f} | {b:.3f} | {a / b:.2f} |")
+    tot = {k: sum(min(t) for t in v) for k, v in o["times"].items()}
+    o["speedup"] = tot["tp1"] / tot["tp2"]
+    print(
+        f"all batches: tp 2 {o['speedup']:.2f}x the speed of tp 1 (ideal 2x with twice the cores)"
+    )
+    for k, m in o["state_bytes"].items():
+        print(
+            f"{k}: weights {m['weights'] / 1e6:.2f} MB, moments {m['moments'] / 1e6:.2f} MB per process"
+        )
+    print(
+        f"first step's loss: tp 1 {o['first_loss']['tp1']:.6f}, tp 2 {o['first_loss']['tp2']:.6f}"
+    )
+    return o
+
+
 def main() -> int:
     from trainer.calibrate import CalibrationGrid
 
@@ -456,7 +569,10 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=8192, help="capacity C (the demo's)")
     ap.add_argument("--cost2", default=None, help="cost file for 2 ranks (default: calibrate)")
     ap.add_argument("--cost4", default=None, help="cost file for 4 ranks (default: calibrate)")
-    ap.add_argument("--skip", default="", help="comma list of: wall2,replay4,overhead")
+    ap.add_argument("--skip", default="", help="comma list of: wall2,replay4,overhead,tp")
+    ap.add_argument(
+        "--tp-capacity", type=int, default=16384, help="capacity of the tp part's one rank"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "bench_train.json"))
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.data, "index.parquet")):
@@ -546,6 +662,8 @@ def main() -> int:
                 f"short batches, 2 ranks: hdp {tps['hdp']:.0f} tok/s, DDP {tps['ddp']:.0f} tok/s "
                 f"(hdp/DDP {tps['hdp'] / tps['ddp']:.3f})"
             )
+    if "tp" not in skip:
+        result["tp"] = _tp_part(args, tok_path, shape, work)
     result["load_after"] = os.getloadavg()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
