@@ -303,9 +303,30 @@ def counting_reads() -> Iterator[dict[str, int]]:
         safetensors.safe_open = real
 
 
+@contextlib.contextmanager
+def counting_dcp_reads() -> Iterator[dict[str, int]]:
+    """Count the elements this process reads of each model weight from DCP checkpoints."""
+    from trainer.checkpoint.files import SafeReader
+
+    real, read = SafeReader.read_data, {}
+
+    def read_data(self: SafeReader, plan: object, planner: object) -> object:
+        for item in plan.items:
+            fqn = item.dest_index.fqn
+            if fqn.startswith("model.") and item.lengths is not None:
+                read[fqn[6:]] = read.get(fqn[6:], 0) + int(torch.Size(item.lengths).numel())
+        return real(self, plan, planner)
+
+    SafeReader.read_data = read_data
+    try:
+        yield read
+    finally:
+        SafeReader.read_data = real
+
+
 def evaluations(rt: object, data: str, ckpt: str, pretrained: str) -> dict:
     """`mixlen eval --nproc 4 --tp 2` of the checkpoint `ckpt` and of the Hugging Face folder
-    `pretrained` (read slice by slice: what this process read, by tensor)."""
+    `pretrained` (each read shard by shard: what this process read, by tensor)."""
     import argparse
 
     from tools.cmd_eval import _options, add_arguments
@@ -314,13 +335,15 @@ def evaluations(rt: object, data: str, ckpt: str, pretrained: str) -> dict:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = [ckpt, data, "--split", "all", "--no-passkey", "--capacity", "1024"]
-    evaluated = run_eval(_options(parser.parse_args(argv)), rt)
+    with counting_dcp_reads() as ckpt_read:
+        evaluated = run_eval(_options(parser.parse_args(argv)), rt)
     argv[0] = pretrained
     with counting_reads() as hf_read:
         hf_eval = run_eval(_options(parser.parse_args(argv)), rt)
     return {
         "eval": {k: evaluated[k] for k in ("loss", "tokens", "by_position")},
         "hf_eval": [hf_eval["loss"], hf_eval["tokens"], hf_read],
+        "ckpt_read": ckpt_read,
     }
 
 

@@ -251,8 +251,8 @@ def test_train_tp2_four_processes_equals_reference(tp_train) -> None:
 @pytest.mark.timeout(300)
 def test_tp2_eval_and_export_equal_one_process(tp_train, capsys) -> None:
     """`mixlen eval --nproc 4 --tp 2` of the tp 2 checkpoint and of the Hugging Face folder
-    equal the one-process evaluations; the checkpoint exported gives transformers the plain
-    decoder's logits (1e-5)."""
+    equal the one-process evaluations, each process reading only its shards; the checkpoint
+    exported gives transformers the plain decoder's logits (1e-5)."""
     import torch
     from _train_worker import train_config
     from test_hf_export import hf_load
@@ -270,6 +270,12 @@ def test_tp2_eval_and_export_equal_one_process(tp_train, capsys) -> None:
     assert [b["tokens"] for b in got["eval"]["by_position"]] == [
         b["tokens"] for b in one["by_position"]
     ]
+    # each process read its shards' chunks of the checkpoint: half of each split weight (the
+    # debug shape's 2 K/V heads split too), each norm whole
+    whole = read_model_weights(ckpt)
+    for r in tp_train["runs"]:
+        want = {n: t.numel() // (1 if "norm" in n else 2) for n, t in whole.items()}
+        assert r["ckpt_read"] == want
     # the Hugging Face folder evaluated at tp 2 (its tensors read slice by slice) too
     assert cli_main(["eval", tp_train["folder"], *ev[2:], "--json"]) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -39,6 +39,7 @@ from trainer.checkpoint.files import (
 from trainer.checkpoint.save import RUN_FILE
 from trainer.model.pretrained import non_finite
 from trainer.model.transformer import parameter_shapes
+from trainer.parallel.tensor import local_tensor
 
 __all__ = [
     "CheckpointRead",
@@ -75,11 +76,18 @@ def _model_keys(meta_keys: list[str], island: int, path: str) -> str:
     )
 
 
-def read_model_weights(path: str, island: int = 0, verify: bool = True) -> dict[str, torch.Tensor]:
+def read_model_weights(
+    path: str,
+    island: int = 0,
+    verify: bool = True,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Parameter name -> whole tensor (the saved dtype) of the checkpoint at `path` (a step
     directory, or a checkpoint root: its newest complete checkpoint); with islands saved apart,
-    island `island`'s. `verify`: check the files against checksums.json first. InputError naming
-    the checkpoint for a damaged, incomplete or unreadable one."""
+    island `island`'s. `verify`: check the files against checksums.json first. `into`: tensors
+    to load in place by name (a tensor-parallel model's DTensor parameters: each process reads
+    only its shards' chunks, cast to their dtype). InputError naming the checkpoint for a
+    damaged, incomplete or unreadable one."""
     step = checkpoint_step_dir(path)
     if verify:
         _verify(step)
@@ -90,10 +98,13 @@ def read_model_weights(path: str, island: int = 0, verify: bool = True) -> dict[
     keys = list(meta.state_dict_metadata)
     prefix = _model_keys(keys, island, step)
     sd = {}
+    into = into or {}
     for key in keys:
         md = meta.state_dict_metadata[key]
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-            sd[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            mine = into.get(key[len(prefix) :])
+            fits = mine is not None and tuple(mine.shape) == tuple(md.size)
+            sd[key] = mine if fits else torch.empty(tuple(md.size), dtype=md.properties.dtype)
     with warnings.catch_warnings():  # one process, no process group: intended
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
@@ -126,7 +137,9 @@ def _verify(step: str) -> None:
 
 
 def _read_step(
-    step: str, island: int, before: Callable[[str, dict[str, Any]], None] | None
+    step: str,
+    island: int,
+    before: Callable[[str, dict[str, Any]], Any] | None,
 ) -> CheckpointRead:
     _verify(step)
     try:
@@ -139,11 +152,10 @@ def _read_step(
     if isinstance(islands, int) and not 0 <= island < islands:
         many = f"{islands} island" + ("s" if islands != 1 else "")
         raise InputError(f"--island {island}: the run had {many} (parallel.islands = {islands})")
-    if before is not None:
-        before(step, run)
-    weights = read_model_weights(step, island, verify=False)
+    into = before(step, run) if before is not None else None
+    weights = read_model_weights(step, island, verify=False, into=into)
     for name, t in weights.items():
-        if bad := non_finite(t):
+        if bad := non_finite(local_tensor(t)):
             raise InputError(
                 f"{step}: weight {name} holds {bad:,} non-finite value{'s' if bad > 1 else ''} "
                 "(NaN or infinity): the run diverged before this checkpoint; use an earlier one"
@@ -154,12 +166,13 @@ def _read_step(
 def read_checkpoint(
     path: str,
     island: int = 0,
-    before: Callable[[str, dict[str, Any]], None] | None = None,
+    before: Callable[[str, dict[str, Any]], Any] | None = None,
 ) -> CheckpointRead:
     """The checkpoint at `path` (a step directory, or a checkpoint.dir: its newest complete
     one): verified, then run.json, then island `island`'s weights (see the module docstring);
     `before(step, run)` runs between run.json and the weights (a caller's checks of what the
-    settings imply). InputError naming the checkpoint for anything damaged, non-finite or gone."""
+    settings imply; what it returns is `read_model_weights`'s `into`). InputError naming the
+    checkpoint for anything damaged, non-finite or gone."""
     for attempt in range(3):
         step = checkpoint_step_dir(path)
         sidecar = os.path.join(step, CHECKSUMS_FILE)

@@ -79,7 +79,8 @@ def load_model(
     shard: Callable[[nn.Module], nn.Module] | None = None,
 ) -> LoadedModel:
     """A mixlen checkpoint (a step directory or a checkpoint.dir) or a Hugging Face folder;
-    `shard` splits the model (tensor parallelism: a folder's tensors are read slice by slice)."""
+    `shard` splits the model (tensor parallelism: each process reads only its shards, a folder's
+    tensors slice by slice, a checkpoint's chunks through DCP)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
 
@@ -100,22 +101,28 @@ def load_model(
 
     seen: dict[str, Any] = {}
 
-    def settings(step: str, run: dict[str, Any]) -> None:
-        """The run's model: its shape, checked against the memory before the weights are read."""
+    def settings(step: str, run: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The run's model: its shape, checked against the memory before the weights are read;
+        split (`shard`), the model whose shards the checkpoint's chunks are read into."""
         seen["cfg"] = cfg = from_mapping(TrainerConfig, run["config"])
         seen["shape"] = cfg.model.shape()
         check_model_fits(seen["shape"], _dtype_name(dtype), str(device), cfg.model.key_of)
+        if shard is None:
+            return None
+        seen["model"] = shard(build(seen["shape"], "meta", dtype)).to_empty(device=device)
+        return dict(seen["model"].named_parameters())
 
     ckpt = read_checkpoint(path, 0, settings)
     cfg, shape = seen["cfg"], seen["shape"]
     pre = cfg.model.pretrained
     source = os.path.join(pre, "config.json") if pre else "the run's settings"
     check_weights(ckpt.weights, shape, ckpt.step, source)
-    model = build(shape, "meta", dtype).to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(ckpt.weights.pop(name).to(dtype))
-    model = shard(model) if shard else model
+    model = seen.get("model")
+    if model is None:
+        model = build(shape, "meta", dtype).to_empty(device=device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(ckpt.weights.pop(name).to(dtype))
     return LoadedModel(model, shape, _context(shape), None, ckpt.run["config"])
 
 
