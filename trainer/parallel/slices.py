@@ -8,7 +8,8 @@ every slice of every buffer starts on an aligned boundary); rank i owns [i*S, (i
 length ranks*S, so slices are equal chunks for collectives; the padding is never read.
 
 ZeRO (trainer.parallel.zero) shards the optimizer state by these slices, CO2 (trainer.islands.co2) its outer
-state; both receive the same `FlatLayout`, built once per island. Pure torch: no process group.
+state; both receive the same `FlatLayout`, built once per island. Checkpoints see a slice by
+whole parameter (`ParamChunks`: boxes of each parameter it covers). Pure torch: no process group.
 """
 
 from __future__ import annotations
@@ -94,9 +95,8 @@ class ParamChunks:
     `pack(t)` gives, for every parameter with elements in the range, a tensor holding them as
     boxes of the whole parameter (checkpointable; a view of `t` where one box covers them, else
     a copy: only the range's first and last parameter can be cut mid-row), `unpack` copies such
-    tensors back into the range. A checkpoint written this way
-    names parameters, not flat offsets, so it loads at any rank count, ZeRO level or tensor
-    parallel degree."""
+    tensors back into the range. A checkpoint written this way names parameters, not flat
+    offsets, so it loads at any rank count, ZeRO level or tensor-parallel degree."""
 
     def __init__(self, layout: FlatLayout, start: int, end: int, places: Sequence[Place]) -> None:
         if len(places) != len(layout.shapes):
