@@ -57,6 +57,7 @@ from trainer.islands.config import CLIPS
 from trainer.islands.config import STALENESS_RULES as RULES
 from trainer.parallel.comm import Communicator, Handle
 from trainer.parallel.slices import FlatLayout, ParamChunks, Place, plain_places
+from trainer.parallel.tensor import tp_sum
 
 __all__ = ["LinkEmulator", "OuterConfig", "OuterStats", "OuterSync"]
 
@@ -226,13 +227,11 @@ class OuterSync:
         # tensor parallelism: sums also over the TP group, a parameter every member holds whole
         # counted once (its pieces in this slice weigh 1/tp)
         self.tp = tp if tp is not None and tp.size > 1 else None
-        rep = list(replicated) if replicated else [False] * len(layout.shapes)
-        self._shared = [
-            (p.range_start, p.length) for p in layout.parts(s0, s1) if self.tp and rep[p.param]
-        ]
-        whole = sum(s.numel() for i, s in enumerate(layout.shapes) if not rep[i])
-        shared = layout.numel - whole
-        self.model_numel = whole * (self.tp.size if self.tp else 1) + shared
+        self._tp_size = self.tp.size if self.tp else 1
+        self._rep = list(replicated) if replicated else [False] * len(layout.shapes)
+        self._parts = layout.parts(s0, s1)
+        whole = sum(s.numel() for i, s in enumerate(layout.shapes) if not self._rep[i])
+        self.model_numel = whole * self._tp_size + layout.numel - whole
 
         def buf() -> torch.Tensor:
             return torch.zeros(s1 - s0, dtype=dtype, device=device)
@@ -353,19 +352,14 @@ class OuterSync:
             self.tp.all_reduce(t)
         return t.tolist()
 
-    def _weighed(self, total: torch.Tensor, t: torch.Tensor, f: Callable) -> torch.Tensor:
-        """`total` = f(t) over the slice, less (1 - 1/tp) of f over replicated pieces."""
-        if self._shared:
-            keep = 1.0 - 1.0 / self.tp.size  # type: ignore[union-attr]
-            for a, n in self._shared:
-                total = total - keep * f(t[a : a + n])
-        return total
-
-    def _sq(self, t: torch.Tensor) -> torch.Tensor:
+    def _tp_sum(self, t: torch.Tensor, f: Callable) -> torch.Tensor:
+        """f over this slice `t` (trainer.parallel.tensor.tp_sum: replicated pieces 1/tp)."""
         if not t.numel():
             return torch.zeros((), dtype=torch.float64, device=t.device)
-        dot = lambda x: torch.dot(x, x).double()  # noqa: E731
-        return self._weighed(dot(t), t, dot)
+        return tp_sum(t, self._parts, self._rep, self._tp_size, f).double()
+
+    def _sq(self, t: torch.Tensor) -> torch.Tensor:
+        return self._tp_sum(t, lambda x: torch.dot(x, x).double())
 
     def _penalty(self, stale: bool) -> float:
         """The staleness gap penalty of the average D in the in-flight buffer: 1 unless it is
@@ -393,8 +387,7 @@ class OuterSync:
         count = zero
         rescaled = False
         if cfg.clip == "value":
-            over = lambda x: (x.abs() > cfg.clip_value).sum().double()  # noqa: E731
-            count = self._weighed(over(m), m, over)
+            count = self._tp_sum(m, lambda x: (x.abs() > cfg.clip_value).sum().double())
             m.clamp_(-cfg.clip_value, cfg.clip_value)
         elif cfg.clip == "norm":
             (m2,) = self._island_sum([self._sq(m)])

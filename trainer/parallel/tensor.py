@@ -28,6 +28,7 @@ Norm weights are plain replicated parameters: every process computes the same gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "place_of",
     "sharded_logits",
     "square_norm",
+    "tp_sum",
     "tp_mesh",
     "vocab_parallel_loss",
     "whole_flat",
@@ -253,19 +255,27 @@ def optimizer_params(
     return params, leaves, masters, replicated, [place_of(n, p) for n, p in named]
 
 
+def tp_sum(
+    g: torch.Tensor, parts: Any, replicated: list[bool], tp: int, f: Callable
+) -> torch.Tensor:
+    """f summed over the pieces of a flat slice `g` that `parts` (trainer.parallel.slices.Part)
+    map to parameters, a parameter every member of a TP group of `tp` holds whole weighing 1/tp,
+    so the sum over the TP group counts it once; f(g) when nothing is replicated."""
+    if tp == 1 or not any(replicated[p.param] for p in parts):
+        return f(g)
+    pieces = [(g[p.range_start : p.range_start + p.length], replicated[p.param]) for p in parts]
+    whole = sum((f(x) for x, rep in pieces if not rep), g.new_zeros(()))
+    shared = sum((f(x) for x, rep in pieces if rep), g.new_zeros(()))
+    return whole + shared / tp
+
+
 def square_norm(g: torch.Tensor, parts: Any, replicated: list[bool], tp_comm: Any) -> torch.Tensor:
-    """Squared norm [1] of a flat gradient slice whose `parts` (trainer.parallel.slices.Part)
-    map it to parameters; under TP (`tp_comm`) a parameter every member holds whole counts 1/tp,
-    so the sum over the TP group counts it once."""
+    """Squared norm [1] of a flat gradient slice (`tp_sum` of its squares: under TP, summed over
+    the `tp_comm` group, it counts each parameter once)."""
     if g.numel() == 0:
         return g.new_zeros(1)
-    if tp_comm is None or not any(replicated):
-        return torch.dot(g, g).reshape(1)
-    whole, shared = g.new_zeros(1), g.new_zeros(1)
-    for part in parts:
-        seg = g[part.range_start : part.range_start + part.length]
-        (shared if replicated[part.param] else whole).add_(torch.dot(seg, seg))
-    return whole + shared / tp_comm.size
+    tp = tp_comm.size if tp_comm is not None else 1
+    return tp_sum(g, parts, replicated, tp, lambda x: torch.dot(x, x)).reshape(1)
 
 
 def local_grad(grad: DTensor, leaf: DTensor) -> torch.Tensor:
