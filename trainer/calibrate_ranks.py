@@ -145,7 +145,7 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
     dtype = torch_dtype(job["dtype"])
     tp = int(job.get("tp", 1))
     model, _ = build_model(ModelConfig(**job["shape"]), dtype, dev, seed=0)
-    groups = _tp_groups(world, tp, dev)
+    groups = _tp_groups(world, tp)
     if tp > 1:  # every TP group computes each micro-batch together, one HDP rank to the plans
         from trainer.parallel.tensor import parallelize
 
@@ -176,26 +176,18 @@ def measure_rank(rank: int, world: int, job: dict) -> list[dict]:
     return out
 
 
-def _tp_groups(world: int, tp: int, dev) -> dict:
-    """This process's communicators: "hdp", the HDP ranks of its TP index (the world at tp 1),
-    and at tp > 1 "tp", its TP group, and "mesh", that group's DeviceMesh (adjacent ranks, as
-    trainer.parallel.runtime groups them)."""
-    import torch.distributed as dist
+def _tp_groups(world: int, tp: int) -> dict:
+    """This process's communicators, as the trainer's runtime makes them
+    (trainer.parallel.runtime.island_groups, one island): "hdp" and "grad", the HDP ranks of its
+    TP index, and at tp > 1 "tp" and "mesh", its TP group and that group's DeviceMesh."""
+    from trainer.parallel.comm import SoloComm
 
-    from trainer.parallel.comm import SoloComm, TorchComm
+    if world == 1:
+        return {"hdp": SoloComm(), "grad": SoloComm()}
+    from trainer.parallel.runtime import island_groups
 
-    if tp == 1:
-        return {"hdp": TorchComm() if world > 1 else SoloComm()}
-    from trainer.parallel.tensor import tp_mesh
-
-    rank = dist.get_rank()
-    mesh = tp_mesh(tp, dev.type)
-    out = {"tp": TorchComm(mesh.get_group()), "mesh": mesh}
-    for t in range(tp):  # every process creates every group, in the same order
-        g = dist.new_group(list(range(t, world, tp)))
-        if t == rank % tp:
-            out["hdp"] = TorchComm(g) if world > tp else SoloComm()
-    return out
+    g = island_groups(1, tp)
+    return {"hdp": g.comm, "grad": g.grad_comm, "tp": g.tp_comm, "mesh": g.tp_mesh}
 
 
 def _tp_timings(model, tp_comm, grid: CalibrationGrid, job: dict, dev, dtype) -> list[dict]:
@@ -276,7 +268,12 @@ def _step_overhead(
     comm, tp_comm = groups["hdp"], groups.get("tp")
     rank, world = comm.rank, comm.size
     zero = ZeroOptimizer.for_model(
-        model, comm, level=1 if world > 1 else 0, grad_clip=1.0, tp_comm=tp_comm
+        model,
+        comm,
+        level=1 if world > 1 else 0,
+        grad_clip=1.0,
+        grad_comm=groups["grad"],
+        tp_comm=tp_comm,
     )
     ex = HDPExecutor(model, zero, comm, device=dev)
     lengths = np.full(world * len(lens), lens[0], dtype=np.int64)
