@@ -289,7 +289,13 @@ def test_v2_roundtrip_and_checks(tmp_path) -> None:
     p.write_text(m.to_json())
     assert json.loads(p.read_text())["schema"] == "mixlen-cost/2"
     assert C.load(p) == m
-    for key, bad in (("overlap", 1.5), ("hop_latency_s", -1.0), ("ranks_per_node", 2.5)):
+    assert "tp" not in m.to_dict()  # a tp 1 file keeps its bytes and hash
+    tp2 = dataclasses.replace(m, tp=2, tp_latency_s=1e-4, tp_bytes_per_s=1e9)
+    p.write_text(tp2.to_json())
+    assert C.load(p) == tp2
+    bad_values = (("overlap", 1.5), ("hop_latency_s", -1.0), ("ranks_per_node", 2.5))
+    bad_values += (("tp", 3), ("tp", True), ("tp_bytes_per_s", -1.0))
+    for key, bad in bad_values:
         p.write_text(json.dumps({**m.to_dict(), key: bad}))
         with pytest.raises(InputError, match=f"'{key}' must be"):
             C.load(p)

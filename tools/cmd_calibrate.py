@@ -28,6 +28,7 @@ import os
 from datapipe.errors import ConfigError, InputError
 from datapipe.files import write_text_atomic
 from datapipe.plan.costfit import TP_PASSES
+from datapipe.shapes import TP_DEGREES
 from tools.cli import MAX_NPROC, int_in
 from tools.cmd_train import add_set_argument
 from trainer.calibrate import CalibrationGrid
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp",
         type=int,
-        choices=(1, 2, 4, 8),
+        choices=TP_DEGREES,
         default=None,
         help="tensor-parallel processes per rank (default: the config's parallel.tp, else 1): "
         "the model is timed split over TP groups and their all-reduces are fitted",

@@ -19,6 +19,7 @@ from typing import Any
 
 from datapipe.errors import ConfigError, InputError
 from datapipe.plan.setup import MAX_CAPACITY, MAX_CONTEXT
+from datapipe.shapes import TP_DEGREES
 from tools.cli import MAX_NPROC, int_in
 from trainer.model.config import DTYPES
 
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp",
         type=int,
-        choices=(1, 2, 4, 8),
+        choices=TP_DEGREES,
         default=1,
         help="tensor-parallel processes per rank (--nproc = ranks x tp; README, Tensor parallelism)",
     )

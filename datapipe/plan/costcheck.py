@@ -10,6 +10,7 @@ from typing import Any
 
 from datapipe.errors import ConfigError
 from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_bytes
+from datapipe.shapes import TP_DEGREES
 
 _NON_NEGATIVE = (
     "a",
@@ -53,8 +54,8 @@ def check_terms(model: Any) -> dict[str, tuple[float, ...]]:
         raise ConfigError(
             f"cost model: 'ranks_per_node' must be an int >= 0, got {model.ranks_per_node!r}"
         )
-    if model.tp not in (1, 2, 4, 8) or isinstance(model.tp, bool):
-        raise ConfigError(f"cost model: 'tp' must be 1, 2, 4 or 8, got {model.tp!r}")
+    if model.tp not in TP_DEGREES or isinstance(model.tp, bool):
+        raise ConfigError(f"cost model: 'tp' must be one of {TP_DEGREES}, got {model.tp!r}")
     if model.ranks_per_node and not model.node_link_bytes_per_s > 0:
         raise ConfigError(
             "cost model: 'node_link_bytes_per_s' must be > 0 when 'ranks_per_node' is set"

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
@@ -182,9 +184,6 @@ class _Wrapped:
 def _unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
     """(local tensor, DTensor spec) of a tensor-parallel activation; (the waited result, None)
     of an async collective's; None for any other tensor."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         return t._local_tensor, t._spec
     if isinstance(t, AsyncCollectiveTensor):
@@ -305,8 +304,6 @@ class _Microbatch:
     # -- backward --
     def unpack(self, ref: _Ref | _Wrapped) -> torch.Tensor:
         if isinstance(ref, _Wrapped):
-            from torch.distributed.tensor import DTensor
-
             return DTensor(self.unpack(ref.inner), ref.spec, requires_grad=ref.requires_grad)
         e = ref.entry
         if e is None:

@@ -11,7 +11,7 @@ from datapipe.plan.cost import CostModel, load, preset
 from datapipe.plan.costcheck import timed_model
 from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, setting
-from datapipe.shapes import COST_FREE_FIELDS, ModelConfig
+from datapipe.shapes import COST_FREE_FIELDS, TP_DEGREES, ModelConfig
 from trainer.islands.config import ranks_per_island
 
 __all__ = ["ParallelConfig"]
@@ -48,7 +48,7 @@ class ParallelConfig:
         help="tensor-parallel processes per rank (adjacent processes; the world is islands x "
         "ranks per island x tp): they split the model's heads, SwiGLU units and vocabulary and "
         "run the same micro-batches, one rank to the planner (README, Tensor parallelism)",
-        choices=(1, 2, 4, 8),
+        choices=TP_DEGREES,
         free_on_resume=True,
     )
 
