@@ -201,3 +201,27 @@ def test_ring_model_equals_single_rank(lengths, group):
     assert sum(int(r[1]) for r in res) == int(count_ref)
     for name, g in grads_ref.items():
         torch.testing.assert_close(sum(r[2][name] for r in res), g, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loaded", [False, True])
+def test_build_model_with_a_shard_step_gives_the_same_weights(dtype, loaded):
+    """build_model(shard=...) (the tensor-parallel split; here one that marks the modules it
+    saw) gives the weights build_model gives without it: loaded weights are written after the
+    split, the bfloat16 compute copy from the float32 master; seeded ones before it."""
+    from trainer.model.transformer import build_model
+
+    cfg = get_config("debug")
+    load = (lambda m: m.init_weights(seed=3)) if loaded else None
+    seen = []
+
+    def shard(m):
+        seen.append(m)
+        return m
+
+    want, want_master = build_model(cfg, dtype, seed=5, load=load)
+    got, got_master = build_model(cfg, dtype, seed=5, load=load, shard=shard)
+    assert {id(m) for m in seen} == {id(got), id(got_master)}
+    for a, b in ((want, got), (want_master, got_master)):
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            assert p.dtype == q.dtype and torch.equal(p, q), n
