@@ -361,3 +361,49 @@ def test_tp_must_divide_the_processes() -> None:
     assert cfg.parallel.ranks_per_island(4) == 2
     with pytest.raises(ConfigError, match="parallel.tp: 2 tensor-parallel processes per rank"):
         cfg.parallel.ranks_per_island(3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("clip", ["value", "norm"])
+def test_tp_members_outer_sums_equal_the_whole_models(clip):
+    """Two TP members, each holding half the rows of a matrix and the whole (replicated) norm,
+    compute the penalty, the update norm and the clipped fraction of the whole model: norms and
+    clipped counts summed over the TP group with the replicated parameter counted once, the
+    fraction over the whole model's elements (reference: one OuterSync over the whole model)."""
+    import torch
+    from test_co2 import F64, _Rank, oc
+
+    from trainer.islands.co2 import OuterSync
+    from trainer.parallel.slices import FlatLayout as Layout
+    from trainer.testing.threads import run_threads
+
+    g = torch.Generator().manual_seed(7)
+    d, d_prev, m = (torch.randn(17, generator=g, dtype=F64) for _ in range(3))
+    cfg = oc(
+        staleness_lambda=0.5, nesterov=True, clip=clip, clip_value=0.8 if clip == "value" else 2.0
+    )
+
+    def stats(sync, pick) -> tuple:
+        for buf, v in ((sync.inflight, d), (sync.d_prev, d_prev), (sync.momentum, m)):
+            buf.copy_(pick(v))
+        sync.has_prev = True
+        return sync._prepare(True, 0.7)
+
+    plain = OuterSync(cfg, Layout([(4, 3), (5,)], 1, 1), _Rank(0, 1), _Rank(0, 1), dtype=F64)
+    want = stats(plain, lambda v: v)
+
+    def member(comm):
+        t = comm.rank
+        lay = Layout([(2, 3), (5,)], 1, 1)
+        sync = OuterSync(
+            cfg, lay, _Rank(0, 1), _Rank(0, 1), dtype=F64, tp=comm, replicated=[False, True]
+        )
+        return stats(
+            sync, lambda v: torch.cat([v[:12].view(4, 3)[2 * t : 2 * t + 2].reshape(-1), v[12:]])
+        )
+
+    got = run_threads(2, member, timeout=30)
+    assert 0 < want[2] < 1 if clip == "value" else want[2] == 1.0  # clipping acted
+    assert want[0] > 1.01  # the penalty acted
+    for g2 in got:
+        assert g2 == pytest.approx(want, rel=1e-12)
