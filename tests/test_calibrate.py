@@ -74,49 +74,81 @@ def test_calibrate_the_config_s_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_calibrate_two_processes_fits_ring_terms(tmp_path):
-    """Two gloo processes: hops and rings are timed and every ring term is fitted (a 16 MiB hop:
-    the link shows above the hop latency even on a loaded box; with 256 KiB it did not once)."""
+def test_calibrate_four_processes_fits_ring_terms_of_two_ring_sizes(tmp_path):
+    """Four gloo processes, rings of 2 and 4 (the demo's `--ring-sizes 2,4`, which once failed at
+    the second size): hops and rings of both sizes are timed and every ring term is fitted (a
+    16 MiB hop: the link shows above the hop latency even on a loaded box)."""
     from datapipe.plan.cost import load
     from tools.cli import main
 
     out = tmp_path / "cost.json"
-    args = ["calibrate", "--out", str(out), "--nproc", "2", "--repeats", "1"]
+    args = ["calibrate", "--out", str(out), "--nproc", "4", "--clock", "cpu", "--repeats", "1"]
+    args += ["--min-seconds", "0"]
     args += ["--lengths", "64,128,256", "--ring-lengths", "128,256", "--hop-bytes", "1024,16777216"]
-    args += ["--packs", "4x32,2x64"]
+    args += ["--packs", "4x32,2x64", "--ring-sizes", "2,4"]
     assert main(args) == 0
     cost = load(out)
     cal = json.loads(out.read_text())["calibration"]
     assert set(cal["fitted_terms"]) >= {"hop_latency_s", "link_bytes_per_s", "overlap"}
     kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
-    assert kinds == {("local", 1), ("hop", 2), ("ring", 2), ("step", 2)}
+    assert kinds == {("local", 1), ("hop", 2), ("hop", 4), ("ring", 2), ("ring", 4), ("step", 4)}
     assert cost.link_bytes_per_s > 0 and 0 <= cost.overlap <= 1
-    assert cal["nproc"] == 2 and cal["clock"] == "wall"
+    assert cal["nproc"] == 4 and cal["clock"] == "cpu"
 
 
+@pytest.mark.parametrize(
+    "world,tp", [(1, 1), (2, 1), (4, 1), (5, 1), (4, 2), (6, 2), (8, 2), (8, 4)]
+)
+def test_ring_of_puts_each_tp_index_in_rings_of_consecutive_hdp_ranks(world, tp) -> None:
+    """Calibration's timed rings against a brute-force reference: for each ring size k, the HDP
+    ranks 0..hdp-1 cut into floor(hdp/k) rings of k consecutive ranks per TP index (the rest
+    wait), members named by global rank (hdp rank * tp + tp index), each process in at most one
+    ring, at its own index."""
+    from trainer.calibrate_ranks import ring_of
+
+    hdp = world // tp
+    for k in range(2, hdp + 1):
+        expected: dict[int, tuple[list[int], int]] = {}
+        for t in range(tp):
+            for g in range(hdp // k):
+                ring = [(g * k + i) * tp + t for i in range(k)]
+                for i, r in enumerate(ring):
+                    expected[r] = (ring, i)
+        for rank in range(world):
+            got = ring_of(rank, world, tp, k)
+            assert got == expected.get(rank), (rank, k)
+            if got is not None:
+                members, idx = got
+                assert all(isinstance(m, int) for m in members) and members[idx] == rank
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_calibrate_tp2_times_and_fits_the_tp_all_reduces(tmp_path):
-    """`--nproc 2 --tp 2`: one HDP rank of a TP group of 2; the group's micro-batches, its
-    all-reduces of [T, dim] activations and its steps are timed, the all-reduce latency and
-    bandwidth fitted and folded into b and c (costfit.tp_seconds); the file records tp 2."""
+def test_calibrate_tp2_times_and_fits_the_tp_all_reduces_and_rings(tmp_path):
+    """`--nproc 4 --tp 2`: two HDP ranks of TP groups of 2; the groups' micro-batches, their
+    all-reduces of [T, dim] activations, the rings of each TP index and the steps are timed,
+    the all-reduce latency and bandwidth fitted and folded into b and c (costfit.tp_seconds);
+    the file records tp 2."""
     from datapipe.plan.cost import load
     from datapipe.plan.costfit import tp_seconds
     from tools.cli import main
 
     out = tmp_path / "cost.json"
-    args = ["calibrate", "--out", str(out), "--nproc", "2", "--tp", "2", "--repeats", "1"]
+    args = ["calibrate", "--out", str(out), "--nproc", "4", "--tp", "2", "--clock", "cpu"]
+    args += ["--repeats", "1"]
     args += ["--lengths", "64,128,256,1024", "--packs", "4x32,2x64", "--min-seconds", "0"]
+    args += ["--ring-lengths", "128,256", "--hop-bytes", "1024,1048576"]
     assert main(args) == 0
     cost = load(out)
     cal = json.loads(out.read_text())["calibration"]
     kinds = {(t["kind"], t["k"]) for t in cal["timings"]}
-    assert kinds == {("local", 1), ("tp", 2), ("step", 1)}
+    assert kinds == {("local", 1), ("tp", 2), ("hop", 2), ("ring", 2), ("step", 2)}
     assert {t["nbytes"] for t in cal["timings"] if t["kind"] == "tp"} == {
         n * 128 * 4 for n in (64, 128, 256, 1024)
     }  # [T, dim 128] float32
     assert cal["tp"] == 2 and cost.tp == 2 and cost.name.endswith("-tp2")
     assert cost.tp_bytes_per_s > 0 and cost.tp_latency_s >= 0
-    assert "tp_latency_s" in cal["fitted_terms"]
+    assert "tp_latency_s" in cal["fitted_terms"] and "hop_latency_s" in cal["fitted_terms"]
     per_mb, per_pos = tp_seconds(cost.num_layers, cost.tp_latency_s, cost.tp_bytes_per_s, 512)
     assert cost.c >= per_mb and cost.b >= per_pos  # the TP terms are inside b and c
     assert main([*args[:3], "--nproc", "3", "--tp", "2", "--out", str(out)]) == 2

@@ -218,6 +218,17 @@ def _all_reduces(comm, buf, n: int, job: dict, dev) -> float:
     return (_clock(job["clock"]) - t0) / n
 
 
+def ring_of(rank: int, world: int, tp: int, k: int) -> tuple[list[int], int] | None:
+    """The timed ring of size `k` that process `rank` joins, as (global ranks in ring order, its
+    index in it), or None if it waits: rings of k consecutive HDP ranks, as many as fit, each TP
+    index ringing with the same index of the other HDP ranks."""
+    hdp, me, tp_index = world // tp, rank // tp, rank % tp
+    g = me // k
+    if g >= hdp // k:
+        return None
+    return [(g * k + i) * tp + tp_index for i in range(k)], me - g * k
+
+
 def _ring_timings(rank, world, model, grid, job, gen, dev, dtype, tp: int = 1) -> list[dict]:
     """Hop and ring micro-batch timings over rings of every size of the grid (rings of HDP
     ranks; at tp > 1 each TP index rings with the same index of the other ranks)."""
@@ -227,19 +238,16 @@ def _ring_timings(rank, world, model, grid, job, gen, dev, dtype, tp: int = 1) -
 
     out: list[dict] = []
     comm = TorchComm()
-    hdp, me, t = world // tp, rank // tp, rank % tp
-    for k in grid.sizes(hdp):
-        g = me // k  # rings of k consecutive ranks, as many as fit; the others wait
-        members = [(g * k + i) * tp + t for i in range(k)]
-        ring = (members, me - g * k) if g < hdp // k else None
+    for k in grid.sizes(world // tp):
+        ring = ring_of(rank, world, tp, k)
         # 2. hops
         sizes = [max(1, nbytes // dtype.itemsize) for nbytes in grid.hop_bytes]
         runs = []
         for n_el in sizes:
             bufs = [torch.zeros(n_el, dtype=dtype, device=dev) for _ in range(2)]
             runs.append(functools.partial(_hops, comm, ring, bufs, grid.hops_per_timing, job, dev))
-        for n_el, t in zip(sizes, _best(runs, grid, "max", dev)):
-            out.append(Timing("hop", k, (), float(n_el * dtype.itemsize), t).to_dict())
+        for n_el, secs in zip(sizes, _best(runs, grid, "max", dev)):
+            out.append(Timing("hop", k, (), float(n_el * dtype.itemsize), secs).to_dict())
         # 3. ring micro-batches
         ring_cases = [(n,) for n in grid.ring_lengths if n >= 2 * k]
         ring_cases += [(n,) * m for m, n in grid.packed if n >= 2 * k]
@@ -247,8 +255,8 @@ def _ring_timings(rank, world, model, grid, job, gen, dev, dtype, tp: int = 1) -
             functools.partial(_ring_mb, model, comm, ring, lens, job, gen, dev)
             for lens in ring_cases
         ]
-        for lens, t in zip(ring_cases, _best(runs, grid, "max", dev)):
-            out.append(Timing("ring", k, tuple(lens), 0.0, t).to_dict())
+        for lens, secs in zip(ring_cases, _best(runs, grid, "max", dev)):
+            out.append(Timing("ring", k, tuple(lens), 0.0, secs).to_dict())
     return out
 
 
