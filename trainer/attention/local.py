@@ -6,12 +6,11 @@ the n+1 document boundaries. K/V may have fewer heads than Q (grouped-query atte
 uses KV head ``h // (H_q // H_kv)``. The log-sum-exp is ``lse_TH`` (per token and query head) in
 float32, or float64 for float64 inputs.
 
-Backends, chosen per call from the device:
-- ``cpu_flash``: torch's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and
-  its backward), one call per document; handles GQA without expanding K/V.
-- ``math``: explicit scores per document, GQA by broadcasting (no expanded K/V). CUDA fallback.
-- ``flash_attn``: the flash-attn package's varlen kernel (CUDA, only for ``attend``; ring blocks on
-  CUDA use ``math`` until a flash-attn block backward is wired in).
+The kernel that computes a block is chosen by device and dtype in trainer.attention.dispatch
+(torch's CPU flash kernel, its CUDA varlen flash and memory-efficient kernels, or the `math`
+reference); a `backend` argument overrides it. A block's documents are a
+trainer.attention.varlen.VarlenDocs, whose device boundaries are built once and reused by every
+layer of a micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +21,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+from trainer.attention import dispatch
+from trainer.attention.math_ref import accum_dtype
+from trainer.attention.varlen import VarlenDocs, as_docs
 
 __all__ = [
     "AttentionContext",
@@ -37,8 +40,7 @@ __all__ = [
     "merge_partial",
 ]
 
-_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+Bounds = VarlenDocs | torch.Tensor | Sequence[int]
 
 
 class Visibility(enum.Enum):
@@ -58,189 +60,44 @@ def chunk_visibility(i: int, j: int) -> Visibility:
     return Visibility.NONE
 
 
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of log-sum-exps and merge accumulators: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def default_backend(device: torch.device, for_block: bool = False) -> str:
-    """Backend used for tensors on `device` (see module docstring)."""
-    if device.type == "cpu":
-        return "cpu_flash"
-    if device.type == "cuda" and not for_block and _flash_attn_available():
-        return "flash_attn"
-    return "math"
-
-
-def _bounds(cu: torch.Tensor | Sequence[int]) -> list[int]:
-    if isinstance(cu, torch.Tensor):
-        return [int(x) for x in cu.tolist()]
-    return [int(x) for x in cu]
-
-
-# --- one document --------------------------------------------------------------------------------
-
-
-def _doc_fwd_cpu(
-    q_LHD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    q = q_LHD.unsqueeze(0).transpose(1, 2)
-    k = k_SKD.unsqueeze(0).transpose(1, 2)
-    v = v_SKD.unsqueeze(0).transpose(1, 2)
-    out_1HLD, lse_1HL = _CPU_FWD(q, k, v, 0.0, causal, scale=scale)
-    return out_1HLD[0].transpose(0, 1), lse_1HL[0].transpose(0, 1)
-
-
-def _doc_bwd_cpu(
-    dout_LHD: torch.Tensor,
-    q_LHD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
-    out_LHD: torch.Tensor,
-    lse_LH: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    def b(x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(0).transpose(1, 2)
-
-    lse_1HL = lse_LH.transpose(0, 1).unsqueeze(0).contiguous()
-    dq, dk, dv = _CPU_BWD(
-        b(dout_LHD).contiguous(),
-        b(q_LHD),
-        b(k_SKD),
-        b(v_SKD),
-        b(out_LHD).contiguous(),
-        lse_1HL,
-        0.0,
-        causal,
-        scale=scale,
-    )
-    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-
-
-def _grouped(q_LHD: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """[L, H, D] -> [Hkv, G*L, D] so that one KV head serves its G query heads by broadcasting."""
-    L, H, D = q_LHD.shape
-    g = H // n_kv
-    return q_LHD.reshape(L, n_kv, g, D).permute(1, 2, 0, 3).reshape(n_kv, g * L, D)
-
-
-def _ungrouped(x_KGLD: torch.Tensor, L: int) -> torch.Tensor:
-    """Inverse of `_grouped` for a [Hkv, G*L, ...] tensor: -> [L, H, ...]."""
-    n_kv = x_KGLD.shape[0]
-    rest = x_KGLD.shape[2:]
-    x = x_KGLD.reshape(n_kv, -1, L, *rest).movedim(2, 0)
-    return x.reshape(L, -1, *rest)
-
-
-def _math_scores(
-    q_LHD: torch.Tensor, k_SKD: torch.Tensor, causal: bool, scale: float
-) -> torch.Tensor:
-    """Masked scores [Hkv, G*L, S] in the accumulation dtype."""
-    acc = accum_dtype(q_LHD.dtype)
-    L, S = q_LHD.shape[0], k_SKD.shape[0]
-    qg = _grouped(q_LHD, k_SKD.shape[1]).to(acc)
-    s = torch.matmul(qg, k_SKD.to(acc).permute(1, 2, 0)) * scale
-    if causal:
-        row = torch.arange(L, device=q_LHD.device).repeat(qg.shape[1] // L)
-        col = torch.arange(S, device=q_LHD.device)
-        s = s.masked_fill(col[None, :] > row[:, None], float("-inf"))
-    return s
-
-
-def _doc_fwd_math(
-    q_LHD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    L = q_LHD.shape[0]
-    s = _math_scores(q_LHD, k_SKD, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    out = torch.matmul(p, v_SKD.to(s.dtype).transpose(0, 1))
-    return _ungrouped(out, L).to(q_LHD.dtype), _ungrouped(lse, L)
-
-
-def _doc_bwd_math(
-    dout_LHD: torch.Tensor,
-    q_LHD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
-    out_LHD: torch.Tensor,
-    lse_LH: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n_kv = k_SKD.shape[1]
-    s = _math_scores(q_LHD, k_SKD, causal, scale)
-    acc = s.dtype
-    lse_g = _grouped(lse_LH.to(acc).unsqueeze(-1), n_kv)  # [Hkv, G*L, 1]
-    p = torch.exp(s - lse_g)
-    do = _grouped(dout_LHD, n_kv).to(acc)
-    o = _grouped(out_LHD, n_kv).to(acc)
-    v = v_SKD.to(acc).transpose(0, 1)  # [Hkv, S, D]
-    k = k_SKD.to(acc).transpose(0, 1)
-    dv = torch.matmul(p.transpose(1, 2), do)
-    dp = torch.matmul(do, v.transpose(1, 2))
-    delta = (do * o).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, k)
-    dk = torch.matmul(ds.transpose(1, 2), _grouped(q_LHD, n_kv).to(acc))
-    L = q_LHD.shape[0]
-    return (
-        _ungrouped(dq, L).to(q_LHD.dtype),
-        dk.transpose(0, 1).to(k_SKD.dtype),
-        dv.transpose(0, 1).to(v_SKD.dtype),
-    )
+def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The backend of tensors of `dtype` on `device` (trainer.attention.dispatch)."""
+    return dispatch.default_backend(device, dtype)
 
 
 # --- varlen blocks (no autograd) -----------------------------------------------------------------
+
+
+def _docs(cu_q: Bounds, cu_k: Bounds | None) -> VarlenDocs:
+    if isinstance(cu_q, VarlenDocs):
+        return cu_q
+    return as_docs(cu_q, cu_k)
 
 
 def block_forward(
     q_THD: torch.Tensor,
     k_SKD: torch.Tensor,
     v_SKD: torch.Tensor,
-    cu_q: torch.Tensor | Sequence[int],
-    cu_k: torch.Tensor | Sequence[int],
+    cu_q: Bounds,
+    cu_k: Bounds | None,
     causal: bool,
     scale: float | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of document d's queries q[cu_q[d]:cu_q[d+1]] to its keys k[cu_k[d]:cu_k[d+1]].
 
-    `causal` masks key j > query i within a document (top-left aligned; used for square diagonal
-    blocks). Returns (out_THD in q's dtype, lse_TH in the accumulation dtype); queries with no
-    visible key get out 0 and lse -inf.
+    `cu_q` may be a VarlenDocs (then `cu_k` is ignored). `causal` masks key j > query i within a
+    document (top-left aligned; used for square diagonal blocks). Returns (out_THD in q's dtype,
+    lse_TH in the accumulation dtype); queries with no visible key get out 0 and lse -inf.
     """
-    bq, bk = _bounds(cu_q), _bounds(cu_k)
-    if len(bq) != len(bk):
-        raise ValueError(f"cu_q has {len(bq)} entries but cu_k has {len(bk)}")
+    docs = _docs(cu_q, cu_k)
     if q_THD.shape[1] % k_SKD.shape[1] != 0:
         raise ValueError(
             f"{q_THD.shape[1]} query heads not a multiple of {k_SKD.shape[1]} KV heads"
         )
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or default_backend(q_THD.device, for_block=True)
-    fwd = _doc_fwd_cpu if backend == "cpu_flash" else _doc_fwd_math
-    T, H, _ = q_THD.shape
-    out = torch.zeros_like(q_THD)
-    lse = torch.full((T, H), float("-inf"), dtype=accum_dtype(q_THD.dtype), device=q_THD.device)
-    for d in range(len(bq) - 1):
-        q0, q1, k0, k1 = bq[d], bq[d + 1], bk[d], bk[d + 1]
-        if q1 == q0 or k1 == k0:
-            continue  # the CPU kernel faults on empty inputs; nothing to attend anyway
-        o, lo = fwd(q_THD[q0:q1], k_SKD[k0:k1], v_SKD[k0:k1], causal, scale)
-        out[q0:q1] = o
-        lse[q0:q1] = lo
-    return out, lse
+    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype))
+    return kernel.forward(q_THD, k_SKD, v_SKD, docs, causal, scale)
 
 
 def block_backward(
@@ -250,8 +107,8 @@ def block_backward(
     v_SKD: torch.Tensor,
     out_THD: torch.Tensor,
     lse_TH: torch.Tensor,
-    cu_q: torch.Tensor | Sequence[int],
-    cu_k: torch.Tensor | Sequence[int],
+    cu_q: Bounds,
+    cu_k: Bounds | None,
     causal: bool,
     scale: float | None = None,
     backend: str | None = None,
@@ -261,29 +118,10 @@ def block_backward(
     With out/lse of the whole attention (all blocks merged), block gradients add up to the
     gradient of the whole attention, which is what ring attention needs.
     """
-    bq, bk = _bounds(cu_q), _bounds(cu_k)
+    docs = _docs(cu_q, cu_k)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or default_backend(q_THD.device, for_block=True)
-    bwd = _doc_bwd_cpu if backend == "cpu_flash" else _doc_bwd_math
-    dq = torch.zeros_like(q_THD)
-    dk = torch.zeros_like(k_SKD)
-    dv = torch.zeros_like(v_SKD)
-    for d in range(len(bq) - 1):
-        q0, q1, k0, k1 = bq[d], bq[d + 1], bk[d], bk[d + 1]
-        if q1 == q0 or k1 == k0:
-            continue
-        g = bwd(
-            dout_THD[q0:q1],
-            q_THD[q0:q1],
-            k_SKD[k0:k1],
-            v_SKD[k0:k1],
-            out_THD[q0:q1],
-            lse_TH[q0:q1],
-            causal,
-            scale,
-        )
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g
-    return dq, dk, dv
+    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype))
+    return kernel.backward(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, docs, causal, scale)
 
 
 def merge_partial(
@@ -309,10 +147,10 @@ def merge_partial(
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, backend):  # type: ignore[override]
-        out, lse = block_forward(q, k, v, cu_q, cu_k, causal, scale, backend)
+    def forward(ctx, q, k, v, docs, causal, scale, backend):  # type: ignore[override]
+        out, lse = block_forward(q, k, v, docs, None, causal, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (cu_q, cu_k, causal, scale, backend)
+        ctx.args = (docs, None, causal, scale, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -320,24 +158,24 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _attend_flash_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: VarlenDocs, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - needs CUDA + flash-attn
+    """The optional flash-attn package's varlen kernel (its own autograd), half precision only."""
     from flash_attn import flash_attn_varlen_func
 
-    cu32 = cu.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+    cu_q, cu_k = docs.cu(q.device)
     out, lse_HT, _ = flash_attn_varlen_func(
         q,
         k,
         v,
-        cu32,
-        cu32,
-        max_len,
-        max_len,
+        cu_q,
+        cu_k,
+        docs.max_q,
+        docs.max_k,
         dropout_p=0.0,
         softmax_scale=scale,
         causal=True,
@@ -350,7 +188,7 @@ def attend(
     q_THD: torch.Tensor,
     k_TKD: torch.Tensor,
     v_TKD: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int],
+    cu_seqlens: Bounds,
     scale: float | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,22 +196,27 @@ def attend(
     j <= i of its own document. Returns (out_THD, lse_TH); differentiable in q, k, v (not lse)."""
     if k_TKD.shape[0] != q_THD.shape[0] or v_TKD.shape != k_TKD.shape:
         raise ValueError(f"q {tuple(q_THD.shape)}, k {tuple(k_TKD.shape)}, v {tuple(v_TKD.shape)}")
-    b = _bounds(cu_seqlens)
-    if b[0] != 0 or b[-1] != q_THD.shape[0] or any(x > y for x, y in zip(b, b[1:], strict=False)):
-        raise ValueError(f"cu_seqlens must rise from 0 to {q_THD.shape[0]}, got {b[:8]}...")
+    docs = _docs(cu_seqlens, None)
+    if docs.total_q != q_THD.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to {q_THD.shape[0]}, got {list(docs.q[:8])}..."
+        )
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or default_backend(q_THD.device)
-    if backend == "flash_attn":  # pragma: no cover - needs CUDA + flash-attn
-        return _attend_flash_attn(q_THD, k_TKD, v_TKD, torch.as_tensor(cu_seqlens), scale)
-    return _VarlenAttention.apply(q_THD, k_TKD, v_TKD, b, b, True, scale, backend)
+    if backend == dispatch.FLASH_ATTN:  # pragma: no cover - needs CUDA + flash-attn
+        if q_THD.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"the flash-attn package computes in float16/bfloat16, not {q_THD.dtype}"
+            )
+        return _attend_flash_attn(q_THD, k_TKD, v_TKD, docs, scale)
+    return _VarlenAttention.apply(q_THD, k_TKD, v_TKD, docs, True, scale, backend)
 
 
 def attend_block(
     q_THD: torch.Tensor,
     k_SKD: torch.Tensor,
     v_SKD: torch.Tensor,
-    cu_q: torch.Tensor | Sequence[int],
-    cu_k: torch.Tensor | Sequence[int],
+    cu_q: Bounds,
+    cu_k: Bounds | None,
     visibility: Visibility,
     scale: float | None = None,
     backend: str | None = None,
@@ -387,11 +230,8 @@ def attend_block(
         )
         return out, lse
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or default_backend(q_THD.device, for_block=True)
     causal = visibility is Visibility.CAUSAL
-    return _VarlenAttention.apply(
-        q_THD, k_SKD, v_SKD, _bounds(cu_q), _bounds(cu_k), causal, scale, backend
-    )
+    return _VarlenAttention.apply(q_THD, k_SKD, v_SKD, _docs(cu_q, cu_k), causal, scale, backend)
 
 
 # --- attention contexts (what a model layer calls) -----------------------------------------------
@@ -411,26 +251,28 @@ class AttentionContext(Protocol):
 
 
 class LocalAttention:
-    """Document-masked attention over the tokens of this rank alone."""
+    """Document-masked attention over the tokens of this rank alone. The documents' device
+    boundaries are built once (on the first layer's device) and reused by every layer."""
 
-    def __init__(
-        self, cu_seqlens: torch.Tensor | Sequence[int], backend: str | None = None
-    ) -> None:
-        self.cu_seqlens = _bounds(cu_seqlens)
+    def __init__(self, cu_seqlens: Bounds, backend: str | None = None) -> None:
+        self.docs = _docs(cu_seqlens, None)
         self.backend = backend
 
+    @property
+    def cu_seqlens(self) -> list[int]:
+        return list(self.docs.q)
+
     def attend(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
-        return attend(q_THD, k_TKD, v_TKD, self.cu_seqlens, backend=self.backend)[0]
+        return attend(q_THD, k_TKD, v_TKD, self.docs, backend=self.backend)[0]
 
     def doc_lengths(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Per token, the largest position of its document (cu_seqlens) + 1."""
         dev = position_ids.device
-        sizes = torch.as_tensor(self.cu_seqlens, device=dev).diff()
-        if int(sizes.sum()) != position_ids.shape[0]:
+        if self.docs.total_q != position_ids.shape[0]:
             raise ValueError(
-                f"cu_seqlens cover {int(sizes.sum())} tokens, position_ids {position_ids.shape[0]}"
+                f"cu_seqlens cover {self.docs.total_q} tokens, position_ids {position_ids.shape[0]}"
             )
-        doc = torch.repeat_interleave(torch.arange(sizes.numel(), device=dev), sizes)
-        last = torch.full((sizes.numel(),), -1, dtype=torch.int64, device=dev)
+        doc, _ = self.docs.token_rows(dev)
+        last = torch.full((self.docs.n,), -1, dtype=torch.int64, device=dev)
         last = last.scatter_reduce(0, doc, position_ids.long(), reduce="amax")
         return (last + 1)[doc]

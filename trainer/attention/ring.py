@@ -26,6 +26,7 @@ import torch
 
 from datapipe.plan.zigzag import chunk_bounds
 from trainer.attention.local import accum_dtype, block_backward, block_forward, merge_partial
+from trainer.attention.varlen import VarlenDocs, to_device
 from trainer.parallel.comm import Communicator
 
 __all__ = ["RingAttention", "ZigzagLayout", "ring_attend"]
@@ -118,9 +119,8 @@ class _Hop:
     src: int  # group index whose K/V this hop uses
     src_count: int  # its number of local tokens
     q_rows: torch.Tensor | None  # query rows used (None: all)
-    cu_q: list[int]
     k_rows: torch.Tensor | None  # key rows of the source used (None: all)
-    cu_k: list[int]
+    docs: VarlenDocs  # the block's documents (device boundaries built once, used by every layer)
     causal: bool
 
 
@@ -156,22 +156,29 @@ class RingAttention:
 
     def _build_hops(self, device: torch.device | None) -> list[_Hop]:
         lay, p = self.layout, self.p
+        dev = device or torch.device("cpu")
 
         def rows(x: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(x, dtype=torch.long, device=device)
+            return to_device(x.astype(np.int64), dev)
+
+        def docs(cu_q: list[int], cu_k: list[int]) -> VarlenDocs:
+            return VarlenDocs(tuple(cu_q), tuple(cu_k))
 
         hops = []
         for t in range(self.k):
             j = (p - t) % self.k
             n_src = lay.local_count(j)
+            own = lay.local_cu(p)
             if t == 0:
-                hop = _Hop(j, n_src, None, lay.local_cu(p), None, lay.local_cu(p), True)
+                hop = _Hop(j, n_src, None, None, docs(own, own), True)
             elif j < p:
                 front = _cu(lay.front_sizes(j))
-                hop = _Hop(j, n_src, None, lay.local_cu(p), rows(lay.front_rows(j)), front, False)
+                hop = _Hop(j, n_src, None, rows(lay.front_rows(j)), docs(own, front), False)
             else:
                 back = _cu(lay.back_sizes(p))
-                hop = _Hop(j, n_src, rows(lay.back_rows(p)), back, None, lay.local_cu(j), False)
+                hop = _Hop(
+                    j, n_src, rows(lay.back_rows(p)), None, docs(back, lay.local_cu(j)), False
+                )
             hops.append(hop)
         return hops
 
@@ -217,7 +224,7 @@ class RingAttention:
             kh, vh = cur[0], cur[1]
             if hop.k_rows is not None:
                 kh, vh = kh.index_select(0, hop.k_rows), vh.index_select(0, hop.k_rows)
-            o, lse = block_forward(qh, kh, vh, hop.cu_q, hop.cu_k, hop.causal, backend=self.backend)
+            o, lse = block_forward(qh, kh, vh, hop.docs, None, hop.causal, backend=self.backend)
             if hop.q_rows is None:
                 out_acc, lse_acc = merge_partial(out_acc, lse_acc, o, lse)
             else:
@@ -265,7 +272,7 @@ class RingAttention:
             if hop.k_rows is not None:
                 kh, vh = kh.index_select(0, hop.k_rows), vh.index_select(0, hop.k_rows)
             dqh, dkh, dvh = block_backward(
-                doh, qh, kh, vh, oh, lh, hop.cu_q, hop.cu_k, hop.causal, backend=self.backend
+                doh, qh, kh, vh, oh, lh, hop.docs, None, hop.causal, backend=self.backend
             )
             if hop.q_rows is None:
                 dq += dqh

@@ -1,0 +1,169 @@
+"""The CUDA attention backends' translation of torch's varlen kernels, on the CPU: CPU fakes with
+the kernels' conventions (trainer.testing.fake_kernels) stand in for the kernels, and every
+result is checked against the `math` reference. A wrong boundary dtype, log-sum-exp layout,
+mask alignment, GQA fold or empty-row value fails here; whether the real kernels keep those
+conventions is checked on a GPU (tests marked cuda, benchmarks/bench_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.attention import cuda_efficient, cuda_flash, dispatch, math_ref
+from trainer.attention.local import LocalAttention, attend, block_backward, block_forward
+from trainer.attention.varlen import VarlenDocs
+from trainer.testing.fake_kernels import installed
+
+F64 = torch.float64
+# per backend: the dtype it computes in here, and the tolerance against the float64 reference
+CASES = {"cuda_flash": (torch.bfloat16, 2e-2), "cuda_efficient": (torch.float32, 1e-5)}
+
+
+def qkv(tq: int, tk: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(tk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(tk, hkv, d, generator=gen).to(dtype)
+    dout = torch.randn(tq, hq, d, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout, docs: VarlenDocs, causal: bool, scale: float):
+    """The math backend in float64 on the same (rounded) inputs: out, lse, dq, dk, dv."""
+    x = [t.to(F64) for t in (q, k, v, dout)]
+    out, lse = math_ref.forward(x[0], x[1], x[2], docs, causal, scale)
+    grads = math_ref.backward(x[3], x[0], x[1], x[2], out, lse, docs, causal, scale)
+    return out, lse, *grads
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """Equal to `rtol` of the reference's largest magnitude (-inf where the reference has it)."""
+    got = got.to(F64)
+    inf = torch.isinf(want)
+    assert torch.equal(got == -torch.inf, want == -torch.inf), "rows with no key differ"
+    assert torch.isfinite(got[~inf]).all()
+    scale = want[~inf].abs().max().clamp_min(1.0)
+    torch.testing.assert_close(got[~inf], want[~inf], rtol=0, atol=rtol * float(scale))
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_backend_equals_the_math_reference_on_packed_documents(backend, hq, hkv, causal) -> None:
+    """Several documents in one call, some with no query or no key (ring blocks have them),
+    GQA: out, lse and the backward against the given out and lse."""
+    dtype, tol = CASES[backend]
+    if causal:
+        docs = VarlenDocs((0, 5, 5, 17, 18, 40), (0, 5, 5, 17, 18, 40))
+    else:
+        docs = VarlenDocs((0, 5, 5, 17, 20, 40), (0, 9, 12, 12, 30, 31))
+    q, k, v, dout = qkv(docs.total_q, docs.total_k, hq, hkv, 16, dtype)
+    scale = 16**-0.5
+    want = reference(q, k, v, dout, docs, causal, scale)
+    with installed() as fakes:
+        out, lse = block_forward(q, k, v, docs, None, causal, scale, backend)
+        # the backward against the reference's out and lse: what a ring block gets
+        grads = block_backward(
+            dout, q, k, v, want[0].to(dtype), want[1], docs, None, causal, scale, backend
+        )
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (docs.total_q, hq)
+    for got, ref in zip((out, lse, *grads), want):
+        close(got, ref, tol)
+    kind = "flash" if backend == "cuda_flash" else "efficient"
+    assert fakes.calls == {f"{kind}_forward": 1, f"{kind}_backward": 1}  # one call per block
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+def test_attend_through_autograd_and_one_kernel_call_for_many_documents(backend) -> None:
+    """`attend` over 60 short documents: one kernel call forward and one backward, the
+    gradients of q, k, v equal the reference's."""
+    dtype, tol = CASES[backend]
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 9, size=60)
+    cu = [0, *np.cumsum(lengths).tolist()]
+    q, k, v, dout = qkv(cu[-1], cu[-1], 4, 2, 8, dtype, seed=1)
+    want = reference(q, k, v, dout, VarlenDocs(tuple(cu), tuple(cu)), True, 8**-0.5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with installed() as fakes:
+        out, lse = attend(*leaves, cu, backend=backend)
+        out.backward(dout)
+    for got, ref in zip((out.detach(), lse, *(t.grad for t in leaves)), want):
+        close(got, ref, tol)
+    assert sum(fakes.calls.values()) == 2
+
+
+def test_a_micro_batch_copies_its_boundaries_once_for_every_layer() -> None:
+    """LocalAttention builds the int32 device boundaries once: every layer's kernel call gets
+    the same tensor (no per-layer host-to-device copy)."""
+    ctx = LocalAttention([0, 3, 10, 16], backend="cuda_flash")
+    with installed() as fakes:
+        for layer in range(3):
+            q, k, v, _ = qkv(16, 16, 4, 4, 8, torch.bfloat16, seed=layer)
+            ctx.attend(q, k, v)
+    assert len(fakes.cu_seen) == 3 and all(t is fakes.cu_seen[0] for t in fakes.cu_seen)
+    assert fakes.cu_seen[0].dtype == torch.int32
+
+
+def test_dispatch_by_device_and_dtype() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert dispatch.default_backend(cpu, dtype) == "cpu_flash"
+    assert dispatch.default_backend(cuda, torch.bfloat16) == "cuda_flash"
+    assert dispatch.default_backend(cuda, torch.float16) == "cuda_flash"
+    assert dispatch.default_backend(cuda, torch.float32) == "cuda_efficient"  # never flash
+    assert dispatch.default_backend(cuda, torch.float64) == "math"
+    with pytest.raises(ValueError, match="known: cpu_flash"):
+        dispatch.get("flash3")
+
+
+def test_kernel_limits_are_refused_naming_the_setting() -> None:
+    q, k, v, _ = qkv(4, 4, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="train.dtype"):
+        cuda_flash.check(q, k)
+    with pytest.raises(ValueError, match="model.head_dim"):
+        cuda_flash.check(*qkv(4, 4, 2, 2, 264, torch.bfloat16)[:2])
+    with pytest.raises(ValueError, match="model.head_dim"):
+        cuda_flash.check(*qkv(4, 4, 2, 2, 12, torch.bfloat16)[:2])
+    cuda_flash.check(*qkv(4, 4, 2, 2, 256, torch.bfloat16)[:2])  # the limit itself
+    with pytest.raises(ValueError, match="train.dtype"):
+        cuda_efficient.check(*qkv(4, 4, 2, 2, 8, F64)[:2])
+    with pytest.raises(ValueError, match="flash-attn package"):
+        attend(q, k, v, [0, 4], backend="flash_attn")  # the package: never in float32
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+def test_ring_blocks_on_the_kernels_through_four_threaded_ranks(backend) -> None:
+    """Three samples split zigzag over a ring of 4 (one shorter than 8 chunks: empty chunks,
+    rows with no key in some hops), every hop's block on the fake kernel: the assembled out,
+    lse and gradients equal whole-sample attention (math, float64)."""
+    from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+    from trainer.testing.threads import run_threads
+
+    dtype, tol = CASES[backend]
+    lengths, group = (37, 5, 22), [0, 1, 2, 3]
+    cu = (0, *np.cumsum(lengths).tolist())
+    q, k, v, dout = qkv(cu[-1], cu[-1], 8, 2, 16, dtype, seed=5)
+    want = reference(q, k, v, dout, VarlenDocs(cu, cu), True, 16**-0.5)
+
+    def member(comm):
+        p = group.index(comm.rank)
+        idx = torch.as_tensor(ZigzagLayout(lengths, 4).global_index(p))
+        leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+        out, lse = ring_attend(*leaves, RingAttention(comm, group, p, lengths, backend=backend))
+        out.backward(dout[idx])
+        return idx, [out.detach(), lse, *(t.grad for t in leaves)]
+
+    with installed() as fakes:
+        parts = run_threads(4, member, timeout=60)
+    got = [torch.zeros(r.shape, dtype=F64) for r in want]
+    seen = torch.zeros(cu[-1], dtype=torch.long)
+    for idx, results in parts:
+        seen[idx] += 1
+        for g, r in zip(got, results):
+            g[idx] = r.to(F64)
+    assert torch.equal(seen, torch.ones_like(seen))
+    for g, r in zip(got, want):
+        close(g, r, tol)
+    kind = "flash" if backend == "cuda_flash" else "efficient"
+    assert fakes.calls[f"{kind}_forward"] == 4 * 4  # one call per hop per member

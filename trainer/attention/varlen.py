@@ -1,0 +1,125 @@
+"""The documents of one varlen attention call: host boundaries, and the device tensors a fused
+kernel takes, built once per micro-batch and reused by every layer.
+
+A call attends the queries q[q[d]:q[d+1]] of document d to its keys k[k[d]:k[d+1]], for every d
+at once. Kernels take the boundaries as int32 tensors on their device plus the longest document
+on each side as host integers (no device-to-host read); `VarlenDocs` keeps both, so the layers of
+a micro-batch share one host-to-device copy (pinned, non-blocking on CUDA) instead of one per
+call. The per-token document index and offset some kernels' log-sum-exp layouts need are kept the
+same way (`token_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["VarlenDocs", "as_docs", "to_device"]
+
+
+def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`: through pinned memory without waiting on CUDA, as is on the CPU."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _check(bounds: tuple[int, ...], side: str) -> None:
+    if len(bounds) < 1 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        head = list(bounds[:8])
+        raise ValueError(
+            f"cu_seqlens ({side} side) must rise from 0, got {head}{'...' if len(bounds) > 8 else ''}"
+        )
+
+
+@dataclass(eq=False)
+class VarlenDocs:
+    """Boundaries of n documents on the query side (`q`, n+1 entries) and the key side (`k`)."""
+
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.q) != len(self.k):
+            raise ValueError(f"cu_q has {len(self.q)} entries but cu_k has {len(self.k)}")
+        _check(self.q, "q")
+        _check(self.k, "k")
+
+    @property
+    def n(self) -> int:
+        return len(self.q) - 1
+
+    @property
+    def total_q(self) -> int:
+        return self.q[-1]
+
+    @property
+    def total_k(self) -> int:
+        return self.k[-1]
+
+    @property
+    def max_q(self) -> int:
+        """The longest document's query count (0 with no document)."""
+        return int(np.diff(self.q).max()) if self.n else 0
+
+    @property
+    def max_k(self) -> int:
+        return int(np.diff(self.k).max()) if self.n else 0
+
+    def same_sides(self) -> bool:
+        return self.q == self.k
+
+    def cu(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_q, cu_k) as int32 tensors on `device`, copied there once."""
+        key = ("cu", device)
+        if key not in self._cache:
+            both = np.array([self.q, self.k], dtype=np.int32)
+            dev = to_device(both, device)
+            self._cache[key] = (dev[0], dev[0] if self.same_sides() else dev[1])
+        return self._cache[key]
+
+    def token_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(document, offset in it) of every query token, int64 on `device`, copied once."""
+        key = ("rows", device)
+        if key not in self._cache:
+            sizes = np.diff(np.asarray(self.q, dtype=np.int64))
+            doc = np.repeat(np.arange(self.n, dtype=np.int64), sizes)
+            off = np.arange(self.total_q, dtype=np.int64) - np.repeat(
+                np.asarray(self.q[:-1], dtype=np.int64), sizes
+            )
+            dev = to_device(np.stack([doc, off]), device)
+            self._cache[key] = (dev[0], dev[1])
+        return self._cache[key]
+
+    def no_key_rows(self, device: torch.device) -> torch.Tensor | None:
+        """A bool [T] mask of the query rows whose document has no key (on `device`, built
+        once), or None if every document with queries has keys."""
+        key = ("no_key", device)
+        if key not in self._cache:
+            n_q, n_k = np.diff(np.asarray(self.q)), np.diff(np.asarray(self.k))
+            bad = (n_k == 0) & (n_q > 0)
+            self._cache[key] = to_device(np.repeat(bad, n_q), device) if bad.any() else None
+        return self._cache[key]
+
+
+def as_docs(
+    cu_q: VarlenDocs | torch.Tensor | Sequence[int],
+    cu_k: torch.Tensor | Sequence[int] | None = None,
+) -> VarlenDocs:
+    """`cu_q` if it already is a VarlenDocs, else the documents of boundaries cu_q / cu_k (the
+    same boundaries on both sides when cu_k is None)."""
+    if isinstance(cu_q, VarlenDocs):
+        return cu_q
+
+    def bounds(cu: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
+        if isinstance(cu, torch.Tensor):
+            return tuple(int(x) for x in cu.tolist())
+        return tuple(int(x) for x in cu)
+
+    q = bounds(cu_q)
+    return VarlenDocs(q, q if cu_k is None else bounds(cu_k))
