@@ -1,5 +1,5 @@
-"""README.md's "Refusals" table is `tools/refusals.py`'s list, and the list is the code's: each
-row's message part is in the module it names, each row's test exists in its test file."""
+"""docs/failures.md's "Refusals" table is `tools/refusals.py`'s list, and the list is the code's:
+each row's message part is in the module it names, each row's test exists in its test file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_table_is_the_list() -> None:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "failures.md").read_text()
     assert BEGIN in text and END in text
     assert text.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + markdown()
     assert replace_table(text) == text

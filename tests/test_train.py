@@ -383,14 +383,14 @@ def test_widen_plans_with_the_static_mesh_context():
 
 
 def test_readme_key_tables_come_from_the_config_classes():
-    """README.md's key tables are `python -m trainer.config.reference`'s output, and every key
-    the classes declare is there with its default (a key added, renamed or re-defaulted in a
-    class without regenerating the README fails here)."""
+    """docs/config.md's key tables are `python -m trainer.config.reference`'s output, and every
+    key the classes declare is there with its default (a key added, renamed or re-defaulted in a
+    class without regenerating the page fails here)."""
     from datapipe.settings import rows
     from trainer.config.job import TrainerConfig
     from trainer.config.reference import BEGIN, END, markdown
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "config.md")).read()
     assert readme.split(BEGIN, 1)[1].split(END, 1)[0].strip() == markdown().strip()
     keys = [r.key for r in rows(TrainerConfig)]
     assert len(keys) == len(set(keys))  # one definition per key

@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=TP_DEGREES,
         default=1,
-        help="tensor-parallel processes per rank (--nproc = ranks x tp; README, Tensor parallelism)",
+        help="tensor-parallel processes per rank (--nproc = ranks x tp; docs/training.md, "
+        "Tensor parallelism)",
     )
     p.add_argument(
         "--capacity",

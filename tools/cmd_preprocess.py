@@ -126,7 +126,7 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         "pieces of at most SIZE, truncated or dropped (--long-docs), a longer JSON line is bad; "
         "peak memory is about --workers x 5 x SIZE + --shard-size over start-up with the bytes "
         "tokenizer; a tokenizer.json that cannot be given a document in pieces takes 170-190x SIZE "
-        "(README)",
+        "(docs/preprocess.md)",
     )
     p.add_argument(
         "--min-tokens",

@@ -47,7 +47,8 @@ class ParallelConfig:
         1,
         help="tensor-parallel processes per rank (adjacent processes; the world is islands x "
         "ranks per island x tp): they split the model's heads, SwiGLU units and vocabulary and "
-        "run the same micro-batches, one rank to the planner (README, Tensor parallelism)",
+        "run the same micro-batches, one rank to the planner (docs/training.md, Tensor "
+        "parallelism)",
         choices=TP_DEGREES,
         free_on_resume=True,
     )

@@ -30,7 +30,7 @@ def _results(
     """Tokenized blocks in input order, from `workers` processes (inline for 1). At most
     2 x workers + 2 blocks are in flight, and at most about `workers` x max(--max-doc-bytes,
     BLOCK_BYTES) of their input bytes, so finished results waiting in this process stay within
-    the memory bound README states."""
+    the memory bound docs/preprocess.md states."""
     if workers == 1:
         init_worker(settings)
         for block in blocks:
