@@ -33,6 +33,7 @@ __all__ = [
     "check",
     "from_mapping",
     "item_names",
+    "keys",
     "rows",
     "setting",
     "values",
@@ -211,6 +212,11 @@ def _keys(cls: type) -> dict[str, tuple[type, str]]:
         else:
             out[f.name] = (cls, f.name)
     return out
+
+
+def keys(cls: type) -> tuple[str, ...]:
+    """The keys a table of config class `cls` accepts (an inline sub-config's in place)."""
+    return tuple(_keys(cls))
 
 
 def from_mapping(cls: type, values: Mapping[str, Any], names: Names | None = None) -> Any:

@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_planner_arguments(p)
 
 
+MAX_STEPS = 100_000  # --steps
+
+
 def legend(widen: bool | None) -> str:
     """What the rows' labels mean, and which one `mixlen train` runs."""
     from datapipe.plan.compare import widens_by_default
@@ -158,10 +161,12 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
     from datapipe.stream import StreamConfig
+    from tools.cmd_profile import check_outputs
 
-    # parse: the dataset's first steps and the planners
-    if not 1 <= args.steps <= 100_000:
-        raise ConfigError(f"--steps: must be in [1, 100,000], got {args.steps}")
+    # parse: the dataset's first steps and the planners (output folders checked first)
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise ConfigError(f"--steps: must be in [1, {MAX_STEPS:,}], got {args.steps}")
+    check_outputs(args, ("--dump", "--plot", "--html", "--lengths-plot"))
     check_tp_flag(args)
     cost = resolve_cost(args)
     names = planner_names()
@@ -233,30 +238,35 @@ def plan_mixture(args: argparse.Namespace, names: Any) -> PlannedMixture:
     """The first --steps batches of the mixture stream, as `mixlen train` draws them."""
     import numpy as np
 
-    from datapipe.mix.report import describe, mixture_settings, parse_mixture
-    from datapipe.mix.sources import load_sources, mix_sources
-    from datapipe.mix.stream import MixtureStream
+    from datapipe.errors import ConfigError
+    from datapipe.mix.report import describe, load_mixture, read_mixture
+    from datapipe.mix.sources import mix_sources
+    from datapipe.mix.stream import DataExhausted, MixtureStream
     from datapipe.stream import StreamConfig, held_out_mask
+    from trainer.data import DataConfig
 
-    sources, stages = parse_mixture(args.dir, args.mix)
-    keys, frac = mixture_settings(args.mix)  # the file's seed, look-ahead, held-out fraction
+    mix = read_mixture(args.dir, args.mix, DataConfig)
+    keys = dict(mix.stream)  # the file's seed, look-ahead, oversize
+    flags = {"global_batch_tokens": "--global-batch-tokens", "steps": "--steps"}
     if args.seed is not None:
-        keys["seed"] = args.seed
+        keys["seed"], flags["seed"] = args.seed, "--seed"
     args.seed = keys.setdefault("seed", 0)
-    mix_names = names.using(
-        sources="DIR" if args.dir else "sources",
-        global_batch_tokens="--global-batch-tokens",
-    )
-    loaded = load_sources(sources, mix_names)
-    held = [held_out_mask(np.arange(s.lengths.shape[0]), args.seed, frac) for s in loaded]
-    stream = MixtureStream(
-        StreamConfig(**keys), mix_sources(loaded, held), sources, stages,
-        args.global_batch_tokens, names=mix_names,
-    )  # fmt: skip
-    batches, targets = [], []
-    for _ in range(args.steps):
-        batches.append(next(stream))
-        targets.append(stream.weights.copy())
+    mix_names = mix.names.using(**names.given, **flags)
+    loaded = load_mixture(mix, mix_names)
+    held = [
+        held_out_mask(np.arange(s.lengths.shape[0]), args.seed, mix.val_fraction) for s in loaded
+    ]
+    try:
+        stream = MixtureStream(
+            StreamConfig(**keys), mix_sources(loaded, held), mix.sources, mix.stages,
+            args.global_batch_tokens, names=mix_names,
+        )  # fmt: skip
+        batches, targets = [], []
+        for _ in range(args.steps):
+            batches.append(next(stream))
+            targets.append(stream.weights.copy())
+    except (ConfigError, DataExhausted) as exc:
+        raise type(exc)(f"{mix.where}{exc}") from None
     lengths = np.concatenate([s.lengths for s in loaded])
     return PlannedMixture(
         loaded, batches, targets, lengths, stream.longest_unit(), describe(loaded)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from datapipe.errors import InputError
+from datapipe.errors import ConfigError, InputError
 
 
 def add_dataset_arguments(p: argparse.ArgumentParser, stages: str = "") -> None:
@@ -16,16 +17,33 @@ def add_dataset_arguments(p: argparse.ArgumentParser, stages: str = "") -> None:
         "dir",
         metavar="DIR",
         nargs="*",
-        help="dataset directory (index.parquet + manifest.json); several, or DIR@WEIGHT, for a "
-        "mixture",
+        help="dataset directory (index.parquet + manifest.json); several, or [NAME=]DIR[@WEIGHT] "
+        "(NAME: its name in reports, default the folder's last part; WEIGHT: its token share, "
+        "default 1), for a mixture",
     )
     p.add_argument(
         "--mix",
         metavar="FILE.toml",
         default=None,
         help="a mixture: sources = [...] and [[stages]], at the top or under [data] (as in a "
-        "training config)" + stages,
+        "training config, whose other [data] keys are checked as training checks them); "
+        "relative paths are read from the current folder, as `mixlen train` reads them" + stages,
     )
+
+
+def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Before any work: each output file flag names a file in an existing folder (ConfigError
+    naming the flag and the path as given)."""
+    for flag in flags:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if not path:
+            continue
+        folder = os.path.dirname(path)
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path}: is a folder; give a file path")
+        if folder and not os.path.isdir(folder):
+            what = "is not a folder" if os.path.exists(folder) else "does not exist"
+            raise ConfigError(f"{flag} {path}: its folder {folder!r} {what} (create it first)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.capacity is not None and args.capacity < 1:
         raise InputError(f"--capacity must be >= 1, got {args.capacity}")
+    check_outputs(args, ("--plot",))
     from datapipe.mix.report import is_mixture_args
 
     if not args.dir and not args.mix:
@@ -72,15 +91,15 @@ def run(args: argparse.Namespace) -> int:
 def _run_mixture(args: argparse.Namespace) -> int:
     from datapipe.mix.report import (
         format_mixture_profile,
+        load_mixture,
         mixture_profile,
-        parse_mixture,
         plot_mixture,
+        read_mixture,
     )
-    from datapipe.mix.sources import load_sources
-    from datapipe.settings import Names
+    from trainer.data import DataConfig
 
-    sources, _ = parse_mixture(args.dir, args.mix)
-    loaded = load_sources(sources, Names(flags=True).using(sources="DIR"))
+    mix = read_mixture(args.dir, args.mix, DataConfig)
+    loaded = load_mixture(mix, mix.names)
     prof = mixture_profile(loaded, args.capacity)
     if args.plot:
         plot_mixture(loaded, args.plot, args.capacity)

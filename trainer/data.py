@@ -410,6 +410,12 @@ class TrainData:
             return unit_pieces(plan, batch, self.rank)
         return rank_pieces(plan, self.rank)
 
+    def check_supply(self, last_step: int) -> None:
+        """A mixture whose sources run out (max_epochs) before step `last_step`: DataExhausted
+        now, before training (datapipe.mix.stream.MixtureStream.check_supply)."""
+        if self.mixture:
+            self.stream.check_supply(last_step)
+
     def tokens_by_source(self, batch: GlobalBatch) -> dict[str, int]:
         """A mixture batch's tokens per source ({} for one dataset)."""
         return self.stream.tokens_by_source(batch) if self.mixture else {}

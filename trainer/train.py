@@ -21,8 +21,8 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     """Check, without starting it, that a run of `world` ranks can start: the config, the dataset
     (manifest, index, shard sizes), the plan fitting its longest sample on `world` ranks, the
     model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
-    run, and `parallel.islands` dividing `world`. The launcher calls it before torchrun, so such an
-    error is printed once."""
+    run, a mixture's sources lasting to `train.steps`, and `parallel.islands` dividing `world`.
+    The launcher calls it before torchrun, so such an error is printed once."""
     from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
 
     cfg.validate()
@@ -32,7 +32,10 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
         data = cfg.train_data(0, n, stack, validation=False)
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
-            check_run_matches(paths[0], cfg, data.stream, data.fingerprint)
+            state = check_run_matches(paths[0], cfg, data.stream, data.fingerprint)
+            if data.mixture:
+                data.stream.load_state_dict(state)
+        data.check_supply(cfg.train.steps)  # a mixture running out before train.steps
 
 
 def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any]:

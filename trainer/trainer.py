@@ -147,6 +147,7 @@ class Trainer:
         )
         self.checkpointer.fingerprint = self.data.fingerprint
         self.start_step = self.checkpointer.resume(self.data.stream)
+        self.data.check_supply(cfg.train.steps)  # a mixture running out: found before step 1
         self.checkpointer.lock()  # one job per checkpoint.dir, before the first save
         self._stack.callback(self.checkpointer.unlock)
         self._build_reports()

@@ -14,9 +14,20 @@ from typing import Any
 from datapipe.errors import ConfigError
 from datapipe.settings import MAX_INT, Names, setting
 
-__all__ = ["SourceConfig", "StageConfig", "Stage", "check_mixture", "source_name", "stage_at"]
+__all__ = [
+    "MAX_BOOST",
+    "MAX_WEIGHT",
+    "SourceConfig",
+    "StageConfig",
+    "Stage",
+    "check_mixture",
+    "source_name",
+    "stage_at",
+    "weight_problem",
+]
 
 MAX_WEIGHT = 1e12  # weights are relative; this keeps their sum finite
+MAX_BOOST = 1e6  # the largest length_boost factor
 
 
 def source_name(path: str) -> str:
@@ -31,7 +42,8 @@ class SourceConfig:
     path: str = setting("", help="a dataset written by `mixlen preprocess` (directory or URI)")
     weight: float = setting(
         1.0,
-        help="its share of the tokens, normalised over the sources (> 0)",
+        help="its share of the tokens, normalised over the sources (>= 0; weight 0: none until a "
+        "stage gives it weight)",
         lo=0.0,
         hi=MAX_WEIGHT,
     )
@@ -50,8 +62,6 @@ class SourceConfig:
             raise ConfigError(
                 f"{names('path')}: required (a directory written by `mixlen preprocess`)"
             )
-        if not self.weight > 0:
-            raise ConfigError(f"{names('weight')}: must be > 0, got {self.weight}")
         self.boosts(names)
 
     def boosts(self, names: Names | None = None) -> list[tuple[int, float]]:
@@ -69,9 +79,9 @@ class SourceConfig:
             if not 1 <= threshold <= MAX_INT:
                 raise ConfigError(f"{where}: the token count must be in [1, {MAX_INT:,}]")
             ok = isinstance(factor, (int, float)) and not isinstance(factor, bool)
-            if not ok or not math.isfinite(factor) or factor <= 0 or factor > 1e6:
+            if not ok or not math.isfinite(factor) or factor <= 0 or factor > MAX_BOOST:
                 raise ConfigError(
-                    f"{where}: the factor must be a number in (0, 1e6], got {factor!r}"
+                    f"{where}: the factor must be a number in (0, {MAX_BOOST:g}], got {factor!r}"
                 )
             if threshold in [t for t, _ in out]:
                 raise ConfigError(f"{where}: the token count {threshold} is given twice")
@@ -85,9 +95,13 @@ class StageConfig:
     keeps the value in force before the stage (at first `[data]`'s weights, whole samples,
     `[train]`'s global_batch_tokens)."""
 
-    start_step: int = setting(-1, help="the first optimizer step of the stage (>= 1)", lo=-1)
+    start_step: int | None = setting(
+        None, help="the first optimizer step of the stage (required, >= 1)", lo=1
+    )
     weights: dict = setting(
-        factory=dict, help="{SOURCE = WEIGHT, ...}: the sources' weights in this stage (>= 0)"
+        factory=dict,
+        help=f"{{SOURCE = WEIGHT, ...}}: the sources' weights in this stage (each in [0, "
+        f"{MAX_WEIGHT:g}], one > 0)",
     )
     max_sample_tokens: int | None = setting(
         None,
@@ -100,7 +114,7 @@ class StageConfig:
     )
 
     def validate(self, names: Names) -> None:
-        if self.start_step < 1:
+        if self.start_step is None:
             raise ConfigError(f"{names('start_step')}: required, an optimizer step >= 1")
 
 
@@ -116,11 +130,26 @@ class Stage:
     global_batch_tokens: int
 
 
+def weight_problem(v: Any) -> str:
+    """What is wrong with a weight ('' if nothing): the rule of `data.sources[i].weight` (a
+    number in [0, MAX_WEIGHT]), for stage weights, in the same words."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"expected a number, got {type(v).__name__} {v!r}"
+    if not math.isfinite(v):
+        return f"must be finite, got {v!r}"
+    if v < 0:
+        return f"must be >= 0, got {v!r}"
+    if v > MAX_WEIGHT:
+        return f"must be <= {MAX_WEIGHT:g}, got {v!r}"
+    return ""
+
+
 def check_mixture(
     sources: list[SourceConfig], stages: list[StageConfig], names: Names
 ) -> list[str]:
     """The sources' names (defaults filled in); ConfigError naming the key for duplicate names,
-    stages out of order, unknown or all-zero stage weights."""
+    stages out of order, unknown stage weights, or a stage (the first steps included) in which
+    every source has weight 0."""
     out: list[str] = []
     for i, src in enumerate(sources):
         name = src.name or source_name(src.path)
@@ -131,16 +160,21 @@ def check_mixture(
                 f'distinct name (name = "...")'
             )
         out.append(name)
+    if sources and not any(s.weight > 0 for s in sources):
+        raise ConfigError(
+            f"{names('sources')}: every source has weight 0; give one a weight > 0 (a source may "
+            f"have weight 0 until a stage of {names('stages')} gives it one)"
+        )
     prev = 0
     weights = {n: s.weight for n, s in zip(out, sources)}
     for i, st in enumerate(stages):
         key = f"{names('stages')}[{i}]"
-        if st.start_step <= prev:
+        if st.start_step is None or st.start_step <= prev:
             raise ConfigError(
                 f"{key}.start_step: {st.start_step}, but stages must start at increasing steps "
                 f"(the stage before starts at {prev})"
                 if i
-                else f"{key}.start_step: must be >= 1, got {st.start_step}"
+                else f"{key}.start_step: required, an optimizer step >= 1, got {st.start_step}"
             )
         prev = st.start_step
         for k, v in st.weights.items():
@@ -148,11 +182,9 @@ def check_mixture(
                 raise ConfigError(
                     f"{key}.weights.{k}: no source of that name (sources: {', '.join(out)})"
                 )
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or not 0 <= v <= MAX_WEIGHT:
-                raise ConfigError(
-                    f"{key}.weights.{k}: must be a number in [0, {MAX_WEIGHT:g}], got {v!r}"
-                )
+            problem = weight_problem(v)
+            if problem:
+                raise ConfigError(f"{key}.weights.{k}: {problem}")
         weights.update(st.weights)
         if not any(v > 0 for v in weights.values()):
             raise ConfigError(f"{key}.weights: every source has weight 0 in this stage")

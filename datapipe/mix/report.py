@@ -1,26 +1,31 @@
-"""A mixture on the command line (`mixlen profile` / `mixlen plan`): `DIR@WEIGHT` arguments or
-`--mix FILE.toml`, per-source length profiles, the token shares a stream realises against its
+"""A mixture on the command line (`mixlen profile` / `mixlen plan`): `[NAME=]DIR[@WEIGHT]`
+arguments or `--mix FILE.toml`, per-source length profiles, the token shares a stream realises against its
 targets, the share of tokens in samples above each `length_boost` threshold, and one figure of
 every source's length histogram."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from datapipe.errors import ConfigError
 from datapipe.files import CONFIG_FILE_LIMIT, read_bounded_text
-from datapipe.mix.config import SourceConfig, StageConfig, check_mixture
-from datapipe.mix.sources import LoadedSource
-from datapipe.settings import Names, check, from_mapping
-from datapipe.stream import GlobalBatch
+from datapipe.index import is_remote
+from datapipe.mix.config import SourceConfig, StageConfig, check_mixture, source_name
+from datapipe.mix.sources import LoadedSource, load_sources
+from datapipe.settings import Names, check, from_mapping, keys
+from datapipe.stream import GlobalBatch, StreamConfig
 
 __all__ = [
+    "CliMixture",
     "is_mixture_args",
+    "load_mixture",
     "mixture_profile",
     "parse_mixture",
+    "read_mixture",
     "plot_mixture",
     "share_report",
     "format_shares",
@@ -33,95 +38,170 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 
 def is_mixture_args(dirs: list[str], mix: str | None) -> bool:
-    """Do these arguments name a mixture (several datasets, a weight, or --mix)?"""
-    return bool(mix) or len(dirs) > 1 or any(_split_weight(d)[1] is not None for d in dirs)
+    """Do these arguments name a mixture (several datasets, a name, a weight, or --mix)?"""
+    return bool(mix) or len(dirs) > 1 or any(_read_arg(d)[::2] != ("", None) for d in dirs)
 
 
-def _split_weight(arg: str) -> tuple[str, float | None]:
-    path, sep, tail = arg.rpartition("@")
-    if not sep:
-        return arg, None
-    try:
-        return path, float(tail)
-    except ValueError:
-        return arg, None  # an @ inside the path
+def _readings(arg: str) -> list[tuple[str, str, float | None]]:
+    """The ways `[NAME=]DIR[@WEIGHT]` can be read: (name, path, weight), the most split first."""
+    out: list[tuple[str, str, float | None]] = []
+    name, sep, rest = arg.partition("=")
+    named = bool(sep and name and rest) and not any(c in name for c in "/\\@:")
+    for n, text in ([(name, rest)] if named else []) + [("", arg)]:
+        path, at, tail = text.rpartition("@")
+        try:
+            weight = float(tail) if at and path else None
+        except ValueError:
+            weight = None
+        if weight is not None:
+            out.append((n, path, weight))
+        out.append((n, text, None))
+    out.sort(key=lambda r: (r[0] == "", r[2] is None))  # name and weight, ..., the whole text
+    return out
+
+
+def _spelt(name: str, path: str, weight: float | None, tail: str) -> str:
+    """An argument that reads only as (name, path, weight)."""
+    head = f"{name}=" if name else ("./" if "=" in path and not os.path.isabs(path) else "")
+    return f"{head}{path.rstrip('/')}/@{tail}" if weight is not None else f"{head}{path}@1"
+
+
+def _read_arg(arg: str) -> tuple[str, str, float | None]:
+    """(name, path, weight) of a command-line source `[NAME=]DIR[@WEIGHT]` ('' name: the path's
+    last part; None weight: 1). A reading whose local path exists wins (a folder may be named
+    `x@0.5`); ConfigError when several do."""
+    readings = _readings(arg)
+    found = [r for r in readings if not is_remote(r[1]) and os.path.exists(r[1])]
+    if len(found) > 1:
+        tail = arg.rpartition("@")[2]
+        each = "; ".join(
+            f"{_spelt(n, p, w, tail)} for {p!r}"
+            + (f" with weight {w:g}" if w is not None else "")
+            + (f" named {n!r}" if n else "")
+            for n, p, w in found
+        )
+        raise ConfigError(f"{arg}: names {len(found)} existing paths; write {each}")
+    return found[0] if found else readings[0]
+
+
+class CliMixture(NamedTuple):
+    """A mixture as a command line gave it: sources, stages, each source's key in errors (the
+    argument as typed, or `data.sources[1]` in the file), how the file writes its keys, its
+    stream settings as given (`seed`, `lookahead`, `oversize`), its `val_fraction`, and the
+    prefix of its errors (`--mix FILE: `, or '')."""
+
+    sources: list[SourceConfig]
+    stages: list[StageConfig]
+    keys: list[str]
+    names: Names
+    stream: dict[str, Any]
+    val_fraction: float
+    where: str
 
 
 def parse_mixture(dirs: list[str], mix: str | None) -> tuple[list[SourceConfig], list[StageConfig]]:
-    """Sources and stages from `DIR@WEIGHT` arguments (weight 1 when left out) or a --mix TOML
+    """Sources and stages of `read_mixture`."""
+    m = read_mixture(dirs, mix)
+    return m.sources, m.stages
+
+
+def read_mixture(dirs: list[str], mix: str | None, table: type | None = None) -> CliMixture:
+    """A mixture from `[NAME=]DIR[@WEIGHT]` arguments (weight 1 when left out) or a --mix TOML
     file (`sources = [...]` and `[[stages]]`, at the top or under `[data]` as in a training
-    config). ConfigError naming the argument or key."""
+    config; relative paths are read from the current folder, as `mixlen train` reads them).
+    `table`: the config class of that table (the trainer's `[data]`): its keys are the only ones
+    a file may hold, checked as training checks them. ConfigError naming the argument or key."""
     if mix and dirs:
         raise ConfigError("--mix FILE.toml and DIR arguments: give one")
-    names = Names(flags=False)
     if not mix:
-        sources = []
-        for i, arg in enumerate(dirs):
-            path, weight = _split_weight(arg)
-            src = SourceConfig(path=path, weight=1.0 if weight is None else weight)
-            try:
-                check(src, Names(f"DIR[{i}]"))
-            except ConfigError as exc:
-                raise ConfigError(f"{arg}: {str(exc).split(': ', 1)[-1]}") from None
-            sources.append(src)
-        check_mixture(sources, [], Names(flags=True).using(sources="DIR"))
-        return sources, []
+        return _from_args(dirs)
+    where = f"--mix {mix}: "
     try:
         doc = tomllib.loads(read_bounded_text(mix, CONFIG_FILE_LIMIT, "a mixture file"))
     except FileNotFoundError:
         raise ConfigError(f"--mix {mix}: no such file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--mix {mix}: not valid TOML ({exc})") from None
-    table = doc.get("data", doc) if isinstance(doc.get("data"), dict) else doc
-    prefix = "data" if table is not doc else ""
-    names = Names(prefix)
-    if not isinstance(table.get("sources", []), list) or not table.get("sources"):
-        raise ConfigError(f"--mix {mix}: {names('sources')}: required, an array of tables")
-    out = []
-    for key, cls in (("sources", SourceConfig), ("stages", StageConfig)):
-        items = table.get(key, [])
-        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
-            raise ConfigError(f"--mix {mix}: {names(key)}: expected an array of tables")
-        built = []
-        for i, item in enumerate(items):
-            item_names = Names(f"{names(key)}[{i}]")
-            try:
-                cfg = from_mapping(cls, item, item_names)
-                check(cfg, item_names)
-            except ConfigError as exc:
-                raise ConfigError(f"--mix {mix}: {exc}") from None
-            built.append(cfg)
-        out.append(built)
+    data = doc.get("data", doc) if isinstance(doc.get("data"), dict) else doc
+    names = Names("data" if data is not doc else "")
     try:
-        check_mixture(out[0], out[1], names)
+        if table is not None:
+            _check_table(table, data, names)
+        if not isinstance(data.get("sources", []), list) or not data.get("sources"):
+            raise ConfigError(f"{names('sources')}: required, an array of tables")
+        sources, stages = (_items(data, key, cls, names) for key, cls in SECTIONS)
+        check_mixture(sources, stages, names)
+        stream = {k: data[k] for k in STREAM_KEYS if k in data}
+        check(from_mapping(StreamConfig, stream, names), names)
+        frac = data.get("val_fraction", 0.0)
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise ConfigError(f"{names('val_fraction')}: must be in [0, 1), got {frac!r}")
     except ConfigError as exc:
-        raise ConfigError(f"--mix {mix}: {exc}") from None
-    return out[0], out[1]
+        raise ConfigError(f"{where}{exc}") from None
+    keys = [f"{names('sources')}[{i}]" for i in range(len(sources))]
+    return CliMixture(sources, stages, keys, names, stream, float(frac), where)
 
 
-STREAM_KEYS = ("seed", "lookahead", "oversize")
+SECTIONS = (("sources", SourceConfig), ("stages", StageConfig))
+STREAM_KEYS = keys(StreamConfig)  # what a mixture file may set of the stream
 
 
-def mixture_settings(mix: str | None) -> tuple[dict[str, Any], float]:
-    """A --mix file's stream settings (`seed`, `lookahead`, `oversize`, as a StreamConfig takes
-    them) and `val_fraction` (0 when absent), so a plan draws the batches training will."""
-    if not mix:
-        return {}, 0.0
-    doc = tomllib.loads(read_bounded_text(mix, CONFIG_FILE_LIMIT, "a mixture file"))
-    table = doc["data"] if isinstance(doc.get("data"), dict) else doc
-    names = Names("data" if table is not doc else "")
-    from datapipe.stream import StreamConfig
+def _check_table(table: type, data: dict[str, Any], names: Names) -> None:
+    """The file's table holds only `table`'s keys, with values training accepts."""
+    known = keys(table)
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{names(key)}: unknown key (known: {', '.join(sorted(known))})")
+    check(from_mapping(table, data, names), names)
 
-    keys = {k: table[k] for k in STREAM_KEYS if k in table}
+
+def _items(data: dict[str, Any], key: str, cls: type, names: Names) -> list[Any]:
+    items = data.get(key, [])
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ConfigError(f"{names(key)}: expected an array of tables")
+    built = []
+    for i, item in enumerate(items):
+        item_names = Names(f"{names(key)}[{i}]")
+        cfg = from_mapping(cls, item, item_names)
+        check(cfg, item_names)
+        built.append(cfg)
+    return built
+
+
+def _from_args(dirs: list[str]) -> CliMixture:
+    """Sources from `[NAME=]DIR[@WEIGHT]` arguments, named after their argument in errors."""
+    sources: list[SourceConfig] = []
+    for i, arg in enumerate(dirs):
+        name, path, weight = _read_arg(arg)
+        src = SourceConfig(path=path, weight=1.0 if weight is None else weight, name=name)
+        try:
+            check(src, Names(f"DIR[{i}]"))
+        except ConfigError as exc:
+            raise ConfigError(f"{arg}: {str(exc).split(': ', 1)[-1]}") from None
+        given = [s.name or source_name(s.path) for s in sources]
+        mine = name or source_name(path)
+        if mine in given:
+            other = dirs[given.index(mine)]
+            named = f"{mine}{i + 1}={arg.partition('=')[2] if name else arg}"
+            raise ConfigError(
+                f"{arg}: its name {mine!r} (a source is named after its path's last part) is also "
+                f"{other}'s; name them with NAME=DIR@WEIGHT, e.g. {named}"
+            )
+        sources.append(src)
+    cli = Names(flags=True).using(sources="DIR")
+    if sources and not any(s.weight > 0 for s in sources):
+        raise ConfigError(f"{' '.join(dirs)}: every source has weight 0; give one a weight > 0")
+    check_mixture(sources, [], cli)
+    return CliMixture(sources, [], list(dirs), cli, {}, 0.0, "")
+
+
+def load_mixture(m: CliMixture, names: Names, cache_dir: str | None = None) -> list[LoadedSource]:
+    """`load_sources` of a command line's mixture, its errors naming the argument or the file's
+    key."""
     try:
-        check(from_mapping(StreamConfig, keys, names), names)
+        return load_sources(m.sources, names, cache_dir, m.keys)
     except ConfigError as exc:
-        raise ConfigError(f"--mix {mix}: {exc}") from None
-    frac = table.get("val_fraction", 0.0)
-    ok = isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0 <= frac < 1
-    if not ok:
-        raise ConfigError(f"--mix {mix}: {names('val_fraction')}: must be in [0, 1), got {frac!r}")
-    return keys, float(frac)
+        raise ConfigError(f"{m.where}{exc}") from None
 
 
 def describe(loaded: list[LoadedSource]) -> str:

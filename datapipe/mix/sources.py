@@ -10,14 +10,21 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from datapipe.errors import ConfigError
-from datapipe.index import dataset_fingerprint, read_index, resolve_dataset
+from datapipe.index import dataset_fingerprint, is_remote, read_index, resolve_dataset
 from datapipe.mix.config import SourceConfig, check_mixture
 from datapipe.settings import Names
 
 if TYPE_CHECKING:
     from datapipe.mix.stream import MixSource
 
-__all__ = ["LoadedSource", "TOKENIZER_KEYS", "load_sources", "mix_sources", "path_key"]
+__all__ = [
+    "LoadedSource",
+    "TOKENIZER_KEYS",
+    "check_local_folder",
+    "load_sources",
+    "mix_sources",
+    "path_key",
+]
 
 # what makes two datasets' token ids mean the same thing
 TOKENIZER_KEYS = ("vocab_size", "bos_id", "eos_id", "dtype")
@@ -40,6 +47,24 @@ class LoadedSource(NamedTuple):
 def path_key(key: str) -> str:
     """The key of a source's path: `data.sources[1].path`, or `data.path` itself."""
     return f"{key}.path" if key.endswith("]") else key
+
+
+def check_local_folder(path: str, key: str) -> None:
+    """ConfigError naming `key` when a local source path is a file or missing (a relative path
+    is read from the current folder, as `mixlen train` reads a config's paths); URIs pass."""
+    path = str(path)
+    if is_remote(path):
+        return
+    local = path[len("file://") :] if path.startswith("file://") else path
+    if os.path.isdir(local):
+        return
+    where = "" if os.path.isabs(local) else f" (relative to the current folder {os.getcwd()})"
+    if os.path.exists(local):
+        raise ConfigError(
+            f"{key}: {path!r}{where} is a file, not a dataset directory (a directory written by "
+            "`mixlen preprocess`, holding manifest.json and index.parquet)"
+        )
+    raise ConfigError(f"{key}: dataset directory {path!r} not found{where}")
 
 
 def _tokenizer_identity(manifest: dict) -> dict:
@@ -65,6 +90,7 @@ def load_sources(
     for i, (cfg, name) in enumerate(zip(configs, source_names)):
         key = path_key(keys[i])
         cache = os.path.join(cache_dir, name) if cache_dir else None
+        check_local_folder(cfg.path, key)
         local, _ = resolve_dataset(cfg.path, cache, key)
         index = read_index(local)
         lengths = np.asarray(index.num_tokens, np.int64)

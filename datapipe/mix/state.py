@@ -5,7 +5,7 @@ Saved: each source's epoch, cursor (and offset into a sample being cut), deferre
 count, whether it ran out, its dataset's fingerprint and samples' digest, its boosts; the stage
 and segment in force; the unit counter and the step. A resume keeps the sources (same names,
 order, datasets and `length_boost`); weights, stages and `max_epochs` may change and apply from
-the resume step on. A run on one dataset (`data.path`) resumed with `data.stages` continues as a
+the resume step on (a source past a lowered `max_epochs` stops at the resume step). A run on one dataset (`data.path`) resumed with `data.stages` continues as a
 one-source mixture from the dataset's next epoch.
 """
 
@@ -156,10 +156,8 @@ def load_state(m: MixtureStream, state: dict[str, Any]) -> None:
         d = np.asarray(st["deferred"], np.int64).reshape(-1, 3)
         m.set_deferred(s, d)
         m.taken[s] = int(st["taken"])
-    refillable = m.refillable_now()
-    for s, src in enumerate(m.sources):  # a source ran out, unless max_epochs grew since
-        m.exhausted[s] = bool(state["sources"][src.name]["exhausted"]) and not refillable[s]
     m.step, m.units = int(state["step"]), int(state["units"])
+    _apply_max_epochs(m, state)
     seg = state["segment"]
     stage = m.stage_at(m.step + 1)
     same = seg is not None and (
@@ -181,6 +179,25 @@ def load_state(m: MixtureStream, state: dict[str, Any]) -> None:
         m.st[ST_TOTAL] = int(seg["total"])
     else:  # the stages (or a source's max_epochs) changed: a segment starts here
         m.stage = None
+
+
+def _apply_max_epochs(m: MixtureStream, state: dict[str, Any]) -> None:
+    """Each source's `max_epochs` from the resume step on: a source that ran out draws again if
+    it was raised; one that has already made as many passes as a lowered one allows (its epoch
+    index reached it) is out from this step, the rest of its pass in progress and its deferred
+    units left undrawn."""
+    refillable = m.refillable_now()
+    for s, src in enumerate(m.sources):
+        ran_out = bool(state["sources"][src.name]["exhausted"])
+        limit, epoch = src.max_epochs, int(m.epoch[s])
+        past = bool(limit) and epoch >= limit
+        m.exhausted[s] = (ran_out and not refillable[s]) or past
+        if past and not ran_out:
+            m.log(
+                f"data: source {src.name!r} has made {epoch} pass{'es' if epoch > 1 else ''}, "
+                f"at least its max_epochs ({limit}, lowered on resume): it stops at step "
+                f"{m.step + 1}, in its pass {epoch + 1}; its share goes to the other sources"
+            )
 
 
 def _saved_out(m: MixtureStream, state: dict[str, Any]) -> np.ndarray:

@@ -3,10 +3,13 @@ from their indexes alone (numpy + numba; no torch, no token reads).
 
 - Each source walks its own epochs: epoch e is a permutation of its training samples drawn from
   ``SeedSequence([seed, crc32(name), e])``, in which a sample boosted by `length_boost` (factor f)
-  appears floor(f) times, plus once more with probability frac(f) (a uniform drawn from the same
-  seed). A source that reaches the end of its order starts its next epoch on its own; after
-  `max_epochs` its weight is shared out among the others from that unit on (logged once), and
-  when no source with weight is left the stream ends (`DataExhausted`).
+  appears floor(f) times, plus once more when a uniform drawn from
+  ``SeedSequence([seed, crc32(name), e, 1])`` is below frac(f). The boosts may add at most
+  `MAX_BOOST_DRAWS` draws to an epoch (its order is held in memory). A source that reaches the
+  end of its order starts its next epoch on its own; after `max_epochs` passes (and its
+  deferred units), when it is next eligible for a unit, its weight is shared out among the
+  others from that unit on (logged once); when no source with weight is left the stream ends
+  (`DataExhausted`; `check_supply` finds that step before training).
 - Which source the next unit comes from and which batch it joins: datapipe.mix.fill.
 - Island step t (0-based) is optimizer step t + 1 and is formed of global batches
   t*I .. t*I + I - 1 (I islands; island i takes batch t*I + i), all in the stage in force at
@@ -49,9 +52,16 @@ from datapipe.mix.state import check_state, load_state, state_of
 from datapipe.settings import Names, check
 from datapipe.stream import GlobalBatch, StreamConfig
 
-__all__ = ["DataExhausted", "MixSource", "MixtureStream", "source_epoch_order"]
+__all__ = [
+    "DataExhausted",
+    "MAX_BOOST_DRAWS",
+    "MixSource",
+    "MixtureStream",
+    "source_epoch_order",
+]
 
 MAX_EMPTY_EPOCHS = 100  # epochs in a row without a unit (boosts < 1) before giving up
+MAX_BOOST_DRAWS = 1 << 24  # draws `length_boost` may add to an epoch of a source (8 bytes each)
 
 
 class DataExhausted(MixlenError):
@@ -143,6 +153,7 @@ class MixtureStream:
                     "train on"
                 )
         self._check_oversize()
+        self._check_boosts()
         # kernel state
         num, w = len(sources), max(1, int(config.lookahead))
         self.window = w
@@ -204,6 +215,20 @@ class MixtureStream:
                         f'max_sample_tokens, or set {k("oversize")} = "own_step"'
                     )
 
+    def _check_boosts(self) -> None:
+        """An epoch's order is held in memory: boosts may add at most MAX_BOOST_DRAWS draws."""
+        for i, src in enumerate(self.sources):
+            n = int(src.ids.shape[0])
+            extra = int(np.ceil(src.repeats()).sum()) - n if src.boosts else 0
+            if extra > MAX_BOOST_DRAWS:
+                raise ConfigError(
+                    f"{self.source_key(i)}.length_boost: an epoch of source {src.name!r} would "
+                    f"draw up to {n + extra:,} samples ({n:,} samples, {extra:,} more from its "
+                    f"factors); the boosts may add at most {MAX_BOOST_DRAWS:,} draws to an "
+                    "epoch (its order is held in memory): lower the factors or raise the "
+                    "thresholds"
+                )
+
     def longest_unit(self) -> int:
         """The longest unit any stage can form (what every plan must hold)."""
         longest = 0
@@ -231,18 +256,47 @@ class MixtureStream:
         """Start a segment: the stage's weights over the sources still live, counts reset."""
         w = np.array(stage.weights) * ~self.exhausted
         if not w.sum() > 0:
-            live = [n for n, e in zip(self.source_names, self.exhausted) if not e]
-            raise DataExhausted(
-                f"data: every source with weight in this stage reached its max_epochs at step "
-                f"{self.step + 1} (left: {', '.join(live) or 'none'}); raise max_epochs or "
-                "lower train.steps"
-            )
+            raise DataExhausted(self._exhausted_message(stage))
         self.weights = w / w.sum()
         self.taken[:] = 0
         self.st[ST_TOTAL] = 0
         if stage.max_sample_tokens:
             self._split_deferred(stage.max_sample_tokens)
         self.stage = stage
+
+    def _exhausted_message(self, stage: Stage) -> str:
+        """Why the stream ends at the step being formed: every source with weight in `stage`
+        finished its passes."""
+        k = self.names
+        where = "the first stage" if stage.index < 0 else f"{k('stages')}[{stage.index}]"
+        done = [
+            f"{src.name} ({self.source_key(s)}.max_epochs = {src.max_epochs})"
+            for s, (src, w) in enumerate(zip(self.sources, stage.weights))
+            if w > 0
+        ]
+        return (
+            f"data: the mixture runs out of data at step {self.step + 1}: every source with "
+            f"weight in {where} finished its passes ({', '.join(done)}); raise max_epochs, give "
+            f"weight to a source without it, or lower {k('steps')} to at most {self.step}"
+        )
+
+    def check_supply(self, last_step: int) -> None:
+        """DataExhausted, from the indexes alone and before any step is trained, when this
+        stream (from its current state) runs out before forming step `last_step`."""
+        if self.step >= last_step or not any(src.max_epochs for src in self.sources):
+            return
+        probe = MixtureStream(
+            self.config, self.sources, self.source_configs, self.stage_configs,
+            self.base_budget, self.island, self.num_islands, self.names, log=lambda _: None,
+        )  # fmt: skip
+        probe.load_state_dict(self.state_dict())
+        try:
+            while probe.step < last_step:
+                next(probe)
+        except DataExhausted as exc:
+            raise DataExhausted(
+                f"{exc} (found from the indexes before step {self.step + 1} was trained)"
+            ) from None
 
     def _split_deferred(self, unit: int) -> None:
         """Deferred units longer than a new stage's `unit` become consecutive pieces of it."""
@@ -323,10 +377,11 @@ class MixtureStream:
                 self._refill(which)
             elif status == EXHAUSTED:
                 self.exhausted[which] = True
+                m = self.sources[which].max_epochs
                 self.log(
-                    f"data: source {self.source_names[which]!r} finished its max_epochs "
-                    f"({self.sources[which].max_epochs}) at step {self.step + 1}; its share goes "
-                    "to the other sources"
+                    f"data: source {self.source_names[which]!r} finished its {m} "
+                    f"pass{'es' if m > 1 else ''} (max_epochs) at step {self.step + 1}; its "
+                    "share goes to the other sources"
                 )
                 self._segment(stage)
             cur = self.ord_lo + self.cur_rel

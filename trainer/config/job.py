@@ -196,6 +196,7 @@ class TrainerConfig:
             global_batch_tokens=self.key(self.train, "global_batch_tokens"),
             num_islands=self.key(self.parallel, "islands"),
             island=self.key(self.parallel, "islands"),
+            steps=self.key(self.train, "steps"),
         )
         data = TrainData(
             self.data,
