@@ -2,8 +2,9 @@
 and the folder READMEs names a file of the repository (and a `#anchor` a heading of it), every
 `mixlen ...` example in a shell block parses with the real command line's parser (nothing is run),
 every other mention of a command (inline code, usage synopses) names a command and options it
-has, `mixlen CMD --help` of every command named exits 0, and every `make TARGET` named is a target
-of the Makefile. One process; the commands' modules are imported, never run."""
+has, `mixlen CMD --help` of every command named exits 0, every TOML example is a valid config,
+and every `make TARGET` named is a target of the Makefile. One process; the commands' modules are
+imported, never run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from pathlib import Path
 
 from tools.cli import COMMANDS, build_parser
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FOLDER_READMES = sorted(p for d in ("trainer", "datapipe") for p in (ROOT / d).rglob("README.md"))
@@ -22,6 +28,7 @@ FENCE = re.compile(r"^[ \t]*```([\w-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.M | r
 SHELL = {"sh", "bash", "console", "shell"}
 INLINE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+TOML = re.compile(r"^[ \t]*```toml\n(.*?)^[ \t]*```", re.M | re.S)
 MAKE = re.compile(r"(?:^|[\s;&(])make\s+([A-Za-z][\w.-]*)")
 
 
@@ -148,6 +155,26 @@ def make_problems(page: Path, targets: set[str]) -> list[str]:
     return [f"{page.name}: make {t}: no such target" for t in sorted(named - targets)]
 
 
+def toml_problems(page: Path) -> list[str]:
+    """`page`'s TOML examples that the config classes refuse (an unknown key, a bad value). A
+    `[model] pretrained` folder is left out (it would be read) and a `data.path` stands in where
+    an example gives no data."""
+    from trainer.config.job import from_dict
+
+    problems = []
+    for block in TOML.findall(page.read_text()):
+        try:
+            config = tomllib.loads(block)
+            config.get("model", {}).pop("pretrained", None)
+            data = config.setdefault("data", {})
+            if "sources" not in data:
+                data.setdefault("path", "data")
+            from_dict(config)
+        except ValueError as exc:  # ConfigError, InputError, a TOML syntax error
+            problems.append(f"{page.name}: {exc}")
+    return problems
+
+
 def test_every_relative_link_resolves():
     """In README.md, docs/*.md and the folder READMEs of trainer/ and datapipe/."""
     assert len(FOLDER_READMES) > 5
@@ -180,6 +207,11 @@ def test_every_command_example_parses_and_every_command_named_has_help():
     assert problems == []
 
 
+def test_every_toml_example_is_a_valid_config():
+    assert sum(len(TOML.findall(p.read_text())) for p in DOCS) >= 5
+    assert [p for page in DOCS for p in toml_problems(page)] == []
+
+
 def test_every_make_target_named_exists():
     targets = make_targets(ROOT / "Makefile")
     assert {"demo", "test"} <= targets
@@ -201,6 +233,9 @@ def test_the_checks_find_planted_mistakes(tmp_path):
         "mixlen trian x.toml\ntorchrun --nnodes 2 -m tools.cli train \\\n    x.toml --nproc 2\n"
         "make demo && make tset\n```\n\n"
         "```\nmixlen profile DIR [--plto FILE.png]\n```\n\n"
+        "```toml\n[data]\npath = 'd'\n[[data.stages]]\nstart_step = 1\n"
+        "max_sample_token = 8\n```\n\n"
+        "```toml\n[model]\npretrained = 'm'\nrope_theta = -1.0\n```\n\n"
         "Inline: `mixlen plan d --ranks 2 --capacity 8 --global-batch-tokens 64 --stesp 2`, "
         "`mixlen eval ...`, `mixlen train --print-config`.\n"
     )
@@ -222,6 +257,9 @@ def test_the_checks_find_planted_mistakes(tmp_path):
         "mixlen plan --stesp: no such option",
     ]
     assert [c for c, _ in mentions] == ["profile", "plan", "eval", "train"]
+    got = toml_problems(page)
+    assert len(got) == 2 and "README.md: data.stages[0].max_sample_token: unknown key" in got[0]
+    assert got[1].startswith("README.md: model.rope_theta: ") and "-1.0" in got[1]
     assert make_problems(page, make_targets(ROOT / "Makefile")) == [
         "README.md: make tset: no such target"
     ]
