@@ -3,7 +3,11 @@
 A plan piece ``(s, a, b)`` means "compute positions a..b-1 of sample s". Its inputs are tokens
 [a, b); its labels are tokens [a+1, b+1) of the same sample, so the fetch reads tokens
 [a, min(b+1, L)); the last position of a sample has label -100. Every sample thus contributes
-L-1 labelled positions however it is split. Tokens are read through the storage rows
+L-1 labelled positions however it is split. A dataset with a loss mask (docs/FORMAT.md) stores
+each row's trained spans beside its tokens; they are read with the tokens, and a position whose
+next token is not trained has label -100 too, so the mask travels as the labels through packing,
+ring splits and pieces. The labels each piece gets are checked against the index's
+`trained_spans` (datapipe.plan.loss.LossMask), which the loss's denominator is computed from. Tokens are read through the storage rows
 (``chunk_tokens`` each, FORMAT.md) that overlap that range, so a rank reads at most its tokens plus
 one storage chunk at each end of each piece.
 
@@ -32,7 +36,7 @@ from datapipe.errors import InputError
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
-from datapipe.pack_kernel import pack_kernel
+from datapipe.pack_kernel import mark_trained, pack_kernel
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.settings import Names, check, setting
 
@@ -85,20 +89,34 @@ def as_pieces(pieces: Any) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+_ALL_TRAINED = np.zeros(0, np.uint8)
+
+
 def pack_microbatch(
-    pieces: np.ndarray, lengths: np.ndarray, flat: np.ndarray, span_start: np.ndarray
+    pieces: np.ndarray,
+    lengths: np.ndarray,
+    flat: np.ndarray,
+    span_start: np.ndarray,
+    trained: np.ndarray | None = None,
 ) -> PackedMicroBatch:
     """Pack pieces whose tokens [a, min(b+1, L)) sit at ``flat[span_start[i]:]`` (one pass,
-    datapipe.pack_kernel); `lengths` is indexed by the pieces' sample ids."""
+    datapipe.pack_kernel); `lengths` is indexed by the pieces' sample ids; `trained` (uint8,
+    aligned with `flat`; None: every token) marks the tokens that are targets."""
     pieces = as_pieces(pieces)
-    return pack_pieces(pieces, lengths[pieces[:, 0]], flat, span_start)
+    return pack_pieces(pieces, lengths[pieces[:, 0]], flat, span_start, trained)
 
 
 def pack_pieces(
-    pieces: np.ndarray, piece_len: np.ndarray, flat: np.ndarray, span_start: np.ndarray
+    pieces: np.ndarray,
+    piece_len: np.ndarray,
+    flat: np.ndarray,
+    span_start: np.ndarray,
+    trained: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
 ) -> PackedMicroBatch:
     """`pack_microbatch` with the length of each piece's sample given per piece (a mixture's
-    units: a piece of a longer document is a sample of its own, positions from 0)."""
+    units: a piece of a longer document is a sample of its own, positions from 0); `counts`
+    (int64 [P]) receives the labels each piece got."""
     pieces = as_pieces(pieces)
     a, b = (np.ascontiguousarray(pieces[:, i]) for i in (1, 2))
     cu = np.zeros(len(pieces) + 1, np.int64)
@@ -109,7 +127,9 @@ def pack_pieces(
     position_ids = np.empty(total, np.int32)
     starts = np.ascontiguousarray(span_start, np.int64)
     sample_len = np.ascontiguousarray(piece_len, np.int64)
-    pack_kernel(flat, starts, a, b, sample_len, cu, input_ids, labels, position_ids)
+    mask = _ALL_TRAINED if trained is None else trained
+    got = np.empty(len(pieces), np.int64) if counts is None else counts
+    pack_kernel(flat, starts, a, b, sample_len, cu, input_ids, labels, position_ids, mask, got)
     return PackedMicroBatch(input_ids, labels, position_ids, cu.astype(np.int32), pieces)
 
 
@@ -248,32 +268,62 @@ class Fetcher:
         allp = np.concatenate(plist) if plist else np.zeros((0, 3), np.int64)
         self._check(allp)
         s, a, b = allp[:, 0], allp[:, 1], allp[:, 2]
-        flat, span_start = self.read_ranges(s, a, np.minimum(b + 1, self.lengths[s]))
+        end = np.minimum(b + 1, self.lengths[s])
+        flat, span_start, trained = self.read_ranges(s, a, end)
+        counts = np.zeros(len(allp), np.int64)
         out, p0 = [], 0
         for p in plist:
             p1 = p0 + len(p)
-            out.append(pack_microbatch(p, self.lengths, flat, span_start[p0:p1]))
+            part = counts[p0:p1]
+            out.append(
+                pack_pieces(p, self.lengths[p[:, 0]], flat, span_start[p0:p1], trained, part)
+            )
             p0 = p1
+        if trained is not None:
+            self.check_labels(s, a + 1, end, counts)
         return out
+
+    def check_labels(self, s: np.ndarray, lo: np.ndarray, hi: np.ndarray, got: np.ndarray) -> None:
+        """The labels pieces got from the shards' spans (their targets: tokens [lo, hi) of
+        samples `s`) must be what index.parquet's trained_spans say; else the data is corrupt."""
+        want = self.index.loss_mask.trained(s, lo, hi)
+        bad = np.flatnonzero(want != got)
+        if bad.size:
+            k = int(bad[0])
+            raise InputError(
+                f"{self.index.root}: sample {int(s[k])}, tokens {int(lo[k])}..{int(hi[k])}: the "
+                f"shards' trained spans give {int(got[k])} trained tokens, index.parquet's "
+                f"{int(want[k])}; run `mixlen verify`"
+            )
 
     def read_ranges(
         self, s: np.ndarray, a: np.ndarray, end: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(flat tokens, where each range starts in them) of token ranges [a, end) of samples
-        `s` (checked by the caller: 0 <= a < end <= L); storage rows shared are read once."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(flat tokens, where each range starts in them, which of them are trained: uint8, or
+        None without a loss mask) of token ranges [a, end) of samples `s` (checked by the
+        caller: 0 <= a < end <= L); storage rows shared are read once."""
         s, a, end = (np.asarray(x, np.int64) for x in (s, a, end))
         rows, j0, count = rows_of_ranges(s, a, end, self.global_first_row, self.chunk)
         uniq = np.unique(rows)
-        flat, row_len = self.reader.read_rows_flat(uniq)
+        trained = None
+        if self.index.loss is not None:
+            flat, row_len, spans, span_len = self.reader.read_rows_masked(uniq)
+        else:
+            flat, row_len = self.reader.read_rows_flat(uniq)
         self._check_rows(s, j0, count, rows, uniq, row_len)
         row_off = np.zeros(len(row_len) + 1, np.int64)
         np.cumsum(row_len, out=row_off[1:])
+        if self.index.loss is not None:
+            span_off = np.zeros(len(span_len) + 1, np.int64)
+            np.cumsum(span_len, out=span_off[1:])
+            trained = np.zeros(flat.shape[0], np.uint8)
+            mark_trained(row_off, span_off, spans, trained)
         if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
             self._out_of_vocab(flat, uniq, row_off)
         # a range's rows are consecutive global rows, hence adjacent in `uniq`: its span is
         # contiguous in `flat`, starting inside its first row
         first = np.searchsorted(uniq, self.global_first_row[s] + j0)
-        return flat, row_off[first] + a - j0 * self.chunk
+        return flat, row_off[first] + a - j0 * self.chunk, trained
 
     def fetch(self, pieces: Any) -> PackedMicroBatch:
         """One micro-batch."""
@@ -295,9 +345,12 @@ class Fetcher:
 
 class MemoryFetcher:
     """Packs micro-batches from in-memory token arrays (tests, benchmarks); same output as
-    `datapipe.fetch.Fetcher.fetch_step`."""
+    `datapipe.fetch.Fetcher.fetch_step`. `trained`: per sample, a boolean array marking its
+    trained tokens (None: every token)."""
 
-    def __init__(self, tokens: Sequence[np.ndarray]) -> None:
+    def __init__(
+        self, tokens: Sequence[np.ndarray], trained: Sequence[np.ndarray] | None = None
+    ) -> None:
         self.lengths = np.array([len(t) for t in tokens], dtype=np.int64)
         self.offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=self.offsets[1:])
@@ -306,13 +359,19 @@ class MemoryFetcher:
             if len(tokens)
             else np.zeros(0, np.int64)
         )
+        self.trained = None
+        if trained is not None:
+            self.trained = np.concatenate(
+                [np.asarray(m, dtype=np.uint8) for m in trained] or [np.zeros(0, np.uint8)]
+            )
+            assert self.trained.shape == self.flat.shape
 
     def fetch_step(self, microbatches: Sequence[object]) -> list[PackedMicroBatch]:
         out = []
         for p in microbatches:
             pieces = as_pieces(p)
             span = self.offsets[pieces[:, 0]] + pieces[:, 1]
-            out.append(pack_microbatch(pieces, self.lengths, self.flat, span))
+            out.append(pack_microbatch(pieces, self.lengths, self.flat, span, self.trained))
         return out
 
 

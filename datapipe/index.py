@@ -1,5 +1,6 @@
-"""The length index of a dataset: `index.parquet` + `manifest.json` (see docs/FORMAT.md), and where
-a dataset lives (a local directory, or a remote URI whose two metadata files are downloaded with
+"""The length index of a dataset: `index.parquet` + `manifest.json` (see docs/FORMAT.md), with a
+dataset's loss mask where it has one (each sample's `loss_tokens` and `trained_spans`, the
+datapipe.plan.loss.LossMask that planning and the loss read), and where a dataset lives (a local directory, or a remote URI whose two metadata files are downloaded with
 mosaicml-streaming's downloader into a cache directory).
 
 Imports numpy and pyarrow only (the streaming library lazily, for remote datasets), so planning
@@ -29,11 +30,14 @@ from datapipe.integrity import (
     checksum_file,
 )
 from datapipe.integrity import dataset_fingerprint as _fingerprint
+from datapipe.plan.loss import LossMask
 
 INDEX_FILE = "index.parquet"
 MANIFEST_FILE = "manifest.json"
 INDEX_COLUMNS = ("sample_id", "num_tokens", "shard", "first_row", "num_rows", "source")
 METADATA_FILES = (MANIFEST_FILE, INDEX_FILE)
+LOSS_MASK_KEY = "loss_mask"  # manifest.json: "trained_spans" when the dataset has a loss mask
+LOSS_COLUMNS = ("loss_tokens", "trained_spans")  # index.parquet's columns of a masked dataset
 _SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -47,8 +51,38 @@ _SCHEMA = pa.schema(
 
 
 @dataclass(frozen=True)
+class LossColumns:
+    """A masked dataset's index columns: each sample's labelled positions and its trained spans
+    (flat [start, end) pairs, sample i's at values[offsets[i]:offsets[i+1]])."""
+
+    loss_tokens: np.ndarray  # int64 [N]
+    offsets: np.ndarray  # int64 [N + 1]
+    values: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, spans: list, num_tokens: np.ndarray) -> LossColumns:
+        """From each sample's spans (None: the whole sample is trained)."""
+        parts = [
+            np.array([0, n] if n else [], np.int64) if sp is None else np.asarray(sp, np.int64)
+            for sp, n in zip(spans, np.asarray(num_tokens).tolist())
+        ]
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        mask = LossMask(offsets, values)
+        ids = np.arange(len(parts), dtype=np.int64)
+        loss = mask.unit_tokens(ids, np.zeros_like(ids), np.asarray(num_tokens, np.int64))
+        return cls(loss, offsets, values)
+
+    @property
+    def mask(self) -> LossMask:
+        return LossMask(self.offsets, self.values)
+
+
+@dataclass(frozen=True)
 class DatasetIndex:
-    """Per-sample columns of index.parquet (numpy) and the manifest."""
+    """Per-sample columns of index.parquet (numpy) and the manifest; `loss` for a dataset with
+    a loss mask (else None: every token is trained)."""
 
     root: str
     manifest: dict
@@ -58,9 +92,22 @@ class DatasetIndex:
     first_row: np.ndarray
     num_rows: np.ndarray
     source: list[str] | None = None
+    loss: LossColumns | None = None
 
     def __len__(self) -> int:
         return len(self.num_tokens)
+
+    @property
+    def loss_mask(self) -> LossMask:
+        """The trained tokens (LossMask() for a dataset without a mask: every token)."""
+        return self.loss.mask if self.loss is not None else LossMask()
+
+    @property
+    def loss_tokens(self) -> np.ndarray:
+        """Each sample's labelled positions (L - 1 without a mask)."""
+        if self.loss is not None:
+            return self.loss.loss_tokens
+        return np.maximum(np.asarray(self.num_tokens, np.int64) - 1, 0)
 
     @property
     def shard_row_offsets(self) -> np.ndarray:
@@ -81,20 +128,26 @@ def write_index(
     first_row: np.ndarray,
     num_rows: np.ndarray,
     source: list[str],
+    loss: LossColumns | None = None,
 ) -> None:
-    """Write index.parquet (one row per sample, sample_id = row position)."""
+    """Write index.parquet (one row per sample, sample_id = row position; with `loss`, the
+    mask's columns after them)."""
     n = len(num_tokens)
-    table = pa.Table.from_arrays(
-        [
-            pa.array(np.arange(n, dtype=np.int64)),
-            pa.array(np.asarray(num_tokens, dtype=np.int64)),
-            pa.array(np.asarray(shard, dtype=np.int32)),
-            pa.array(np.asarray(first_row, dtype=np.int64)),
-            pa.array(np.asarray(num_rows, dtype=np.int32)),
-            pa.array(source, pa.string()),
-        ],
-        schema=_SCHEMA,
-    )
+    arrays = [
+        pa.array(np.arange(n, dtype=np.int64)),
+        pa.array(np.asarray(num_tokens, dtype=np.int64)),
+        pa.array(np.asarray(shard, dtype=np.int32)),
+        pa.array(np.asarray(first_row, dtype=np.int64)),
+        pa.array(np.asarray(num_rows, dtype=np.int32)),
+        pa.array(source, pa.string()),
+    ]
+    schema = _SCHEMA
+    if loss is not None:
+        spans = pa.LargeListArray.from_arrays(pa.array(loss.offsets), pa.array(loss.values))
+        arrays += [pa.array(loss.loss_tokens), spans]
+        schema = _SCHEMA.append(pa.field(LOSS_COLUMNS[0], pa.int64()))
+        schema = schema.append(pa.field(LOSS_COLUMNS[1], pa.large_list(pa.int64())))
+    table = pa.Table.from_arrays(arrays, schema=schema)
     pq.write_table(table, path, compression="zstd")
 
 
@@ -185,6 +238,11 @@ def read_index(path: str | os.PathLike, with_source: bool = False) -> DatasetInd
     problems = check_index(arrays, manifest, ipath)
     if problems:
         raise InputError(problems[0])
+    loss = (
+        read_loss_columns(path, manifest, arrays["num_tokens"])
+        if manifest.get(LOSS_MASK_KEY)
+        else None
+    )
     return DatasetIndex(
         root=os.fspath(path),
         manifest=manifest,
@@ -194,7 +252,73 @@ def read_index(path: str | os.PathLike, with_source: bool = False) -> DatasetInd
         first_row=arrays["first_row"],
         num_rows=arrays["num_rows"].astype(np.int32),
         source=table.column("source").to_pylist() if with_source else None,
+        loss=loss,
     )
+
+
+def read_loss_columns(
+    path: str | os.PathLike, manifest: dict, num_tokens: np.ndarray
+) -> LossColumns:
+    """A masked dataset's `loss_tokens` and `trained_spans` (manifest `loss_mask`), checked:
+    spans sorted, disjoint and inside their sample, and `loss_tokens` what they imply."""
+    ipath = os.path.join(os.fspath(path), INDEX_FILE)
+    try:
+        table = pq.read_table(ipath, columns=list(LOSS_COLUMNS))
+    except (pa.ArrowException, KeyError, OSError) as exc:
+        raise InputError(
+            f"{ipath}: manifest.json has {LOSS_MASK_KEY}, but the index has no valid "
+            f"{' and '.join(LOSS_COLUMNS)} columns ({exc})"
+        ) from None
+    col = table.column(LOSS_COLUMNS[1]).combine_chunks()
+    if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+        raise InputError(f"{ipath}: column {LOSS_COLUMNS[1]!r} has type {col.type}, expected lists")
+    if col.null_count or table.column(LOSS_COLUMNS[0]).null_count:
+        raise InputError(f"{ipath}: the loss mask columns have null values")
+    offsets = np.asarray(col.offsets, np.int64)
+    values = np.asarray(col.values.to_numpy(zero_copy_only=False), np.int64)
+    loss = table.column(LOSS_COLUMNS[0]).to_numpy().astype(np.int64)
+    problem = _mask_problem(offsets, values, np.asarray(num_tokens, np.int64), loss)
+    if problem:
+        raise InputError(f"{ipath}: {problem}")
+    return LossColumns(loss, offsets, values)
+
+
+def _mask_problem(
+    offsets: np.ndarray, values: np.ndarray, num_tokens: np.ndarray, loss: np.ndarray
+) -> str | None:
+    """The first inconsistency of a loss mask's columns (None: consistent)."""
+    n = len(num_tokens)
+    if len(offsets) != n + 1 or len(loss) != n:
+        return f"the loss mask columns have {len(loss)} rows, the index {n}"
+    odd = np.flatnonzero(np.diff(offsets) % 2)
+    if odd.size:
+        return f"row {int(odd[0])}: trained_spans holds an odd number of values (pairs expected)"
+    pair_row = np.repeat(np.arange(n), np.diff(offsets) // 2)
+    s, e = values[0::2], values[1::2]
+    bad = (s < 0) | (e <= s) | (e > num_tokens[pair_row])
+    later = (pair_row[1:] == pair_row[:-1]) & (s[1:] < e[:-1])
+    bad[1:] |= later
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        return (
+            f"row {int(pair_row[k])}: trained span [{int(s[k])}, {int(e[k])}) is empty, outside "
+            f"its {int(num_tokens[pair_row[k]])} tokens or overlaps the one before"
+        )
+    want = LossMask(offsets, values).unit_tokens(np.arange(n), np.zeros(n, np.int64), num_tokens)
+    wrong = np.flatnonzero(want != loss)
+    if wrong.size:
+        i = int(wrong[0])
+        return f"row {i}: loss_tokens is {int(loss[i])}, its trained_spans give {int(want[i])}"
+    return None
+
+
+def read_loss_tokens(path: str | os.PathLike) -> np.ndarray | None:
+    """Each sample's labelled positions of a masked dataset (None: it has no mask)."""
+    manifest = read_manifest(path)
+    if not manifest.get(LOSS_MASK_KEY):
+        return None
+    lengths = read_lengths(path)
+    return read_loss_columns(path, manifest, lengths).loss_tokens
 
 
 # --- dataset location: local directory or remote URI ----------------------------------------------

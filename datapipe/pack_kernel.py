@@ -1,6 +1,7 @@
-"""The fetch's packing loop as a numba kernel: one pass over a micro-batch's positions writes its
-input ids, labels and positions from the tokens read (datapipe.fetch.pack_microbatch). Releases
-the GIL, so the background prefetch does not hold up the training thread.
+"""The fetch's packing loop as numba kernels: one pass over a micro-batch's positions writes its
+input ids, labels and positions from the tokens read (datapipe.fetch.pack_microbatch), and, for a
+dataset with a loss mask, one pass over the rows' trained spans marks the trained tokens read.
+Both release the GIL, so the background prefetch does not hold up the training thread.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ def pack_kernel(
     input_ids: np.ndarray,
     labels: np.ndarray,
     position_ids: np.ndarray,
+    trained: np.ndarray,
+    counts: np.ndarray,
 ) -> None:
     """Piece i covers positions a[i]..b[i]-1 of a sample of sample_len[i] tokens whose tokens
     a[i].. sit at flat[starts[i]:]; it fills output rows cu[i]..cu[i+1]-1. A position's label is
-    the next token of its sample; the sample's last position keeps the label it has (ignore)."""
+    the next token of its sample, where that token is trained (`trained`, aligned with `flat`;
+    empty: every token is); other positions, and the sample's last, keep the label they have
+    (ignore). counts[i]: the labels piece i got."""
+    masked = trained.shape[0] > 0
     for i in range(a.shape[0]):
         lo, st, ai = cu[i], starts[i], a[i]
         n = b[i] - ai
@@ -31,5 +37,25 @@ def pack_kernel(
         for j in range(n):
             input_ids[lo + j] = flat[st + j]
             position_ids[lo + j] = ai + j
+        got = 0
         for j in range(n_lab):
-            labels[lo + j] = flat[st + 1 + j]
+            if not masked or trained[st + 1 + j]:
+                labels[lo + j] = flat[st + 1 + j]
+                got += 1
+        counts[i] = got
+
+
+@njit(cache=True, nogil=True)
+def mark_trained(
+    row_off: np.ndarray, span_off: np.ndarray, spans: np.ndarray, trained: np.ndarray
+) -> None:
+    """Row r's tokens sit at trained[row_off[r]:row_off[r+1]]; its spans (pairs relative to the
+    row) are spans[span_off[r]:span_off[r+1]]: set their tokens to 1 (`trained` starts at 0)."""
+    for r in range(row_off.shape[0] - 1):
+        base = row_off[r]
+        for k in range(span_off[r], span_off[r + 1], 2):
+            s, e = base + spans[k], base + spans[k + 1]
+            if e > row_off[r + 1]:
+                e = row_off[r + 1]
+            for t in range(s, e):
+                trained[t] = 1

@@ -5,12 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 
-def length_profile(lengths: np.ndarray, capacity: int | None = None) -> dict:
+def length_profile(
+    lengths: np.ndarray, capacity: int | None = None, loss_tokens: np.ndarray | None = None
+) -> dict:
     """Counts, percentiles and power-of-two buckets of sample lengths.
 
     Bucket b holds lengths in [2^b, 2^(b+1)) (bucket "0" also holds length 0); each bucket reports
     its samples and tokens. With `capacity`, the share of samples and tokens in samples longer
-    than it (the ones HDP must split across ranks).
+    than it (the ones HDP must split across ranks). With `loss_tokens` (a dataset with a loss
+    mask: each sample's trained positions), the trained tokens and their share of the tokens,
+    overall and per bucket.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
@@ -51,6 +55,15 @@ def length_profile(lengths: np.ndarray, capacity: int | None = None) -> dict:
             for i in range(nb)
             if samples[i]
         ]
+        if loss_tokens is not None:
+            trained = np.bincount(b, weights=np.asarray(loss_tokens, np.float64), minlength=nb)
+            for bkt in out["buckets"]:
+                i = int(bkt["lo"]).bit_length() - 1 if bkt["lo"] else 0
+                bkt["loss_tokens"] = int(trained[i])
+                bkt["loss_share"] = float(trained[i] / bkt["tokens"]) if bkt["tokens"] else 0.0
+    if loss_tokens is not None:
+        out["num_loss_tokens"] = int(np.asarray(loss_tokens, np.int64).sum())
+        out["loss_share"] = float(out["num_loss_tokens"] / total) if total else 0.0
     if capacity is not None:
         if capacity < 1:
             raise ValueError(f"--capacity must be >= 1, got {capacity}")
@@ -72,14 +85,22 @@ def format_profile(prof: dict, title: str = "") -> str:
         f"length min {prof['min']:,}  p50 {prof['p50']:,}  p90 {prof['p90']:,}  "
         f"p99 {prof['p99']:,}  max {prof['max']:,}"
     )
+    masked = "num_loss_tokens" in prof
+    if masked:
+        lines.append(
+            f"loss mask: {prof['num_loss_tokens']:,} trained tokens "
+            f"({100 * prof['loss_share']:.2f}% of tokens)"
+        )
     lines.append(
         f"{'length bucket':>22}  {'samples':>10}  {'% samples':>9}  {'tokens':>14}  {'% tokens':>8}"
+        + (f"  {'% trained':>9}" if masked else "")
     )
     for bkt in prof["buckets"]:
         rng = f"[{bkt['lo']:,}, {bkt['hi']:,})"
         lines.append(
             f"{rng:>22}  {bkt['samples']:>10,}  {100 * bkt['sample_share']:>8.2f}%  "
             f"{bkt['tokens']:>14,}  {100 * bkt['token_share']:>7.2f}%"
+            + (f"  {100 * bkt['loss_share']:>8.2f}%" if masked else "")
         )
     if "capacity" in prof:
         lines.append(

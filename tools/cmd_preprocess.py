@@ -62,9 +62,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a saved tokenizer folder (tokenizer.json; BOS/EOS from tokenizer_config.json)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for conversation rows (`messages`, or `prompt`/`completion` "
+        "message lists); default: the --tokenizer-from folder's chat_template.jinja or "
+        "tokenizer_config.json chat_template",
+    )
+    p.add_argument(
         "--text-field",
         default="text",
-        help="text field of JSON Lines / parquet inputs (default text)",
+        help="text field of JSON Lines / parquet inputs (default text); rows with `messages`, or "
+        "`prompt` and `completion`, are instruction data with a loss mask "
+        "(docs/instruction-data.md)",
     )
     p.add_argument(
         "--glob",
@@ -177,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format,
         tokenizer=args.tokenizer,
         tokenizer_from=args.tokenizer_from,
+        chat_template=args.chat_template,
         text_field=args.text_field,
         globs=args.globs or ["**/*"],
         excludes=args.excludes or [],
@@ -200,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {m['num_samples']:,} samples, {m['num_tokens']:,} tokens in {len(m['shards'])} "
         f"{m['format']} shards to {res.out} | documents {c['documents']:,}: "
-        + ", ".join(f"{k} {c[k]:,}" for k in _SUMMARY)
+        + ", ".join(f"{k} {c.get(k, 0):,}" for k in _SUMMARY)
+        + (f", no_target {c['no_target']:,}" if c.get("no_target") else "")
+        + (
+            f" | loss mask: {m['num_loss_tokens']:,} trained tokens "
+            f"({m['num_loss_tokens'] / max(m['num_tokens'], 1):.1%} of tokens)"
+            if m.get("loss_mask")
+            else ""
+        )
         + (
             f" | unknown_chars {c['unknown_chars']:,} in {c['unknown_docs']:,} documents"
             if c["unknown_chars"]

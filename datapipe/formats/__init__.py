@@ -18,12 +18,13 @@ FORMATS: dict[str, ModuleType] = {"mds": mds, "wds": wds, "parquet": parquet}
 
 
 def build_writer(
-    fmt: str, root: str, dtype: np.dtype, chunk_tokens: int, shard_bytes: int
+    fmt: str, root: str, dtype: np.dtype, chunk_tokens: int, shard_bytes: int, masks: bool = False
 ) -> ShardWriter:
-    """The shard writer for `fmt` (mds, wds or parquet) writing into `root`."""
+    """The shard writer for `fmt` (mds, wds or parquet) writing into `root`; with `masks` every
+    row also stores its trained spans (docs/FORMAT.md)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    return FORMATS[fmt].Writer(root, np.dtype(dtype), chunk_tokens, shard_bytes)
+    return FORMATS[fmt].Writer(root, np.dtype(dtype), chunk_tokens, shard_bytes, masks)
 
 
 def open_reader(

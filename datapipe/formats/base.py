@@ -20,8 +20,20 @@ from datapipe.index import download
 from datapipe.integrity import check_shard_file, checksum_file
 
 TOKENS = "tokens"  # the token column (MDS, parquet) and member name (webdataset `tokens.npy`)
+# the loss mask of a row (docs/FORMAT.md): its trained tokens as flat [start, end) pairs relative
+# to the row, uint32; the name sorts after `tokens`, so MDS keeps the token column's offset fixed
+TRAINED = "trained_spans"
+SPAN_DTYPE = np.dtype(np.uint32)
 
-__all__ = ["TOKENS", "RowReader", "ShardInfo", "ShardWriter", "checksum_file"]
+__all__ = [
+    "SPAN_DTYPE",
+    "TOKENS",
+    "TRAINED",
+    "RowReader",
+    "ShardInfo",
+    "ShardWriter",
+    "checksum_file",
+]
 
 
 @dataclass
@@ -48,12 +60,14 @@ class ShardInfo:
 
 @dataclass
 class ShardWriter:
-    """Base writer: rows out, per-sample (shard, first_row) in."""
+    """Base writer: rows out, per-sample (shard, first_row) in. With `masks` every row also
+    stores its trained spans (TRAINED)."""
 
     root: str
     dtype: np.dtype
     chunk_tokens: int
     shard_bytes: int
+    masks: bool = False
     shards: list[ShardInfo] = field(default_factory=list)
     sample_shard: list[int] = field(default_factory=list)
     sample_first_row: list[int] = field(default_factory=list)
@@ -61,9 +75,29 @@ class ShardWriter:
     def __post_init__(self) -> None:
         """Subclass hook (the dataclass __init__ calls it)."""
 
-    def write(self, sample_id: int, tokens: np.ndarray) -> None:
-        """Store one sample as its chunk rows."""
+    def write(self, sample_id: int, tokens: np.ndarray, spans: np.ndarray | None = None) -> None:
+        """Store one sample as its chunk rows; `spans`: its trained tokens as flat [start, end)
+        pairs (None: every token; stored only by a writer with `masks`)."""
         raise NotImplementedError
+
+    def _row_spans(self, spans: np.ndarray | None, n: int) -> list[np.ndarray]:
+        """Each chunk row's trained spans, relative to the row (SPAN_DTYPE); [0, 0] for a row
+        without any."""
+        c = self.chunk_tokens
+        pairs = (
+            np.array([[0, n]], np.int64)
+            if spans is None
+            else np.asarray(spans, np.int64).reshape(-1, 2)
+        )
+        out = []
+        for lo in range(0, max(n, 1), c):
+            hi = min(lo + c, n)
+            s = np.clip(pairs, lo, hi) - lo
+            s = s[s[:, 1] > s[:, 0]]
+            if not len(s):  # no trained token: the empty span (MDS stores no empty array)
+                s = np.zeros((1, 2), np.int64)
+            out.append(np.ascontiguousarray(s.reshape(-1), dtype=SPAN_DTYPE))
+        return out
 
     def finish(self) -> list[ShardInfo]:
         """Close the last shard; return all shards with sizes and checksums."""
@@ -107,7 +141,10 @@ class OwnShardWriter(ShardWriter):
     def _close(self) -> None:
         raise NotImplementedError
 
-    def _write_rows(self, sample_id: int, rows: list[np.ndarray]) -> int:
+    def _write_rows(
+        self, sample_id: int, rows: list[np.ndarray], spans: list[np.ndarray] | None
+    ) -> int:
+        """Write a sample's rows (and, with `masks`, each row's spans); the bytes written."""
         raise NotImplementedError
 
     def _abort(self) -> None:
@@ -121,8 +158,9 @@ class OwnShardWriter(ShardWriter):
     def _name(self, i: int) -> str:
         return f"shard-{i:05d}{self.suffix}"
 
-    def write(self, sample_id: int, tokens: np.ndarray) -> None:
+    def write(self, sample_id: int, tokens: np.ndarray, spans: np.ndarray | None = None) -> None:
         rows = self._rows(tokens)
+        row_spans = self._row_spans(spans, len(tokens)) if self.masks else None
         est = int(tokens.nbytes) + 512 * len(rows)
         if self._is_open and self._open_bytes and self._open_bytes + est > self.shard_bytes:
             self._roll()
@@ -132,7 +170,7 @@ class OwnShardWriter(ShardWriter):
             self._open_first = sample_id
         self.sample_shard.append(len(self.shards))
         self.sample_first_row.append(self._open_rows)
-        self._open_bytes += self._write_rows(sample_id, rows)
+        self._open_bytes += self._write_rows(sample_id, rows, row_spans)
         self._open_rows += len(rows)
         self._open_samples += 1
 
@@ -213,7 +251,7 @@ class RowReader:
 
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Token arrays of the given global rows (sorted, unique), in that order."""
-        return self._read(rows, flat=False)
+        return self._read(rows, "list")
 
     def read_rows_flat(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of the given global rows (sorted, unique) back to back, and each row's token
@@ -221,34 +259,51 @@ class RowReader:
         per-row arrays)."""
         if type(self)._read_shard_flat is RowReader._read_shard_flat:
             return _concat(self.read_rows(rows), self.dtype)
-        return self._read(rows, flat=True)
+        return self._read(rows, "flat")
 
-    def _read(self, rows: np.ndarray, flat: bool):
-        t0 = time.perf_counter()
-        rows = np.asarray(rows, np.int64)
-        out: list[np.ndarray] = []
-        lens: list[np.ndarray] = []
+    def read_rows_masked(
+        self, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`read_rows_flat` of a dataset with a loss mask, plus each row's trained spans: (tokens,
+        token count per row, the rows' TRAINED values back to back, value count per row)."""
+        return self._read(rows, "masked")
+
+    def _shard_parts(self, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(shard, its local rows) of sorted global rows, in order."""
         shard_of = np.searchsorted(self.shard_starts, rows, side="right") - 1
         cuts = np.flatnonzero(np.diff(shard_of)) + 1
-        parts = [
+        return [
             (int(shard_of[g[0]]), rows[g] - self.shard_starts[shard_of[g[0]]])
             for g in np.split(np.arange(len(rows)), cuts)
             if len(g)
         ]
+
+    def _read_part(self, shard: int, local_rows: np.ndarray, mode: str) -> tuple:
+        """One shard's rows: ("list",) arrays, or flat (tokens, counts[, spans, span counts])."""
+        if mode == "masked":
+            got = self._read_shard_masked(shard, local_rows)
+            if isinstance(got, tuple):
+                return got
+            toks, counts = _concat([t for t, _ in got], self.dtype)
+            spans, span_counts = _concat([m for _, m in got], SPAN_DTYPE)
+            return toks, counts, spans, span_counts
+        got = self._read_shard_flat(shard, local_rows) if mode == "flat" else None
+        if got is None:
+            arrays = self._read_shard(shard, local_rows)
+            return (arrays,) if mode == "list" else _concat(arrays, self.dtype)
+        return got
+
+    def _read(self, rows: np.ndarray, mode: str):
+        t0 = time.perf_counter()
+        rows = np.asarray(rows, np.int64)
+        parts = self._shard_parts(rows)
+        got: list[tuple] = []
         shard = parts[0][0] if parts else 0
         try:
             for shard, local_rows in parts:  # announce every read of the step first
                 self._announce(shard, local_rows)
             for shard, local_rows in parts:
-                got = self._read_shard_flat(shard, local_rows) if flat else None
-                if got is None:
-                    arrays = self._read_shard(shard, local_rows)
-                    if not flat:
-                        out.extend(arrays)
-                        continue
-                    got = _concat(arrays, self.dtype)
-                out.append(got[0])
-                lens.append(got[1])
+                got.append(self._read_part(shard, local_rows, mode))
         except MixlenError:  # named already (a bad shard, an object store that refused)
             raise
         except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
@@ -257,12 +312,28 @@ class RowReader:
                 f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
             ) from None
         self.stats.rows += len(rows)
-        self.stats.token_bytes += sum(int(t.nbytes) for t in out)
         self.stats.seconds += time.perf_counter() - t0
-        if not flat:
+        if mode == "list":
+            out = [a for g in got for a in g[0]]
+            self.stats.token_bytes += sum(int(t.nbytes) for t in out)
             return out
-        tokens, counts = _concat(out, self.dtype)[0], np.concatenate(lens) if lens else None
-        return tokens, counts if counts is not None else np.zeros(0, np.int64)
+        width = 4 if mode == "masked" else 2
+        dtypes = (self.dtype, np.int64, SPAN_DTYPE, np.int64)[:width]
+        cols = tuple(
+            np.concatenate([g[k] for g in got]).astype(dtypes[k], copy=False)
+            if got
+            else np.zeros(0, dtypes[k])
+            for k in range(width)
+        )
+        self.stats.token_bytes += int(cols[0].nbytes)
+        return cols
+
+    def _read_shard_masked(
+        self, shard: int, local_rows: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray]] | tuple:
+        """A masked dataset's rows of a shard: (tokens, TRAINED values) per row, or the flat
+        4-tuple of `read_rows_masked`."""
+        raise NotImplementedError
 
     def _read_shard_flat(
         self, shard: int, local_rows: np.ndarray

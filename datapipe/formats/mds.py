@@ -24,7 +24,9 @@ import numpy as np
 from datapipe.errors import InputError
 from datapipe.files import METADATA_FILE_LIMIT, read_bounded_bytes
 from datapipe.formats.base import (
+    SPAN_DTYPE,
     TOKENS,
+    TRAINED,
     RowReader,
     ShardInfo,
     ShardWriter,
@@ -32,7 +34,7 @@ from datapipe.formats.base import (
     read_ranges_into,
     willneed,
 )
-from datapipe.formats.mds_direct import decode_rows, token_decoder, verified
+from datapipe.formats.mds_direct import decode_rows, decode_rows_masked, token_decoder, verified
 from datapipe.index import download
 
 SUFFIX = ".mds"
@@ -42,11 +44,15 @@ class Writer(ShardWriter):
     """mosaicml-streaming MDS shards through `MDSWriter`; MDS picks shard boundaries itself, so a
     long sample's rows may continue into the next shard (readers use the global row)."""
 
-    def __init__(self, root: str, dtype: np.dtype, chunk_tokens: int, shard_bytes: int) -> None:
-        super().__init__(root, dtype, chunk_tokens, shard_bytes)
+    def __init__(
+        self, root: str, dtype: np.dtype, chunk_tokens: int, shard_bytes: int, masks: bool = False
+    ) -> None:
+        super().__init__(root, dtype, chunk_tokens, shard_bytes, masks)
         from streaming import MDSWriter
 
         columns = {"sample_id": "int64", "chunk": "int32", TOKENS: f"ndarray:{self.dtype.name}"}
+        if masks:
+            columns[TRAINED] = f"ndarray:{SPAN_DTYPE.name}"
         self._w = MDSWriter(
             out=root, columns=columns, compression=None, size_limit=shard_bytes, hashes=["xxh3_64"]
         )
@@ -57,10 +63,15 @@ class Writer(ShardWriter):
     def shards_completed(self) -> int:
         return len(self._w.shards)
 
-    def write(self, sample_id: int, tokens: np.ndarray) -> None:
+    def write(self, sample_id: int, tokens: np.ndarray, spans: np.ndarray | None = None) -> None:
         self._global_first_row.append(self._row)
-        for j, row in enumerate(self._rows(tokens)):
-            self._w.write({"sample_id": sample_id, "chunk": j, TOKENS: row})
+        rows = self._rows(tokens)
+        row_spans = self._row_spans(spans, len(tokens)) if self.masks else [None] * len(rows)
+        for j, (row, sp) in enumerate(zip(rows, row_spans)):
+            record = {"sample_id": sample_id, "chunk": j, TOKENS: row}
+            if sp is not None:
+                record[TRAINED] = sp
+            self._w.write(record)
             self._row += 1
 
     def finish(self) -> list[ShardInfo]:
@@ -146,6 +157,7 @@ class Reader(RowReader):
         self.readers = [reader_from_json(local, None, s) for s in obj["shards"]]
         self._fds: dict[int, tuple[int, np.ndarray]] = {}
         self._decoders: dict[int, Callable] = {}
+        self._spans_ok: dict[int, bool] = {}
 
     def _open(self, shard: int) -> tuple[int, np.ndarray]:
         if shard not in self._fds:
@@ -207,6 +219,39 @@ class Reader(RowReader):
             return np.concatenate(arrays), np.fromiter(map(len, arrays), np.int64, len(arrays))
         return got
 
+    def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
+        """(tokens, TRAINED) per row through the library, or all rows flat where the direct
+        layout with spans is chosen (mds_direct.decode_rows_masked)."""
+        fd, offs = self._open(shard)
+        begin, end = offs[local_rows], offs[local_rows + 1]
+        if not len(local_rows):
+            return []
+        if shard not in self._decoders:  # the first read chooses the token decoder
+            self._decoder(shard, read_ranges(fd, begin[:1], end[:1], self.stats)[0])
+        layout = getattr(self._decoders[shard], "layout", None)
+        decode = self.readers[shard].decode_sample
+        if layout is not None and layout.spans and self._spans_direct(shard, layout, fd, offs):
+            buf, starts = read_ranges_into(fd, begin, end, self.stats)
+            got = decode_rows_masked(layout, buf, starts, starts + (end - begin))
+            if got is not None:
+                return got
+        out = []
+        for d in read_ranges(fd, begin, end, self.stats):
+            row = decode(d)
+            out.append((row[TOKENS], np.asarray(row[TRAINED], SPAN_DTYPE)))
+        return out
+
+    def _spans_direct(self, shard: int, layout, fd: int, offs: np.ndarray) -> bool:
+        """Whether the direct decode of the shard's first row's spans equals the library's
+        (checked once per shard, as `verified` checks the tokens)."""
+        if shard not in self._spans_ok:
+            raw = read_ranges(fd, offs[:1], offs[1:2], self.stats)[0]
+            buf = np.frombuffer(raw, np.uint8)
+            got = decode_rows_masked(layout, buf, np.zeros(1, np.int64), np.array([len(buf)]))
+            want = np.asarray(self.readers[shard].decode_sample(raw)[TRAINED], SPAN_DTYPE)
+            self._spans_ok[shard] = got is not None and np.array_equal(got[2], want)
+        return self._spans_ok[shard]
+
     def close(self) -> None:
         for fd, _ in self._fds.values():
             os.close(fd)
@@ -256,6 +301,18 @@ class DatasetReader(RowReader):
         self.stats.bytes += nbytes  # the dataset hides file reads; payload only
         self.stats.seconds += time.perf_counter() - t0
         return out
+
+    def read_rows_masked(
+        self, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`RowReader.read_rows_masked` through the dataset's items."""
+        rows = np.asarray(rows, np.int64)
+        tokens = self.read_rows(rows)
+        spans = [np.asarray(self.ds.get_item(int(r))[TRAINED], SPAN_DTYPE) for r in rows]
+        lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
+        flat = np.concatenate(tokens) if tokens else np.zeros(0, self.dtype)
+        flat_spans = np.concatenate(spans) if spans else np.zeros(0, SPAN_DTYPE)
+        return flat, lens, flat_spans, np.fromiter(map(len, spans), np.int64, len(spans))
 
     def close(self) -> None:
         """Drop the dataset and unlink its own shared memory and filelocks (not other jobs')."""

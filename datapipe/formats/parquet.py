@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from datapipe.errors import InputError
-from datapipe.formats.base import TOKENS, OwnShardWriter, RowReader
+from datapipe.formats.base import SPAN_DTYPE, TOKENS, TRAINED, OwnShardWriter, RowReader
 
 
 class Writer(OwnShardWriter):
@@ -26,14 +26,16 @@ class Writer(OwnShardWriter):
         import pyarrow as pa
 
         self._pa = pa
-        self._schema = pa.schema(
-            [
-                ("sample_id", pa.int64()),
-                ("chunk", pa.int32()),
-                (TOKENS, pa.list_(pa.from_numpy_dtype(self.dtype))),
-            ]
-        )
+        fields = [
+            ("sample_id", pa.int64()),
+            ("chunk", pa.int32()),
+            (TOKENS, pa.list_(pa.from_numpy_dtype(self.dtype))),
+        ]
+        if self.masks:
+            fields.append((TRAINED, pa.list_(pa.from_numpy_dtype(SPAN_DTYPE))))
+        self._schema = pa.schema(fields)
         self._pending: list[tuple[int, int, np.ndarray]] = []
+        self._pending_spans: list[np.ndarray] = []
         self._pending_tokens = 0
 
     def _open(self, name: str) -> None:
@@ -51,16 +53,17 @@ class Writer(OwnShardWriter):
         offsets = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
         values = np.concatenate([t for _, _, t in self._pending]).astype(self.dtype, copy=False)
-        table = pa.Table.from_arrays(
-            [
-                pa.array([s for s, _, _ in self._pending], pa.int64()),
-                pa.array([c for _, c, _ in self._pending], pa.int32()),
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-            ],
-            schema=self._schema,
-        )
+        columns = [
+            pa.array([s for s, _, _ in self._pending], pa.int64()),
+            pa.array([c for _, c, _ in self._pending], pa.int32()),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+        ]
+        if self.masks:
+            columns.append(_list_array(pa, self._pending_spans, SPAN_DTYPE))
+        table = pa.Table.from_arrays(columns, schema=self._schema)
         self._pq.write_table(table, row_group_size=len(self._pending))
         self._pending = []
+        self._pending_spans = []
         self._pending_tokens = 0
 
     def _close(self) -> None:
@@ -71,15 +74,27 @@ class Writer(OwnShardWriter):
         with contextlib.suppress(Exception):  # the footer may not fit either
             self._pq.close()
 
-    def _write_rows(self, sample_id: int, rows: list[np.ndarray]) -> int:
+    def _write_rows(
+        self, sample_id: int, rows: list[np.ndarray], spans: list[np.ndarray] | None
+    ) -> int:
         for j, row in enumerate(rows):
             if self._pending and self._pending_tokens + len(row) > self.chunk_tokens:
                 self._flush_group()
             self._pending.append((sample_id, j, row))
+            if spans is not None:
+                self._pending_spans.append(spans[j])
             self._pending_tokens += len(row)
         if len(rows) > 1:  # rows left pending are views: copy them, not to keep all alive
             self._pending = [(s, j, r.copy() if s == sample_id else r) for s, j, r in self._pending]
-        return sum(int(r.nbytes) + 16 for r in rows)
+        return sum(int(r.nbytes) + 16 for r in rows) + sum(int(x.nbytes) for x in spans or ())
+
+
+def _list_array(pa, arrays: list[np.ndarray], dtype: np.dtype):
+    """A pyarrow list<dtype> array of numpy arrays."""
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 class Reader(RowReader):
@@ -105,22 +120,32 @@ class Reader(RowReader):
         return self._files[shard]
 
     def _read_shard(self, shard: int, local_rows: np.ndarray) -> list[np.ndarray]:
+        return [cols[0] for cols in self._read_columns(shard, local_rows, (TOKENS,))]
+
+    def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
+        return [(t, m) for t, m in self._read_columns(shard, local_rows, (TOKENS, TRAINED))]
+
+    def _read_columns(
+        self, shard: int, local_rows: np.ndarray, names: tuple[str, ...]
+    ) -> list[tuple[np.ndarray, ...]]:
+        """The given list columns of the rows, read by row group: per row, one array each."""
         pf, starts = self._open(shard)
         group_of = np.searchsorted(starts, local_rows, side="right") - 1
-        out = []
+        out: list[tuple[np.ndarray, ...]] = []
         for g in np.unique(group_of):
-            table = pf.read_row_group(int(g), columns=[TOKENS])
+            table = pf.read_row_group(int(g), columns=list(names))
             rg = pf.metadata.row_group(int(g))
             self.stats.bytes += sum(
                 rg.column(c).total_compressed_size
                 for c in range(rg.num_columns)
-                if rg.column(c).path_in_schema.startswith(TOKENS)
+                if rg.column(c).path_in_schema.split(".")[0] in names
             )
-            lists = table.column(TOKENS).combine_chunks()
-            values = lists.values.to_numpy(zero_copy_only=False)
-            offsets = lists.offsets.to_numpy()
+            cols = []
+            for name in names:
+                lists = table.column(name).combine_chunks()
+                cols.append((lists.values.to_numpy(zero_copy_only=False), lists.offsets.to_numpy()))
             for r in local_rows[group_of == g] - starts[g]:
-                out.append(values[offsets[r] : offsets[r + 1]])
+                out.append(tuple(v[o[r] : o[r + 1]] for v, o in cols))
         return out
 
 

@@ -25,6 +25,7 @@ class PreprocessConfig:
     format: str = "mds"
     tokenizer: str | None = None  # None or "bytes": UTF-8 bytes; else a tokenizer.json path
     tokenizer_from: str | None = None  # a saved tokenizer folder (tokenizer.json + its configs)
+    chat_template: str | None = None  # a Jinja template file (else the tokenizer folder's)
     text_field: str = "text"
     globs: list[str] = field(default_factory=lambda: ["**/*"])
     excludes: list[str] = field(default_factory=list)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from datapipe.errors import InputError, MixlenError
 from datapipe.index import is_remote
+from datapipe.ingest.chat import find_template
 from datapipe.ingest.config import PreprocessConfig
 from datapipe.ingest.engines import ENGINES
 from datapipe.ingest.engines.base import EngineRun, Tally
@@ -90,8 +91,15 @@ def _prepare(cfg: PreprocessConfig, warn: Callable[[str], None]) -> EngineRun:
             "characters outside its vocabulary are dropped; they are counted as unknown_chars"
             " and the first documents losing any are named (--strict stops at the first)"
         )
+    chat = find_template(cfg.chat_template, cfg.tokenizer_from)  # conversations' template
     settings = TokenizeSettings(
-        tok_spec, cfg.text_field, cfg.max_len, cfg.long_docs, cfg.max_doc_bytes, cfg.min_tokens
+        tok_spec,
+        cfg.text_field,
+        cfg.max_len,
+        cfg.long_docs,
+        cfg.max_doc_bytes,
+        cfg.min_tokens,
+        chat,
     )
     return EngineRun(cfg, inputs.files, tokenizer, settings, "", tally)
 

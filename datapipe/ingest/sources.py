@@ -22,7 +22,9 @@ from pathlib import Path
 from datapipe.errors import InputError
 from datapipe.files import NotRegularFile, not_regular_reason, open_regular
 from datapipe.ingest import hf_export
+from datapipe.ingest.chat import TemplateSource
 from datapipe.ingest.inputs import input_kind
+from datapipe.ingest.rows import SFT_FIELDS, row_kind
 from datapipe.ingest.tokenizer import TokenizerSpec
 
 BLOCK_BYTES = 4 << 20  # raw bytes per block handed to a worker
@@ -42,12 +44,14 @@ class TokenizeSettings:
     long_docs: str = "split"
     max_doc_bytes: int = MAX_DOC_BYTES
     min_tokens: int = 0
+    chat: TemplateSource | None = None  # conversations' chat template (datapipe.ingest.chat)
 
 
 @dataclass
 class Block:
     """Raw documents to tokenize. ``kind``: "text" (``items``: whole files), "jsonl" (raw
-    lines), "parquet" (values), "piece" (bytes [start, end) of a text file over
+    lines), "parquet" (values), "rows" (parquet or Arrow rows of conversations or
+    prompt-completion pairs: dicts of their fields, ``row_kind`` says which), "piece" (bytes [start, end) of a text file over
     --max-doc-bytes: piece number ``part``, or the kept head under --long-docs truncate with
     part -1), "long" (a text file over --max-doc-bytes dropped unread) or "error"."""
 
@@ -59,6 +63,7 @@ class Block:
     error: str | None = None  # a read error found by the main process (kind == "error")
     end: int = 0  # piece: the byte after its last
     part: int = 0  # piece: its number (-1: the head kept by --long-docs truncate)
+    row_kind: str = ""  # rows: "messages" or "prompt_completion" (datapipe.ingest.rows)
 
 
 class _ZstdStream(io.RawIOBase):
@@ -186,10 +191,10 @@ def batch_rows(value_bytes: float) -> int:
     return int(max(1, min(4096, BLOCK_BYTES // max(1.0, value_bytes))))
 
 
-def _parquet_value_bytes(pf, text_field: str) -> float:
-    """The largest average uncompressed bytes per row of `text_field` over the row groups."""
+def _parquet_value_bytes(pf, fields: tuple[str, ...]) -> float:
+    """The largest average uncompressed bytes per row of `fields` over the row groups."""
     md = pf.metadata
-    cols = [j for j in range(md.num_columns) if md.schema.column(j).path == text_field]
+    cols = [j for j in range(md.num_columns) if md.schema.column(j).path.split(".")[0] in fields]
     worst = 0.0
     for i in range(md.num_row_groups):
         rg = md.row_group(i)
@@ -215,20 +220,28 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[Block]:
         return
     with contextlib.closing(pf):
         names = pf.schema_arrow.names
-        if text_field not in names:
+        kind = row_kind(names, text_field)
+        if kind is None:
             yield Block(
                 "error",
                 str(path),
-                error=f"missing text field {text_field!r} (columns: {', '.join(names)})",
+                error=f"missing text field {text_field!r} (or messages, or prompt and "
+                f"completion; columns: {', '.join(names)})",
             )
             return
+        fields = (text_field,) if kind == "text" else tuple(f for f in SFT_FIELDS if f in names)
         row = 0
         try:
-            rows = batch_rows(_parquet_value_bytes(pf, text_field))
-            for batch in pf.iter_batches(batch_size=rows, columns=[text_field]):
-                values = batch.column(0).to_pylist()
+            rows = batch_rows(_parquet_value_bytes(pf, fields))
+            for batch in pf.iter_batches(batch_size=rows, columns=list(fields)):
                 nbytes = batch.nbytes
-                yield Block("parquet", str(path), start=row, items=values, nbytes=nbytes)
+                if kind == "text":
+                    values = batch.column(0).to_pylist()
+                    yield Block("parquet", str(path), start=row, items=values, nbytes=nbytes)
+                else:
+                    values = batch.to_pylist()
+                    yield Block("rows", str(path), start=row, items=values, nbytes=nbytes,
+                                row_kind=kind)  # fmt: skip
                 row += len(values)
         except Exception as exc:
             yield Block("error", f"{path}#{row}", error=f"cannot read parquet file: {exc}")

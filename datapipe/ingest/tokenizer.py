@@ -120,6 +120,21 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`text`'s ids as they are, no BOS/EOS added (a chat template writes its own special
+        tokens), and each token's first and end character in `text`."""
+        raise NotImplementedError
+
+    def frame(self, ids: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """`ids` with BOS first and EOS last where the tokenizer has them and they are not there
+        already (as `encode` frames a document), and how many were added in front and behind."""
+        front = self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id)
+        back = self.eos_id is not None and (len(ids) == 0 or ids[-1] != self.eos_id)
+        parts = [np.array([self.bos_id], self.dtype)] if front else []
+        parts += [np.asarray(ids, self.dtype)]
+        parts += [np.array([self.eos_id], self.dtype)] if back else []
+        return np.concatenate(parts), int(front), int(back)
+
     def lost_chars(self, text: str) -> Lost | None:
         """The characters of `text` that `encode` drops without a trace (None: none)."""
         return None
@@ -142,6 +157,16 @@ class BytesTokenizer(Tokenizer):
         out[1:-1] = np.frombuffer(raw, dtype=np.uint8)
         out[-1] = BYTES_EOS
         return out
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raw = text.encode("utf-8")
+        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+        if len(raw) == len(text):
+            starts = np.arange(len(text), dtype=np.int64)
+        else:  # each byte belongs to its character
+            widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+            starts = np.repeat(np.arange(len(text), dtype=np.int64), widths)
+        return ids, starts, starts + 1
 
     def describe(self) -> dict:
         return {"kind": "bytes"}
@@ -176,6 +201,8 @@ class HFTokenizer(Tokenizer):
         # a document is kept whole: not cut at the file's truncation length, no pad ids added
         self._tok.no_truncation()
         self._tok.no_padding()
+        self._spec_text = text  # for the offsets copy (encode_offsets), built when first used
+        self._offsets_tok = None
         if isinstance(spec, dict):
             spec = {**spec, "truncation": None, "padding": None}  # as it encodes now
         self._loss = LossCheck.build(self._tok, spec) if isinstance(spec, dict) else None
@@ -232,6 +259,22 @@ class HFTokenizer(Tokenizer):
             parts.append(np.array([self.eos_id], dtype=self.dtype))
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As transformers' `tokenizer(text, add_special_tokens=False)` tokenizes a rendered
+        conversation. The offsets come from a copy without post-processor, which gives the
+        same ids (add_special_tokens=False adds none) but does not trim spaces off offsets (a
+        token of spaces would have none)."""
+        if self._offsets_tok is None:
+            from tokenizers import Tokenizer as _HFTok
+
+            self._offsets_tok = _HFTok.from_str(self._spec_text)
+            self._offsets_tok.no_truncation()
+            self._offsets_tok.no_padding()
+            self._offsets_tok.post_processor = None
+        enc = self._offsets_tok.encode(text, add_special_tokens=False)
+        offs = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(enc.ids, dtype=self.dtype), offs[:, 0].copy(), offs[:, 1].copy()
+
     def lost_chars(self, text: str) -> Lost | None:
         return self._loss.lost(text) if self._loss is not None else None
 
@@ -241,9 +284,12 @@ class HFTokenizer(Tokenizer):
         return {"kind": "hf", "path": self.path, "sha256": self.sha256}
 
 
-def special_token_names(folder: str) -> dict[str, str | None]:
-    """bos_token/eos_token of a saved tokenizer folder: a string, an AddedToken dict (its
-    "content") or null; tokenizer_config.json wins over special_tokens_map.json."""
+def special_token_names(
+    folder: str, keys: tuple[str, ...] = ("bos_token", "eos_token")
+) -> dict[str, str | None]:
+    """Special tokens (bos_token/eos_token unless `keys` says) of a saved tokenizer folder: a
+    string, an AddedToken dict (its "content") or null; tokenizer_config.json wins over
+    special_tokens_map.json."""
     names: dict[str, str | None] = {}
     for fname in _SPECIAL_FILES:
         p = os.path.join(folder, fname)
@@ -255,7 +301,7 @@ def special_token_names(folder: str) -> dict[str, str | None]:
             raise InputError(f"{p}: cannot read tokenizer config ({exc})") from None
         if not isinstance(conf, dict):
             raise InputError(f"{p}: expected a JSON object")
-        for key in ("bos_token", "eos_token"):
+        for key in keys:
             if key not in conf:
                 continue
             v = conf[key]

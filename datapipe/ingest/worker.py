@@ -1,6 +1,7 @@
 """Tokenizing one block of raw documents (in a worker process, a Ray task, or inline): parse,
-decode, tokenize, apply `--max-len`/`--long-docs`, `--max-doc-bytes` and `--min-tokens`, count
-every outcome. Bad records are noted, never raised."""
+decode, tokenize (text rows as documents; conversations and prompt-completion rows through their
+renderer, datapipe.ingest.rows, with their trained spans), apply `--max-len`/`--long-docs`,
+`--max-doc-bytes` and `--min-tokens`, count every outcome. Bad records are noted, never raised."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datapipe.files import NotRegularFile, open_regular
+from datapipe.ingest.chat import ChatTemplate
+from datapipe.ingest.rows import KINDS, RowError, row_kind
 from datapipe.ingest.sources import Block, TokenizeSettings, cut_points
 from datapipe.ingest.tokenizer import Tokenizer
 
@@ -23,6 +26,7 @@ BLOCK_COUNT_KEYS = (
     "truncated",
     "dropped",
     "short",
+    "no_target",
     "unknown_chars",
 )
 
@@ -36,6 +40,8 @@ class BlockResult:
 
     sources: list[str] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
+    # each sample's trained spans (flat [start, end) pairs, int64); None: every token trained
+    spans: list[np.ndarray | None] = field(default_factory=list)
     notes: list[tuple[str, str, str]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BLOCK_COUNT_KEYS, 0))
     nbytes: int = 0
@@ -48,6 +54,8 @@ def init_worker(settings: TokenizeSettings) -> None:
     """Pool initializer: build the tokenizer once per process."""
     _WORKER["settings"] = settings
     _WORKER["tokenizer"] = settings.tokenizer.build()
+    chat = settings.chat
+    _WORKER["chat"] = ChatTemplate(chat) if chat is not None and chat.text is not None else None
 
 
 def _utf8_error(exc: UnicodeDecodeError) -> str:
@@ -58,12 +66,65 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
-def _add_sample(res: BlockResult, source: str, ids: np.ndarray, s: TokenizeSettings) -> None:
+def loss_tokens_of(spans: np.ndarray) -> int:
+    """Labelled positions of a sample with these trained spans: its trained tokens at index >= 1
+    (position i's target is token i + 1)."""
+    pairs = np.asarray(spans, np.int64).reshape(-1, 2)
+    return int(np.clip(pairs[:, 1] - np.maximum(pairs[:, 0], 1), 0, None).sum())
+
+
+def cut_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The spans inside tokens [lo, hi), relative to lo."""
+    pairs = np.clip(np.asarray(spans, np.int64).reshape(-1, 2), lo, hi) - lo
+    return pairs[pairs[:, 1] > pairs[:, 0]].reshape(-1)
+
+
+def _add_sample(
+    res: BlockResult,
+    source: str,
+    ids: np.ndarray,
+    s: TokenizeSettings,
+    spans: np.ndarray | None = None,
+) -> None:
     if len(ids) < s.min_tokens:
         res.counts["short"] += 1
         return
+    if spans is not None and loss_tokens_of(spans) == 0:
+        res.counts["no_target"] += 1  # nothing to train on: never stored
+        return
     res.sources.append(source)
     res.tokens.append(ids)
+    res.spans.append(spans)
+
+
+def _add_ids(
+    res: BlockResult,
+    source: str,
+    ids: np.ndarray,
+    s: TokenizeSettings,
+    spans: np.ndarray | None = None,
+) -> None:
+    """A tokenized document or row: empty, over --max-len (--long-docs), or a sample."""
+    n = len(ids)
+    if n == 0:
+        res.counts["empty"] += 1
+        return
+    if s.max_len is not None and n > s.max_len:
+        if s.long_docs == "drop":
+            res.counts["dropped"] += 1
+            return
+        if s.long_docs == "truncate":
+            res.counts["truncated"] += 1
+            ids = ids[: s.max_len]
+            spans = None if spans is None else cut_spans(spans, 0, s.max_len)
+        else:
+            res.counts["split"] += 1
+            for part, start in enumerate(range(0, n, s.max_len)):
+                end = start + s.max_len
+                piece = None if spans is None else cut_spans(spans, start, end)
+                _add_sample(res, f"{source}@{part}", ids[start:end], s, piece)
+            return
+    _add_sample(res, source, ids, s, spans)
 
 
 def _tokenize(
@@ -85,24 +146,29 @@ def _tokenize(
     if lost:
         res.counts["unknown_chars"] += lost.count
         res.notes.append(("unknown", source, lost.describe()))
-    n = len(ids)
-    if n == 0:
-        res.counts["empty"] += 1
-        return True
-    if s.max_len is not None and n > s.max_len:
-        if s.long_docs == "drop":
-            res.counts["dropped"] += 1
-            return True
-        if s.long_docs == "truncate":
-            res.counts["truncated"] += 1
-            ids = ids[: s.max_len]
-        else:
-            res.counts["split"] += 1
-            for part, start in enumerate(range(0, n, s.max_len)):
-                _add_sample(res, f"{source}@{part}", ids[start : start + s.max_len], s)
-            return True
-    _add_sample(res, source, ids, s)
+    _add_ids(res, source, ids, s)
     return True
+
+
+def _add_row(res: BlockResult, where: str, row: dict, kind: str, s: TokenizeSettings) -> None:
+    """A conversation or prompt-completion row: rendered by its kind's renderer (a bad row is
+    noted with its reason), then stored with its trained spans like a document's tokens."""
+    tok: Tokenizer = _WORKER["tokenizer"]
+    chat = s.chat
+    missing = chat.missing if chat is not None else "no chat template"
+    try:
+        ids, spans = KINDS[kind](row, tok, _WORKER.get("chat"), missing)
+    except RowError as exc:
+        res.bad(where, str(exc))
+        return
+    except UnicodeEncodeError as exc:  # lone surrogates ("\ud800" in JSON) are not UTF-8
+        res.bad(where, f"text is not valid Unicode ({exc.reason} at {exc.start})")
+        return
+    except Exception as exc:  # the tokenizer refused it
+        res.bad(where, f"the tokenizer failed: {type(exc).__name__}: {exc}")
+        return
+    res.counts["documents"] += 1
+    _add_ids(res, where, ids, s, spans)
 
 
 def _add_doc(
@@ -221,10 +287,17 @@ def _jsonl(res: BlockResult, block: Block, tok: Tokenizer, s: TokenizeSettings) 
         if not isinstance(obj, dict):
             res.bad(where, f"expected a JSON object, got {type(obj).__name__}")
             continue
-        if s.text_field not in obj:
-            res.bad(where, f"missing text field {s.text_field!r}")
+        kind = row_kind(obj, s.text_field)
+        if kind is None:
+            res.bad(
+                where,
+                f"missing text field {s.text_field!r} (or messages, or prompt and completion)",
+            )
             continue
-        _add_doc(res, where, obj[s.text_field], tok, s)
+        if kind == "text":
+            _add_doc(res, where, obj[s.text_field], tok, s)
+        else:
+            _add_row(res, where, obj, kind, s)
 
 
 def _parquet(res: BlockResult, block: Block, tok: Tokenizer, s: TokenizeSettings) -> None:
@@ -260,6 +333,9 @@ def process_block(block: Block) -> BlockResult:
         _jsonl(res, block, tok, s)
     elif block.kind == "parquet":
         _parquet(res, block, tok, s)
+    elif block.kind == "rows":  # parquet / Arrow rows of a conversation or prompt-completion kind
+        for i, row in enumerate(block.items):
+            _add_row(res, f"{block.path}#{block.start + i}", row, block.row_kind, s)
     else:  # pragma: no cover - internal
         raise AssertionError(block.kind)
     return res

@@ -7,6 +7,9 @@ Two kinds of piece arrays go in:
   `length` tokens that begins `start` tokens into a sample (the training batches; made by
   `unit_pieces`). The unit is a sample of its own: positions from 0, its last position
   unlabelled, whatever follows it in the document.
+
+A source with a loss mask brings its trained tokens with its tokens (datapipe.fetch); in a
+mixture with one, the other sources' tokens are all trained.
 """
 
 from __future__ import annotations
@@ -74,14 +77,17 @@ class MixtureFetcher:
         lo, hi = start + a, start + np.minimum(b + 1, n)  # the labels' extra token, inside the unit
         # each source's ranges, read once; their tokens side by side in one array
         parts: list[np.ndarray] = []
+        masks: list[np.ndarray | None] = []
         span = np.zeros(len(allp), np.int64)
         base = 0
-        for s in np.unique(src):
+        sources = np.unique(src)
+        for s in sources:
             f = self.fetchers[int(s)]
             idx = np.flatnonzero(src == s)
             f._check(np.stack([sid[idx], lo[idx], hi[idx]], axis=1))
-            flat, where = f.read_ranges(sid[idx], lo[idx], hi[idx])
+            flat, where, trained = f.read_ranges(sid[idx], lo[idx], hi[idx])
             parts.append(flat)
+            masks.append(trained)
             span[idx] = where + base
             base += flat.shape[0]
         dtype = np.result_type(*[p.dtype for p in parts]) if parts else np.uint16
@@ -90,11 +96,23 @@ class MixtureFetcher:
             if parts
             else np.zeros(0, dtype)
         )
+        trained = None
+        if any(m is not None for m in masks):
+            trained = np.concatenate(
+                [np.ones(p.shape[0], np.uint8) if m is None else m for p, m in zip(parts, masks)]
+            )
+        counts = np.zeros(len(allp), np.int64)
         out, p0 = [], 0
         for p in plist:
             p1 = p0 + len(p)
-            out.append(pack_pieces(p[:, :3], p[:, 6], flat, span[p0:p1]))
+            part = counts[p0:p1]
+            out.append(pack_pieces(p[:, :3], p[:, 6], flat, span[p0:p1], trained, part))
             p0 = p1
+        for s, m in zip(sources, masks):  # the labels each masked source's pieces got
+            if m is not None:
+                idx = np.flatnonzero(src == s)
+                f = self.fetchers[int(s)]
+                f.check_labels(sid[idx], lo[idx] + 1, hi[idx], counts[idx])
         return out
 
     def fetch(self, pieces: Any) -> PackedMicroBatch:

@@ -5,6 +5,7 @@ error of a run without samples, and the tail of a run: index.parquet, then manif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -15,8 +16,8 @@ import numpy as np
 
 from datapipe import __version__
 from datapipe.errors import InputError
-from datapipe.formats.base import ShardInfo
-from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
+from datapipe.formats.base import TRAINED, ShardInfo
+from datapipe.index import INDEX_FILE, LOSS_MASK_KEY, MANIFEST_FILE, LossColumns, write_index
 from datapipe.ingest.config import PreprocessConfig
 from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ COUNT_KEYS = (
     "truncated",
     "dropped",
     "short",
+    "no_target",
     "unknown_docs",
     "unknown_chars",
 )
@@ -64,6 +66,20 @@ class Tally:
         if len(self.reported[kind]) < self.cfg.max_reported:
             self.reported[kind].append((where, reason))
             self.warn(f"{where}: {reason}" if kind == "unknown" else f"skipped {where}: {reason}")
+
+    def snapshot(self) -> tuple:
+        """The counts and notes so far (`restore` goes back to them)."""
+        return dict(self.counts), {k: list(v) for k, v in self.reported.items()}
+
+    def restore(self, saved: tuple) -> None:
+        """Back to a snapshot, for a run that starts again (datapipe.ingest.engines.local):
+        the notes it warned about already are not warned about again."""
+        seen = {(w, r) for v in self.reported.values() for w, r in v}
+        warn = self.warn
+        self.counts, self.reported = dict(saved[0]), {k: list(v) for k, v in saved[1].items()}
+        self.warn = lambda msg: (
+            None if any(msg.endswith(f"{w}: {r}") for w, r in seen) else warn(msg)
+        )
 
     def add(self, res: BlockResult) -> None:
         """A tokenized block's notes (in input order) and counts."""
@@ -123,6 +139,8 @@ class Written:
     sources: list[str]
     shards: list[ShardInfo]
     engine: dict  # how it was written (manifest `engine`)
+    # with a loss mask: each sample's trained spans (None: every token trained); None: no mask
+    spans: list | None = None
 
 
 def write_metadata(run: EngineRun, w: Written) -> dict:
@@ -131,6 +149,7 @@ def write_metadata(run: EngineRun, w: Written) -> dict:
     cfg, root, tokenizer, tally = run.cfg, run.root, run.tokenizer, run.tally
     num_tokens = w.num_tokens
     num_rows = np.maximum(1, -(-num_tokens // cfg.chunk_tokens))
+    mask = None if w.spans is None else LossColumns.of(w.spans, num_tokens)
     write_index(
         os.path.join(root, INDEX_FILE),
         num_tokens,
@@ -138,6 +157,7 @@ def write_metadata(run: EngineRun, w: Written) -> dict:
         w.first_row,
         num_rows,
         w.sources,
+        mask,
     )
     manifest = {
         "mixlen_version": __version__,
@@ -156,6 +176,9 @@ def write_metadata(run: EngineRun, w: Written) -> dict:
         "num_samples": len(num_tokens),
         "num_tokens": int(num_tokens.sum()),
         "num_rows": int(num_rows.sum()),
+        "num_loss_tokens": int(
+            mask.loss_tokens.sum() if mask is not None else np.maximum(num_tokens - 1, 0).sum()
+        ),
         "counts": tally.counts,
         "reported": {k: [list(x) for x in v] for k, v in tally.reported.items()},
         "shards": [s.to_dict() for s in w.shards],
@@ -163,6 +186,12 @@ def write_metadata(run: EngineRun, w: Written) -> dict:
         "engine": w.engine,
         "args": asdict(cfg),
     }
+    if mask is not None:
+        manifest[LOSS_MASK_KEY] = TRAINED
+        chat = run.settings.chat
+        if chat is not None and chat.text is not None:  # which template rendered them
+            digest = hashlib.sha256(chat.text.encode("utf-8")).hexdigest()
+            manifest["chat_template"] = {"source": chat.where, "sha256": digest}
     manifest[FINGERPRINT_KEY] = dataset_fingerprint(manifest)
     tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
     with open(tmp_manifest, "w") as f:

@@ -3,12 +3,18 @@
 The main process reads the inputs in blocks, in input order; `--workers` processes tokenize them
 (inline for 1), results come back in block order and one shard writer writes them, so the dataset
 never depends on the number of workers.
+
+The writer is opened at the first tokenized block, with a loss-mask column when that block holds a
+conversation or prompt-completion sample. A masked sample that comes after samples were written
+without one (text rows first, then conversations) restarts the run with the column: the written
+dataset is the same as if it had been there from the start.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -60,25 +66,57 @@ def _pause_for_test(marker: str) -> None:
         time.sleep(0.05)
 
 
+class _NeedMasks(Exception):
+    """A masked sample after samples written without a mask column: start again with one."""
+
+
 def _write_samples(
-    writer: ShardWriter, res: BlockResult, lengths: list[int], sources: list[str]
+    writer: ShardWriter,
+    res: BlockResult,
+    lengths: list[int],
+    sources: list[str],
+    spans: list,
 ) -> int:
     """Write a block's samples with the next sample ids; their tokens in all."""
     n = 0
-    for src, toks in zip(res.sources, res.tokens):
-        writer.write(len(lengths), toks)
+    for src, toks, sp in zip(res.sources, res.tokens, res.spans):
+        if sp is not None and not writer.masks:
+            raise _NeedMasks
+        writer.write(len(lengths), toks, sp)
         lengths.append(len(toks))
         sources.append(src)
+        spans.append(sp)
         n += len(toks)
     return n
 
 
 def write_dataset(run: EngineRun) -> EngineResult:
     """Tokenize `run.files` and write shards, index.parquet and manifest.json into `run.root`."""
-    cfg, tokenizer, tally = run.cfg, run.tokenizer, run.tally
-    writer = build_writer(cfg.format, run.root, tokenizer.dtype, cfg.chunk_tokens, cfg.shard_bytes)
+    saved = run.tally.snapshot()
+    try:
+        return _write_dataset(run, None)
+    except _NeedMasks:
+        for name in os.listdir(run.root):  # what the first pass wrote; the directory is ours
+            path = os.path.join(run.root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        run.tally.restore(saved)
+        return _write_dataset(run, True)
+
+
+def _open_writer(run: EngineRun, masks: bool) -> ShardWriter:
+    cfg = run.cfg
+    return build_writer(
+        cfg.format, run.root, run.tokenizer.dtype, cfg.chunk_tokens, cfg.shard_bytes, masks
+    )
+
+
+def _write_dataset(run: EngineRun, masks: bool | None) -> EngineResult:
+    """One pass; `masks` None: decided by the first block (module docstring)."""
+    cfg, tally = run.cfg, run.tally
+    writer: ShardWriter | None = None if masks is None else _open_writer(run, masks)
     lengths: list[int] = []
     sources: list[str] = []
+    spans: list = []
     nbytes = total_tokens = 0
     track = InputProgress(input_sizes(run.files))
     bar = progress(track.total, "preprocess", "B", cfg.progress, unit_scale=True)
@@ -87,20 +125,26 @@ def write_dataset(run: EngineRun) -> EngineResult:
         blocks = (track.advance(b) or b for b in iter_blocks(run.files, run.settings))
         for res in _results(blocks, run.settings, cfg.workers):
             tally.add(res)
-            total_tokens += _write_samples(writer, res, lengths, sources)
+            if writer is None and res.tokens:
+                writer = _open_writer(run, any(sp is not None for sp in res.spans))
+            if writer is not None:
+                total_tokens += _write_samples(writer, res, lengths, sources, spans)
             nbytes += res.nbytes
             bar.update(track.pop())
             bar.set_postfix_str(
                 f"docs={tally.counts['documents']:,} tokens={total_tokens:,}", refresh=False
             )
-            if run.pause_marker and not paused and writer.shards_completed >= 1:
+            if run.pause_marker and not paused and writer and writer.shards_completed >= 1:
                 paused = True
                 _pause_for_test(run.pause_marker)
             del res  # its tokens are written: free them before the next block is tokenized
         bar.update(track.rest())
+        if writer is None:
+            writer = _open_writer(run, False)
         shards = writer.finish()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
     finally:
         bar.close()
@@ -113,5 +157,6 @@ def write_dataset(run: EngineRun) -> EngineResult:
         sources,
         shards,
         {"name": "local"},
+        spans if writer.masks else None,
     )
     return EngineResult(write_metadata(run, written), nbytes)

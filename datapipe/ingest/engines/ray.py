@@ -128,6 +128,13 @@ def _tokenize_group(job: Job, paths: list[str], spill, out: dict, where: list[st
                 notes.append((kind, at, reason))
         for key, n in res.counts.items():
             counts[key] += n
+        if any(sp is not None for sp in res.spans):  # no loss-mask spill yet
+            out.update(
+                error=f"{res.sources[0]}: conversation and prompt-completion rows (a loss mask) "
+                "are not supported by --engine ray yet; use --engine local",
+                kind="note",
+            )
+            return
         for src, toks in zip(res.sources, res.tokens):
             spill.write(np.ascontiguousarray(toks, dtype=job.dtype).tobytes())
             out["lengths"].append(len(toks))

@@ -1,0 +1,268 @@
+"""Conversations rendered with chat templates (datapipe.ingest.chat, datapipe.ingest.rows):
+mixlen's text and token ids equal transformers' `apply_chat_template` for two real formats shipped
+in tests/assets/chat_templates (ChatML as Qwen2 ships it, and a Llama-3-style one), and the trained
+tokens are exactly each assistant turn with its end-of-turn token, checked against an independent
+per-turn rendering and against transformers' own assistant mask on a `{% generation %}` template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from datapipe.errors import InputError
+from datapipe.ingest.chat import ChatTemplate, RowError, find_template
+from datapipe.ingest.rows import render_messages, render_prompt_completion
+from datapipe.ingest.tokenizer import BytesTokenizer, HFTokenizer
+
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+TEMPLATES = os.path.join(ASSETS, "chat_templates")
+
+# per format: its special tokens, BOS/EOS, and how one assistant turn's trained text reads
+FORMATS = {
+    "qwen2": {
+        "special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        "config": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "turn": lambda content: content + "<|im_end|>",
+    },
+    "llama3-style": {
+        "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "config": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        "turn": lambda content: content.strip() + "<|eot_id|>",
+    },
+}
+
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": "What does os.path.join do?"},
+        {"role": "assistant", "content": "It joins path components."},
+    ],
+    [
+        {"role": "system", "content": "You answer in one line."},
+        {"role": "user", "content": "def f(x):\n    return x  # what is this?"},
+        {"role": "assistant", "content": "An identity function:\n\n    f(3) == 3"},
+        {"role": "user", "content": "  and spaces   around?  "},
+        {"role": "assistant", "content": " Kept by ChatML, trimmed by Llama 3.  "},
+    ],
+    [
+        {"role": "user", "content": "Ünïcödé ✓ and a tab\there"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "assistant", "content": "two assistant turns in a row"},
+        {"role": "user", "content": "last word is the user's"},
+    ],
+]
+
+
+def make_folder(path: str, name: str, template_in_config: bool = True) -> str:
+    """A saved tokenizer folder: the project's BPE with the format's special tokens added, its
+    tokenizer_config.json naming them, the chat template in the config (or chat_template.jinja)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    fmt = FORMATS[name]
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer.from_file(os.path.join(ASSETS, "bpe-stdlib.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fmt["special"]])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(TEMPLATES, f"{name}.jinja")) as f:
+        template = f.read()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **fmt["config"]}
+    if template_in_config:
+        config["chat_template"] = template
+    else:
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(template)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def folder(request, tmp_path_factory):
+    inline = request.param == "qwen2"  # one in tokenizer_config.json, one as chat_template.jinja
+    return request.param, make_folder(
+        str(tmp_path_factory.mktemp(request.param)), request.param, inline
+    )
+
+
+def reference_tokenizer(path: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def ours(path: str):
+    src = find_template(None, path)
+    return HFTokenizer.from_folder(path), ChatTemplate(src), src
+
+
+def test_rendering_equals_transformers(folder):
+    name, path = folder
+    ref = reference_tokenizer(path)
+    tok, template, src = ours(path)
+    assert src.where.endswith("chat_template" if name == "qwen2" else "chat_template.jinja")
+    for conv in CONVERSATIONS:
+        for gen in (False, True):
+            text = template.render(conv, gen)
+            assert text == ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+        rendered = render_messages({"messages": conv}, tok, template, "")
+        want = ref.apply_chat_template(conv, tokenize=True)
+        assert rendered.ids.tolist() == list(want)
+
+
+def test_llama3_style_is_the_llama3_format(tmp_path):
+    """The hand-written template renders the Llama 3 chat format (spelled out here)."""
+    path = make_folder(str(tmp_path), "llama3-style")
+    _, template, _ = ours(path)
+    conv = CONVERSATIONS[0]
+    want = (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat does os.path.join do?"
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nIt joins path components."
+        "<|eot_id|>"
+    )
+    assert template.render(conv, False) == want
+    assert template.render(conv[:1], True) == want[: want.index("It joins")]
+
+
+def test_mask_is_each_assistant_turn_with_its_end_of_turn(folder):
+    """Independent reference: the trained runs of ids are exactly the assistant turns' text in
+    the format (content and end-of-turn token), each tokenized on its own."""
+    name, path = folder
+    tok, template, _ = ours(path)
+    turn = FORMATS[name]["turn"]
+    eot = tok._tok.token_to_id(FORMATS[name]["config"]["eos_token"])
+    for conv in CONVERSATIONS:
+        ids, spans = render_messages({"messages": conv}, tok, template, "")
+        runs = [ids[s:e].tolist() for s, e in spans.reshape(-1, 2)]
+        want = [
+            tok._tok.encode(turn(m["content"]), add_special_tokens=False).ids
+            for m in conv
+            if m["role"] == "assistant"
+        ]
+        assert runs == want
+        assert all(r[-1] == eot for r in runs)
+
+
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>"
+    "{% endgeneration %}{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_mask_equals_transformers_assistant_mask(tmp_path):
+    """With `{% generation %}` markers transformers computes its own assistant mask; mixlen's
+    (found from the turns, ignoring the markers) is the same."""
+    path = make_folder(str(tmp_path), "llama3-style")
+    tfile = tmp_path / "gen.jinja"
+    tfile.write_text(GENERATION_TEMPLATE)
+    ref = reference_tokenizer(path)
+    tok = HFTokenizer.from_folder(path)
+    template = ChatTemplate(find_template(str(tfile), path))
+    for conv in CONVERSATIONS:
+        out = ref.apply_chat_template(
+            conv, chat_template=GENERATION_TEMPLATE, return_dict=True,
+            return_assistant_tokens_mask=True,
+        )  # fmt: skip
+        ids, spans = render_messages({"messages": conv}, tok, template, "")
+        mask = np.zeros(len(ids), bool)
+        for s, e in spans.reshape(-1, 2):
+            mask[s:e] = True
+        assert ids.tolist() == out["input_ids"]
+        assert mask.astype(int).tolist() == out["assistant_masks"]
+
+
+def test_prompt_completion(folder):
+    name, path = folder
+    tok, template, _ = ours(path)
+    # strings: prompt + completion framed as a document; the completion and EOS are trained
+    ids, spans = render_prompt_completion(
+        {"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tok, template, ""
+    )
+    ((s, e),) = spans.reshape(-1, 2)
+    assert (
+        ids[s:e].tolist()[: e - s - (tok.eos_id is not None)]
+        == tok._tok.encode(" 4", add_special_tokens=False).ids
+    )
+    assert e == len(ids) and (tok.eos_id is None or ids[-1] == tok.eos_id)
+    # message lists: only the completion's assistant turns are trained
+    conv = CONVERSATIONS[1]
+    row = {"prompt": conv[:3], "completion": conv[3:]}
+    ids, spans = render_prompt_completion(row, tok, template, "")
+    whole, whole_spans = render_messages({"messages": conv}, tok, template, "")
+    assert ids.tolist() == whole.tolist()
+    np.testing.assert_array_equal(spans, whole_spans[2:])
+
+
+def test_bytes_prompt_completion():
+    tok = BytesTokenizer()
+    ids, spans = render_prompt_completion({"prompt": "é?", "completion": "ü"}, tok, None, "")
+    assert ids.tolist() == [256, *"é?ü".encode(), 257]
+    assert spans.tolist() == [4, 7]  # "ü" (2 bytes) and EOS
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"messages": "hi"}, "messages is str, expected a list"),
+        ({"messages": []}, "messages is empty"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]: unknown role 'tool'"),
+        ({"messages": [{"role": "user"}]}, "messages[0]: missing content"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content is int"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+        ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, "both strings"),
+        (
+            {
+                "prompt": [{"role": "user", "content": "a"}],
+                "completion": [{"role": "user", "content": "b"}],
+            },
+            "no assistant turn: the completion",
+        ),
+    ],
+)
+def test_bad_rows(row, reason, tmp_path):
+    path = make_folder(str(tmp_path), "qwen2")
+    tok, template, _ = ours(path)
+    render = render_messages if "messages" in row else render_prompt_completion
+    with pytest.raises(RowError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        render(row, tok, template, "")
+
+
+def test_bad_templates(tmp_path):
+    path = make_folder(str(tmp_path), "qwen2")
+    tok = HFTokenizer.from_folder(path)
+    conv = {"messages": CONVERSATIONS[0]}
+    # fails to render: the template raises
+    bad = tmp_path / "raises.jinja"
+    bad.write_text("{{ raise_exception('no system message allowed') }}")
+    t = ChatTemplate(find_template(str(bad), path))
+    with pytest.raises(RowError, match="the chat template failed: TemplateError: no system"):
+        render_messages(conv, tok, t, "")
+    # does not contain the messages' text
+    drop = tmp_path / "drops.jinja"
+    drop.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{% endfor %}")
+    t = ChatTemplate(find_template(str(drop), path))
+    with pytest.raises(RowError, match=r"does not contain messages\[0\]'s text"):
+        render_messages(conv, tok, t, "")
+    # rewrites earlier turns (the last turn rendered differently): no prefix, refused
+    last = tmp_path / "last.jinja"
+    last.write_text(
+        "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}|{% endfor %}"
+    )
+    t = ChatTemplate(find_template(str(last), path))
+    with pytest.raises(RowError, match=r"messages\[1\]: the chat template renders"):
+        render_messages(conv, tok, t, "")
+    # a syntax error stops before anything is read, naming the file and line
+    syntax = tmp_path / "syntax.jinja"
+    syntax.write_text("line one\n{% for m in messages %}")
+    with pytest.raises(InputError, match=r"syntax.jinja:2: chat template syntax error"):
+        find_template(str(syntax), path)
+    # a folder without a template: conversations are refused with what to do
+    os.remove(os.path.join(path, "tokenizer_config.json"))
+    src = find_template(None, path)
+    assert src.text is None and "give --chat-template FILE" in src.missing
+    with pytest.raises(RowError, match="no chat template in the tokenizer folder"):
+        render_messages(conv, tok, None, src.missing)

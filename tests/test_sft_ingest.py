@@ -1,0 +1,233 @@
+"""`mixlen preprocess` on instruction data: conversations and prompt-completion rows (JSON Lines
+and parquet) stored with their loss mask in all three formats, read back with each storage
+library's own reader and checked against transformers' rendering and an independent per-turn
+mask; the index's loss_tokens, the manifest's totals, `--max-len` pieces, no_target samples, text
+rows before conversations, and bad rows named and counted (--strict stops at the first)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from test_sft_chat import CONVERSATIONS, FORMATS, make_folder, reference_tokenizer
+
+from datapipe.errors import InputError
+from datapipe.index import read_index, read_loss_tokens
+from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+FORMAT_NAMES = ("mds", "wds", "parquet")
+
+
+def read_masked_rows(root: str, manifest: dict) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each sample's (tokens, trained bool mask), from every row's `tokens` and `trained_spans`
+    read with the storage library's own reader (independent of mixlen's readers)."""
+    fmt = manifest["format"]
+    rows = []
+    if fmt == "mds":
+        from conftest import open_streaming_dataset
+
+        with open_streaming_dataset(root) as ds:
+            for i in range(len(ds)):
+                r = ds[i]
+                rows.append((int(r["sample_id"]), int(r["chunk"]), r["tokens"], r["trained_spans"]))
+    elif fmt == "wds":
+        import webdataset as wds
+
+        urls = [os.path.join(root, s["name"]) for s in manifest["shards"]]
+        for r in wds.WebDataset(urls, shardshuffle=False):
+            sid, chunk = r["__key__"][1:].split("_c")
+            load = lambda b: np.load(io.BytesIO(b))  # noqa: E731
+            rows.append((int(sid), int(chunk), load(r["tokens.npy"]), load(r["trained_spans.npy"])))
+    else:
+        import pyarrow.parquet as pq
+
+        for s in manifest["shards"]:
+            t = pq.read_table(os.path.join(root, s["name"])).to_pylist()
+            rows += [(r["sample_id"], r["chunk"], r["tokens"], r["trained_spans"]) for r in t]
+    out: dict[int, tuple[list, list]] = {}
+    for sid, chunk, toks, spans in rows:
+        toks = np.asarray(toks, np.int64)
+        mask = np.zeros(len(toks), bool)
+        for s, e in np.asarray(spans, np.int64).reshape(-1, 2):
+            mask[s:e] = True
+        t, m = out.setdefault(sid, ([], []))
+        assert chunk == len(t)
+        t.append(toks)
+        m.append(mask)
+    return {sid: (np.concatenate(t), np.concatenate(m)) for sid, (t, m) in out.items()}
+
+
+def write_jsonl(path, rows) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+
+
+def run(tmp_path, inputs, name="out", **kw):
+    cfg = PreprocessConfig(inputs=[str(p) for p in inputs], out=str(tmp_path / name), **kw)
+    return preprocess(cfg, warn=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return make_folder(str(tmp_path_factory.mktemp("qwen2")), "qwen2")
+
+
+def turn_runs(tok, conv) -> list[list[int]]:
+    """The independent reference mask: each assistant turn's content and <|im_end|>, tokenized
+    alone (the ChatML format)."""
+    turn = FORMATS["qwen2"]["turn"]
+    return [
+        tok(turn(m["content"]), add_special_tokens=False)["input_ids"]
+        for m in conv
+        if m["role"] == "assistant"
+    ]
+
+
+def runs_of(toks: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return [toks[s:e].tolist() for s, e in edges.reshape(-1, 2)]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_conversations_stored_with_their_mask(fmt, qwen, tmp_path):
+    ref = reference_tokenizer(qwen)
+    rows = [{"messages": c} for c in CONVERSATIONS]
+    rows.append({"text": "a plain document: every token trained"})
+    rows.append({"prompt": "2+2=", "completion": "4"})
+    rows.append({"prompt": CONVERSATIONS[1][:3], "completion": CONVERSATIONS[1][3:]})
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    res = run(tmp_path, [tmp_path / "chat.jsonl"], format=fmt, tokenizer_from=qwen, chunk_tokens=16)
+    m = res.manifest
+    assert m["loss_mask"] == "trained_spans" and m["chat_template"]["sha256"]
+    got = read_masked_rows(res.out, m)
+    assert sorted(got) == list(range(len(rows)))
+    for i, conv in enumerate(CONVERSATIONS):  # tokens as transformers renders them, turns masked
+        toks, mask = got[i]
+        assert toks.tolist() == list(ref.apply_chat_template(conv, tokenize=True))
+        assert runs_of(toks, mask) == turn_runs(ref, conv)
+    toks, mask = got[len(CONVERSATIONS)]  # the text row: every token (EOS added, as documents)
+    assert mask.all() and toks.tolist() == ref(rows[3]["text"])["input_ids"] + [ref.eos_token_id]
+    toks, mask = got[len(CONVERSATIONS) + 1]  # "4" is the completion (no EOS in this config)
+    assert runs_of(toks, mask) == [
+        ref("4", add_special_tokens=False)["input_ids"] + [ref.eos_token_id]
+    ]
+    toks, mask = got[len(CONVERSATIONS) + 2]  # only the completion's assistant turn
+    assert runs_of(toks, mask) == turn_runs(ref, CONVERSATIONS[1])[1:]
+    # the index's loss_tokens: trained tokens after each sample's first, from the rows read back
+    want = [int(got[i][1][1:].sum()) for i in range(len(rows))]
+    idx = read_index(res.out)
+    assert idx.loss_tokens.tolist() == want == read_loss_tokens(res.out).tolist()
+    assert m["num_loss_tokens"] == sum(want)
+    assert m["counts"]["no_target"] == 0 and m["counts"]["documents"] == len(rows)
+
+
+def reference_mask(ref, conv) -> tuple[list[int], np.ndarray]:
+    """transformers' ids of a conversation and the per-turn reference mask over them (each
+    assistant turn's runs found in order)."""
+    whole = list(ref.apply_chat_template(conv, tokenize=True))
+    mask = np.zeros(len(whole), bool)
+    start = 0
+    for run_ids in turn_runs(ref, conv):
+        k = next(k for k in range(start, len(whole)) if whole[k : k + len(run_ids)] == run_ids)
+        mask[k : k + len(run_ids)] = True
+        start = k + len(run_ids)
+    return whole, mask
+
+
+def test_parquet_rows_and_max_len_pieces(qwen, tmp_path):
+    """Parquet conversations; --max-len split cuts tokens and mask together, and a piece with no
+    trained position (none after its first token) is no_target, never stored; --long-docs
+    truncate keeps the head's mask."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ref = reference_tokenizer(qwen)
+    conv = CONVERSATIONS[1]
+    whole, ref_mask = reference_mask(ref, conv)
+    pq.write_table(pa.table({"messages": [conv]}), tmp_path / "c.parquet")
+    res = run(tmp_path, [tmp_path / "c.parquet"], tokenizer_from=qwen, max_len=7, format="parquet")
+    got = read_masked_rows(res.out, res.manifest)
+    sources = read_index(res.out, with_source=True).source
+    stored = {int(src.rsplit("@", 1)[1]): got[i] for i, src in enumerate(sources)}
+    starts = range(0, len(whole), 7)
+    want = {k for k, e in enumerate(starts) if ref_mask[e + 1 : e + 7].any()}
+    assert set(stored) == want and 0 < len(want) < len(starts)
+    for k, (toks, mask) in stored.items():
+        assert toks.tolist() == whole[7 * k : 7 * k + 7]
+        np.testing.assert_array_equal(mask, ref_mask[7 * k : 7 * k + 7])
+    assert res.manifest["counts"]["no_target"] == len(starts) - len(want)
+    assert res.manifest["counts"]["split"] == 1
+    res = run(tmp_path, [tmp_path / "c.parquet"], name="t", tokenizer_from=qwen, max_len=40,
+              long_docs="truncate")  # fmt: skip
+    ((toks, mask),) = read_masked_rows(res.out, res.manifest).values()
+    assert toks.tolist() == whole[:40]
+    np.testing.assert_array_equal(mask, ref_mask[:40])
+
+
+def test_text_rows_before_conversations(qwen, tmp_path):
+    """A file of text rows, then one of conversations: the dataset is written with the mask (the
+    run starts again once it meets the first conversation), as if the order were the other."""
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i}"} for i in range(3)] + ["{bad"])
+    write_jsonl(tmp_path / "b.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    warned: list[str] = []
+    cfg = PreprocessConfig(
+        inputs=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
+        out=str(tmp_path / "out"),
+        tokenizer_from=qwen,
+    )
+    res = preprocess(cfg, warn=warned.append)
+    assert res.manifest["loss_mask"] and res.manifest["num_samples"] == 6
+    assert res.manifest["counts"]["bad"] == 1 and len(warned) == 1  # warned about once
+    got = read_masked_rows(res.out, res.manifest)
+    assert all(got[i][1].all() for i in range(3)) and not got[3][1].all()
+    # a text-only dataset has no mask column and no loss columns
+    res = run(tmp_path, [tmp_path / "a.jsonl"], name="text", tokenizer_from=qwen)
+    assert "loss_mask" not in res.manifest and read_index(res.out).loss is None
+    assert res.manifest["num_loss_tokens"] == res.manifest["num_tokens"] - 3
+
+
+BAD_ROWS = [
+    ({"messages": {"role": "user"}}, "messages is dict, expected a list of messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]: unknown role 'robot'"),
+    ({"messages": [{"role": "user"}]}, "messages[0]: missing content"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+    ({"prompt": "p", "completion": 3}, "expected both strings or both message lists"),
+    ({"question": "?"}, "missing text field 'text' (or messages, or prompt and completion)"),
+]
+
+
+def test_bad_rows_named_and_counted(qwen, tmp_path):
+    rows = [{"messages": CONVERSATIONS[0]}] + [r for r, _ in BAD_ROWS]
+    write_jsonl(tmp_path / "bad.jsonl", rows)
+    res = run(tmp_path, [tmp_path / "bad.jsonl"], tokenizer_from=qwen, max_reported=10)
+    assert res.manifest["counts"]["bad"] == len(BAD_ROWS)
+    assert res.manifest["num_samples"] == 1 and res.manifest["counts"]["documents"] == 1
+    path = str(tmp_path / "bad.jsonl")
+    assert [w for w, _ in res.bad_examples] == [f"{path}:{i + 2}" for i in range(len(BAD_ROWS))]
+    assert all(why in got for (_, got), (_, why) in zip(res.bad_examples, BAD_ROWS))
+    with pytest.raises(InputError, match=r"bad.jsonl:2: messages is dict"):
+        run(tmp_path, [tmp_path / "bad.jsonl"], name="strict", tokenizer_from=qwen, strict=True)
+    assert not os.path.exists(tmp_path / "strict")  # nothing half-written
+
+
+def test_template_refusals(tmp_path):
+    """A conversation without a chat template (the bytes tokenizer, a folder without one) is a
+    bad row naming what to do; a template that fails on a row is a bad row."""
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}, {"text": "kept"}])
+    res = run(tmp_path, [tmp_path / "c.jsonl"])
+    assert res.bad_examples[0][1].startswith("no chat template: give --chat-template FILE")
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+    )
+    res = run(tmp_path, [tmp_path / "c.jsonl"], name="o2", chat_template=str(tpl))
+    assert "one message only" in res.bad_examples[0][1]
+    folder = make_folder(str(tmp_path / "tok"), "qwen2")
+    os.remove(os.path.join(folder, "tokenizer_config.json"))
+    res = run(tmp_path, [tmp_path / "c.jsonl"], name="o3", tokenizer_from=folder)
+    assert "no chat template in the tokenizer folder" in res.bad_examples[0][1]
+    assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
