@@ -142,13 +142,15 @@ class PlannerSpec(NamedTuple):
 class Step:
     """One optimizer step handed to the trainer: the global batch, its plan, the stream's state
     after it (what a checkpoint saved with this step resumes from), this rank's fetched
-    micro-batches in slot order, and how long the trainer waited for them."""
+    micro-batches in slot order, how long the trainer waited for them, and each of the plan's
+    samples' labelled positions (from the index: a loss mask's trained tokens, else L - 1)."""
 
     batch: GlobalBatch
     plan: StepPlan
     stream_state: dict[str, Any]
     microbatches: list[PackedMicroBatch]
     wait_s: float
+    loss_tokens: np.ndarray | None = None
 
 
 def check_special_ids(manifest: dict, config: dict, data: str, model: str) -> None:
@@ -416,6 +418,21 @@ class TrainData:
         if self.mixture:
             self.stream.check_supply(last_step)
 
+    def loss_tokens(self, batch: GlobalBatch) -> np.ndarray:
+        """Each sample's (a mixture's: unit's) labelled positions in `batch`, in batch order,
+        from the index alone (datapipe.plan.loss.LossMask): a loss mask's trained tokens after
+        the first token of the sample or unit, else L - 1."""
+        if not self.mixture:
+            return self.fetcher.index.loss_tokens[self.train_ids[batch.sample_ids]]
+        assert batch.units is not None
+        out = np.zeros(batch.lengths.shape[0], np.int64)
+        for s, f in enumerate(self.fetcher.fetchers):
+            k = np.flatnonzero(batch.units[:, 0] == s)
+            if k.size:
+                u = batch.units[k]
+                out[k] = f.index.loss_mask.unit_tokens(u[:, 1], u[:, 2], batch.lengths[k])
+        return out
+
     def tokens_by_source(self, batch: GlobalBatch) -> dict[str, int]:
         """A mixture batch's tokens per source ({} for one dataset)."""
         return self.stream.tokens_by_source(batch) if self.mixture else {}
@@ -426,4 +443,5 @@ class TrainData:
         prefetch = self.fetcher.prefetch(planned)
         self._stack.callback(prefetch.close)
         for (batch, plan, state), fetched in prefetch:
-            yield Step(batch, plan, state, fetched, prefetch.last_wait_s)
+            lt = self.loss_tokens(batch)
+            yield Step(batch, plan, state, fetched, prefetch.last_wait_s, lt)

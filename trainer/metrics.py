@@ -73,7 +73,8 @@ def step_record(
         "loss": res.loss,
         "tokens": res.tokens,
         "samples": int(batch.sample_ids.shape[0]),
-        "labelled": res.n_labels,
+        "labelled": res.n_labels,  # the trained positions, with a loss mask
+        "loss_divisor": res.loss_divisor,  # [train] loss_normalization's denominator
         "lr": lr,
         "grad_norm": res.grad_norm,
         "step_time_s": step_s,
@@ -311,7 +312,8 @@ class MetricsWriter:
 def _console_line(r: dict[str, Any]) -> str:
     return (
         f"step {r['step']:>5}  loss {r['loss']:.4f}  lr {r.get('lr', 0):.2e}  "
-        f"tok {r['tokens']:>7}  {r['tokens_per_s']:>8.0f} tok/s  step {r['step_time_s']:.2f}s  "
+        f"tok {r['tokens']:>7} (trained {r.get('labelled', 0):>7})  "
+        f"{r['tokens_per_s']:>8.0f} tok/s  step {r['step_time_s']:.2f}s  "
         f"wait {r['data_wait_s']:.2f}s  comm {r['comm_time_s']:.2f}s  "
         f"imb {r['imbalance_measured']:.2f}/{r['imbalance_planned']:.2f}"
         + (f"  val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")

@@ -195,6 +195,7 @@ class Trainer:
             device=rt.device,
             activations=self.activations,
             cross_comm=cross if mode == "sync" else None,
+            loss_normalization=cfg.train.loss_normalization,
         )
         # co2 / diloco rounds across islands
         self.cross: CrossIsland | None = None
@@ -257,7 +258,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.compare is not None:
             self.compare.before_step(step, batch, plan)
-        res = self.executor.step(plan, item.microbatches, step)
+        res = self.executor.step(plan, item.microbatches, step, item.loss_tokens)
         check_finite_step(step, res.loss, res.grad_norm, self.rt, self.checkpointer.last_path)
         outer = self._outer_step(step)
         step_s = time.perf_counter() - t0 + item.wait_s

@@ -19,6 +19,7 @@ from typing import Any
 
 from datapipe.errors import ConfigError
 from datapipe.plan.cost import CostModel
+from datapipe.plan.loss import LOSS_NORMALIZATIONS
 from datapipe.settings import Names, check, from_mapping, setting, values
 from trainer.checkpoint.config import CheckpointConfig
 from trainer.data import DataConfig, PlannerSpec, TrainData, check_special_ids
@@ -72,6 +73,13 @@ class TrainConfig:
         help='recompute blocks\' forward in backward: "none", "full" or "every:K" (blocks 0, K, '
         "2K, ...)",
         free_on_resume=True,
+    )
+    loss_normalization: str = setting(
+        "token",
+        help='the loss of a step: "token" (its token losses over its labelled positions) or '
+        '"sequence" (each sample\'s mean over its own labelled positions, averaged over the '
+        "step's samples: LongAlign's rule for instruction data with a loss mask)",
+        choices=LOSS_NORMALIZATIONS,
     )
 
     def validate(self, names: Names) -> None:

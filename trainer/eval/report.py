@@ -19,11 +19,19 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 709.0 else math.inf
 
 
+def _positions(result: dict[str, Any]) -> str:
+    """What the loss is over: every labelled position, or, on a dataset with a loss mask, the
+    trained ones only (the fetch labels only those)."""
+    if result.get("loss_mask"):
+        return "trained positions (the dataset's loss mask: the loss is over these only)"
+    return "labelled positions"
+
+
 def render(result: dict[str, Any]) -> str:
     """Markdown tables of a `run_eval` result."""
     lines = [
         f"mixlen eval {result['model']} on {result['data']} ({result['split']}): "
-        f"{result['samples']} samples, {result['tokens']:,} labelled positions, loss "
+        f"{result['samples']} samples, {result['tokens']:,} {_positions(result)}, loss "
         f"{result['loss']:.4f}, perplexity {perplexity(result['loss']):.2f}",
     ]
     if result.get("beyond_context"):

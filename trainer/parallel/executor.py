@@ -8,9 +8,11 @@ launches each bucket's SUM reduction (to the bucket's owner; an all-reduce at ze
 the bucket is final, in one fixed order on every rank, on the island's gradient communicator, so
 the reduction overlaps the rest of that backward and no rank ever waits on a peer still in an
 earlier micro-batch. After the last micro-batch one small all-reduce sums the loss and the ranks'
-timings; the gradient is divided by the step's labelled positions (sum of L-1 over the step's
-samples; in `sync` mode over every island's), clipped by its global norm, and AdamW steps each
-rank's slice, whose weights the island then all-gathers. No process group per step: rings talk
+timings; the gradient is divided by the step's denominator (`loss_normalization` "token": its
+labelled positions, the sum of L-1 over its samples or, with a loss mask, of their `loss_tokens`;
+"sequence": each position weighs 1 / its sample's loss_tokens and the divisor is the step's
+samples with a labelled position; in `sync` mode over every island's), clipped by its global
+norm, and AdamW steps each rank's slice, whose weights the island then all-gathers. No process group per step: rings talk
 point-to-point inside the island's communicator.
 
 The same code runs every policy's plans (datapipe.plan.planner): hdp, naive-hdp, static and single.
@@ -30,7 +32,11 @@ from torch import nn
 
 from datapipe.errors import MixlenError
 from datapipe.fetch import PackedMicroBatch
-from datapipe.plan.loss import IGNORE_INDEX, labelled_positions
+from datapipe.plan.loss import (
+    IGNORE_INDEX,
+    LOSS_NORMALIZATIONS,
+    sequence_divisor,
+)
 from datapipe.plan.stepplan import PlannedMicroBatch, StepPlan
 from trainer.attention.local import LocalAttention, accum_dtype
 from trainer.attention.ring import RingAttention
@@ -77,6 +83,7 @@ class StepResult:
     # host, and the accounted peak of saved-activation bytes on the device (trainer.offload.manager)
     offload_bytes: list[int] = field(default_factory=list)
     act_peak_bytes: list[int] = field(default_factory=list)
+    loss_divisor: int = 0  # what the loss sum was divided by (loss_normalization's denominator)
 
 
 class HDPExecutor:
@@ -88,6 +95,7 @@ class HDPExecutor:
     island) sums the loss and its denominator across islands; `zero` then needs the same
     communicator to sum the gradients. `activations` (trainer.offload.manager) runs each micro-batch's
     forward and backward with its plan's offload ratio and the checkpointing policy; None: plain.
+    `loss_normalization` ("token" or "sequence", datapipe.plan.loss) is the step's loss rule.
     """
 
     def __init__(
@@ -101,7 +109,13 @@ class HDPExecutor:
         check_agreement: bool = True,
         activations: ActivationManager | None = None,
         cross_comm: Communicator | None = None,
+        loss_normalization: str = "token",
     ) -> None:
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"loss_normalization {loss_normalization!r}: not one of {LOSS_NORMALIZATIONS}"
+            )
+        self.loss_normalization = loss_normalization
         self.model = model
         self.zero = zero
         self.scheduler = scheduler
@@ -198,19 +212,27 @@ class HDPExecutor:
         mb: PackedMicroBatch,
         lengths_by_id: dict[int, int],
         grad: bool,
+        weight_by_id: dict[int, float] | None = None,
     ) -> torch.Tensor:
-        """Forward (and backward if grad) of one micro-batch; returns the detached loss sum."""
+        """Forward (and backward if grad) of one micro-batch; returns the detached loss sum.
+        `weight_by_id`: each sample's label weight (the "sequence" rule; None: 1)."""
         dev = self.device
         ids = torch.from_numpy(mb.input_ids).to(dev)
         pos = torch.from_numpy(mb.position_ids).to(dev)
         labels = torch.from_numpy(mb.labels).to(dev)
+        kw = {}
+        if weight_by_id is not None:  # each position weighs its sample's weight
+            pieces = np.asarray(mb.pieces, dtype=np.int64).reshape(-1, 3)
+            per_piece = np.array([weight_by_id[int(s)] for s in pieces[:, 0]], np.float64)
+            w = np.repeat(per_piece, pieces[:, 2] - pieces[:, 1])
+            kw["label_weights"] = torch.from_numpy(w).to(dev, self.acc_dtype)
         attn = self._attention(pm, mb, lengths_by_id)
         # offload / checkpointing of the blocks (a context yielding None: plain)
         acts: contextlib.AbstractContextManager[MicrobatchStats | None] = contextlib.nullcontext()
         if grad and self.activations is not None:
             acts = self.activations.microbatch(self.model, pm.offload_ratio)
         with torch.set_grad_enabled(grad), acts as stats:
-            loss_sum, _ = self.model(ids, pos, labels=labels, attn=attn)
+            loss_sum, _ = self.model(ids, pos, labels=labels, attn=attn, **kw)
             if grad:
                 loss_sum.backward()
         if stats is not None:
@@ -218,7 +240,11 @@ class HDPExecutor:
         return loss_sum.detach().to(self.acc_dtype)
 
     def _run_rank(
-        self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], grad: bool
+        self,
+        plan: StepPlan,
+        fetched: Sequence[PackedMicroBatch],
+        grad: bool,
+        weight_by_id: dict[int, float] | None = None,
     ) -> tuple[torch.Tensor, float, int]:
         """This rank's micro-batches in slot order: (loss sum, busy seconds, count). With `grad`,
         the optimizer's hooks collect the gradients; the last backward launches the reduction."""
@@ -234,7 +260,7 @@ class HDPExecutor:
             w0, c0 = time.perf_counter(), time.thread_time()
             if grad:
                 self.zero.begin_microbatch(last=j == len(mine) - 1)
-            loss += self._run_microbatch(pm, mb, lengths_by_id, grad)
+            loss += self._run_microbatch(pm, mb, lengths_by_id, grad, weight_by_id)
             self.mb_log.append((pm.slot, time.perf_counter() - w0, time.thread_time() - c0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # timings measure work, not kernel launches
@@ -244,25 +270,36 @@ class HDPExecutor:
     # -- steps -------------------------------------------------------------------------------------
 
     def accumulate(
-        self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], step: int
+        self,
+        plan: StepPlan,
+        fetched: Sequence[PackedMicroBatch],
+        step: int,
+        loss_tokens: np.ndarray | None = None,
     ) -> StepResult:
         """Forward/backward of this rank's micro-batches, the gradient reduction and the step's
-        statistics: leaves the step's gradient (divided by its labelled positions) in the
-        optimizer (`zero.gather_grad()` shows it whole) and its norm in the result."""
+        statistics: leaves the step's gradient (divided by its denominator, module docstring)
+        in the optimizer (`zero.gather_grad()` shows it whole) and its norm in the result.
+        `loss_tokens`: each of `plan.sample_ids`' labelled positions, from the index (a loss
+        mask's; None: L - 1 each)."""
         assert self.zero is not None, "a forward-only executor (no optimizer) cannot train"
         self.comm.reset()
         self.check_plan(plan, step)
+        lt = self._loss_tokens(plan, loss_tokens)
+        weights = None
+        if self.loss_normalization == "sequence":  # each sample's mean over its own positions
+            ids = plan.sample_ids.tolist()
+            weights = {s: 1.0 / n if n > 0 else 0.0 for s, n in zip(ids, lt.tolist())}
         self.zero.begin_step()  # the previous step's weights are all here
-        loss, busy, count = self._run_rank(plan, fetched, True)
+        loss, busy, count = self._run_rank(plan, fetched, True, weights)
         self.zero.finish_backward()  # ranks without micro-batches launch their share here
         t0 = time.perf_counter()
-        stats, n_labels = self._step_stats(plan, loss, busy, count)
-        norm = self.zero.reduce(1.0 / max(n_labels, 1))
+        stats, n_labels, divisor = self._step_stats(plan, loss, busy, count, lt)
+        norm = self.zero.reduce(1.0 / max(divisor, 1))
         reduce_s = time.perf_counter() - t0
         red = self.zero.last_reduce
         managed = self.activations is not None
         return StepResult(
-            loss=stats.loss_sum / max(n_labels, 1),
+            loss=stats.loss_sum / max(divisor, 1),
             n_labels=n_labels,
             tokens=int(plan.lengths.sum()),
             grad_norm=norm,
@@ -278,14 +315,26 @@ class HDPExecutor:
             cross_wait_s=self._cross_s + red.cross_s,
             offload_bytes=stats.offload_bytes if managed else [],
             act_peak_bytes=stats.act_peak_bytes if managed else [],
+            loss_divisor=divisor,
         )
 
+    def _loss_tokens(self, plan: StepPlan, loss_tokens: np.ndarray | None) -> np.ndarray:
+        """Each plan sample's labelled positions (int64, L - 1 without a mask)."""
+        if loss_tokens is None:
+            return np.maximum(np.asarray(plan.lengths, np.int64) - 1, 0)
+        lt = np.asarray(loss_tokens, np.int64)
+        if lt.shape != plan.sample_ids.shape:
+            raise ValueError(
+                f"loss_tokens has {lt.shape[0]} entries for {plan.sample_ids.size} samples"
+            )
+        return lt
+
     def _step_stats(
-        self, plan: StepPlan, loss: torch.Tensor, busy: float, count: int
-    ) -> tuple[StepStats, int]:
+        self, plan: StepPlan, loss: torch.Tensor, busy: float, count: int, loss_tokens: np.ndarray
+    ) -> tuple[StepStats, int, int]:
         """One small island all-reduce of the step's statistics (trainer.parallel.stats); in
-        sync mode the loss sum and the labelled positions are also summed across islands.
-        Returns them and the step's labelled positions."""
+        sync mode the loss sum, the labelled positions and the divisor are also summed across
+        islands. Returns them, the step's labelled positions and its divisor."""
         mine = {
             "busy_s": busy,
             "microbatches": count,
@@ -296,16 +345,19 @@ class HDPExecutor:
         }
         buf = StepStats.pack(loss, self.rank, self.comm.size, mine, self.device)
         self.comm.all_reduce(buf)
-        n_labels = labelled_positions(plan.lengths)
+        n_labels = int(loss_tokens.sum())
+        divisor = n_labels if self.loss_normalization == "token" else sequence_divisor(loss_tokens)
         self._cross_s = 0.0
         if self.cross_comm is not None:
-            total = torch.stack([buf[0], buf.new_tensor(float(n_labels))])
+            total = torch.stack(
+                [buf[0], buf.new_tensor(float(n_labels)), buf.new_tensor(float(divisor))]
+            )
             t0 = time.perf_counter()
             self.cross_comm.all_reduce(total)
             self._cross_s = time.perf_counter() - t0
             buf[0] = total[0]
-            n_labels = int(round(float(total[1])))
-        return StepStats.unpack(buf.tolist(), self.comm.size), n_labels
+            n_labels, divisor = int(round(float(total[1]))), int(round(float(total[2])))
+        return StepStats.unpack(buf.tolist(), self.comm.size), n_labels, divisor
 
     def update(self, result: StepResult) -> None:
         """Clip the reduced gradient by its norm, step AdamW on this rank's slice, all-gather the
@@ -314,22 +366,31 @@ class HDPExecutor:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def step(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch], step: int) -> StepResult:
-        """One optimizer step of `plan`; `fetched` are this rank's micro-batches in slot order."""
-        result = self.accumulate(plan, fetched, step)
+    def step(
+        self,
+        plan: StepPlan,
+        fetched: Sequence[PackedMicroBatch],
+        step: int,
+        loss_tokens: np.ndarray | None = None,
+    ) -> StepResult:
+        """One optimizer step of `plan`; `fetched` are this rank's micro-batches in slot order;
+        `loss_tokens` as `accumulate` takes them."""
+        result = self.accumulate(plan, fetched, step, loss_tokens)
         self.update(result)
         return result
 
     @torch.no_grad()
     def evaluate(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]) -> tuple[float, int]:
-        """Forward only: (sum of token losses over the island, labelled positions)."""
+        """Forward only: (sum of token losses over the island, labelled positions: the labels
+        the micro-batches carry, so a loss mask's untrained positions do not count)."""
         self.check_plan(plan, -1)
         if self.zero is not None:
             self.zero.wait_weights()
         loss, _, _ = self._run_rank(plan, fetched, False)
-        t = loss.reshape(1).clone()
+        n = sum(mb.num_labels for mb in fetched)
+        t = torch.stack([loss.reshape(()), loss.new_tensor(float(n))])
         self.comm.all_reduce(t)
-        return float(t.item()), labelled_positions(plan.lengths)
+        return float(t[0].item()), int(round(float(t[1].item())))
 
     @torch.no_grad()
     def token_losses(
