@@ -9,8 +9,10 @@ dataset's uint16/uint32, widened on the device), ``position_ids`` [T] (position 
 its sample) and either ``cu_seqlens`` [n+1] (local document-masked attention) or an attention context
 (`trainer.attention.local.AttentionContext`, e.g. `trainer.attention.ring.RingAttention`) that decides how the
 layers attend (with dynamic NTK RoPE it also gives each position's document length). Given
-``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses and the number of labelled
-tokens; the caller divides by the step's labelled-token count.
+``labels`` [T] (-100 = unlabelled) it returns the SUM of token losses (each times its
+``label_weights`` entry, if given) and the number of labelled tokens; the caller divides by the
+step's denominator. The loss runs in chunks of tokens (trainer.model.loss): the whole batch's
+logits are never held; only a forward without labels returns them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, get_config
 from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
+from trainer.model.loss import linear_cross_entropy
 from trainer.model.rope import Rope, apply_rope
 
 __all__ = [
@@ -120,6 +123,8 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope = Rope(cfg)  # tables only, no parameters or buffers
         self.tp_mesh: Any = None  # the TP group's DeviceMesh once parallelized
+        self.tp_comm: Any = None  # and its communicator (the vocabulary-parallel loss)
+        self.loss_chunk_tokens: int | None = None  # None: trainer.model.loss.chunk_tokens
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
 
@@ -149,6 +154,7 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         labels: torch.Tensor | None = None,
         attn: AttentionContext | None = None,
+        label_weights: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
@@ -170,24 +176,33 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
-        if self.tp_mesh is not None:  # logits sharded over the vocabulary (a DTensor)
-            from trainer.parallel.tensor import sharded_logits, vocab_parallel_loss
-
-            logits = sharded_logits(self, h)
-            if labels is None:
-                return logits.full_tensor()
-            return vocab_parallel_loss(logits, labels), (labels != IGNORE_INDEX).sum()
-        w_out = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = F.linear(h, w_out)
         if labels is None:
-            return logits
-        loss_sum = F.cross_entropy(
-            logits.float() if logits.dtype != torch.float64 else logits,
-            labels.long(),  # int32 from the fetch; the loss takes int64 targets
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
+            return self._logits(h)
+        w, vocab_start, comm = self._output_rows()
+        loss_sum = linear_cross_entropy(
+            h, w, labels, label_weights, self.loss_chunk_tokens, vocab_start, comm
         )
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Whole logits [T, V] (evaluation and tests; training never holds them)."""
+        if self.tp_mesh is not None:  # sharded over the vocabulary, gathered
+            from trainer.parallel.tensor import sharded_logits
+
+            return sharded_logits(self, h).full_tensor()
+        w_out = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, w_out)
+
+    def _output_rows(self) -> tuple[torch.Tensor, int, Any]:
+        """(the output weight rows this process holds, the first one's token id, the TP
+        communicator or None): the whole weight without tensor parallelism."""
+        w = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if self.tp_mesh is None:
+            return w, 0, None
+        local = w.to_local()  # differentiable: its gradient arrives as the DTensor's shard
+        comm = self.tp_comm
+        assert local.shape[0] * comm.size == self.cfg.vocab_size, "tp divides the vocabulary"
+        return local, comm.rank * local.shape[0], comm
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

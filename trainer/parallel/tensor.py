@@ -15,8 +15,10 @@ matmul collectives) to a `trainer.model.transformer.Transformer`:
 | output (untied) | ColwiseParallel, output kept sharded | vocabulary rows V/tp |
 | norms | replicated (no sequence parallelism) | the whole weight |
 
-The logits stay sharded over the vocabulary (a DTensor `Shard(-1)`) and the loss is torch's
-vocabulary-parallel cross-entropy (`loss_parallel`): no process materialises [T, V] logits.
+In training the loss is vocabulary-parallel (trainer.model.loss, over the TP group's
+communicator `model.tp_comm`): each process computes its vocabulary rows' logits chunk by chunk,
+the log-sum-exps and labels' logits combine over the group, and no process materialises [T, V]
+logits. Only a forward without labels gathers whole logits (`sharded_logits`).
 The loss rule is unchanged: the model returns the SUM of token losses and the labelled count.
 Every process of a TP group runs the same micro-batch and attends with its own heads; in the
 trainer (`[parallel] tp`, trainer.parallel.runtime) a ring over HDP ranks joins the processes of
@@ -57,7 +59,6 @@ __all__ = [
     "square_norm",
     "tp_sum",
     "tp_mesh",
-    "vocab_parallel_loss",
     "whole_flat",
 ]
 
@@ -131,6 +132,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             for proj in (block.attention.wk, block.attention.wv):
                 distribute_module(proj, mesh, None, _replicated_input, own)
     model.tp_mesh = mesh
+    from trainer.parallel.comm import TorchComm
+
+    model.tp_comm = TorchComm(mesh.get_group())  # the vocabulary-parallel loss's reductions
     return model
 
 
@@ -150,45 +154,6 @@ def sharded_logits(model: nn.Module, h: torch.Tensor) -> DTensor:
         return model.output(h)
     hd = DTensor.from_local(h, model.tp_mesh, [Replicate()], run_check=False)
     return torch.nn.functional.linear(hd, model.tok_embeddings.weight)
-
-
-class _VocabParallelLoss(torch.autograd.Function):
-    """Sum of token losses of vocabulary-sharded logits; its gradient is computed with the loss
-    (under `loss_parallel`, whose backward must run inside the same context) and kept until the
-    caller's backward, so any `.backward()` of the model's loss works as without TP."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, local: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh
-    ) -> torch.Tensor:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        from datapipe.plan.loss import IGNORE_INDEX
-
-        with torch.enable_grad():
-            x = local.detach().requires_grad_(local.requires_grad)
-            xd = DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(
-                    xd, labels.long(), ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-                if x.requires_grad:
-                    (grad,) = torch.autograd.grad(loss, x)
-                    ctx.save_for_backward(grad)
-        return loss.to_local().detach()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (grad,) = ctx.saved_tensors
-        return grad * g, None, None
-
-
-def vocab_parallel_loss(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
-    """SUM of token losses from vocabulary-sharded logits (torch's `loss_parallel`: each process
-    reduces its own vocabulary share; the full logits are never gathered)."""
-    x = logits if logits.dtype == torch.float64 else logits.float()
-    local = x.to_local()  # the gradient flows back through DTensor's to_local as Shard(-1)
-    return _VocabParallelLoss.apply(local, labels, logits.device_mesh)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

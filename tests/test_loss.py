@@ -1,0 +1,168 @@
+"""The chunked output projection + cross-entropy (trainer.model.loss) against cross-entropy over
+whole logits (torch's F.cross_entropy, the way the model computed its loss before): loss and
+gradients in float64, any chunk size, ignored labels, per-position weights, tied embeddings; the
+vocabulary-parallel form through two threaded processes; and its peak memory at a 131,072
+vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from datapipe.plan.loss import IGNORE_INDEX
+from datapipe.shapes import get_config
+from trainer.model.loss import chunk_tokens, linear_cross_entropy
+from trainer.model.transformer import build
+from trainer.testing.threads import run_threads
+
+F64 = torch.float64
+
+
+def whole_logits_loss(h, w, labels, weights=None):
+    """The reference: whole logits, F.cross_entropy per position, weighted sum."""
+    per = F.cross_entropy(h @ w.t(), labels.long(), ignore_index=IGNORE_INDEX, reduction="none")
+    return (per if weights is None else per * weights).sum()
+
+
+def inputs(t: int = 23, d: int = 6, v: int = 37, seed: int = 0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(t, d, generator=gen, dtype=dtype)
+    w = torch.randn(v, d, generator=gen, dtype=dtype)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[torch.randperm(t, generator=gen)[: t // 3]] = IGNORE_INDEX
+    weights = torch.rand(t, generator=gen, dtype=dtype) + 0.5
+    return h, w, labels, weights
+
+
+def grads(fn, h, w):
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fn(hr, wr)
+    (loss * 1.7).backward()  # a non-unit incoming gradient
+    return loss.detach(), hr.grad, wr.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 23, 100, None])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_equals_whole_logits_float64(chunk, weighted) -> None:
+    h, w, labels, weights = inputs()
+    wt = weights if weighted else None
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels, wt), h, w)
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, chunk), h, w)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_no_label_and_no_grad() -> None:
+    h, w, labels, _ = inputs()
+    none = torch.full_like(labels, IGNORE_INDEX)
+    assert float(linear_cross_entropy(h, w, none)) == 0.0
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, labels, chunk=4)
+    torch.testing.assert_close(loss, whole_logits_loss(h, w, labels), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(h, w, labels[:-1])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_model_loss_equals_its_logits_cross_entropy(tied) -> None:
+    """The decoder's loss (chunked) and every parameter's gradient equal F.cross_entropy over
+    the logits the same model returns without labels (float64, tied and untied output)."""
+    cfg = dataclasses.replace(get_config("debug"), n_layers=1, tie_embeddings=tied)
+    model = build(cfg, dtype=F64)
+    model.loss_chunk_tokens = 7
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (30,), generator=gen)
+    pos = torch.cat([torch.arange(18), torch.arange(12)])
+    labels = torch.cat([ids[1:], ids[:1]]).clone()
+    labels[17] = labels[29] = IGNORE_INDEX
+    wts = torch.rand(30, generator=gen, dtype=F64)
+
+    def run(chunked: bool):
+        model.zero_grad()
+        if chunked:
+            loss, n = model(ids, pos, [0, 18, 30], labels=labels, label_weights=wts)
+        else:
+            logits = model(ids, pos, [0, 18, 30])
+            per = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+            loss, n = (per * wts).sum(), (labels != IGNORE_INDEX).sum()
+        loss.backward()
+        return loss.detach(), int(n), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+    assert got[1] == want[1] == 28
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_vocabulary_parallel_through_two_threaded_processes() -> None:
+    """Each of 2 processes holds half the vocabulary rows: the loss equals the whole one on
+    both, dL/dh is whole on both, and each process's dL/dW is its rows of the whole one."""
+    h, w, labels, weights = inputs(t=19, v=40, seed=4)
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights), h, w)
+
+    def member(comm):
+        rows = w[comm.rank * 20 : (comm.rank + 1) * 20]
+        return grads(
+            lambda a, b: linear_cross_entropy(a, b, labels, weights, 6, comm.rank * 20, comm),
+            h,
+            rows,
+        )
+
+    parts = run_threads(2, member, timeout=30)
+    for rank, (loss, dh, dw) in enumerate(parts):
+        torch.testing.assert_close(loss, want[0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(dh, want[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dw, want[2][rank * 20 : (rank + 1) * 20], rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_close_to_the_float32_loss_of_whole_logits() -> None:
+    """bfloat16 compute: the chunked loss (float32 log-sum-exp) is as close to the float64
+    loss as cross-entropy over bfloat16 logits cast to float32 (the former computation)."""
+    h, w, labels, _ = inputs(t=64, d=32, v=300, seed=7)
+    exact = whole_logits_loss(h, w, labels)
+    hb, wb = h.bfloat16(), w.bfloat16()
+    old = F.cross_entropy((hb @ wb.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    new = linear_cross_entropy(hb, wb, labels, chunk=16)
+    assert new.dtype == torch.float32
+    assert abs(float(new) - float(exact)) <= 2 * abs(float(old) - float(exact)) + 1e-3 * float(
+        exact
+    )
+
+
+@pytest.mark.slow
+def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary() -> None:
+    """16,384 tokens at a 131,072 vocabulary, forward and backward in float32: whole float32
+    logits alone would be 8 GiB (and their log-softmax as much again); the chunked loss stays
+    under 4 GB of peak resident memory (a fresh process, its resident set before and after)."""
+    assert chunk_tokens(131072) == 512
+    code = textwrap.dedent(
+        """
+        import resource, torch
+        from trainer.model.loss import linear_cross_entropy
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(16384, 32, generator=g).requires_grad_()
+        w = (torch.randn(131072, 32, generator=g) * 0.1).requires_grad_()
+        labels = torch.randint(0, 131072, (16384,), generator=g)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        loss = linear_cross_entropy(h, w, labels)
+        loss.backward()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert h.grad is not None and w.grad is not None and torch.isfinite(loss)
+        print(before * 1024, after * 1024)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, check=True
+    )
+    before, after = (int(x) for x in out.stdout.split())
+    print(f"peak resident {after / 1e9:.2f} GB, the loss added {(after - before) / 1e9:.2f} GB")
+    assert after < 4e9, f"peak resident memory {after / 1e9:.2f} GB"
+    assert after - before < 2e9, f"the loss added {(after - before) / 1e9:.2f} GB"

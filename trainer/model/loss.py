@@ -1,0 +1,133 @@
+"""The output projection and cross-entropy of a micro-batch, in chunks of tokens: the [T, V]
+logits are never held whole, in any dtype.
+
+For each chunk of tokens the logits are computed in the compute dtype, the log-sum-exp and the
+labels' logits in float32 (float64 for float64), and, when a gradient is wanted, the gradient of
+the chunk's logits (softmax - one-hot, times each position's weight) turns at once into the
+chunk's rows of dL/dh and a share of dL/dW (accumulated in float32). Backward only scales them by
+the incoming gradient. Peak memory is a few chunks of [chunk, V] float32 plus dL/dW, instead of
+the whole batch's logits, their float32 copy and their log-softmax (about 1.3 MB a token at a
+128K vocabulary). The result is the SUM over labelled positions (labels != -100) of
+weight x cross-entropy, the same loss and gradients as cross-entropy over whole logits.
+
+Under tensor parallelism each process holds the rows [v0, v0 + V/tp) of the output weight: the
+chunk's log-sum-exp combines every process's partial one (an all-gather of [chunk] floats), the
+labels' logits are summed over the processes (each contributes the ones it owns), and dL/dh,
+partial per process, is summed over them once per micro-batch: the vocabulary-parallel loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from datapipe.plan.loss import IGNORE_INDEX
+from trainer.attention.local import accum_dtype
+from trainer.parallel.comm import Communicator
+
+__all__ = ["CHUNK_LOGIT_BYTES", "chunk_tokens", "linear_cross_entropy"]
+
+CHUNK_LOGIT_BYTES = 256 << 20  # one chunk's float32 logits: at most this many bytes
+
+
+def chunk_tokens(vocab_rows: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
+    """Tokens per chunk so that a chunk's float32 logits over `vocab_rows` fit in `budget`."""
+    return max(1, budget // (4 * max(1, vocab_rows)))
+
+
+def _chunk(
+    hc: torch.Tensor,
+    w: torch.Tensor,
+    lab: torch.Tensor,
+    wt: torch.Tensor | None,
+    v0: int,
+    comm: Communicator | None,
+    grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weighted loss sum, gradient of the chunk's logits or None) of one chunk."""
+    acc = accum_dtype(hc.dtype)
+    logits = (hc @ w.t()).to(acc)  # [c, Vl]
+    lse = torch.logsumexp(logits, dim=-1)
+    if comm is not None and comm.size > 1:  # combine the processes' partial log-sum-exps
+        lse = torch.logsumexp(torch.stack(comm.all_gather(lse)), dim=0)
+    valid = lab != IGNORE_INDEX
+    local = lab.long() - v0
+    mine = valid & (local >= 0) & (local < w.shape[0])
+    idx = local.clamp(0, w.shape[0] - 1)[:, None]
+    target = logits.gather(1, idx)[:, 0] * mine
+    if comm is not None and comm.size > 1:
+        comm.all_reduce(target)
+    scale = valid.to(acc) if wt is None else valid * wt.to(acc)
+    loss = ((lse - target) * scale).sum()
+    if not grad:
+        return loss, None
+    g = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
+    g.scatter_add_(1, idx, -mine.to(acc)[:, None])
+    g.mul_(scale[:, None])
+    return loss, g
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor | None,
+        chunk: int,
+        v0: int,
+        comm: Communicator | None,
+        grad: bool,
+    ) -> torch.Tensor:
+        acc = accum_dtype(h.dtype)
+        loss = torch.zeros((), dtype=acc, device=h.device)
+        dh = torch.empty_like(h) if grad else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if grad else None
+        with torch.no_grad():
+            for s in range(0, h.shape[0], chunk):
+                e = min(s + chunk, h.shape[0])
+                wt = None if weights is None else weights[s:e]
+                part, g = _chunk(h[s:e], w, labels[s:e], wt, v0, comm, grad)
+                loss += part
+                if g is not None:
+                    gc = g.to(h.dtype)
+                    torch.matmul(gc, w, out=dh[s:e])  # type: ignore[index]
+                    dw.add_(gc.t() @ h[s:e])  # type: ignore[union-attr]
+            if dh is not None and comm is not None and comm.size > 1:
+                comm.all_reduce(dh)  # each process's vocabulary rows gave a part of dL/dh
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = w.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, g_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        dh, dw = ctx.saved_tensors
+        if dh is None:
+            raise RuntimeError("the loss was computed without gradients (torch.no_grad)")
+        g = g_loss.to(dw.dtype)
+        return (dh * g.to(dh.dtype), (dw * g).to(ctx.w_dtype), None, None, None, None, None, None)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    chunk: int | None = None,
+    vocab_start: int = 0,
+    comm: Communicator | None = None,
+) -> torch.Tensor:
+    """SUM over positions with a label of weight x cross-entropy of `h @ w.T` (h [T, D], w [V, D]
+    or this process's rows [V/tp, D] starting at `vocab_start`, with `comm` the TP group);
+    differentiable in h and w. `weights`: [T] per position (None: 1); `chunk`: tokens per chunk
+    (default: `chunk_tokens` of w's rows)."""
+    if labels.shape != h.shape[:1] or (weights is not None and weights.shape != labels.shape):
+        raise ValueError(
+            f"labels {tuple(labels.shape)} and weights "
+            f"{None if weights is None else tuple(weights.shape)} must be [T] for h {tuple(h.shape)}"
+        )
+    step = chunk if chunk is not None else chunk_tokens(w.shape[0])
+    grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    return _LinearCrossEntropy.apply(h, w, labels, weights, max(1, step), vocab_start, comm, grad)
