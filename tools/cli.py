@@ -60,7 +60,23 @@ def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script; returns the process exit code."""
+    """Entry point of the console script: runs `argv` (default: the command line) and returns
+    the exit code; a torchrun rank running its own command line (argv None) leaves at once with
+    it, skipping the interpreter's finalization where gloo can abort (a multi-node launch runs
+    `torchrun ... --no-python mixlen train ...`)."""
+    code = run_command(argv)
+    if argv is None:
+        from tools.launch import under_torchrun
+
+        if under_torchrun():
+            from trainer.parallel.procexit import exit_now
+
+            exit_now(code)
+    return code
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    """Run one `mixlen` command line (default: this process's); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else None
     if command is not None:
@@ -93,11 +109,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    from tools.launch import under_torchrun
-
-    if under_torchrun():  # a rank: skip the finalization where gloo can abort
-        from trainer.parallel.procexit import exit_now
-
-        exit_now(code)
-    sys.exit(code)
+    sys.exit(main())

@@ -4,10 +4,15 @@ With `--nproc N > 1` this process becomes a torchrun launcher (`torch.distribute
 rendezvous on this node) that starts N copies of `mixlen train` (gloo on CPU, NCCL on CUDA). Under
 torchrun (RANK/WORLD_SIZE set) it trains directly. Multi-node: run torchrun yourself on every
 node with a run id of its own (the checkpoint lock and a restart recognise the job by it;
-torchrun's default "none" identifies no job), e.g.
+torchrun's default "none" identifies no job), starting the installed `mixlen` command as each
+rank's program (`--no-python`), e.g.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        --rdzv-id my-run-1 -m tools.cli train configs/demo.toml
+        --rdzv-id my-run-1 --no-python mixlen train configs/demo.toml
+
+not `-m tools.cli`: `python -m` puts the working directory first on sys.path, so a project
+folder with its own `tools/` package would run its `tools/cli.py` instead (the console script's
+sys.path starts at its own folder; `--nproc` launches its ranks in safe-path mode, tools.launch).
 """
 
 from __future__ import annotations

@@ -1,14 +1,35 @@
 """Re-running a `mixlen` subcommand as N local ranks through torchrun's own launcher
-(`torch.distributed.run`, standalone rendezvous): `mixlen train --nproc N`, `mixlen eval --nproc N`."""
+(`torch.distributed.run`, standalone rendezvous): `mixlen train --nproc N`, `mixlen eval --nproc N`.
+
+The ranks must import this mixlen, whatever folder the command runs in: `python -m tools.cli`
+would put the working directory first on sys.path, so a user's project with its own `tools/`
+(or `trainer/`, `datapipe/`) package would run in its place. Each rank therefore runs this Python
+in safe-path mode (`-P`: neither the working directory nor a script's folder goes on sys.path),
+with the folder this launcher's packages came from put first (`rank_command`)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+# the folder holding mixlen's packages (datapipe/, trainer/, tools/), as this process found them
+PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rank_command(argv: list[str], root: str = PACKAGES_ROOT) -> list[str]:
+    """The command of one rank running `mixlen ARGV...`: this Python in safe-path mode (-P),
+    unbuffered, with `root` first on sys.path, then `tools.cli.main` (which leaves a rank as the
+    console script does)."""
+    boot = (
+        "import sys; root = " + repr(root) + "\n"
+        "if root not in sys.path: sys.path.insert(0, root)\n"
+        "from tools.cli import main; sys.exit(main())"
+    )
+    return [sys.executable, "-P", "-u", "-c", boot, *argv]
+
 
 def launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
-    """Run `python -m tools.cli ARGV...` on `nproc` local ranks (gloo with one thread each on
+    """Run `mixlen ARGV...` (`rank_command`) on `nproc` local ranks (gloo with one thread each on
     CPU, NCCL on CUDA); the exit code: 2 if a rank stopped on a user error, 128 + the signal if
     the launcher was stopped, else 1 on a failure."""
     import torch
@@ -18,7 +39,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
     if not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; torchrun passes the env on
     cmd = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]
-    cmd += ["--max-restarts", str(max_restarts), "--module", "tools.cli", *argv]
+    cmd += ["--max-restarts", str(max_restarts), "--no-python", *rank_command(argv)]
     try:
         run(get_args_parser().parse_args(cmd))
     except SignalException as exc:  # the launcher was stopped: rank 0 said where

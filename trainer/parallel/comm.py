@@ -349,7 +349,11 @@ def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
 
 def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> None:
     """Start `world` spawned processes running fn(rank, *args); raise the first worker's error,
-    or TimeoutError after `timeout` seconds (the workers are terminated either way)."""
+    or TimeoutError after `timeout` seconds (the workers are terminated either way). A worker
+    imports with this process's sys.path (multiprocessing's spawn hands it over before it
+    unpickles `fn`), so it finds the packages this process found: the working directory comes
+    first only where it did here (`python -m` run in it; `mixlen` and torchrun's ranks started
+    by tools.launch leave it out)."""
     import time
 
     import torch.multiprocessing as mp
