@@ -160,23 +160,31 @@ def test_passkey_scoring_equals_each_case_alone() -> None:
         assert r["answer_loss"] == pytest.approx(loss, rel=1e-9) and r["correct"] == correct
 
 
-def test_mixlen_eval_on_a_checkpoint(tmp_path, capsys) -> None:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[str, str, dict]:
+    """(dataset, checkpoint.dir, the run's summary) of 2 steps on 40 documents."""
+    from _train_worker import make_dataset, train_config
+
+    from trainer.train import run_training
+
+    tmp = tmp_path_factory.mktemp("trained")
+    data = make_dataset(str(tmp / "ds"), n_docs=40)
+    c = train_config(data, str(tmp / "run"), train={"steps": 2, "eval_interval": 2},
+                     parallel={"policy": "single", "capacity": 4096})  # fmt: skip
+    c.data.val_tokens = 1 << 20  # the whole held-out split, as mixlen eval takes it
+    return data, str(tmp / "run" / "ckpt"), run_training(c)
+
+
+def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys) -> None:
     """`mixlen eval CKPT DATA`: a mixlen checkpoint's held-out samples (its val_fraction and
     seed), the table, --json's fields (no `passkey` with --no-passkey), eval.json and the passkey
     heatmap written with --out; the overall loss is the training run's own held-out loss at that
     step."""
-    from _train_worker import make_dataset, train_config
-
     from tools.cli import main as cli_main
-    from trainer.train import run_training
 
-    data = make_dataset(str(tmp_path / "ds"), n_docs=40)
-    c = train_config(data, str(tmp_path / "run"), train={"steps": 2, "eval_interval": 2},
-                     parallel={"policy": "single", "capacity": 4096})  # fmt: skip
-    c.data.val_tokens = 1 << 20  # the whole held-out split, as mixlen eval takes it
-    summary = run_training(c)
+    data, ckpt, summary = trained
     out = tmp_path / "eval"
-    args = ["eval", str(tmp_path / "run" / "ckpt"), data, "--out", str(out), "--passkey-lengths",
+    args = ["eval", ckpt, data, "--out", str(out), "--passkey-lengths",
             "600,1200", "--passkey-depths", "0,1"]  # fmt: skip
     assert cli_main([*args, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
@@ -192,3 +200,73 @@ def test_mixlen_eval_on_a_checkpoint(tmp_path, capsys) -> None:
     assert cli_main([*args[:3], "--no-passkey", "--json"]) == 0
     bare = json.loads(capsys.readouterr().out)
     assert "passkey" not in bare and bare["by_position"] == got["by_position"]
+
+
+def max_tokens_reference(lengths: list[int], n: int) -> list[int]:
+    """The lengths `--max-tokens n` evaluates, by walking the samples: a sample of L tokens
+    predicts L - 1; take whole samples while their predictions fit, then the first k tokens of
+    the next (k predictions, its k-th the sample's next token) to make n."""
+    out, left = [], n
+    for length in lengths:
+        if left <= 0:
+            break
+        if length - 1 <= left:
+            out.append(length)
+            left -= max(length - 1, 0)
+        else:
+            out.append(left)
+            left = 0
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 300))
+def test_max_tokens_cut_equals_the_reference(lengths, n) -> None:
+    """`_evaluated` under --max-tokens n (split all) against the walk above: the same ids in
+    order and the same lengths, the last one cut; never more than n predictions."""
+    from trainer.eval.cli import EvalOptions, _evaluated
+
+    stored = np.array(lengths, dtype=np.int64)
+    opts = EvalOptions(model="m", data="d", split="all", max_tokens=n)
+    ids, got = _evaluated(opts, {}, stored, "d")
+    want = max_tokens_reference(lengths, n)
+    assert got.tolist() == want and ids.tolist() == list(range(len(want)))
+    whole = got == stored[ids]  # a cut sample predicts all its k tokens
+    assert int(np.maximum(got - 1, 0)[whole].sum() + got[~whole].sum()) <= n
+    assert (~whole).sum() <= 1 and (whole.all() or not whole[-1])
+
+
+def test_eval_max_tokens_at_the_boundaries(trained, capsys) -> None:
+    """`mixlen eval --max-tokens N` evaluates exactly N predictions (the report's tokens): N = 1
+    (the first token of the first held-out sample), N = that sample's whole count (it alone,
+    uncut), one more (the second sample's first token too); a sample cut to k tokens has the
+    loss of the whole sample's first k positions, run alone through the checkpoint's model."""
+    from datapipe.fetch import FetchConfig
+    from tools.cli import main as cli_main
+    from trainer.data import held_out_mask
+    from trainer.eval.cli import load_model
+
+    data, ckpt, _ = trained
+    fetcher = FetchConfig().build(data)
+    lengths = np.asarray(fetcher.lengths, dtype=np.int64)
+    ids = np.arange(lengths.size)
+    held = ids[held_out_mask(ids, 0, 0.1)]  # the run's split (train_config: seed 0)
+    sid, first = int(held[0]), int(lengths[held[0]]) - 1
+    assert first > 4 and held.size > 1
+    mb = fetcher.fetch(np.array([[sid, 0, first + 1]], dtype=np.int64))
+    fetcher.close()
+    model = load_model(ckpt, torch.float32, torch.device("cpu")).model
+    with torch.no_grad():
+        tok = torch.from_numpy(mb.input_ids.astype(np.int64))
+        logits = model(tok, torch.arange(tok.numel()))
+    ce = F.cross_entropy(logits[:-1].double(), tok[1:], reduction="none").numpy()
+
+    def evaluate(n: int) -> dict:
+        assert cli_main(["eval", ckpt, data, "--no-passkey", "--json", "--max-tokens", str(n)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    for n, samples in ((1, 1), (2, 1), (first // 2, 1), (first, 1), (first + 1, 2)):
+        got = evaluate(n)
+        assert (got["tokens"], got["samples"]) == (n, samples), (n, got)
+        if samples == 1:
+            assert got["loss"] == pytest.approx(ce[:n].mean(), rel=1e-5), n

@@ -282,3 +282,30 @@ def test_eval_reports_samples_beyond_the_models_context_and_never_a_bare_nan(
     assert f"{got['beyond_context']} samples are longer than the model's context (128" in (
         capsys.readouterr().out
     )
+
+
+def test_eval_nproc_refuses_once_before_any_rank_starts(ds, run, capsys, monkeypatch) -> None:
+    """Round five: under --nproc a checkpoint's missing shard file, a --tp that does not divide
+    the vocabulary and samples longer than the ranks hold were found after torchrun started the
+    ranks, and printed once per rank; now the launcher refuses each once, before any rank
+    starts (as train does), and the planner's error names --capacity and --nproc (it named
+    `num_ranks`), in one process too."""
+    import tools.launch
+
+    def never(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(tools.launch, "launch", never)
+    step = run / "ckpt" / STEP3
+    quiet = ["--no-passkey", "--split", "all"]
+    err = cli_error(["eval", str(run / "ckpt" / "step-00000002"), ds, "--nproc", "4", "--tp", "4",
+                     *quiet], capsys)  # fmt: skip
+    assert "error: --tp 4 does not divide the model's vocab_size (258)" in err, err
+    for nproc in ("2", "1"):
+        err = cli_error(["eval", str(step), ds, "--nproc", nproc, "--capacity", "16", *quiet],
+                        capsys)  # fmt: skip
+        assert "raise --capacity or --nproc" in err and "num_ranks" not in err, err
+    shard = sorted(p for p in step.iterdir() if p.suffix == ".distcp")[0]
+    shard.unlink()
+    err = cli_error(["eval", str(step), ds, "--nproc", "2", *quiet], capsys)
+    assert f"error: {step}: {shard.name} is missing" in err, err

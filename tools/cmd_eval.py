@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=int_in(1, 1 << 40),
         default=None,
-        help="evaluate at most this many tokens",
+        help="evaluate at most this many positions' predictions (the report's tokens), per "
+        "dataset: held-out samples in order, the last one cut to its first tokens to make "
+        "exactly N (a causal model predicts them as in the whole sample)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
     p.add_argument(
@@ -201,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc % args.tp and not under_torchrun():  # a rank's world: setup_runtime checks
         raise ConfigError(f"--tp: {args.tp} does not divide --nproc {args.nproc}")
     if args.nproc > 1 and not under_torchrun():
+        from trainer.eval.cli import preflight
+
+        preflight(opts, args.nproc, args.tp, args.device)  # the ranks' refusals, once, here
         return launch(_without_nproc(args.argv), args.nproc)
     from trainer.eval.cli import run_eval
     from trainer.eval.report import plot_passkey, render

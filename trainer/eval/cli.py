@@ -22,7 +22,7 @@ from datapipe.fetch import FetchConfig
 from datapipe.ingest.tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from datapipe.plan.cost import resolve
 from datapipe.plan.planner import PlannerConfig
-from datapipe.settings import from_mapping
+from datapipe.settings import Names, from_mapping
 from datapipe.shapes import ModelConfig
 from trainer.data import held_out_mask
 from trainer.eval.passkey import make_cases
@@ -34,7 +34,7 @@ from trainer.model.transformer import build, torch_dtype
 from trainer.parallel.executor import HDPExecutor
 from trainer.parallel.runtime import Runtime
 
-__all__ = ["EvalOptions", "LoadedModel", "load_model", "run_eval"]
+__all__ = ["EvalOptions", "LoadedModel", "load_model", "preflight", "run_eval"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -92,10 +92,7 @@ def load_model(
         model = build(pre.shape, "meta", dtype)
         model = (shard(model) if shard else model).to_empty(device=device)
         load_pretrained_weights(model, pre)
-        tok = None
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            tok = HFTokenizer.from_folder(path)
-        return LoadedModel(model, pre.shape, _context(pre.shape), tok, {})
+        return LoadedModel(model, pre.shape, _context(pre.shape), _folder_tokenizer(path), {})
     from trainer.checkpoint.weights import check_weights, read_checkpoint
     from trainer.config.job import TrainerConfig
 
@@ -158,12 +155,19 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int, path: str = "") -> np.ndarra
     return held
 
 
-def _tokenizer(opts: EvalOptions, loaded: LoadedModel, manifest: dict) -> Tokenizer:
+def _folder_tokenizer(path: str) -> Tokenizer | None:
+    """A model folder's tokenizer.json, if it has one."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer.from_folder(path)
+    return None
+
+
+def _tokenizer(opts: EvalOptions, model_tok: Tokenizer | None, manifest: dict) -> Tokenizer:
     """The passkey's tokenizer: --tokenizer, the model folder's, or the dataset's."""
     if opts.tokenizer:
         return TokenizerSpec.parse(opts.tokenizer).build()
-    if loaded.tokenizer is not None:
-        return loaded.tokenizer
+    if model_tok is not None:
+        return model_tok
     spec = manifest.get("tokenizer", {"kind": "bytes"})
     kind, path = spec.get("kind", "bytes"), spec.get("path")
     if kind != "bytes" and not (path and os.path.exists(path)):
@@ -178,16 +182,98 @@ def _sharding(rt: Runtime) -> Callable[[nn.Module], nn.Module] | None:
     """The split of a model over the runtime's TP group (None at tp 1)."""
     if rt.tp == 1:
         return None
-    from trainer.parallel.tensor import check_tp, parallelize
+    from trainer.parallel.tensor import parallelize
 
     def shard(model: nn.Module) -> nn.Module:
-        try:
-            check_tp(model.cfg, rt.tp)
-        except ValueError as exc:
-            raise ConfigError(f"--tp: {exc}") from None
+        _check_tp(model.cfg, rt.tp)
         return parallelize(model, rt.tp_mesh)
 
     return shard
+
+
+def _check_tp(shape: ModelConfig, tp: int) -> None:
+    """ConfigError naming --tp when `shape` cannot be split over `tp` processes."""
+    problem = shape.tp_problem(tp) if tp > 1 else None
+    if problem:
+        raise ConfigError(f"--tp {problem}")
+
+
+def _planner(opts: EvalOptions, run: dict[str, Any], world: int) -> tuple[Any, int]:
+    """The island's planner (--policy, --capacity or the run's, --cost) and its capacity; a
+    planning error names --capacity and --nproc."""
+    cap = int(opts.capacity or run.get("parallel", {}).get("capacity") or 8192)
+    json_cost = bool(opts.cost and opts.cost.endswith(".json"))
+    cost = resolve(None, opts.cost) if json_cost else resolve(opts.cost or "debug", None)
+    names = Names(flags=True).using(num_ranks="--nproc")
+    return PlannerConfig(policy=opts.policy, capacity=cap).build(cost, world, names=names), cap
+
+
+def preflight(opts: EvalOptions, nproc: int, tp: int, device: str = "auto") -> None:
+    """What the ranks of `mixlen eval --nproc N` would refuse before evaluating, refused here
+    once, before torchrun starts them (as `mixlen train` does): the model (a checkpoint's files
+    present at their sizes and its run.json; a folder's config.json and weight files), its split
+    over --tp, the memory it needs, the passkey lengths, and each dataset's vocabulary and
+    evaluated samples fitting the plan of nproc / tp ranks (`device`: --device)."""
+    shape, context, run = _inspect_model(opts.model, opts.dtype, device)
+    _check_tp(shape, tp)
+    world = nproc // tp
+    planner, cap = _planner(opts, run, world)
+    if opts.passkey:
+        _check_passkey_lengths(
+            opts.passkey_lengths or [], context, world, cap, opts.passkey_beyond_context
+        )
+    for _, path in opts.sources or [("", opts.data)]:
+        with ExitStack() as stack:
+            fetcher = FetchConfig().build(path)
+            stack.callback(fetcher.close)
+            _check_vocab(shape, fetcher, path)
+            _, lengths = _evaluated(opts, run, np.asarray(fetcher.lengths, np.int64), path)
+            planner.check_fits(lengths[lengths > 0], f"{path}: the evaluated samples")
+            if opts.passkey:
+                model_tok = _folder_tokenizer(opts.model)
+                _tokenizer(opts, model_tok, fetcher.index.manifest)
+
+
+def _inspect_model(
+    path: str, dtype: str, device: str
+) -> tuple[ModelConfig, int | None, dict[str, Any]]:
+    """(shape, context, the run's settings) of a model folder or checkpoint, its weights
+    unread: a folder's config.json and safetensors headers, or a checkpoint's files against
+    checksums.json (present, at their sizes) and its run.json; the weights' memory on `device`
+    checked."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from trainer.model.pretrained import inspect_pretrained
+
+        pre = inspect_pretrained(path)
+        where = os.path.join(path, "config.json")
+        check_model_fits(pre.shape, dtype, device, lambda k: f"{where}: {SHAPE_KEYS[k]}")
+        return pre.shape, _context(pre.shape), {}
+    from trainer.checkpoint.files import read_checksums, read_json
+    from trainer.checkpoint.save import RUN_FILE
+    from trainer.checkpoint.weights import checkpoint_step_dir
+    from trainer.config.job import TrainerConfig
+
+    step = checkpoint_step_dir(path)
+    try:
+        files = read_checksums(step)
+    except ValueError as exc:
+        raise InputError(f"{step}: {exc}") from None
+    for name, want in sorted(files.items()):
+        file = os.path.join(step, name)
+        got = os.path.getsize(file) if os.path.isfile(file) else None
+        if got != want["bytes"]:
+            what = "is missing" if got is None else f"has {got} bytes, {want['bytes']} were written"
+            raise InputError(f"{step}: {name} {what}")
+    try:
+        run = read_json(os.path.join(step, RUN_FILE))
+    except ValueError as exc:
+        raise InputError(f"{step}/{RUN_FILE}: {str(exc).removeprefix(RUN_FILE + ' is ')}") from None
+    if not isinstance(run, dict) or not isinstance(run.get("config"), dict):
+        raise InputError(f"{step}/{RUN_FILE}: no `config` object (the run's settings)")
+    cfg = from_mapping(TrainerConfig, run["config"])
+    shape = cfg.model.shape()
+    check_model_fits(shape, dtype, device, cfg.model.key_of)
+    return shape, _context(shape), run["config"]
 
 
 def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
@@ -195,19 +281,14 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     loaded = load_model(opts.model, torch_dtype(opts.dtype), rt.device, _sharding(rt))
     t0 = time.perf_counter()
     loaded.model.eval()
-    run = loaded.run
-    par = run.get("parallel", {})
-    cap = opts.capacity or par.get("capacity") or 8192
-    json_cost = bool(opts.cost and opts.cost.endswith(".json"))
-    cost = resolve(None, opts.cost) if json_cost else resolve(opts.cost or "debug", None)
-    planner = PlannerConfig(policy=opts.policy, capacity=int(cap)).build(cost, rt.world)
+    planner, cap = _planner(opts, loaded.run, rt.world)
     if opts.passkey:
         lengths = opts.passkey_lengths or []
-        _check_passkey_lengths(lengths, loaded, rt.world, int(cap), opts.passkey_beyond_context)
+        _check_passkey_lengths(lengths, loaded.context, rt.world, cap, opts.passkey_beyond_context)
     ex = HDPExecutor(loaded.model, None, rt.comm, device=rt.device)
     out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
     datasets = opts.sources or [("", opts.data)]
-    parts = [_evaluate(path, opts, loaded, planner, ex, rt, int(cap)) for _, path in datasets]
+    parts = [_evaluate(path, opts, loaded, planner, ex, rt, cap) for _, path in datasets]
     if opts.sources:  # sources whose held-out split is empty are left out (and named)
         out["left_out"] = [name for (name, _), p in zip(datasets, parts) if p is None]
         datasets = [d for d, p in zip(datasets, parts) if p is not None]
@@ -247,7 +328,7 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     manifest = parts[0].manifest
     out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
-        out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, int(cap))
+        out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, cap)
     return out
 
 
@@ -263,20 +344,17 @@ def _evaluate(
     path: str, opts: EvalOptions, loaded: LoadedModel, planner: Any, ex: HDPExecutor,
     rt: Runtime, cap: int,
 ) -> Evaluated | None:  # fmt: skip
-    """The held-out samples of the dataset at `path` (at most --max-tokens of them), evaluated;
+    """The held-out samples of the dataset at `path` (--max-tokens: `_evaluated`), evaluated;
     None for a mixture's source with none."""
     with ExitStack() as stack:
         fetcher = FetchConfig().build(path)
         stack.callback(fetcher.close)
         _check_vocab(loaded.shape, fetcher, path)
-        lengths = np.asarray(fetcher.lengths, dtype=np.int64)
-        ids = _eval_ids(opts, loaded.run, lengths.size, path)
+        stored = np.asarray(fetcher.lengths, dtype=np.int64)
+        ids, lengths = _evaluated(opts, loaded.run, stored, path)
         if ids.size == 0:  # a mixture's source with no held-out sample
             return None
-        if opts.max_tokens:
-            n = int(np.searchsorted(np.cumsum(lengths[ids]), opts.max_tokens, side="right"))
-            ids = ids[: max(n, 1)]
-        plans = planned_batches(planner, ids, lengths[ids], rt.world * cap)
+        plans = planned_batches(planner, ids, lengths, rt.world * cap)
         buckets = evaluate_samples(ex, fetched(plans, fetcher.fetch_step, rt.rank), rt.rank)
         manifest = fetcher.index.manifest
     if not buckets.tokens:
@@ -284,19 +362,42 @@ def _evaluate(
             f"{path}: the {ids.size:,} evaluated samples hold no labelled position (each "
             "has fewer than 2 tokens)"
         )
-    return Evaluated(buckets, lengths[ids], manifest)
+    return Evaluated(buckets, lengths, manifest)
+
+
+def _evaluated(
+    opts: EvalOptions, run: dict[str, Any], stored: np.ndarray, path: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(sample ids, the lengths evaluated) of the dataset at `path` whose samples have `stored`
+    lengths: the held-out ones in order; with --max-tokens N, those whose labelled positions
+    (n - 1 of a sample of n tokens) fit in N all together, and the first tokens of the next one
+    to make exactly N: a prefix of k tokens predicts k labels (its last one the sample's next
+    stored token), the same predictions a causal model makes on the whole sample there."""
+    ids = _eval_ids(opts, run, stored.size, path)
+    lengths = stored[ids]
+    if not opts.max_tokens or ids.size == 0:
+        return ids, lengths
+    reach = np.cumsum(np.maximum(lengths - 1, 0))  # labelled positions through each sample
+    whole = int(np.searchsorted(reach, opts.max_tokens, side="right"))
+    if whole == ids.size:
+        return ids, lengths
+    left = opts.max_tokens - (int(reach[whole - 1]) if whole else 0)
+    ids, lengths = ids[: whole + (left > 0)].copy(), lengths[: whole + (left > 0)].copy()
+    if left > 0:
+        lengths[whole] = left
+    return ids, lengths
 
 
 def _check_passkey_lengths(
-    lengths: list[int], loaded: LoadedModel, world: int, cap: int, beyond: bool = False
+    lengths: list[int], context: int | None, world: int, cap: int, beyond: bool = False
 ) -> None:
     """ConfigError naming --passkey-lengths for a length beyond the model's declared context
     (unless `beyond`: --passkey-beyond-context) or beyond what the island's ranks hold (checked
     before anything is evaluated)."""
-    if loaded.context and not beyond and any(n > loaded.context for n in lengths):
-        n = next(n for n in lengths if n > loaded.context)
+    if context and not beyond and any(n > context for n in lengths):
+        n = next(n for n in lengths if n > context)
         raise ConfigError(
-            f"--passkey-lengths: {n:,} is longer than the model's context, {loaded.context:,} "
+            f"--passkey-lengths: {n:,} is longer than the model's context, {context:,} "
             "(its max_position_embeddings); give lengths within it, or --passkey-beyond-context "
             "to measure a model before its context is extended"
         )
@@ -321,7 +422,7 @@ def _check_vocab(shape: ModelConfig, fetcher: Any, data: str) -> None:
 def _passkey(opts, loaded, manifest, planner, ex, rt, cap: int) -> list[dict[str, Any]]:
     """The passkey cases at every length (default: powers of two from 1,024 to the model's
     context, or to what the island holds) and depth."""
-    tok = _tokenizer(opts, loaded, manifest)
+    tok = _tokenizer(opts, loaded.tokenizer, manifest)
     limit = rt.world * cap
     top = min(loaded.context or limit, limit)
     lengths = opts.passkey_lengths or [1024 << i for i in range(40) if 1024 << i <= top] or [top]
