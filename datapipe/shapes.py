@@ -341,6 +341,21 @@ class ModelConfig:
         low = 4 * self.dim + 2 * self.q_dim + 2 * kv + 4 * self.ffn_dim
         return float(dtype_bytes * low + acc * (2 * self.dim + self.n_heads + 2))
 
+    def loss_bytes(self, positions: int, dtype_bytes: int, tp: int = 1) -> float:
+        """Device bytes the chunked loss (trainer.model.loss) holds for a micro-batch of
+        `positions`, beyond the blocks' activations: dL/dh [positions, dim] in the compute dtype
+        and dL/dW of this process's vocabulary rows in float32, kept from the forward to the
+        backward, plus three chunks of float32 logits while it runs (logits, softmax in their
+        place, one transient). Whole float32 logits and their log-softmax, which it replaces,
+        would be 8 x vocab_size bytes a position."""
+        rows = self.vocab_size // tp
+        acc = max(int(dtype_bytes), 4)
+        chunk = min(LOSS_CHUNK_BYTES, positions * rows * 4)
+        return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + 3 * chunk)
+
+
+LOSS_CHUNK_BYTES = 256 << 20  # one chunk of the loss's float32 logits: at most this many bytes
+
 
 def _llama_ffn(dim: int, multiple_of: int, multiplier: float = 1.0) -> int:
     hidden = int(multiplier * int(8 * dim / 3))

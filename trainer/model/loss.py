@@ -23,15 +23,14 @@ from typing import Any
 import torch
 
 from datapipe.plan.loss import IGNORE_INDEX
+from datapipe.shapes import LOSS_CHUNK_BYTES
 from trainer.attention.local import accum_dtype
 from trainer.parallel.comm import Communicator
 
-__all__ = ["CHUNK_LOGIT_BYTES", "chunk_tokens", "linear_cross_entropy"]
-
-CHUNK_LOGIT_BYTES = 256 << 20  # one chunk's float32 logits: at most this many bytes
+__all__ = ["chunk_tokens", "linear_cross_entropy"]
 
 
-def chunk_tokens(vocab_rows: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
+def chunk_tokens(vocab_rows: int, budget: int = LOSS_CHUNK_BYTES) -> int:
     """Tokens per chunk so that a chunk's float32 logits over `vocab_rows` fit in `budget`."""
     return max(1, budget // (4 * max(1, vocab_rows)))
 
