@@ -40,6 +40,7 @@ from datapipe.plan.loss import (
 from datapipe.plan.stepplan import PlannedMicroBatch, StepPlan
 from trainer.attention.local import LocalAttention, accum_dtype
 from trainer.attention.ring import RingAttention
+from trainer.attention.varlen import to_device
 from trainer.offload.manager import ActivationManager, MicrobatchStats
 from trainer.offload.plan import PlanOffload
 from trainer.parallel.comm import Communicator, CountingComm
@@ -217,15 +218,16 @@ class HDPExecutor:
         """Forward (and backward if grad) of one micro-batch; returns the detached loss sum.
         `weight_by_id`: each sample's label weight (the "sequence" rule; None: 1)."""
         dev = self.device
-        ids = torch.from_numpy(mb.input_ids).to(dev)
-        pos = torch.from_numpy(mb.position_ids).to(dev)
-        labels = torch.from_numpy(mb.labels).to(dev)
+        # pinned, non-blocking host-to-device copies on CUDA: the host goes on to the layers
+        ids, pos, labels = (to_device(a, dev) for a in (mb.input_ids, mb.position_ids, mb.labels))
         kw = {}
         if weight_by_id is not None:  # each position weighs its sample's weight
             pieces = np.asarray(mb.pieces, dtype=np.int64).reshape(-1, 3)
             per_piece = np.array([weight_by_id[int(s)] for s in pieces[:, 0]], np.float64)
             w = np.repeat(per_piece, pieces[:, 2] - pieces[:, 1])
-            kw["label_weights"] = torch.from_numpy(w).to(dev, self.acc_dtype)
+            kw["label_weights"] = to_device(
+                w.astype(np.float32 if self.acc_dtype == torch.float32 else np.float64), dev
+            )
         attn = self._attention(pm, mb, lengths_by_id)
         # offload / checkpointing of the blocks (a context yielding None: plain)
         acts: contextlib.AbstractContextManager[MicrobatchStats | None] = contextlib.nullcontext()

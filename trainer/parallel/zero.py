@@ -160,12 +160,13 @@ class ZeroOptimizer:
         self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     ) -> None:
         """The inner AdamW over the slice, its state allocated now (checkpoints load into it)."""
+        fused = self.master.is_cuda and self.master.dtype == torch.float32  # one launch, on CUDA
         self.optimizer = torch.optim.AdamW(
-            [self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+            [self.master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused
         )
         state = self.optimizer.state[self.master]
-        f64 = torch.get_default_dtype() == torch.float64
-        state["step"] = torch.zeros((), dtype=torch.float64 if f64 else torch.float32)
+        dt = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.zeros((), dtype=dt, device=self.master.device if fused else "cpu")
         state["exp_avg"] = torch.zeros_like(self.master)
         state["exp_avg_sq"] = torch.zeros_like(self.master)
         self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
