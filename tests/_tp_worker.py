@@ -98,12 +98,53 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
             "logit_err": logit_err,
             "held": held,
             "is_dtensor": isinstance(model.layers[0].attention.wq.weight, DTensor),
+            "bf16": bf16_errors(cfg, mesh, group),
         }
     report["offload"] = offload_check(rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def bf16_errors(cfg: ModelConfig, mesh: object, group: int) -> dict[str, dict[str, float]]:
+    """The plain and the tensor-parallel decoder in bfloat16 (the float64 reference's weights
+    rounded), each against the float64 reference on the same micro-batch: the relative error of
+    the loss, and the largest error of the logits and of the gradients relative to the
+    reference's largest magnitude (tests/test_tensor_parallel.py compares the two)."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.tensor import parallelize
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).double()
+
+    ids, pos, cu, labels = batch(group)
+    runs = {}
+    for name in ("ref", "plain", "tp"):
+        model = reference(cfg, seed=7)
+        if name != "ref":
+            model = model.to(torch.bfloat16)
+        if name == "tp":
+            parallelize(model, mesh)
+        loss, _ = model(ids, pos, cu, labels)
+        (loss / 29.0).backward()
+        with torch.no_grad():
+            logits = whole(model(ids, pos, cu))
+        grads = {k: whole(p.grad) for k, p in model.named_parameters()}
+        runs[name] = (float(loss.detach()), logits, grads)
+    ref_loss, ref_logits, ref_grads = runs["ref"]
+    out = {}
+    for name in ("plain", "tp"):
+        loss, logits, grads = runs[name]
+        out[name] = {
+            "loss": abs(loss - ref_loss) / abs(ref_loss),
+            "logits": float((logits - ref_logits).abs().max() / ref_logits.abs().max()),
+            "grads": max(
+                float((grads[k] - g).abs().max() / g.abs().max()) for k, g in ref_grads.items()
+            ),
+        }
+    return out
 
 
 def saved_bytes(model: torch.nn.Module, inputs: tuple) -> list[int]:
