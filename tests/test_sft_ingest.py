@@ -231,3 +231,26 @@ def test_template_refusals(tmp_path):
     res = run(tmp_path, [tmp_path / "c.jsonl"], name="o3", tokenizer_from=folder)
     assert "no chat template in the tokenizer folder" in res.bad_examples[0][1]
     assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
+
+
+def test_profile_shows_trained_share_by_length_bucket(qwen, tmp_path, capsys):
+    """`mixlen profile --json`: per power-of-two length bucket, the trained tokens (read back from
+    the shards) and their share; the table prints a % trained column."""
+    from tools.cli import main as cli_main
+
+    rows = [{"messages": c} for c in CONVERSATIONS] + [{"text": "t " * n} for n in (3, 40, 90)]
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    res = run(tmp_path, [tmp_path / "c.jsonl"], tokenizer_from=qwen)
+    got = read_masked_rows(res.out, res.manifest)
+    assert cli_main(["profile", res.out, "--json"]) == 0
+    prof = json.loads(capsys.readouterr().out)
+    want: dict[int, list[int]] = {}
+    for toks, mask in got.values():
+        lo = 1 << (len(toks).bit_length() - 1)
+        w = want.setdefault(lo if lo > 1 else 0, [0, 0])
+        w[0] += int(mask[1:].sum())
+        w[1] += len(toks)
+    assert {b["lo"]: [b["loss_tokens"], b["tokens"]] for b in prof["buckets"]} == want
+    assert prof["num_loss_tokens"] == res.manifest["num_loss_tokens"]
+    assert cli_main(["profile", res.out]) == 0
+    assert "% trained" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from datapipe.index import read_lengths, read_manifest
+    from datapipe.index import read_lengths, read_loss_tokens, read_manifest
     from datapipe.profile import format_profile, length_profile
 
     if args.capacity is not None and args.capacity < 1:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     (path,) = args.dir
     read_manifest(path)
     lengths = read_lengths(path)
-    prof = length_profile(lengths, args.capacity)
+    prof = length_profile(lengths, args.capacity, read_loss_tokens(path))
     if args.plot:
         from datapipe.profile import plot_profile
 
