@@ -44,6 +44,15 @@ SCENARIOS = [
     ("co2-warmup", "co2", CO2Config(tau=2, outer_lr=0.8, outer_momentum=0.6,
                                     staleness_lambda=0.5, warmup_rounds=1, warmup_outer_lr=0.9)),
     ("sync", "sync", CO2Config(mode="sync")),
+    # STEPS not a multiple of tau: the last round is partial (trainer/islands/README.md)
+    ("co2-partial", "co2", CO2Config(tau=4, outer_lr=0.8, outer_momentum=0.6, nesterov=True,
+                                     staleness_lambda=0.5, clip="value", clip_value=2e-3,
+                                     warmup_rounds=0)),
+    ("co2-warmup-partial", "co2", CO2Config(tau=4, outer_lr=0.8, outer_momentum=0.6,
+                                            staleness_lambda=0.5, warmup_rounds=2,
+                                            warmup_outer_lr=0.9)),
+    ("diloco-partial", "diloco", CO2Config(mode="diloco", tau=4, outer_lr=0.7,
+                                           outer_momentum=0.8, nesterov=False)),
 ]  # fmt: skip
 
 
@@ -181,11 +190,11 @@ def reference(mode: str, c: CO2Config) -> dict:
                 losses[j].append(loss)
         return {"losses": losses, "weights": isl[0].flat()}
     anchor, st, pending = isl[0].flat(), {}, None
-    for t in range(STEPS // c.tau):
+    for t in range(-(-STEPS // c.tau)):  # a last round of STEPS mod tau steps ends with the run
         deltas = []
         for j in range(ISLANDS):
             isl[j].set(anchor)
-            for s in range(t * c.tau, (t + 1) * c.tau):
+            for s in range(t * c.tau, min((t + 1) * c.tau, STEPS)):
                 losses[j].append(isl[j].step(fetcher, batches[s * ISLANDS + j]))
             deltas.append(anchor - isl[j].flat())
         if c.tau == 1 and c.outer_momentum == 0 and c.outer_lr == 1 and not c.overlapped:
@@ -235,6 +244,7 @@ def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
     out: dict = {}
     losses, weights = _trained(cfg("straight"), rt)
     out["straight"] = losses
+    out["island_batches"] = island_batches(cfg("straight"), rt)
     for stop in (3, 4):
         a, _ = _trained(cfg(f"stop{stop}", train={"stop_after": stop}), rt)
         b, w = _trained(cfg(f"stop{stop}", checkpoint={"resume": True}), rt)
@@ -244,7 +254,8 @@ def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
     # after the last step every island holds the final anchor
     everyone = rt.cross_comm.all_gather(weights) if rt.cross_comm.size > 1 else [weights]
     assert all(torch.equal(x, weights) for x in everyone), "islands end with different weights"
-    dl, dw = _trained(cfg("diloco", train={"steps": 4}, co2={"tau": 2, "mode": "diloco"}), rt)
+    # 5 steps of tau 2: the last round (step 5) is partial and ends with the run
+    dl, dw = _trained(cfg("diloco", train={"steps": 5}, co2={"tau": 2, "mode": "diloco"}), rt)
     assert all(torch.equal(x, dw) for x in rt.cross_comm.all_gather(dw))
     out["diloco"] = dl
     sl, _ = _trained(cfg("sync", train={"steps": 3}, co2={"mode": "sync"}), rt)
@@ -252,6 +263,21 @@ def trainer_runs(rt, data_dir: str, out_dir: str) -> dict:
     assert all(torch.equal(x, got[0]) for x in got), "sync islands report different losses"
     out["sync"] = sl
     return out
+
+
+def island_batches(cfg, rt) -> list[list[list[int]]]:
+    """Every island's [tokens, samples, labelled positions] of each step of `cfg`, from its
+    stream (what each island trained on; the reference of the run's metrics, summed by hand)."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        stream = cfg.train_data(rt.rank, rt.world, stack, island=rt.island, validation=False).stream
+        mine = []
+        for _ in range(cfg.train.steps):
+            b = next(stream)
+            mine.append([int(b.lengths.sum()), len(b.lengths), labelled_positions(b.lengths)])
+    every = rt.cross_comm.all_gather(torch.tensor(mine, dtype=torch.int64))
+    return [x.tolist() for x in every]
 
 
 def main(rank: int, world: int, port: int, data_dir: str, out_dir: str) -> None:

@@ -78,6 +78,80 @@ def test_modes_equal_plain_references_threads(name):
         assert [r.get("co2_applied") for r in out[0]["records"]] == [None, None, True] * 2
 
 
+@pytest.mark.parametrize("mixture", [False, True])
+@pytest.mark.parametrize("summed", [False, True])
+def test_metrics_records_cover_every_island(summed, mixture):
+    """A step's metrics cover the whole run (trainer.metrics.world_figures): 2 islands x 2 ranks
+    x tp 2 (8 fake processes), each island's figures drawn at random. Every process ends with the
+    plain sums over the islands of tokens, samples, tokens by source and boosted tokens; the
+    labelled-weighted loss (with each island's) unless sync already summed loss and labels; the
+    slowest island's step time and data wait, and the run's tokens over that time; an island's
+    own figures (its ranks, its gradient norm: global rank 0 writes island 0's) untouched."""
+    from types import SimpleNamespace
+
+    from trainer.metrics import world_figures
+    from trainer.testing.threads import run_threads
+
+    isl, ranks, tp = 2, 2, 2
+    rng = np.random.default_rng(11)
+    made = []
+    for _ in range(isl):
+        rec = {
+            "tokens": int(rng.integers(100, 5000)),
+            "samples": int(rng.integers(1, 50)),
+            "labelled": int(rng.integers(50, 4000)),
+            "loss": float(rng.uniform(1, 5)),
+            "step_time_s": float(rng.uniform(0.1, 2)),
+            "data_wait_s": float(rng.uniform(0, 0.2)),
+            "compute_time_s_per_rank": rng.uniform(0, 1, ranks).tolist(),
+            "grad_norm": float(rng.uniform(0, 1)),
+        }
+        above = None
+        if mixture:
+            rec["tokens_by_source"] = {n: int(rng.integers(0, 900)) for n in ("web", "code", "x")}
+            above = {"code": {1024: int(rng.integers(0, 99)), 4096: int(rng.integers(0, 9))}}
+        made.append((rec, above))
+    if summed:  # sync: the executor's loss and labelled positions are already the run's
+        for rec, _ in made:
+            rec["loss"], rec["labelled"] = made[0][0]["loss"], made[0][0]["labelled"]
+
+    def body(comm):
+        j, rest = divmod(comm.rank, ranks * tp)
+        rt = SimpleNamespace(islands=isl, island=j, rank=rest // tp, tp_rank=rest % tp,
+                             run_comm=comm, device=torch.device("cpu"))  # fmt: skip
+        rec, above = json.loads(json.dumps(made[j]))  # a copy (JSON makes int keys strings)
+        above = {k: {int(t): n for t, n in v.items()} for k, v in above.items()} if above else None
+        return rec, world_figures(rec, above, rt, summed)
+
+    recs = [r for r, _ in made]
+    want = {k: sum(r[k] for r in recs) for k in ("tokens", "samples")}
+    step_s = max(r["step_time_s"] for r in recs)
+    labels = sum(r["labelled"] for r in recs)
+    for g, (rec, above) in enumerate(run_threads(isl * ranks * tp, body)):
+        own = recs[g // (ranks * tp)]  # its island's own figures stay its island's
+        assert {k: rec[k] for k in want} == want
+        assert rec["step_time_s"] == step_s
+        assert rec["data_wait_s"] == max(r["data_wait_s"] for r in recs)
+        assert rec["tokens_per_s"] == pytest.approx(want["tokens"] / step_s, rel=1e-12)
+        assert rec["compute_time_s_per_rank"] == own["compute_time_s_per_rank"]
+        assert rec["grad_norm"] == own["grad_norm"]
+        if summed:
+            assert (rec["loss"], rec["labelled"]) == (recs[0]["loss"], recs[0]["labelled"])
+            assert "loss_by_island" not in rec
+        else:
+            assert rec["labelled"] == labels
+            mean = sum(r["loss"] * r["labelled"] for r in recs) / labels
+            assert rec["loss"] == pytest.approx(mean, rel=1e-12)
+            assert rec["loss_by_island"] == pytest.approx([r["loss"] for r in recs], rel=1e-12)
+        if mixture:
+            assert rec["tokens_by_source"] == {
+                n: sum(r["tokens_by_source"][n] for r in recs) for n in ("web", "code", "x")
+            }
+            assert above == {"code": {t: sum(a["code"][t] for _, a in made) for t in (1024, 4096)}}
+        else:
+            assert "tokens_by_source" not in rec and above is None
+
+
 def test_model_state_prefixes_islands_and_shares_outer_state():
     """co2/diloco checkpoints keep each island's weights and optimizer under its prefix and the
     outer state once (same keys on every island); sync keeps one unprefixed copy."""
@@ -113,8 +187,23 @@ def test_islands_gloo_processes(dataset, tmp_path):
         assert r["groups"] == [1, 2]
     tr = res["trainer"]
     assert len(tr["straight"]) == 6 and tr["stop3"][0] == tr["straight"][:3]
-    assert len(tr["diloco"]) == 4 and len(tr["sync"]) == 3
+    assert len(tr["diloco"]) == 5 and len(tr["sync"]) == 3
     recs = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    # each record covers both islands: tokens, samples and labelled positions summed over what
+    # each island's stream gave it, the loss over both islands' labelled positions
+    per_island = np.array(tr["island_batches"])  # [island, step, (tokens, samples, labelled)]
+    want = per_island.sum(axis=0)
+    assert [[r["tokens"], r["samples"], r["labelled"]] for r in recs] == want.tolist()
+    for r, rows in zip(recs, per_island.transpose(1, 0, 2)):
+        mean = sum(lo * n for lo, n in zip(r["loss_by_island"], rows[:, 2])) / rows[:, 2].sum()
+        assert r["loss"] == pytest.approx(mean, rel=1e-12)
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-12)
+    head = (tmp_path / "straight" / "balance.md").read_text().splitlines()[0]
+    assert f"6 steps, {int(want[:, 0].sum())} tokens" in head and "2 islands" in head
+    # diloco, 5 steps of tau 2: the partial last round (step 5) is averaged and applied too
+    dl = [json.loads(x) for x in open(tmp_path / "diloco" / "metrics.jsonl")]
+    assert [r["step"] for r in dl if r.get("co2_applied")] == [2, 4, 5]
+    assert dl[-1]["co2_final"] is True and dl[-1]["co2_round"] == 3
     boundary = [r for r in recs if "co2_applied" in r]
     assert [r["step"] for r in boundary] == [2, 4, 6]
     # warmup_rounds 1: round 1 applies its own average, round 2 travels during round 3

@@ -4,6 +4,17 @@ compact console line per step and a progress bar. Only the island's rank 0 write
 Imbalance is max / mean over the ranks of the step (1.0 = perfect): `imbalance_measured` from the
 ranks' measured compute spans (first micro-batch start to last micro-batch end, ring waits
 included), `imbalance_planned` from the plan's slot-order replay of estimated times.
+
+With several islands a record covers the whole run (`world_figures`, one all-reduce over the
+run's processes per step): `tokens`, `samples`, `labelled`, `tokens_by_source` and the run's
+mixture table are summed over the islands, `loss` is over every island's labelled positions
+(co2 and diloco also record each island's as `loss_by_island`), `step_time_s` and `data_wait_s`
+are the slowest island's and `tokens_per_s` is the run's tokens over that step time. Island 0's
+alone (its plan, its ranks, its gradient): the per-rank lists, both imbalances,
+`planned_makespan_s`, `policy`, `grad_norm` (co2 and diloco; sync's is the run's), `epoch`, the
+validation figures, and global rank 0's own `comm_time_s`, `allreduce_bytes`,
+`grad_comm_wait_s`, `grad_comm_hidden`, `cross_wait_s`; the balance report's rank table is island
+0's ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +30,14 @@ from datapipe.files import write_text_atomic
 from datapipe.settings import setting
 from trainer.logs import get_logger
 
-__all__ = ["BalanceSummary", "MetricsConfig", "MetricsWriter", "imbalance", "step_record"]
+__all__ = [
+    "BalanceSummary",
+    "MetricsConfig",
+    "MetricsWriter",
+    "imbalance",
+    "step_record",
+    "world_figures",
+]
 
 
 @dataclass
@@ -97,6 +115,51 @@ def step_record(
     }
 
 
+def world_figures(
+    rec: dict[str, Any],
+    above: dict[str, dict[int, int]] | None,
+    rt: Any,
+    summed: bool,
+) -> dict[str, dict[int, int]] | None:
+    """Make island figures of the step record `rec` the whole run's, in place (see the module
+    docstring), and return `above` (a mixture's boosted tokens, datapipe's tokens_above) summed
+    over the islands. Collective over `rt.run_comm` (every process of the run calls it; each
+    island's rank 0, TP index 0, brings its island's figures). `summed`: sync mode, whose loss
+    and labelled positions the executor already summed across islands."""
+    import torch
+
+    by_source = rec.get("tokens_by_source", {})
+    boosted = [(name, t) for name, by in (above or {}).items() for t in by]
+    head = ["tokens", "samples", "labelled", "loss", "step_time_s", "data_wait_s"]
+    rows = torch.zeros(rt.islands, len(head) + len(by_source) + len(boosted), dtype=torch.float64)
+    if rt.rank == 0 and getattr(rt, "tp_rank", 0) == 0:
+        mine = [rec[k] for k in head]
+        mine[3] *= rec["labelled"]  # the island's loss sum
+        mine += list(by_source.values()) + [above[name][t] for name, t in boosted]  # type: ignore[index]
+        rows[rt.island] = torch.tensor(mine, dtype=torch.float64)
+    rows = rows.to(rt.device)  # NCCL reduces CUDA tensors
+    rt.run_comm.all_reduce(rows)
+    rows = rows.cpu()
+    total = rows.sum(0).tolist()
+    for i, key in enumerate(("tokens", "samples")):
+        rec[key] = int(round(total[i]))
+    if not summed:
+        rec["labelled"] = int(round(total[2]))
+        rec["loss_by_island"] = (rows[:, 3] / rows[:, 2].clamp(min=1)).tolist()
+        rec["loss"] = total[3] / max(total[2], 1)
+    rec["step_time_s"] = float(rows[:, 4].max())
+    rec["data_wait_s"] = float(rows[:, 5].max())
+    step_s = rec["step_time_s"]
+    rec["tokens_per_s"] = rec["tokens"] / step_s if step_s > 0 else 0.0
+    n = len(head)
+    if by_source:
+        rec["tokens_by_source"] = {k: int(round(total[n + i])) for i, k in enumerate(by_source)}
+    out: dict[str, dict[int, int]] | None = None if above is None else {k: {} for k in above}
+    for i, (name, t) in enumerate(boosted):
+        out[name][t] = int(round(total[n + len(by_source) + i]))  # type: ignore[index]
+    return out
+
+
 def imbalance(times: Any) -> float:
     """max / mean of per-rank times (1.0 when all equal or all zero)."""
     t = np.asarray(times, dtype=np.float64)
@@ -119,6 +182,7 @@ class BalanceSummary:
     mix_target: dict[str, float] | None = None  # and the tokens its shares in force asked for
 
     mix_above: dict[str, dict[int, int]] | None = None  # boosted sources: tokens >= threshold
+    islands: int = 1  # several: the rank table is island 0's ranks, the rest the whole run's
 
     def add_mix(
         self,
@@ -166,7 +230,12 @@ class BalanceSummary:
             return "no steps\n"
         lines = [
             f"balance report: policy {policy}, {self.steps} steps, {self.tokens} tokens, "
-            f"{self.step_time_s:.2f} s of steps",
+            f"{self.step_time_s:.2f} s of steps"
+            + (
+                f" ({self.islands} islands; the ranks below are island 0's)"
+                if self.islands > 1
+                else ""
+            ),
             "",
             "| rank | micro-batches | measured compute s | planned s | measured share | planned share |",
             "| --- | --- | --- | --- | --- | --- |",

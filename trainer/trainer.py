@@ -41,7 +41,7 @@ from trainer.hooks import (
 )
 from trainer.islands.cross import CrossIsland, cross_link
 from trainer.logs import get_logger
-from trainer.metrics import BalanceSummary, MetricsWriter, step_record
+from trainer.metrics import BalanceSummary, MetricsWriter, step_record, world_figures
 from trainer.model.config import pretrained_of
 from trainer.model.pretrained import load_pretrained_weights
 from trainer.model.transformer import build_model, torch_dtype
@@ -218,7 +218,7 @@ class Trainer:
         if rt.global_rank == 0:
             write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
         self.metrics.set_start(self.start_step)
-        self.balance = BalanceSummary()
+        self.balance = BalanceSummary(islands=rt.islands)
         if self.activations is not None:
             cost = self.data.planner.cost
             n_layers = cfg.model.shape().n_layers
@@ -263,13 +263,20 @@ class Trainer:
         outer = self._outer_step(step)
         step_s = time.perf_counter() - t0 + item.wait_s
         planned = (plan.rank_time_ns / 1e9).tolist()
-        self.balance.add(res.compute_s, planned, res.microbatches, step_s, res.tokens)
         rec = step_record(step, batch, plan, res, lr, item.wait_s, step_s)
+        above = None
         if self.data.mixture:  # tokens by source, against the shares in force
             rec["tokens_by_source"] = self.data.tokens_by_source(batch)
             rec["stage"] = item.stream_state["stage"]
-            target = dict(zip(self.data.source_names, item.stream_state["segment"]["weights"]))
             above = self.data.stream.tokens_above(batch)
+        if self.rt.islands > 1:  # the whole run's tokens, samples, loss, step time
+            summed = self.executor.cross_comm is not None  # sync: loss and labels already
+            above = world_figures(rec, above, self.rt, summed)
+        self.balance.add(
+            res.compute_s, planned, res.microbatches, rec["step_time_s"], rec["tokens"]
+        )
+        if self.data.mixture:
+            target = dict(zip(self.data.source_names, item.stream_state["segment"]["weights"]))
             self.balance.add_mix(rec["tokens_by_source"], target, above)
         rec.update(outer)
         rec.update(self.memory_record())
