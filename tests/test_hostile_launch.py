@@ -92,7 +92,9 @@ def test_launch_hands_torchrun_the_rank_command(monkeypatch) -> None:
 def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None:
     """`mixlen train CFG --nproc 2` run from a folder holding `tools/cli.py`, `trainer/` and
     `datapipe/` packages that exit 97 when imported: both ranks train mixlen's model (one record
-    per step with both ranks' compute times), and nothing of the folder is imported."""
+    per step with both ranks' compute times, rank 0's summary logged), and nothing of the folder
+    is imported. It asserts what tests/test_train.py::test_cli_nproc_launch does, from such a
+    folder and through the console script."""
     from _train_worker import make_dataset, train_config
 
     from trainer.config.toml import to_toml
@@ -106,7 +108,7 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
     cfg.write_text(to_toml(c))
     cwd = shadow_project(tmp_path / "project")
     proc = subprocess.run(
-        [str(MIXLEN), "train", str(cfg), "--nproc", "2", "--quiet"],
+        [str(MIXLEN), "train", str(cfg), "--nproc", "2"],
         cwd=cwd,
         env={**_env(), "MIXLEN_DIST_TIMEOUT": "60"},
         capture_output=True,
@@ -118,3 +120,4 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
     recs = [json.loads(x) for x in open(run / "metrics.jsonl")]
     assert [r["step"] for r in recs] == [1, 2]
     assert all(len(r["compute_time_s_per_rank"]) == 2 for r in recs)
+    assert "metrics:" in proc.stderr  # rank 0's summary, logged (trainer.logs: stderr)
