@@ -300,7 +300,7 @@ def test_eval_nproc_refuses_once_before_any_rank_starts(ds, run, capsys, monkeyp
     quiet = ["--no-passkey", "--split", "all"]
     err = cli_error(["eval", str(run / "ckpt" / "step-00000002"), ds, "--nproc", "4", "--tp", "4",
                      *quiet], capsys)  # fmt: skip
-    assert "error: --tp 4 does not divide the model's vocab_size (258)" in err, err
+    assert "error: --tp: 4 does not divide the model's vocab_size (258)" in err, err
     for nproc in ("2", "1"):
         err = cli_error(["eval", str(step), ds, "--nproc", nproc, "--capacity", "16", *quiet],
                         capsys)  # fmt: skip

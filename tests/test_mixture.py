@@ -373,14 +373,14 @@ def test_mixlen_eval_on_a_mixture_reports_each_source_as_training_did(
 
 
 def test_passkey_beyond_the_declared_context_only_when_asked() -> None:
-    from trainer.eval.cli import LoadedModel, _check_passkey_lengths
+    from trainer.eval.cli import _check_passkey_lengths
 
-    model = LoadedModel(None, None, 1024, None, {})  # type: ignore[arg-type]
+    context = 1024  # the model's declared context
     with pytest.raises(ConfigError, match="--passkey-beyond-context"):
-        _check_passkey_lengths([1024, 4096], model, 2, 4096)
-    _check_passkey_lengths([1024, 4096], model, 2, 4096, beyond=True)  # before an extension
+        _check_passkey_lengths([1024, 4096], context, 2, 4096)
+    _check_passkey_lengths([1024, 4096], context, 2, 4096, beyond=True)  # before an extension
     with pytest.raises(ConfigError, match="more than 2 ranks"):  # the ranks still bound it
-        _check_passkey_lengths([16384], model, 2, 4096, beyond=True)
+        _check_passkey_lengths([16384], context, 2, 4096, beyond=True)
 
 
 @pytest.mark.timeout(240)

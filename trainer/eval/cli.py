@@ -195,7 +195,7 @@ def _check_tp(shape: ModelConfig, tp: int) -> None:
     """ConfigError naming --tp when `shape` cannot be split over `tp` processes."""
     problem = shape.tp_problem(tp) if tp > 1 else None
     if problem:
-        raise ConfigError(f"--tp {problem}")
+        raise ConfigError(f"--tp: {problem}")
 
 
 def _planner(opts: EvalOptions, run: dict[str, Any], world: int) -> tuple[Any, int]:
