@@ -392,6 +392,18 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         ffn_dim=_llama_ffn(8192, 4096, 1.3),
         tie_embeddings=False,
     ),
+    # Llama 3.2 1B's shape (its RoPE scaling left out: the GPU benchmarks train it from random
+    # weights at the lengths they measure)
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
     "llama3-70b": ModelConfig(
         vocab_size=128256,
         dim=8192,

@@ -167,3 +167,55 @@ def test_ring_blocks_on_the_kernels_through_four_threaded_ranks(backend) -> None
         close(g, r, tol)
     kind = "flash" if backend == "cuda_flash" else "efficient"
     assert fakes.calls[f"{kind}_forward"] == 4 * 4  # one call per hop per member
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the real kernels)")
+
+
+@CUDA
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_kernels_equal_the_math_reference(dtype, tol, causal) -> None:  # pragma: no cover
+    """On a GPU, torch's own kernels through the default backend: packed documents (empty
+    sides too), GQA, forward and the backward against the given out and lse."""
+    if causal:
+        docs = VarlenDocs((0, 50, 50, 300, 301, 700), (0, 50, 50, 300, 301, 700))
+    else:
+        docs = VarlenDocs((0, 50, 50, 300, 320, 700), (0, 90, 120, 120, 500, 510))
+    cuda = torch.device("cuda")
+    q, k, v, dout = (t.to(cuda) for t in qkv(docs.total_q, docs.total_k, 8, 2, 64, dtype))
+    scale = 64**-0.5
+    want = reference(q, k, v, dout, docs, causal, scale)
+    out, lse = block_forward(q, k, v, docs, None, causal, scale)
+    grads = block_backward(dout, q, k, v, want[0].to(dtype), want[1], docs, None, causal, scale)
+    for got, ref in zip((out, lse, *grads), want):
+        close(got, ref, tol)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_cuda_ring_through_four_threaded_ranks(dtype, tol) -> None:  # pragma: no cover
+    """4 threaded ranks on one GPU, the real kernels in every hop, against whole attention."""
+    from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+    from trainer.testing.threads import run_threads
+
+    cuda = torch.device("cuda")
+    lengths, group = (700, 45, 9), [0, 1, 2, 3]
+    cu = (0, *np.cumsum(lengths).tolist())
+    q, k, v, dout = (t.to(cuda) for t in qkv(cu[-1], cu[-1], 8, 2, 64, dtype, seed=5))
+    want = reference(q, k, v, dout, VarlenDocs(cu, cu), True, 64**-0.5)
+
+    def member(comm):
+        p = group.index(comm.rank)
+        idx = torch.as_tensor(ZigzagLayout(lengths, 4).global_index(p), device=cuda)
+        leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+        out, lse = ring_attend(*leaves, RingAttention(comm, group, p, lengths, device=cuda))
+        out.backward(dout[idx])
+        return idx, [out.detach(), lse, *(t.grad for t in leaves)]
+
+    got = [torch.zeros(r.shape, dtype=F64, device=cuda) for r in want]
+    for idx, results in run_threads(4, member, timeout=60):
+        for g, r in zip(got, results):
+            g[idx] = r.to(F64)
+    for g, r in zip(got, want):
+        close(g, r, tol)

@@ -1,0 +1,645 @@
+"""One GPU: mixlen's long-context path measured beside torch's own ceilings and a plain-torch
+reference loop.
+
+    python benchmarks/bench_gpu.py --out DIR             # a CUDA machine (benchmarks/gpu_run.sh)
+    python benchmarks/bench_gpu.py --dry-run --out DIR   # the CPU, tiny sizes (tests/test_bench_gpu.py)
+
+Parts (`--parts`, in this order; each records its rows or its error and the next one runs):
+
+- `check`: attention forward and backward on the device's kernels against the `math` reference
+  in float64 (packed documents, GQA; float32 and bfloat16), and ring blocks through 4 threaded
+  ranks: ||out - ref|| / ||ref|| per tensor.
+- `attention`: forward + backward of packed documents of the demo corpus's lengths
+  (benchmarks/stdlib_lengths.npy) and of one whole document, at 8K, 32K and 128K tokens: time,
+  achieved TFLOP/s (causal pairs only), peak memory, beside torch SDPA's flash kernel on one
+  document of the same length (the ceiling).
+- `calibrate`: `mixlen calibrate --device cuda` of the model's shape (the cost file the `train`
+  part plans with; without it, the h100 preset).
+- `train`: the real executor (one rank, bf16 weights, fp32 master, fused AdamW) on the
+  Llama-3.2-1B shape at 8K and 32K tokens a step, packed documents and one document:
+  tokens/s, MFU by TorchTitan's formula (989 TFLOP/s), peak memory, planned vs measured step
+  time, host synchronisations per step (torch.cuda.set_sync_debug_mode).
+- `reference`: the plain-torch loop of benchmarks/gpu_reference.py (compiled blocks, torch's
+  varlen kernel, whole float32 logits) on the same batches.
+- `ring`: 4 threaded ranks on one GPU: a document split over the ring against whole-document
+  attention, and the ring's time beside the same document on one rank.
+- `longest`: the longest single document one GPU trains (no checkpointing, then full activation
+  checkpointing), doubling until out of memory or out of budget.
+
+Writes DIR/bench_gpu.json and DIR/bench_gpu.md (the tables, also printed last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
+PARTS = ("check", "attention", "calibrate", "train", "reference", "ring", "longest")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the GPU's sizes, or the dry run's tiny ones on the CPU."""
+
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    heads: tuple[int, int, int] = (32, 8, 64)  # query heads, KV heads, head dim (Llama 3.2 1B)
+    attn_tokens: tuple[int, ...] = (8192, 32768, 131072)
+    check_tokens: int = 4096
+    check_max_doc: int = 2048
+    model: str = "llama3.2-1b"
+    model_overrides: dict = field(default_factory=dict)
+    step_tokens: tuple[int, ...] = (8192, 32768)
+    ring_tokens: int = 32768
+    longest_start: int = 16384
+    longest_cap: int = 1 << 20  # never probe past this
+    memory_cap: int | None = None  # dry run: a probe "runs out of memory" past this many tokens
+    compile_backend: str | None = "inductor"
+    calibrate_args: tuple[str, ...] = (
+        "--lengths", "1024,4096,8192,16384,32768", "--packs", "8x1024,4x4096,16x2048",
+        "--repeats", "2", "--min-seconds", "0",
+    )  # fmt: skip
+    warmup: int = 2
+    iters: int = 5
+    length_divisor: int = 1  # the dry run's documents: the corpus's lengths / this
+
+
+DRY = Sizes(
+    device="cpu",
+    dtype="float32",
+    heads=(4, 2, 16),
+    attn_tokens=(256, 512, 1024),
+    check_tokens=192,
+    check_max_doc=96,
+    model="debug",
+    step_tokens=(256, 512),
+    ring_tokens=256,
+    longest_start=256,
+    longest_cap=4096,
+    memory_cap=1024,
+    compile_backend="eager",
+    calibrate_args=(
+        "--lengths",
+        "64,128,256",
+        "--packs",
+        "4x64,2x128",
+        "--repeats",
+        "1",
+        "--min-seconds",
+        "0",
+    ),  # fmt: skip
+    warmup=1,
+    iters=2,
+    length_divisor=64,
+)
+
+
+class Bench:
+    """Shared state of one run: sizes, device, budget, results."""
+
+    def __init__(self, sizes: Sizes, out: Path, budget_s: float) -> None:
+        import torch
+
+        self.sizes = sizes
+        self.out = out
+        self.dev = torch.device(sizes.device)
+        self.dtype = getattr(torch, sizes.dtype)
+        self.deadline = time.perf_counter() + budget_s
+        self.results: dict[str, Any] = {"sizes": asdict(sizes), "parts": {}}
+        self.cost_path: Path | None = None
+        self.batches: dict[tuple[int, str], list[int]] = {}
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def sync(self) -> None:
+        import torch
+
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def timed(
+        self, fn: Callable[[], Any], warmup: int | None = None, iters: int | None = None
+    ) -> float:  # noqa: E501
+        """Median seconds of fn() after warm-up (device-synchronised)."""
+        for _ in range(self.sizes.warmup if warmup is None else warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(self.sizes.iters if iters is None else iters):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    def peak(self, fn: Callable[[], Any]) -> int | None:
+        """Peak device bytes allocated while fn() runs, above what was allocated before."""
+        import torch
+
+        if self.dev.type != "cuda":
+            fn()
+            return None
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.dev)
+        base = torch.cuda.memory_allocated(self.dev)
+        fn()
+        self.sync()
+        return int(torch.cuda.max_memory_allocated(self.dev) - base)
+
+    def shape(self) -> Any:
+        from datapipe.shapes import get_config
+
+        return get_config(self.sizes.model, **self.sizes.model_overrides)
+
+    def packed(self, tokens: int, seed: int = 0) -> list[int]:
+        """Document lengths of the demo corpus (benchmarks/stdlib_lengths.npy) drawn until they
+        fill `tokens`, the last cut to fit."""
+        pool = np.load(ROOT / "benchmarks" / "stdlib_lengths.npy") // self.sizes.length_divisor
+        pool = np.maximum(pool, 1)
+        rng = np.random.default_rng(seed)
+        out: list[int] = []
+        while sum(out) < tokens:
+            out.append(int(min(rng.choice(pool), tokens - sum(out))))
+        return out
+
+
+# --- parts ----------------------------------------------------------------------------------------
+
+
+def part_check(b: Bench) -> list[dict]:
+    """Device kernels against math in float64: packed documents with GQA, then a ring of 4."""
+    import torch
+    from gpu_reference import isclose_rel
+
+    from trainer.attention.local import attend
+
+    hq, hkv, d = b.sizes.heads
+    lens = [min(n, b.sizes.check_max_doc) for n in b.packed(b.sizes.check_tokens, seed=1)]
+    cu = [0, *np.cumsum(lens).tolist()]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator(device=b.dev).manual_seed(0)
+        x = [torch.randn(cu[-1], h, d, device=b.dev, generator=g) for h in (hq, hkv, hkv, hq)]
+        q, k, v, dout = (t.to(dtype) for t in x)
+        got = _attend_grads(attend, q, k, v, dout, cu, None)
+        ref = _attend_grads(attend, *(t.double() for t in (q, k, v, dout)), cu, "math")
+        errs = {n: isclose_rel(a, r) for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        rows.append({"case": "packed, GQA", "dtype": str(dtype)[6:], "docs": len(lens), **errs})
+        rows.append(
+            {"case": "ring of 4 (threads)", "dtype": str(dtype)[6:], **_ring_errors(b, dtype)}
+        )
+    return rows
+
+
+def _attend_grads(
+    attend: Any, q: Any, k: Any, v: Any, dout: Any, cu: list[int], backend: str | None
+) -> list:  # noqa: E501
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = attend(*leaves, cu, backend=backend)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _ring_errors(b: Bench, dtype: Any, lengths: tuple[int, ...] | None = None) -> dict:
+    """4 threaded ranks, documents zigzag over the ring, against whole-document math (float64)."""
+    import torch
+    from gpu_reference import isclose_rel
+
+    from trainer.attention.local import attend
+    from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+    from trainer.testing.threads import run_threads
+
+    hq, hkv, d = b.sizes.heads
+    lengths = lengths or (b.sizes.check_max_doc, b.sizes.check_max_doc // 3 + 5, 7)
+    total = sum(lengths)
+    g = torch.Generator(device=b.dev).manual_seed(3)
+    x = [torch.randn(total, h, d, device=b.dev, generator=g).to(dtype) for h in (hq, hkv, hkv, hq)]
+    ref = _attend_grads(attend, *(t.double() for t in x), [0, *np.cumsum(lengths).tolist()], "math")
+
+    def member(comm: Any) -> tuple:
+        idx = torch.as_tensor(ZigzagLayout(lengths, 4).global_index(comm.rank), device=b.dev)
+        ring = RingAttention(comm, [0, 1, 2, 3], comm.rank, lengths, device=b.dev)
+        leaves = [t[idx].clone().requires_grad_() for t in x[:3]]
+        out, _ = ring_attend(*leaves, ring)
+        out.backward(x[3][idx])
+        return idx, [out.detach(), *(t.grad for t in leaves)]
+
+    got = [torch.zeros_like(r) for r in ref]
+    for idx, parts in run_threads(4, member, timeout=120):
+        for whole, part in zip(got, parts):
+            whole[idx] = part.double()
+    return {n: isclose_rel(a, r) for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+
+
+def part_attention(b: Bench) -> list[dict]:
+    """mixlen's attention fwd+bwd (packed and one document) beside SDPA's flash kernel."""
+    import torch
+    from gpu_reference import causal_attention_flops
+
+    from trainer.attention.local import attend
+
+    hq, hkv, d = b.sizes.heads
+    rows = []
+    for t in b.sizes.attn_tokens:
+        for layout, lens in (("packed", b.packed(t)), ("one document", [t])):
+            g = torch.Generator(device=b.dev).manual_seed(t)
+            q, k, v, dout = (
+                torch.randn(t, h, d, device=b.dev, generator=g).to(b.dtype).requires_grad_(i < 3)
+                for i, h in enumerate((hq, hkv, hkv, hq))
+            )
+            cu = [0, *np.cumsum(lens).tolist()]
+
+            def run(q=q, k=k, v=v, dout=dout, cu=cu) -> None:
+                out, _ = attend(q, k, v, cu)
+                out.backward(dout)
+
+            secs = b.timed(run)
+            mem = b.peak(run)
+            flops = causal_attention_flops(lens, hq, d)
+            ceil_s = _sdpa_seconds(b, t) if layout == "one document" else None
+            rows.append({
+                "tokens": t, "layout": layout, "docs": len(lens), "ms": secs * 1e3,
+                "tflops": flops / secs / 1e12,
+                "sdpa_ms": None if ceil_s is None else ceil_s * 1e3,
+                "sdpa_tflops": None if ceil_s is None else flops / ceil_s / 1e12,
+                "peak_mib": None if mem is None else mem / 2**20,
+                "bytes_per_token": None if mem is None else mem / t,
+            })  # fmt: skip
+    return rows
+
+
+def _sdpa_seconds(b: Bench, t: int) -> float:
+    """torch SDPA (the flash kernel on CUDA) on one causal document of t tokens, fwd+bwd."""
+    import torch
+    import torch.nn.functional as F
+
+    hq, hkv, d = b.sizes.heads
+    g = torch.Generator(device=b.dev).manual_seed(1)
+    q = torch.randn(1, hq, t, d, device=b.dev, generator=g).to(b.dtype).requires_grad_()
+    k = torch.randn(1, hkv, t, d, device=b.dev, generator=g).to(b.dtype).requires_grad_()
+    v = torch.randn(1, hkv, t, d, device=b.dev, generator=g).to(b.dtype).requires_grad_()
+    dout = torch.randn(1, hq, t, d, device=b.dev, generator=g).to(b.dtype)
+    ctx: Any = _flash_only() if b.dev.type == "cuda" else _null()
+
+    def run() -> None:
+        with ctx:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+
+    return b.timed(run)
+
+
+def _flash_only() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def part_calibrate(b: Bench) -> list[dict]:
+    """`mixlen calibrate` of the model's shape on this device (one rank)."""
+    from datapipe.plan.cost import load
+    from tools.cli import main
+
+    path = b.out / "cost-gpu.json"
+    args = ["calibrate", "--model", b.sizes.model, "--device", b.sizes.device, "--out", str(path)]
+    args += ["--dtype", b.sizes.dtype, *b.sizes.calibrate_args]
+    t0 = time.perf_counter()
+    if main(args) != 0:
+        raise RuntimeError(f"mixlen {' '.join(args)} failed")
+    b.cost_path = path
+    cost = load(path)
+    return [{"a": cost.a, "b": cost.b, "c": cost.c, "step": cost.step,
+             "seconds": time.perf_counter() - t0, "file": path.name}]  # fmt: skip
+
+
+def _cost(b: Bench) -> Any:
+    from datapipe.plan.cost import load, preset
+
+    if b.cost_path is not None:
+        return load(b.cost_path)
+    return preset(f"{b.sizes.model}@{'h100' if b.dev.type == 'cuda' else 'cpu'}")
+
+
+def _batch(b: Bench, tokens: int, layout: str) -> list[int]:
+    key = (tokens, layout)
+    if key not in b.batches:
+        b.batches[key] = b.packed(tokens, seed=7) if layout == "packed" else [tokens]
+    return b.batches[key]
+
+
+def _executor(b: Bench, checkpoint: str = "none") -> tuple[Any, Any]:
+    """The trainer's executor and its model for one rank of the benchmark's shape."""
+    from trainer.model.transformer import build_model
+    from trainer.offload.config import OffloadConfig
+    from trainer.offload.manager import activation_manager
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.executor import HDPExecutor
+    from trainer.parallel.zero import ZeroOptimizer
+
+    shape = b.shape()
+    model, master = build_model(shape, b.dtype, b.dev, seed=0)
+    comm = SoloComm()
+    zero = ZeroOptimizer.for_model(model, comm, master=master, level=0, lr=1e-4, grad_clip=1.0)
+    acts = activation_manager(OffloadConfig(), checkpoint, shape, b.dev, b.dtype)
+    return HDPExecutor(model, zero, comm, device=b.dev, activations=acts), model
+
+
+def _plan_and_fetch(b: Bench, lens: list[int], capacity: int) -> tuple[Any, Any]:
+    from datapipe.fetch import MemoryFetcher
+    from datapipe.plan.planner import PlannerConfig
+
+    shape = b.shape()
+    rng = np.random.default_rng(sum(lens))
+    tokens = [rng.integers(0, shape.vocab_size, n) for n in lens]
+    plan = PlannerConfig(policy="single", capacity=capacity).build(_cost(b), 1).plan(np.array(lens))
+    fetched = MemoryFetcher(tokens).fetch_step([m.pieces for m in plan.microbatches(0)])
+    return plan, fetched
+
+
+def _mfu(b: Bench, tokens_per_s: float, lens: list[int], tokens: int) -> tuple[float, float]:
+    """(MFU by TorchTitan's formula with the step's tokens as its sequence, MFU counting only the
+    documents' causal attention), against PEAK_TFLOPS."""
+    from gpu_reference import causal_attention_flops, flops_per_token
+
+    shape = b.shape()
+    titan = tokens_per_s * flops_per_token(shape, tokens) / (PEAK_TFLOPS * 1e12)
+    linear = 6.0 * (shape.num_params() - shape.vocab_size * shape.dim)
+    attn = causal_attention_flops(lens, shape.n_heads, shape.head_dim) * shape.n_layers / tokens
+    actual = tokens_per_s * (linear + attn * 3.0 / 3.5) / (PEAK_TFLOPS * 1e12)  # fwd x 3
+    return titan, actual
+
+
+def part_train(b: Bench) -> list[dict]:
+    """The executor at each step size, packed and one document."""
+    from datapipe.plan.metrics import predicted_step_ns
+
+    rows = []
+    ex, _ = _executor(b)
+    cost = _cost(b)
+    for tokens in b.sizes.step_tokens:
+        for layout in ("packed", "one document"):
+            lens = _batch(b, tokens, layout)
+            plan, fetched = _plan_and_fetch(b, lens, tokens)
+
+            def run(plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
+                step[0] += 1
+                ex.step(plan, fetched, step[0])
+
+            secs = b.timed(run)
+            mem = b.peak(run)
+            syncs = _count_syncs(b, run)
+            tps = tokens / secs
+            titan, actual = _mfu(b, tps, lens, tokens)
+            rows.append({
+                "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
+                "tokens_per_s": tps, "mfu_titan": titan, "mfu_doc_attention": actual,
+                "peak_gib": None if mem is None else mem / 2**30,
+                "planned_s": predicted_step_ns(plan, cost) / 1e9,
+                "cost": "calibrated" if b.cost_path else "preset", "syncs_per_step": syncs,
+                "microbatches": len(fetched),
+            })  # fmt: skip
+    return rows
+
+
+def _count_syncs(b: Bench, run: Callable[[], None]) -> int | None:
+    """Host synchronisations torch reports during one call (CUDA only)."""
+    import torch
+
+    if b.dev.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def part_reference(b: Bench) -> list[dict]:
+    """The plain-torch loop on the same batches as `train`."""
+    import torch
+    from gpu_reference import ReferenceLoop
+
+    loop = ReferenceLoop(b.shape(), b.dtype, b.dev, b.sizes.compile_backend)
+    rows = []
+    for tokens in b.sizes.step_tokens:
+        for layout in ("packed", "one document"):
+            lens = _batch(b, tokens, layout)
+            rng = np.random.default_rng(sum(lens))
+            ids = torch.as_tensor(
+                np.concatenate([rng.integers(0, b.shape().vocab_size, n) for n in lens]),
+                device=b.dev,
+            )  # noqa: E501
+            pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]), device=b.dev)
+            labels = torch.roll(ids, -1)
+            labels[torch.as_tensor(np.cumsum(lens) - 1, device=b.dev)] = -100
+            t0 = time.perf_counter()
+            loop.step(ids, pos, lens, labels)  # compiles
+            b.sync()
+            first = time.perf_counter() - t0
+            secs = b.timed(
+                lambda ids=ids, pos=pos, lens=lens, labels=labels: loop.step(ids, pos, lens, labels)
+            )  # noqa: E501
+            mem = b.peak(
+                lambda ids=ids, pos=pos, lens=lens, labels=labels: loop.step(ids, pos, lens, labels)
+            )  # noqa: E501
+            titan, actual = _mfu(b, tokens / secs, lens, tokens)
+            rows.append({
+                "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
+                "tokens_per_s": tokens / secs, "mfu_titan": titan, "mfu_doc_attention": actual,
+                "peak_gib": None if mem is None else mem / 2**30, "first_step_s": first,
+            })  # fmt: skip
+    return rows
+
+
+def part_ring(b: Bench) -> list[dict]:
+    """One document over a ring of 4 threaded ranks: equal to whole attention; its time beside
+    the same document's attention on one rank."""
+    import torch
+
+    from trainer.attention.local import attend
+    from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
+    from trainer.testing.threads import run_threads
+
+    rows = []
+    n = b.sizes.ring_tokens
+    hq, hkv, d = b.sizes.heads
+    errs = _ring_errors(b, b.dtype, (n // 8, n // 16 + 3))
+    rows.append({"case": "equality", "dtype": b.sizes.dtype, **errs})
+    g = torch.Generator(device=b.dev).manual_seed(5)
+    x = [torch.randn(n, h, d, device=b.dev, generator=g).to(b.dtype) for h in (hq, hkv, hkv, hq)]
+    idx = [torch.as_tensor(ZigzagLayout((n,), 4).global_index(r), device=b.dev) for r in range(4)]
+
+    def ring_once() -> None:
+        def member(comm: Any) -> None:
+            i = idx[comm.rank]
+            ring = RingAttention(comm, [0, 1, 2, 3], comm.rank, (n,), device=b.dev)
+            leaves = [t[i].clone().requires_grad_() for t in x[:3]]
+            ring_attend(*leaves, ring)[0].backward(x[3][i])
+
+        run_threads(4, member, timeout=300)
+
+    def one_rank() -> None:
+        leaves = [t.clone().requires_grad_() for t in x[:3]]
+        attend(*leaves, [0, n])[0].backward(x[3])
+
+    ring_s, one_s = b.timed(ring_once), b.timed(one_rank)
+    rows.append({"case": f"{n} tokens", "dtype": b.sizes.dtype, "ring_of_4_ms": ring_s * 1e3,
+                 "one_rank_ms": one_s * 1e3, "ratio": ring_s / one_s})  # fmt: skip
+    return rows
+
+
+def part_longest(b: Bench) -> list[dict]:
+    """Double a single document's length until a step runs out of memory or of budget."""
+    import torch
+
+    rows = []
+    start = b.sizes.longest_start
+    for checkpoint in ("none", "full"):
+        ex, model = _executor(b, checkpoint)
+        n, last_s = start, 0.0
+        while n <= b.sizes.longest_cap:
+            if last_s * 4.5 > b.left() - 30:  # the next probe (quadratic) would not fit
+                rows.append({"checkpoint": checkpoint, "tokens": n, "result": "skipped: budget"})
+                break
+            plan, fetched = _plan_and_fetch(b, [n], n)
+            t0 = time.perf_counter()
+            try:
+                if b.sizes.memory_cap is not None and n > b.sizes.memory_cap:
+                    raise torch.cuda.OutOfMemoryError("dry run: past the emulated memory cap")
+                mem = _probe(b, ex, plan, fetched)
+            except torch.cuda.OutOfMemoryError:
+                rows.append({"checkpoint": checkpoint, "tokens": n, "result": "out of memory"})
+                break
+            finally:
+                del plan, fetched
+                if b.dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            last_s = time.perf_counter() - t0
+            rows.append({"checkpoint": checkpoint, "tokens": n, "result": "trained",
+                         "step_s": last_s, "peak_gib": None if mem is None else mem / 2**30})  # fmt: skip
+            start = n
+            n *= 2
+        del ex, model
+        if b.dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _probe(b: Bench, ex: Any, plan: Any, fetched: Any) -> int | None:
+    return b.peak(lambda: ex.step(plan, fetched, 1))
+
+
+RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
+    "check": part_check,
+    "attention": part_attention,
+    "calibrate": part_calibrate,
+    "train": part_train,
+    "reference": part_reference,
+    "ring": part_ring,
+    "longest": part_longest,
+}
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v == 0 or math.isnan(v):
+            return f"{v}"
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def render(results: dict) -> str:
+    """Markdown: one table per part (or its error)."""
+    lines = [f"# bench_gpu ({results.get('device_name', '?')}, torch {results.get('torch', '?')})"]
+    for name, part in results["parts"].items():
+        lines += ["", f"## {name} ({part.get('seconds', 0):.1f} s)"]
+        if "error" in part:
+            lines.append(f"error: {part['error']}")
+            continue
+        rows = part["rows"]
+        if not rows:
+            continue
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        lines.append("| " + " | ".join(keys) + " |")
+        lines.append("|" + " --- |" * len(keys))
+        lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def run(sizes: Sizes, out: Path, parts: list[str], budget_s: float) -> dict:
+    """Every part in order; the results (also written under `out`)."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    b = Bench(sizes, out, budget_s)
+    b.results["torch"] = torch.__version__
+    b.results["device_name"] = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
+    for name in parts:
+        t0 = time.perf_counter()
+        try:
+            part = {"rows": RUNNERS[name](b)}
+        except Exception as exc:  # one part's failure is reported; the others still run
+            part = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        part["seconds"] = time.perf_counter() - t0
+        b.results["parts"][name] = part
+        gc.collect()  # the part's model and optimizer go before the next part allocates
+        if b.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        (out / "bench_gpu.json").write_text(json.dumps(b.results, indent=1, default=str))
+        print(f"bench_gpu: {name} done in {part['seconds']:.1f} s", flush=True)
+    (out / "bench_gpu.md").write_text(render(b.results))
+    return b.results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for bench_gpu.json and bench_gpu.md")
+    p.add_argument("--dry-run", action="store_true", help="the CPU, tiny sizes")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop probing past this")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in RUNNERS]
+    if bad:
+        p.error(f"--parts: unknown {bad} (known: {', '.join(PARTS)})")
+    sizes = DRY if args.dry_run else Sizes()
+    results = run(sizes, Path(args.out), parts, args.budget_s)
+    print(render(results))
+    return 1 if any("error" in part for part in results["parts"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""benchmarks/bench_gpu.py's dry run on the CPU: every part's logic runs at tiny sizes, so the
+script a GPU session runs in one call cannot rot between sessions; and the MFU arithmetic."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import ROOT
+
+from datapipe.shapes import MODEL_CONFIGS
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gpu  # noqa: E402
+from gpu_reference import causal_attention_flops, flops_per_token  # noqa: E402
+
+
+def test_llama_3_2_1b_shape_and_torchtitan_flops() -> None:
+    cfg = MODEL_CONFIGS["llama3.2-1b"]
+    assert cfg.num_params() == 1_235_814_400  # Meta's published count
+    assert cfg.head_dim == 64
+    # by hand: 6 x (1,235,814,400 - 128,256 x 2,048 = 973,146,112) + 12 x 16 x 32 x 64 x 8,192
+    assert flops_per_token(cfg, 8192) == 6 * 973_146_112 + 12 * 16 * 32 * 64 * 8192
+    # causal pairs: one document of 4 tokens has 10, two of 2 have 6
+    assert causal_attention_flops([4], 2, 8) == 3.5 * 4 * 2 * 8 * 10
+    assert causal_attention_flops([2, 2], 2, 8) == 3.5 * 4 * 2 * 8 * 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dry_run_of_every_part(tmp_path) -> None:
+    results = bench_gpu.run(bench_gpu.DRY, tmp_path, list(bench_gpu.PARTS), budget_s=200)
+    parts = results["parts"]
+    assert list(parts) == list(bench_gpu.PARTS)
+    errors = {k: v["error"] for k, v in parts.items() if "error" in v}
+    assert not errors, errors
+    for row in parts["check"]["rows"]:  # the issue's tolerances: fp32 1e-5, bf16 2e-2
+        tol = 1e-5 if row["dtype"] == "float32" else 2e-2
+        assert max(row[k] for k in ("out", "dq", "dk", "dv")) < tol, row
+    attn = parts["attention"]["rows"]
+    assert [(r["tokens"], r["layout"]) for r in attn] == [
+        (t, lay) for t in bench_gpu.DRY.attn_tokens for lay in ("packed", "one document")
+    ]
+    assert all(r["tflops"] > 0 for r in attn)
+    assert all((r["sdpa_ms"] is None) == (r["layout"] == "packed") for r in attn)
+    assert (tmp_path / "cost-gpu.json").is_file()
+    train = parts["train"]["rows"]
+    assert len(train) == 4 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
+    assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
+    assert len(parts["reference"]["rows"]) == 4
+    ring = parts["ring"]["rows"]
+    assert max(ring[0][k] for k in ("out", "dq", "dk", "dv")) < 1e-5 and ring[1]["ratio"] > 0
+    longest = parts["longest"]["rows"]
+    for mode in ("none", "full"):  # doubling stops past the dry run's emulated memory cap
+        rows = [r for r in longest if r["checkpoint"] == mode]
+        trained = [r["tokens"] for r in rows if r["result"] == "trained"]
+        assert max(trained) == bench_gpu.DRY.memory_cap and rows[-1]["result"] == "out of memory"
+    page = (tmp_path / "bench_gpu.md").read_text()
+    assert all(f"## {name}" in page for name in bench_gpu.PARTS)
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--dry-run", "--out", str(tmp_path), "--parts", "nope"])
