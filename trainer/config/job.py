@@ -74,6 +74,12 @@ class TrainConfig:
         "2K, ...)",
         free_on_resume=True,
     )
+    compile: bool = setting(
+        False,
+        help="torch.compile each block's segments before and after attention (one graph each, "
+        "dynamic shapes; the attention kernels stay eager); tensor parallelism runs uncompiled",
+        free_on_resume=True,
+    )
     loss_normalization: str = setting(
         "token",
         help='the loss of a step: "token" (its token losses over its labelled positions) or '
@@ -137,6 +143,11 @@ class TrainerConfig:
         problem = self.model.shape().tp_problem(self.parallel.tp) if self.parallel.tp > 1 else ""
         if problem:
             raise ConfigError(f"{self.key(self.parallel, 'tp')}: {problem}")
+        if self.train.compile and self.parallel.tp > 1:
+            raise ConfigError(
+                f"{self.key(self.train, 'compile')}: not with {self.key(self.parallel, 'tp')} = "
+                f"{self.parallel.tp} (DTensor blocks run uncompiled); set it to false"
+            )
 
     def _validate_offload(self) -> None:
         """A planned offload needs a policy that offloads and the model's layer count in the cost

@@ -72,17 +72,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
 
-    def forward(
-        self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
+    def project(
+        self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (rotated) and V [T, heads, head_dim] of the normalised input."""
         T = x_TC.shape[0]
         # -1 heads: under tensor parallelism (trainer.parallel.tensor) a process holds a share
         q = self.wq(x_TC).view(T, -1, self.head_dim)
         k = self.wk(x_TC).view(T, -1, self.head_dim)
         v = self.wv(x_TC).view(T, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out_THD = attn.attend(q, k, v.contiguous())
-        return self.wo(out_THD.reshape(T, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+
+    def forward(
+        self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        q, k, v = self.project(x_TC, cos, sin)
+        return self.wo(attn.attend(q, k, v).reshape(x_TC.shape[0], -1))
 
 
 class FeedForward(nn.Module):
@@ -107,8 +112,26 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, attn.attend(q, k, v))
+
+    def before_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block up to the attention kernel: norm, projections, RoPE."""
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, out_THD: torch.Tensor) -> torch.Tensor:
+        """The block from the attention output on: output projection, residuals, SwiGLU."""
+        x = x + self.attention.wo(out_THD.reshape(x.shape[0], -1))
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def compile_segments(self, backend: str = "inductor") -> None:
+        """torch.compile the two segments around attention (each one whole graph, shapes
+        dynamic); the attention kernel between them stays eager (local, ring, offload hooks)."""
+        opts: dict[str, Any] = {"dynamic": True, "fullgraph": True, "backend": backend}
+        self.before_attention = torch.compile(self.before_attention, **opts)  # type: ignore[method-assign]
+        self.after_attention = torch.compile(self.after_attention, **opts)  # type: ignore[method-assign]
 
 
 class Transformer(nn.Module):
