@@ -399,30 +399,34 @@ def part_train(b: Bench) -> list[dict]:
     from datapipe.plan.metrics import predicted_step_ns
 
     rows = []
-    ex, _ = _executor(b)
+    ex, model = _executor(b)
     cost = _cost(b)
-    for tokens in b.sizes.step_tokens:
-        for layout in ("packed", "one document"):
-            lens = _batch(b, tokens, layout)
-            plan, fetched = _plan_and_fetch(b, lens, tokens)
+    cases = [(t, lay, False) for t in b.sizes.step_tokens for lay in ("packed", "one document")]
+    cases.append((b.sizes.step_tokens[-1], "packed", True))  # [train] compile = true, last
+    for tokens, layout, compiled in cases:
+        if compiled:
+            for block in model.layers:
+                block.compile_segments(backend=b.sizes.compile_backend or "inductor")
+        lens = _batch(b, tokens, layout)
+        plan, fetched = _plan_and_fetch(b, lens, tokens)
 
-            def run(plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
-                step[0] += 1
-                ex.step(plan, fetched, step[0])
+        def run(plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
+            step[0] += 1
+            ex.step(plan, fetched, step[0])
 
-            secs = b.timed(run)
-            mem = b.peak(run)
-            syncs = _count_syncs(b, run)
-            tps = tokens / secs
-            titan, actual = _mfu(b, tps, lens, tokens)
-            rows.append({
-                "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
-                "tokens_per_s": tps, "mfu_titan": titan, "mfu_doc_attention": actual,
-                "peak_gib": None if mem is None else mem / 2**30,
-                "planned_s": predicted_step_ns(plan, cost) / 1e9,
-                "cost": "calibrated" if b.cost_path else "preset", "syncs_per_step": syncs,
-                "microbatches": len(fetched),
-            })  # fmt: skip
+        secs = b.timed(run)
+        mem = b.peak(run)
+        syncs = _count_syncs(b, run)
+        tps = tokens / secs
+        titan, actual = _mfu(b, tps, lens, tokens)
+        rows.append({
+            "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
+            "tokens_per_s": tps, "mfu_titan": titan, "mfu_doc_attention": actual,
+            "peak_gib": None if mem is None else mem / 2**30,
+            "planned_s": predicted_step_ns(plan, cost) / 1e9,
+            "cost": "calibrated" if b.cost_path else "preset", "syncs_per_step": syncs,
+            "microbatches": len(fetched), "compiled": compiled,
+        })  # fmt: skip
     return rows
 
 

@@ -46,7 +46,8 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert all((r["sdpa_ms"] is None) == (r["layout"] == "packed") for r in attn)
     assert (tmp_path / "cost-gpu.json").is_file()
     train = parts["train"]["rows"]
-    assert len(train) == 4 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
+    assert len(train) == 5 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
+    assert [r["compiled"] for r in train] == [False] * 4 + [True]
     assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
     assert len(parts["reference"]["rows"]) == 4
     ring = parts["ring"]["rows"]
