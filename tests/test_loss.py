@@ -171,3 +171,28 @@ def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary() -> None:
     shape = dataclasses.replace(get_config("debug"), vocab_size=131072, dim=32)
     model = shape.loss_bytes(16384, 4)
     assert 0.75 * model < after - before < 1.25 * model, (after - before, model)
+
+
+@pytest.mark.parametrize("chunk", [1, 6, None])
+def test_token_losses_equal_whole_logits(chunk) -> None:
+    """Evaluation's per-position losses and greedy hits, chunk by chunk, against whole logits;
+    the same over two threaded vocabulary-parallel processes."""
+    from trainer.model.loss import token_losses
+
+    h, w, labels, _ = inputs(t=21, v=40, seed=9)
+    logits = h @ w.t()
+    some = (torch.arange(21) % 3 == 0) & (labels != IGNORE_INDEX)
+    labels = torch.where(some, logits.argmax(-1), labels)  # some greedy hits, in both halves
+    want = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    hits = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
+    loss, correct = token_losses(h, w, labels, chunk)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(correct, hits) and 0 < int(hits.sum()) < 21 - int((labels < 0).sum())
+
+    def member(comm):
+        rows = w[comm.rank * 20 : (comm.rank + 1) * 20]
+        return token_losses(h, rows, labels, chunk, comm.rank * 20, comm)
+
+    for loss, correct in run_threads(2, member, timeout=30):
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(correct, hits)

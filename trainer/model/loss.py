@@ -27,7 +27,7 @@ from datapipe.shapes import LOSS_CHUNK_BYTES
 from trainer.attention.local import accum_dtype
 from trainer.parallel.comm import Communicator
 
-__all__ = ["chunk_tokens", "linear_cross_entropy"]
+__all__ = ["chunk_tokens", "linear_cross_entropy", "token_losses"]
 
 
 def chunk_tokens(vocab_rows: int, budget: int = LOSS_CHUNK_BYTES) -> int:
@@ -130,3 +130,43 @@ def linear_cross_entropy(
     step = chunk if chunk is not None else chunk_tokens(w.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return _LinearCrossEntropy.apply(h, w, labels, weights, max(1, step), vocab_start, comm, grad)
+
+
+@torch.no_grad()
+def token_losses(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int | None = None,
+    vocab_start: int = 0,
+    comm: Communicator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of `h @ w.T`: (cross-entropy in the accumulation dtype, 0 where there is no
+    label; is the greedy prediction the label), in chunks of tokens like `linear_cross_entropy`
+    (the evaluation's form: no gradient, whole logits never held; vocabulary-parallel with
+    `comm`, the greedy prediction taken over every process's rows)."""
+    acc = accum_dtype(h.dtype)
+    step = max(1, chunk if chunk is not None else chunk_tokens(w.shape[0]))
+    loss = torch.zeros(h.shape[0], dtype=acc, device=h.device)
+    correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+    tp = comm is not None and comm.size > 1
+    for s in range(0, h.shape[0], step):
+        e = min(s + step, h.shape[0])
+        logits = (h[s:e] @ w.t()).to(acc)
+        lab = labels[s:e].long()
+        lse = torch.logsumexp(logits, dim=-1)
+        best, arg = logits.max(dim=-1)
+        arg = arg + vocab_start
+        local = lab - vocab_start
+        mine = (lab != IGNORE_INDEX) & (local >= 0) & (local < w.shape[0])
+        target = logits.gather(1, local.clamp(0, w.shape[0] - 1)[:, None])[:, 0] * mine
+        if tp:
+            assert comm is not None
+            lse = torch.logsumexp(torch.stack(comm.all_gather(lse)), dim=0)
+            comm.all_reduce(target)
+            bests, args = torch.stack(comm.all_gather(best)), torch.stack(comm.all_gather(arg))
+            arg = args.gather(0, bests.argmax(0, keepdim=True))[0]  # first process on a tie
+        valid = lab != IGNORE_INDEX
+        loss[s:e] = (lse - target) * valid
+        correct[s:e] = valid & (arg == lab)
+    return loss, correct

@@ -29,7 +29,7 @@ from torch import nn
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, get_config
 from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
-from trainer.model.loss import linear_cross_entropy
+from trainer.model.loss import linear_cross_entropy, token_losses
 from trainer.model.rope import Rope, apply_rope
 
 __all__ = [
@@ -179,24 +179,11 @@ class Transformer(nn.Module):
         attn: AttentionContext | None = None,
         label_weights: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids and position_ids must be 1-D of equal length, got "
-                f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
-            )
         if attn is None:
             if cu_seqlens is None:
                 cu_seqlens = [0, input_ids.shape[0]]
             attn = LocalAttention(cu_seqlens)
-        if input_ids.dtype not in (torch.int32, torch.int64):  # narrow token dtypes (uint16)
-            input_ids = input_ids.to(torch.int32)  # widened here, on the model's device
-        h = self.tok_embeddings(input_ids)
-        # dynamic NTK only: each position's document length, from the attention context
-        lengths = attn.doc_lengths(position_ids) if self.rope.needs_lengths else None
-        cos, sin = self.rope.cos_sin(position_ids, h.dtype, lengths)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        h = self.norm(h)
+        h = self.hidden(input_ids, position_ids, attn)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
         if labels is None:
@@ -206,6 +193,39 @@ class Transformer(nn.Module):
             h, w, labels, label_weights, self.loss_chunk_tokens, vocab_start, comm
         )
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """The final norm's output [T, dim]: embeddings, every block, the norm."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+            )
+        if input_ids.dtype not in (torch.int32, torch.int64):  # narrow token dtypes (uint16)
+            input_ids = input_ids.to(torch.int32)  # widened here, on the model's device
+        h = self.tok_embeddings(input_ids)
+        # dynamic NTK only: each position's document length, from the attention context
+        lengths = attn.doc_lengths(position_ids) if self.rope.needs_lengths else None
+        cos, sin = self.rope.cos_sin(position_ids, h.dtype, lengths)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def token_losses(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position: (cross-entropy, 0 without a label; greedy prediction == label), the
+        logits computed chunk by chunk (trainer.model.loss.token_losses)."""
+        h = self.hidden(input_ids, position_ids, attn)
+        w, vocab_start, comm = self._output_rows()
+        return token_losses(h, w, labels, self.loss_chunk_tokens, vocab_start, comm)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Whole logits [T, V] (evaluation and tests; training never holds them)."""

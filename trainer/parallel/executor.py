@@ -409,20 +409,19 @@ class HDPExecutor:
         lengths_by_id = dict(zip(plan.sample_ids.tolist(), plan.lengths.tolist()))
         out = []
         for pm, mb in zip(mine, fetched):
-            ids = torch.from_numpy(mb.input_ids).to(self.device)
-            pos = torch.from_numpy(mb.position_ids).to(self.device)
-            logits = self.model(ids, pos, attn=self._attention(pm, mb, lengths_by_id))
-            labels = np.asarray(mb.labels)
-            keep = labels != IGNORE_INDEX
-            lab = torch.from_numpy(labels[keep].astype(np.int64)).to(self.device)
-            lf = logits[torch.from_numpy(keep).to(self.device)].to(self.acc_dtype)
-            loss = torch.nn.functional.cross_entropy(lf, lab, reduction="none")
+            ids, pos, lab = (
+                to_device(a, self.device) for a in (mb.input_ids, mb.position_ids, mb.labels)
+            )
+            attn = self._attention(pm, mb, lengths_by_id)
+            # the logits chunk by chunk: a long sample's whole logits are never held
+            loss, correct = self.model.token_losses(ids, pos, lab, attn)
+            keep = np.asarray(mb.labels) != IGNORE_INDEX
             pieces = np.asarray(mb.pieces, dtype=np.int64).reshape(-1, 3)
             sample = np.repeat(pieces[:, 0], pieces[:, 2] - pieces[:, 1])
             out.append(
                 TokenLosses(
-                    loss.double().cpu().numpy(),
-                    (lf.argmax(-1) == lab).cpu().numpy(),
+                    loss.double().cpu().numpy()[keep],
+                    correct.cpu().numpy()[keep],
                     np.asarray(mb.position_ids, dtype=np.int64)[keep],
                     sample[keep],
                 )
