@@ -75,8 +75,13 @@ demo-extend: install
 	$(PY) benchmarks/extend_report.py $(EXTEND)/eval-before/eval.json \
 		$(EXTEND)/eval-after/eval.json --out $(EXTEND)/report.json
 
+# the suite on TEST_WORKERS pytest-xdist workers, one test file at a time each (module fixtures
+# such as spawned ranks or a Ray runtime are set up once); tests/conftest.py runs `serial` tests
+# alone and hands out the files with slow tests first
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,19 +1,26 @@
-"""Shared fixtures: small corpora, and cleanup of what mosaicml-streaming leaves behind."""
+"""Shared fixtures: small corpora, and cleanup of what mosaicml-streaming leaves behind; how the
+suite runs on several pytest-xdist workers (`make test`: `-n 2 --dist loadfile`): spawned ranks
+forked from a preloaded forkserver, files with slow tests handed out first, `serial` tests alone."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 _STREAMING_LEFTOVER = re.compile(r"^\d{6}_")
+_LEFTOVERS_AT_START = pytest.StashKey[tuple[set[str], set[str]]]()
+_SESSION_LOCK = pytest.StashKey["_SessionLock"]()
 
 
 def _leftovers() -> tuple[set[str], set[str]]:
@@ -26,12 +33,112 @@ def _leftovers() -> tuple[set[str], set[str]]:
     return shm, tmp
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _streaming_cleanup():
+# what trainer.parallel.comm.spawn's workers import: forked from one server that imported these
+# once (a fresh interpreter pays ~9 s for torch and the streaming library, which imports
+# transformers), instead of each importing them again
+SPAWN_PRELOAD = ["torch", "torch.distributed", "numpy", "numba", "pyarrow.parquet", "streaming"]
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    """Is this process one of pytest-xdist's workers (not the controller, not a plain run)?"""
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's workers share a lock (`serial` tests); the controller (or a plain run)
+    notes the streaming leftovers already there, which are never removed."""
+    if _xdist_worker(config):
+        config.stash[_SESSION_LOCK] = _SessionLock(config.workerinput["testrunuid"])
+        return
+    config.stash[_LEFTOVERS_AT_START] = _leftovers()
+    if getattr(config.option, "numprocesses", None) and not config.option.testrunuid:
+        import uuid
+
+        config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files, removed at the end
+
+
+class _SessionLock:
+    """The workers of one pytest-xdist run take it around each test: shared by any test,
+    exclusive for a `serial` one, which then runs with no other test of the run in progress
+    (setup and teardown of module fixtures included). A turnstile file, held by a serial test
+    from before it waits until it is done, lets no new test start meanwhile."""
+
+    def __init__(self, uid: str) -> None:
+        base = os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}")
+        self.gate = open(base + ".gate", "a+")  # noqa: SIM115 (held for the session)
+        self.lock = open(base + ".lock", "a+")  # noqa: SIM115
+
+    def close(self) -> None:
+        self.gate.close()
+        self.lock.close()
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Each test under the run's lock (pytest-xdist workers only)."""
+    lock = item.config.stash.get(_SESSION_LOCK, None)
+    if lock is None:
+        return (yield)
+    with lock.hold(item.get_closest_marker("serial") is not None):
+        return (yield)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On pytest-xdist workers: the files that have a slow test first (whole files go to one
+    worker, so the longest start early instead of leaving one worker busy at the end), the order
+    otherwise kept (the same on every worker, as xdist requires)."""
+    if not _xdist_worker(config):
+        return
+    slow_files = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: i.nodeid.split("::")[0] not in slow_files)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Spawned ranks (trainer.parallel.comm.spawn) fork from a server that imported
+    SPAWN_PRELOAD once; it starts now when a slow (multi-process) test will run, its imports
+    running beside the first tests instead of in the first spawn."""
+    if "torch" not in sys.modules:  # nothing collected uses torch: no rank will be spawned
+        return
+    from trainer.parallel.comm import set_spawn_preload, start_spawn_server
+
+    set_spawn_preload(SPAWN_PRELOAD)
+    if any(item.get_closest_marker("slow") for item in session.items):
+        start_spawn_server()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
     """mosaicml-streaming leaves shared memory and /tmp file locks (its #781, #893): remove ours
-    (the library's own clean_stale_shared_memory would also unlink other running jobs' memory)."""
-    shm0, tmp0 = _leftovers()
-    yield
+    (the library's own clean_stale_shared_memory would also unlink other running jobs' memory).
+    Done once, by the process that saw the session start: with pytest-xdist the controller, after
+    every worker has left (a worker finishing early would unlink another's live segments)."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    if forkserver is not None:  # reaped, so that its workers' CPU time counts as this process's
+        with contextlib.suppress(AttributeError, OSError):
+            forkserver._forkserver._stop()
+    if _SESSION_LOCK in config.stash:
+        config.stash[_SESSION_LOCK].close()
+    if _xdist_worker(config) or _LEFTOVERS_AT_START not in config.stash:
+        return
+    shm0, tmp0 = config.stash[_LEFTOVERS_AT_START]
+    uid = getattr(config.option, "testrunuid", None)  # pytest-xdist's controller
+    for ext in (".gate", ".lock") if uid else ():
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}{ext}"))
     if "streaming" in sys.modules:  # dead processes' segments only, never a live job's
         from datapipe.formats.mds import clean_stale_streaming
 

@@ -302,6 +302,7 @@ def test_verify_lists_every_problem(copy, capsys) -> None:
     assert cli_main(["verify", str(root / "nope")]) == 2
 
 
+@pytest.mark.serial  # the new /dev/shm segments must be the killed run's
 def test_stale_streaming_state_of_a_killed_run(pristine, tmp_path) -> None:
     """A process killed (SIGKILL) while it had a StreamingDataset open leaves shared memory and
     /tmp filelocks; an old filelock with no memory at all (another dead run's) would stop the

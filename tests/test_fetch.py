@@ -262,6 +262,7 @@ def _leftovers() -> set[str]:
     return shm | locks
 
 
+@pytest.mark.serial  # compares /dev/shm and /tmp before and after
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_remote_dataset_downloads_through_streaming_into_cache(
     datasets, fmt, tmp_path, monkeypatch
@@ -286,6 +287,7 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
     assert _leftovers() == before
 
 
+@pytest.mark.serial  # compares /dev/shm and /tmp before and after
 def test_streaming_dataset_access_leaves_no_shm_or_filelocks(
     datasets, tmp_path, monkeypatch
 ) -> None:

@@ -19,6 +19,7 @@ order it issued them, on every implementation.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -36,7 +37,9 @@ __all__ = [
     "chunk_offsets",
     "free_port",
     "init_local_gloo",
+    "set_spawn_preload",
     "spawn",
+    "start_spawn_server",
 ]
 
 
@@ -338,11 +341,44 @@ def init_local_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -
     )
 
 
-def _run_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
-    """A spawned worker: fn(rank, *args), then leave without interpreter finalization
+# Modules spawn's forkserver imports once, before it forks the first worker (set_spawn_preload)
+_SPAWN_PRELOAD: list[str] = ["torch"]
+
+
+def set_spawn_preload(modules: Sequence[str]) -> None:
+    """Have spawn's workers start with `modules` imported: its forkserver imports them once and
+    forks each worker from itself (the test suite adds the streaming library: ~9 s a process
+    otherwise). No effect once the forkserver runs (this process's first spawn)."""
+    _SPAWN_PRELOAD[:] = list(dict.fromkeys(["torch", *modules]))
+
+
+def _start_method() -> str:
+    """The start method: "forkserver" where the platform has it (its preload set), else "spawn"."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(list(_SPAWN_PRELOAD))
+    return "forkserver"
+
+
+def start_spawn_server() -> None:
+    """Start spawn's forkserver now, without waiting: its imports run beside the caller's work
+    instead of in the first spawn."""
+    if _start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _run_then_exit(rank: int, env: dict[str, str], fn: Callable[..., None], *args: Any) -> None:
+    """A spawned worker: the parent's environment at spawn time (a forked worker holds its
+    forkserver's), fn(rank, *args), then leave without interpreter finalization
     (trainer.parallel.procexit); an exception propagates to torch.multiprocessing's report."""
     from trainer.parallel.procexit import exit_now
 
+    os.environ.clear()
+    os.environ.update(env)
     fn(rank, *args)
     exit_now(0)
 
@@ -354,12 +390,14 @@ def spawn(fn: Callable[..., None], world: int, args: tuple, timeout: float) -> N
     unpickles `fn`), so it finds the packages this process found: the working directory comes
     first only where it did here (`python -m` run in it; `mixlen` and torchrun's ranks started
     by tools.launch leave it out)."""
-    import time
-
     import torch.multiprocessing as mp
 
+    # forked from a forkserver that imported _SPAWN_PRELOAD once (a fresh interpreter each would
+    # import torch again); sys.path, the working directory and __main__ come from this process
+    # as with "spawn"
+    job = (dict(os.environ), fn, *args)
     ctx = mp.start_processes(
-        _run_then_exit, args=(fn, *args), nprocs=world, join=False, start_method="spawn"
+        _run_then_exit, args=job, nprocs=world, join=False, start_method=_start_method()
     )
     deadline = time.monotonic() + timeout
     try:
