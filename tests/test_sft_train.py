@@ -152,3 +152,42 @@ def test_sequence_rule_weighs_samples_not_tokens():
     ref_t = reference_train("token", 1)["losses"][0]
     ref_s = reference_train("sequence", 1)["losses"][0]
     assert abs(ref_t - ref_s) > 1e-4
+
+
+def test_eval_reports_trained_positions_only():
+    """Evaluation on masked data (trainer.eval.run on 1 and 3 threaded ranks, the long samples on
+    rings): the loss and its position buckets are over the trained targets only, each equal to
+    the plain cross-entropy of those positions with each sample alone (float64)."""
+    from datapipe.plan.cost import preset
+    from datapipe.plan.planner import PlannerConfig
+    from trainer.eval.buckets import bucket_of
+    from trainer.eval.run import evaluate_samples, fetched, planned_batches
+
+    tokens, masks, _ = masked_scenario()
+    tokens, masks = tokens[: len(LENGTHS)], masks[: len(LENGTHS)]
+    model, _ = build_model(model_config(), F64, "cpu", seed=SEED)
+    pos: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for t, m in zip(tokens, masks):
+            ids = torch.as_tensor(t, dtype=torch.int64)
+            ce = F.cross_entropy(model(ids, torch.arange(len(t)))[:-1], ids[1:], reduction="none")
+            for p in np.flatnonzero(m[1:]):
+                pos.setdefault(int(bucket_of(np.array([p]))[0]), []).append(float(ce[p]))
+    fetcher = MemoryFetcher(tokens, masks)
+
+    def run(comm):
+        planner = PlannerConfig(capacity=256 if comm.size == 1 else 64).build(
+            preset("debug"), comm.size
+        )
+        plans = planned_batches(planner, np.arange(len(tokens)), fetcher.lengths, 256)
+        ex = HDPExecutor(model, None, comm)
+        return evaluate_samples(ex, fetched(plans, fetcher.fetch_step, comm.rank), comm.rank)
+
+    n = sum(len(v) for v in pos.values())
+    for size in (1, 3):
+        b = run_threads(size, run)[0]
+        assert b.tokens == n == sum(int(m[1:].sum()) for m in masks)
+        assert b.loss == pytest.approx(sum(sum(v) for v in pos.values()) / n, rel=1e-9)
+        for r in b.by_position():
+            v = pos[int(bucket_of(np.array([r["start"]]))[0])]
+            assert r["tokens"] == len(v) and r["loss"] == pytest.approx(sum(v) / len(v), rel=1e-9)
