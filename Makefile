@@ -80,6 +80,30 @@ demo-extend: install
 # alone and hands out the files with slow tests first
 TEST_WORKERS ?= 2
 
+# supervised fine-tuning with loss masks on this CPU (configs/sft-demo.toml): conversations about
+# the standard library's functions (the module's source as context, the docstring as the answer),
+# the demo's model fine-tuned on them with the mask and, beside it at the same time, on the same
+# conversations flattened into text; both validate on held-out modules' answers
+SFT := $(DEMO_DIR)/sft
+SFT_PRE := --tokenizer tests/assets/bpe-stdlib.json \
+	--chat-template tests/assets/chat_templates/demo-bpe.jinja --overwrite --quiet
+SFT_RUN = $(VENV)/bin/mixlen train configs/sft-demo.toml --set data.val_path='"$(SFT)/val"' \
+	--set data.path='"$(SFT)/$(1)"' --set metrics.dir='"$(SFT)/$(2)"' \
+	--set checkpoint.dir='"$(SFT)/$(2)/ckpt"'
+
+.PHONY: demo-sft
+demo-sft: install
+	$(PY) benchmarks/sft_demo.py data "$(STDLIB)" --out $(SFT)/rows
+	$(VENV)/bin/mixlen preprocess $(SFT)/rows/train.jsonl $(SFT_PRE) --out $(SFT)/train
+	$(VENV)/bin/mixlen preprocess $(SFT)/rows/flat.jsonl $(SFT_PRE) --out $(SFT)/flat
+	$(VENV)/bin/mixlen preprocess $(SFT)/rows/val.jsonl $(SFT_PRE) --out $(SFT)/val
+	$(VENV)/bin/mixlen profile $(SFT)/train
+	rm -rf $(SFT)/masked $(SFT)/flat-run
+	$(call SFT_RUN,flat,flat-run) > $(SFT)/flat-run.log 2>&1 & pid=$$!; \
+		$(call SFT_RUN,train,masked); wait $$pid || (tail -20 $(SFT)/flat-run.log; exit 1)
+	$(PY) benchmarks/sft_demo.py report $(SFT)/masked/metrics.jsonl \
+		$(SFT)/flat-run/metrics.jsonl --out $(SFT)/report.md
+
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 

@@ -15,6 +15,13 @@ Rows of the table (same random sample order for every reader that can take one):
 
 usage: .venv/bin/python benchmarks/bench_stream.py [--samples 100000] [--ranks 8] [--steps 20]
        .venv/bin/python benchmarks/bench_stream.py --mixture [--mix-samples 1000000]
+       .venv/bin/python benchmarks/bench_stream.py --masks [--mask-samples 20000]
+
+--masks: what a loss mask costs the fetch. The same conversations (three turns, lognormal
+lengths, bytes tokenizer) written twice per format, as conversations with a mask (the demo's
+chat template) and flattened into text rows without one; the fetch of the same whole-sample
+steps (one rank of --ranks, warm page cache) timed on both, interleaved, best of --repeats; and the
+bytes per token the mask adds to the shards.
 
 --mixture: batch formation of a mixture of three sources (1M samples in all: short, medium and
 long lognormal lengths) by datapipe.mix's stream against one dataset holding the same samples
@@ -254,6 +261,95 @@ def bench_mixture(total: int, budget: int, repeats: int) -> dict:
     }
 
 
+MASK_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+
+
+def make_mask_datasets(n: int, seed: int = 3) -> dict[str, tuple[Path, Path]]:
+    """Per format: (masked, flat) datasets of the same `n` conversations (module docstring)."""
+    from datapipe.ingest.chat import ChatTemplate, TemplateSource
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    base = OUT / "data" / f"masks-{n}"
+    out = {f: (base / f"{f}-masked", base / f"{f}-flat") for f in ("mds", "wds", "parquet")}
+    if all((p / "manifest.json").exists() for pair in out.values() for p in pair):
+        return out
+    rng = np.random.default_rng(seed)
+    template = ChatTemplate(TemplateSource(MASK_TEMPLATE, "bench"))
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", np.uint8)
+
+    def text(k: int) -> str:
+        return letters[rng.integers(0, len(letters), max(1, k))].tobytes().decode()
+
+    base.mkdir(parents=True, exist_ok=True)
+    tpl = base / "template.jinja"
+    tpl.write_text(MASK_TEMPLATE)
+    with open(base / "masked.jsonl", "w") as fm, open(base / "flat.jsonl", "w") as ff:
+        for total in np.clip(rng.lognormal(np.log(1024), 1.0, n), 64, 60000).astype(int):
+            msgs = []
+            for _ in range(3):  # a long prompt, a short answer, three times
+                msgs += [
+                    {"role": "user", "content": text(int(total * 0.25))},
+                    {"role": "assistant", "content": text(int(total * 0.08))},
+                ]
+            fm.write(json.dumps({"messages": msgs}) + "\n")
+            ff.write(json.dumps({"text": template.render(msgs, False)}) + "\n")
+    for fmt, (masked, flat) in out.items():
+        for src, dst in ((base / "masked.jsonl", masked), (base / "flat.jsonl", flat)):
+            cfg = PreprocessConfig(
+                inputs=[str(src)], out=str(dst), format=fmt, chat_template=str(tpl),
+                progress=False, overwrite=True,
+            )  # fmt: skip
+            preprocess(cfg, warn=lambda m: None)
+    return out
+
+
+def bench_masks(args) -> dict:
+    """Fetch throughput with and without a loss mask, and the bytes a mask adds (docstring)."""
+    from datapipe.fetch import FetchConfig
+    from datapipe.index import read_index
+    from datapipe.stream import StreamConfig
+
+    res: dict = {}
+    for fmt, (masked, flat) in make_mask_datasets(args.mask_samples).items():
+        idx = {k: read_index(p) for k, p in (("masked", masked), ("flat", flat))}
+        lengths = idx["masked"].num_tokens
+        stream = StreamConfig(seed=0).build(lengths, args.budget)
+        steps = [
+            [rank_pieces(next(stream).sample_ids, lengths, args.ranks, 0)]
+            for _ in range(args.steps)
+        ]
+        tokens = sum(int(p[0][:, 2].sum()) for p in steps)
+        best = {"masked": float("inf"), "flat": float("inf")}
+        for _ in range(args.repeats):
+            for kind, root in (("masked", masked), ("flat", flat)):
+                with FetchConfig(verify=False).build(str(root)) as fetcher:
+                    for mbs in steps[:2]:  # warm: page cache, the decoders chosen
+                        fetcher.fetch_step(mbs)
+                    t0 = time.perf_counter()
+                    for mbs in steps:
+                        fetcher.fetch_step(mbs)
+                    best[kind] = min(best[kind], time.perf_counter() - t0)
+        sizes = {k: sum(s["bytes"] for s in i.manifest["shards"]) for k, i in idx.items()}
+        n_tokens = int(idx["masked"].manifest["num_tokens"])
+        res[fmt] = {
+            "tokens_per_s_masked": tokens / best["masked"],
+            "tokens_per_s_flat": tokens / best["flat"],
+            "cost": best["masked"] / best["flat"] - 1.0,
+            "shard_bytes_per_token_added": (sizes["masked"] - sizes["flat"]) / n_tokens,
+            "trained_share": idx["masked"].manifest["num_loss_tokens"] / n_tokens,
+            "rows": int(idx["masked"].num_rows.sum()),
+            "tokens_fetched": tokens,
+        }
+        r = res[fmt]
+        print(
+            f"{fmt:<8} fetch {r['tokens_per_s_flat'] / 1e6:7.2f} M tok/s without a mask, "
+            f"{r['tokens_per_s_masked'] / 1e6:7.2f} with ({100 * r['cost']:+.1f}%); the mask adds "
+            f"{r['shard_bytes_per_token_added']:.4f} shard bytes per token "
+            f"({100 * r['trained_share']:.0f}% of tokens trained)"
+        )
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=100_000)
@@ -265,7 +361,15 @@ def main() -> None:
     ap.add_argument("--fill-only", action="store_true", help="only batch formation (no dataset)")
     ap.add_argument("--mixture", action="store_true", help="mixture vs one dataset (no dataset)")
     ap.add_argument("--mix-samples", type=int, default=1_000_000, help="samples in all (--mixture)")
+    ap.add_argument("--masks", action="store_true", help="loss-mask cost of the fetch (no stream)")
+    ap.add_argument("--mask-samples", type=int, default=20_000, help="conversations (--masks)")
     args = ap.parse_args()
+    if args.masks:
+        OUT.mkdir(parents=True, exist_ok=True)
+        res = bench_masks(args)
+        (OUT / "bench_stream_masks.json").write_text(json.dumps(res, indent=1))
+        print(f"wrote {OUT / 'bench_stream_masks.json'}")
+        return
     if args.mixture:
         OUT.mkdir(parents=True, exist_ok=True)
         res = bench_mixture(args.mix_samples, args.budget, args.repeats)

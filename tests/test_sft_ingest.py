@@ -254,3 +254,20 @@ def test_profile_shows_trained_share_by_length_bucket(qwen, tmp_path, capsys):
     assert prof["num_loss_tokens"] == res.manifest["num_loss_tokens"]
     assert cli_main(["profile", res.out]) == 0
     assert "% trained" in capsys.readouterr().out
+
+
+def test_saved_dataset_of_conversations(qwen, tmp_path):
+    """A Hugging Face save_to_disk folder with a `messages` column gives the same samples and
+    masks as the JSON Lines file of the same rows."""
+    import datasets
+
+    rows = [{"messages": c} for c in CONVERSATIONS]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    a = run(tmp_path, [tmp_path / "hf"], name="a", tokenizer_from=qwen)
+    b = run(tmp_path, [tmp_path / "c.jsonl"], name="b", tokenizer_from=qwen)
+    got_a, got_b = read_masked_rows(a.out, a.manifest), read_masked_rows(b.out, b.manifest)
+    assert sorted(got_a) == sorted(got_b) == list(range(len(rows)))
+    for i in got_a:
+        assert got_a[i][0].tolist() == got_b[i][0].tolist()
+        assert got_a[i][1].tolist() == got_b[i][1].tolist()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from datapipe.errors import InputError
 from datapipe.files import CONFIG_FILE_LIMIT, not_regular_reason, read_bounded_text
+from datapipe.ingest.rows import SFT_FIELDS, row_kind
 
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
@@ -83,9 +84,11 @@ def folder_bytes(folder: str | os.PathLike) -> int:
 def iter_saved_dataset(
     folder: Path, text_field: str, block_type: type, batch_rows: Callable[[float], int]
 ) -> Iterator:
-    """Blocks of `text_field` values (kind "parquet": a value list, `start` the dataset row), in
-    dataset order, `batch_rows(bytes per value)` rows at a time; an unreadable file, one that is
-    not a regular file or a missing column is an "error" block naming it."""
+    """Blocks of `text_field` values (kind "parquet": a value list, `start` the dataset row), or
+    of conversation / prompt-completion rows (kind "rows": dicts of their fields, when the dataset
+    has `messages` or `prompt` and `completion`), in dataset order, `batch_rows(bytes per value)`
+    rows at a time; an unreadable file, one that is not a regular file or a missing column is an
+    "error" block naming it."""
     import pyarrow as pa
 
     row = 0
@@ -101,22 +104,30 @@ def iter_saved_dataset(
             with pa.memory_map(path) as src:
                 reader = pa.ipc.open_stream(src)  # save_to_disk writes the IPC stream format
                 names = reader.schema.names
-                if text_field not in names:
+                kind = row_kind(names, text_field)
+                if kind is None:
                     yield block_type(
                         "error",
                         path,
-                        error=f"missing text field {text_field!r} (columns: {', '.join(names)})",
+                        error=f"missing text field {text_field!r} (columns: {', '.join(names)}); "
+                        "instruction data has messages, or prompt and completion",
                     )
                     return
-                col = names.index(text_field)
+                fields = [text_field] if kind == "text" else [f for f in SFT_FIELDS if f in names]
                 for batch in reader:
-                    rows = batch_rows(batch.column(col).nbytes / max(1, batch.num_rows))
+                    batch = batch.select(fields)
+                    rows = batch_rows(batch.nbytes / max(1, batch.num_rows))
                     for lo in range(0, batch.num_rows, rows):
-                        part = batch.slice(lo, rows).column(col)
-                        values = part.to_pylist()
-                        yield block_type(
-                            "parquet", str(folder), start=row, items=values, nbytes=part.nbytes
-                        )
+                        part = batch.slice(lo, rows)
+                        if kind == "text":
+                            values = part.column(0).to_pylist()
+                            yield block_type(
+                                "parquet", str(folder), start=row, items=values, nbytes=part.nbytes
+                            )
+                        else:
+                            values = part.to_pylist()
+                            yield block_type("rows", str(folder), start=row, items=values,
+                                             nbytes=part.nbytes, row_kind=kind)  # fmt: skip
                         row += len(values)
         except (OSError, pa.ArrowInvalid) as exc:
             yield block_type("error", f"{path}", error=f"cannot read Arrow file: {exc}")

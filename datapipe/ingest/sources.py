@@ -225,8 +225,8 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[Block]:
             yield Block(
                 "error",
                 str(path),
-                error=f"missing text field {text_field!r} (or messages, or prompt and "
-                f"completion; columns: {', '.join(names)})",
+                error=f"missing text field {text_field!r} (columns: {', '.join(names)}); "
+                "instruction data has messages, or prompt and completion",
             )
             return
         fields = (text_field,) if kind == "text" else tuple(f for f in SFT_FIELDS if f in names)
