@@ -8,16 +8,14 @@ gets work and the report shows both figures under 1.3."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 from tools.cli import main as cli_main
+from trainer.testing.ranks import run_cli_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,11 +40,11 @@ def test_readme_example_uses_every_rank(stdlib_slice, tmp_path, nproc: int) -> N
     run = tmp_path / "run"
     sets = [f'data.path="{data}"', "train.steps=2", "train.eval_interval=0",
             f'metrics.dir="{run}"', f'checkpoint.dir="{run / "ckpt"}"']  # fmt: skip
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(ROOT / "configs/debug.toml"), "--nproc",
-           str(nproc), "--quiet"] + [x for s in sets for x in ("--set", s)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MIXLEN_DIST_TIMEOUT": "300"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["train", str(ROOT / "configs/debug.toml"), "--nproc", str(nproc), "--quiet"]
+    argv += [x for s in sets for x in ("--set", s)]
+    # the ranks `--nproc` would start, forked from the test's preloaded server instead of
+    # torchrun's fresh interpreters (~9 s of imports each; the launch has its own tests)
+    run_cli_ranks(argv, nproc, timeout=400, env={"MIXLEN_DIST_TIMEOUT": "300"})
     report = (run / "balance.md").read_text()
     m = re.search(
         r"imbalance \(max/mean of run totals\): measured ([\d.]+), planned ([\d.]+)", report

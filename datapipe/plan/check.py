@@ -15,13 +15,14 @@ class PlanError(AssertionError):
 
 
 def _zigzag_chunks(start: int, end: int, k: int, p: int) -> list[tuple[int, int]]:
-    """Independent reference: 2k chunks of [start, end), sizes differ by <= 1, first ones larger."""
-    n = end - start
-    sizes = [n // (2 * k) + (1 if i < n % (2 * k) else 0) for i in range(2 * k)]
-    bounds = [start]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return [(bounds[c], bounds[c + 1]) for c in (p, 2 * k - 1 - p)]
+    """Independent reference: 2k chunks of [start, end), sizes differ by <= 1, first ones larger
+    (chunk c starts after c chunks of n // 2k positions and min(c, n % 2k) larger ones)."""
+    q, r = divmod(end - start, 2 * k)
+
+    def bound(c: int) -> int:
+        return start + c * q + min(c, r)
+
+    return [(bound(c), bound(c + 1)) for c in (p, 2 * k - 1 - p)]
 
 
 def check_plan(plan: StepPlan, check_times: bool = True) -> None:
