@@ -15,27 +15,16 @@ log-sum-exp -inf here whatever the kernel left in them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from trainer.attention.varlen import VarlenDocs
+from trainer.attention.varlen import Kernels, VarlenDocs, check_inputs
 
-__all__ = ["DTYPES", "LSE_ALIGN", "NAME", "Kernels", "backward", "check", "forward"]
+__all__ = ["DTYPES", "LSE_ALIGN", "NAME", "backward", "check", "forward"]
 
 NAME = "cuda_efficient"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LSE_ALIGN = 32  # the kernel pads each document's log-sum-exp row to a multiple of this
 _CAUSAL_TOP_LEFT, _NO_MASK = 1, 0
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The two ops this backend calls (torch's; tests put CPU fakes here)."""
-
-    forward: Callable
-    backward: Callable
 
 
 kernels: Kernels | None = None  # None: torch's own (trainer.testing.fake_kernels swaps in fakes)
@@ -51,19 +40,7 @@ def _ops() -> Kernels:
 
 def check(q: torch.Tensor, k: torch.Tensor) -> None:
     """Refuse what the kernel cannot compute, naming the setting."""
-    if q.dtype not in DTYPES:
-        raise ValueError(
-            f"the memory-efficient kernel computes in float32, float16 or bfloat16, not "
-            f"{str(q.dtype)[6:]} (train.dtype)"
-        )
-    align = 4 if q.dtype == torch.float32 else 8
-    if q.shape[-1] % align:
-        raise ValueError(
-            f"head dimension {q.shape[-1]} (model.dim / model.n_heads, or model.head_dim): the "
-            f"memory-efficient kernel takes multiples of {align} in {str(q.dtype)[6:]}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads")
+    check_inputs(q, k, "memory-efficient", DTYPES, 4 if q.dtype == torch.float32 else 8)
 
 
 def _expand(x: torch.Tensor, g: int) -> torch.Tensor:

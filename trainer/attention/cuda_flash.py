@@ -14,26 +14,15 @@ kernel, which is -inf here. Dropout is never used, so the random state is a dumm
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from trainer.attention.varlen import VarlenDocs
+from trainer.attention.varlen import Kernels, VarlenDocs, check_inputs
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "NAME", "Kernels", "backward", "check", "forward"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "NAME", "backward", "check", "forward"]
 
 NAME = "cuda_flash"
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The two ops this backend calls (torch's; tests put CPU fakes here)."""
-
-    forward: Callable
-    backward: Callable
 
 
 kernels: Kernels | None = None  # None: torch's own (trainer.testing.fake_kernels swaps in fakes)
@@ -49,19 +38,7 @@ def _ops() -> Kernels:
 
 def check(q: torch.Tensor, k: torch.Tensor) -> None:
     """Refuse what the kernel cannot compute, naming the setting."""
-    if q.dtype not in DTYPES:
-        raise ValueError(
-            f"the flash kernel computes in float16 or bfloat16, not {str(q.dtype)[6:]} "
-            "(train.dtype); float32 on CUDA uses the memory-efficient kernel"
-        )
-    d = q.shape[-1]
-    if d > MAX_HEAD_DIM or d % 8:
-        raise ValueError(
-            f"head dimension {d} (model.dim / model.n_heads, or model.head_dim): the flash "
-            f"kernel takes multiples of 8 up to {MAX_HEAD_DIM}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads")
+    check_inputs(q, k, "flash", DTYPES, 8, MAX_HEAD_DIM)
 
 
 def _lse_th(lse_ht: torch.Tensor) -> torch.Tensor:

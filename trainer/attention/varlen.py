@@ -11,13 +11,13 @@ same way (`token_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["VarlenDocs", "as_docs", "to_device"]
+__all__ = ["Kernels", "VarlenDocs", "as_docs", "check_inputs", "to_device"]
 
 
 def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -123,3 +123,38 @@ def as_docs(
 
     q = bounds(cu_q)
     return VarlenDocs(q, q if cu_k is None else bounds(cu_k))
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The forward and backward ops a CUDA backend calls: torch's own, or the CPU fakes tests put
+    in a backend's `kernels` (trainer.testing.fake_kernels)."""
+
+    forward: Callable
+    backward: Callable
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kernel: str,
+    dtypes: tuple[torch.dtype, ...],
+    align: int,
+    max_head_dim: int = 1 << 16,
+) -> None:
+    """Refuse what `kernel` cannot compute, naming the setting: a dtype outside `dtypes`
+    (train.dtype), a head dimension not a multiple of `align` or above `max_head_dim`
+    (model.head_dim), query heads not a multiple of the KV heads."""
+    if q.dtype not in dtypes:
+        names = ", ".join(str(d)[6:] for d in dtypes)
+        raise ValueError(
+            f"the {kernel} kernel computes in {names}, not {str(q.dtype)[6:]} (train.dtype)"
+        )
+    d = q.shape[-1]
+    if d % align or d > max_head_dim:
+        raise ValueError(
+            f"head dimension {d} (model.dim / model.n_heads, or model.head_dim): the {kernel} "
+            f"kernel takes multiples of {align} up to {max_head_dim} in {str(q.dtype)[6:]}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads")

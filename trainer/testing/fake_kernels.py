@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.attention import cuda_efficient, cuda_flash
+from trainer.attention.varlen import Kernels
 
 __all__ = ["FakeKernels", "installed"]
 
@@ -243,10 +244,8 @@ def installed() -> Iterator[FakeKernels]:
     """The fakes in place of torch's CUDA kernels inside the `with` block."""
     fakes = FakeKernels()
     saved = cuda_flash.kernels, cuda_efficient.kernels
-    cuda_flash.kernels = cuda_flash.Kernels(fakes.flash_forward, fakes.flash_backward)
-    cuda_efficient.kernels = cuda_efficient.Kernels(
-        fakes.efficient_forward, fakes.efficient_backward
-    )
+    cuda_flash.kernels = Kernels(fakes.flash_forward, fakes.flash_backward)
+    cuda_efficient.kernels = Kernels(fakes.efficient_forward, fakes.efficient_backward)
     try:
         yield fakes
     finally:
