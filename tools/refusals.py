@@ -169,8 +169,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "train, plan, profile, eval",
-        "a mixture source weight <= 0, NaN or inf (`data.sources[1].weight`, `DIR@0`)",
-        "must be > 0, got",
+        "a mixture source weight < 0, NaN or inf (`data.sources[1].weight`, `DIR@-1`); 0 waits for a "
+        "stage to give it weight, but every stage needs a source above 0",
+        "must be >= 0, got",
         "datapipe/mix/config.py",
         "tests/test_mixture.py::test_mixture_config_refusals_name_the_key",
     ),
