@@ -6,9 +6,6 @@ transformers' own per-token cross-entropy (float64); and the errors a mismatched
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +22,7 @@ from trainer.config.toml import to_toml
 from trainer.model.config import ModelSection
 from trainer.model.pretrained import inspect_pretrained, load_pretrained_weights
 from trainer.model.transformer import build
+from trainer.testing.ranks import run_cli_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 BYTES_IDS = {"vocab_size": 300, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
@@ -77,10 +75,10 @@ def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama,
     c.parallel.zero = 1
     cfg = tmp_path / "run.toml"
     cfg.write_text(to_toml(c))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MIXLEN_DIST_TIMEOUT": "90"}
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(cfg), "--nproc", "2", "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the ranks `--nproc 2` would start, forked from the test's preloaded server (torchrun's
+    # launch has its own tests: test_train, test_eval)
+    env = {"MIXLEN_DIST_TIMEOUT": "90"}
+    run_cli_ranks(["train", str(cfg), "--nproc", "2", "--quiet"], 2, 240, env, tmp_path / "tlog")
     out = tmp_path / "export"
     assert cli_main(["export", str(run / "ckpt"), "--hf", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
@@ -100,12 +98,11 @@ def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama,
     # the trained checkpoint evaluated on 2 gloo ranks (capacity 256: long samples on rings) and on
     # one, in process: the same losses
     ev = ["eval", str(run / "ckpt"), dataset, "--split", "all", "--json", "--no-passkey"]
-    two = subprocess.run([sys.executable, "-m", "tools.cli", *ev, "--nproc", "2", "--capacity",
-                          "256"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
+    logs = tmp_path / "elog"
+    run_cli_ranks([*ev, "--nproc", "2", "--capacity", "256"], 2, 180, env, logs)
     assert cli_main([*ev, "--capacity", "1024"]) == 0
     one = json.loads(capsys.readouterr().out)
-    got2 = json.loads(two.stdout.strip().splitlines()[-1])
+    got2 = json.loads((logs / "rank0.stdout").read_text().strip().splitlines()[-1])
     assert got2["tokens"] == one["tokens"] and got2["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 

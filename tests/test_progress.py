@@ -23,6 +23,7 @@ import pytest
 from conftest import ROOT
 
 from tools.cli import main as cli_main
+from trainer.testing.ranks import run_cli_ranks
 
 pytestmark = pytest.mark.timeout(240)
 # "| 12/24 [00:01<00:01, 9.50plan/s]" or "| 1.2M/3.4M [00:01<00:02, 1.1MB/s, docs=...]", or for
@@ -213,16 +214,14 @@ def test_rank_prefixes_and_rank_filter() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_train_two_ranks_log_ranks_all(inputs: dict) -> None:
-    """torchrun with 2 ranks: rank 0's step lines and summary, rank 1's own step lines, each with
+    """2 ranks (those `--nproc 2` starts, forked from the test's preloaded server: torchrun's
+    launch has its own tests): rank 0's step lines and summary, rank 1's own step lines, each with
     its prefix; without --log-ranks all rank 1 says nothing."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MIXLEN_DIST_TIMEOUT": "60"}
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(inputs["tmp"] / "train.toml"),
-           "--nproc", "2", "--log-ranks", "all", "--set", 'parallel.policy="hdp"']  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140, start_new_session=True
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stderr.splitlines()  # logs go to stderr
+    argv = ["train", str(inputs["tmp"] / "train.toml"), "--nproc", "2", "--log-ranks", "all",
+            "--set", 'parallel.policy="hdp"']  # fmt: skip
+    logs = inputs["tmp"] / "logs"
+    run_cli_ranks(argv, 2, timeout=140, env={"MIXLEN_DIST_TIMEOUT": "60"}, logs=logs)
+    out = [x for r in (0, 1) for x in (logs / f"rank{r}.stderr").read_text().splitlines()]
     assert sum(bool(re.match(r"\[rank 0/2\] step +\d+ +loss", x)) for x in out) == 3
     assert sum(bool(re.match(r"\[rank 1/2\] step \d+: \d+ micro-batches", x)) for x in out) == 3
     assert any(x.startswith("[rank 0/2] metrics:") for x in out)
