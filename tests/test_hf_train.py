@@ -6,6 +6,9 @@ transformers' own per-token cross-entropy (float64); and the errors a mismatched
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +79,7 @@ def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama,
     cfg = tmp_path / "run.toml"
     cfg.write_text(to_toml(c))
     # the ranks `--nproc 2` would start, forked from the test's preloaded server (torchrun's
-    # launch has its own tests: test_train, test_eval)
+    # launch of train has its own tests: test_train, test_hostile_launch)
     env = {"MIXLEN_DIST_TIMEOUT": "90"}
     run_cli_ranks(["train", str(cfg), "--nproc", "2", "--quiet"], 2, 240, env, tmp_path / "tlog")
     out = tmp_path / "export"
@@ -98,11 +101,14 @@ def test_train_from_pretrained_then_export_loads_in_transformers(dataset, llama,
     # the trained checkpoint evaluated on 2 gloo ranks (capacity 256: long samples on rings) and on
     # one, in process: the same losses
     ev = ["eval", str(run / "ckpt"), dataset, "--split", "all", "--json", "--no-passkey"]
-    logs = tmp_path / "elog"
-    run_cli_ranks([*ev, "--nproc", "2", "--capacity", "256"], 2, 180, env, logs)
+    # through torchrun (the one test of `mixlen eval --nproc`'s launch)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    two = subprocess.run([sys.executable, "-m", "tools.cli", *ev, "--nproc", "2", "--capacity",
+                          "256"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
     assert cli_main([*ev, "--capacity", "1024"]) == 0
     one = json.loads(capsys.readouterr().out)
-    got2 = json.loads((logs / "rank0.stdout").read_text().strip().splitlines()[-1])
+    got2 = json.loads(two.stdout.strip().splitlines()[-1])
     assert got2["tokens"] == one["tokens"] and got2["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
