@@ -75,11 +75,6 @@ demo-extend: install
 	$(PY) benchmarks/extend_report.py $(EXTEND)/eval-before/eval.json \
 		$(EXTEND)/eval-after/eval.json --out $(EXTEND)/report.json
 
-# the suite on TEST_WORKERS pytest-xdist workers, one test file at a time each (module fixtures
-# such as spawned ranks or a Ray runtime are set up once); tests/conftest.py runs `serial` tests
-# alone and hands out the files with slow tests first
-TEST_WORKERS ?= 2
-
 # supervised fine-tuning with loss masks on this CPU (configs/sft-demo.toml): conversations about
 # the standard library's functions (the module's source as context, the docstring as the answer),
 # the demo's model fine-tuned on them with the mask and, beside it at the same time, on the same
@@ -104,8 +99,14 @@ demo-sft: install
 	$(PY) benchmarks/sft_demo.py report $(SFT)/masked/metrics.jsonl \
 		$(SFT)/flat-run/metrics.jsonl --out $(SFT)/report.md
 
+# the suite on TEST_WORKERS pytest-xdist workers, one test file at a time each (module fixtures
+# such as spawned ranks or a Ray runtime are set up once), in tests/conftest.py's order (files
+# with slow tests first) rather than xdist's (most tests first); `serial` tests run alone
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -98,14 +98,38 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
+# the files that took longest (pytest --durations, this 2-core box), longest first: handed out
+# first, so that no worker is left running one of them alone at the end (only the order of the
+# files depends on this list)
+LONGEST = [
+    "test_tensor_parallel.py",
+    "test_faults_slow.py",
+    "test_balance_example.py",
+    "test_calibrate.py",
+    "test_ray_engine.py",
+    "test_train.py",
+    "test_islands.py",
+    "test_zero.py",
+    "test_sft_train.py",
+    "test_hf_train.py",
+    "test_reference_trainer.py",
+]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On pytest-xdist workers: the files that have a slow test first (whole files go to one
-    worker, so the longest start early instead of leaving one worker busy at the end), the order
-    otherwise kept (the same on every worker, as xdist requires)."""
+    """On pytest-xdist workers (each collects the same order, as xdist requires): the LONGEST
+    files first, then those with a slow test, then the rest, each file's tests in their order."""
     if not _xdist_worker(config):
         return
-    slow_files = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: i.nodeid.split("::")[0] not in slow_files)
+    slow = {i.path.name for i in items if i.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST:
+            return 0, LONGEST.index(name)
+        return (1 if name in slow else 2), 0
+
+    items.sort(key=rank)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
