@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+IGNORE = -100  # datapipe.plan.loss.IGNORE_INDEX (a numba global: the kernel compiles it in)
+
 
 @njit(cache=True, nogil=True)
 def pack_kernel(
@@ -33,16 +35,26 @@ def pack_kernel(
     for i in range(a.shape[0]):
         lo, st, ai = cu[i], starts[i], a[i]
         n = b[i] - ai
-        n_lab = min(b[i] + 1, sample_len[i]) - ai - 1
+        n_lab = max(min(b[i] + 1, sample_len[i]) - ai - 1, 0)
+        # slices, not indexed writes: LLVM vectorizes the copies (3-4x the indexed loop)
+        input_ids[lo : lo + n] = flat[st : st + n]
+        pos = position_ids[lo : lo + n]
         for j in range(n):
-            input_ids[lo + j] = flat[st + j]
-            position_ids[lo + j] = ai + j
-        got = 0
-        for j in range(n_lab):
-            if not masked or trained[st + 1 + j]:
-                labels[lo + j] = flat[st + 1 + j]
-                got += 1
-        counts[i] = got
+            pos[j] = ai + j
+        lab = labels[lo : lo + n_lab]
+        nxt = flat[st + 1 : st + 1 + n_lab]
+        if masked:  # arithmetic, not a branch (it vectorizes): the label, or IGNORE
+            tr = trained[st + 1 : st + 1 + n_lab]
+            got = 0
+            for j in range(n_lab):
+                t = np.int32(tr[j])
+                lab[j] = (np.int32(nxt[j]) - IGNORE) * t + IGNORE
+                got += t
+            counts[i] = got
+        else:
+            for j in range(n_lab):
+                lab[j] = nxt[j]
+            counts[i] = n_lab
 
 
 @njit(cache=True, nogil=True)

@@ -46,7 +46,9 @@ def read_masked_rows(root: str, manifest: dict) -> dict[int, tuple[np.ndarray, n
 
         for s in manifest["shards"]:
             t = pq.read_table(os.path.join(root, s["name"])).to_pylist()
-            rows += [(r["sample_id"], r["chunk"], r["tokens"], r["trained_spans"]) for r in t]
+            for r in t:  # trained_spans: binary, little-endian uint32 pairs (docs/FORMAT.md)
+                spans = np.frombuffer(r["trained_spans"], "<u4")
+                rows.append((r["sample_id"], r["chunk"], r["tokens"], spans))
     out: dict[int, tuple[list, list]] = {}
     for sid, chunk, toks, spans in rows:
         toks = np.asarray(toks, np.int64)

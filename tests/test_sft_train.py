@@ -258,3 +258,36 @@ def test_masked_training_at_tp2_equals_reference(tmp_path):
         assert (g["grad"] - ref["grad"]).norm() / ref["grad"].norm() < 1e-10
         np.testing.assert_allclose(g["losses"], ref["losses"], rtol=1e-10)
         assert (g["weights"] - ref["weights"]).norm() / ref["weights"].norm() < 1e-10
+
+
+@pytest.mark.parametrize("rule", ["token", "sequence"])
+def test_sync_islands_normalise_over_every_island(rule):
+    """2 islands x 2 threaded ranks in sync mode: each island runs its own masked batch; the
+    loss and gradient are those of one process on the union of both batches (the denominator,
+    trained positions or samples with one, summed across the islands)."""
+    from trainer.parallel.zero import ZeroOptimizer
+    from trainer.testing.threads import run_islands
+
+    tokens, masks, batches = masked_scenario()
+    fetcher = MemoryFetcher(tokens, masks)
+
+    def body(comm, cross):
+        model, master = build_model(model_config(), F64, "cpu", seed=SEED)
+        zero = ZeroOptimizer.for_model(model, comm, master=master, level=1, cross_comm=cross)
+        ex = HDPExecutor(model, zero, comm, cross_comm=cross, loss_normalization=rule)
+        ids = batches[cross.rank]
+        plan = make_plan("hdp", fetcher.lengths[ids], ids, comm.size, capacity=96)
+        mbs = fetcher.fetch_step([np.array(m.pieces) for m in plan.microbatches(comm.rank)])
+        lt = np.array([masks[i][1:].sum() for i in plan.sample_ids], np.int64)
+        res = ex.accumulate(plan, mbs, 0, lt)
+        return res.loss, zero.gather_grad().double()
+
+    out = run_islands(2, 2, body)
+    model, _ = build_model(model_config(), F64, "cpu", seed=SEED)
+    loss = reference_loss(model, tokens, masks, np.concatenate(batches[:2]), rule)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    want = float(loss.detach())
+    for got_loss, got_grad in out:
+        assert abs(got_loss - want) < 1e-12 * want
+        assert (got_grad - grad).norm() / grad.norm() < 1e-10

@@ -123,23 +123,60 @@ def decode_rows_masked(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """`decode_rows` of rows whose TRAINED column follows the tokens (``layout.spans``), plus
     their spans: (tokens, token count per row, TRAINED values, value count per row); None if
-    some row's columns are not 1-D."""
+    some row's columns are not 1-D. One pass of a numba kernel over the rows."""
     assert layout.spans
-    got = decode_rows(layout, buf, starts, ends)
+    starts = np.ascontiguousarray(starts, np.int64)
+    ends = np.ascontiguousarray(ends, np.int64)
+    got = _decode_masked(buf, starts, ends, layout.off, layout.dtype.itemsize)
     if got is None:
         return None
-    starts = np.asarray(starts, np.int64)
-    size = _u32(buf, starts)  # the token column's bytes: its spans column starts after them
-    col = starts + layout.off + size
-    code = buf[col].astype(np.int64)
-    if ((code >> 2) != 1).any():
-        return None
-    first = col + 1 + (1 << (code & 3))
-    nbytes = np.asarray(ends, np.int64) - first
-    out = np.empty(int(nbytes.sum()), np.uint8)
-    _copy_ranges(buf, first, nbytes, out)
-    item = SPAN_DTYPE.itemsize
-    return got[0], got[1], out.view(SPAN_DTYPE), nbytes // item
+    tok_bytes, tok_counts, span_bytes, span_counts = got
+    return tok_bytes.view(layout.dtype), tok_counts, span_bytes.view(SPAN_DTYPE), span_counts
+
+
+@njit(cache=True, nogil=True)
+def _decode_masked(buf, starts, ends, off, item):  # noqa: ANN001, ANN202 (numba)
+    """(token bytes, tokens per row, span bytes, span values per row) of MDS rows laid out as
+    [u32 token column size][u32 spans column size][fixed columns][tokens][spans], each
+    variable column an ndarray with a 1-D shape header; None if a row's shape is not 1-D."""
+    n = starts.shape[0]
+    t0 = np.empty(n, np.int64)
+    t1 = np.empty(n, np.int64)
+    s0 = np.empty(n, np.int64)
+    total_t = 0
+    total_s = 0
+    for r in range(n):
+        st = starts[r]
+        code = buf[st + off]
+        if code >> 2 != 1:
+            return None
+        size = np.int64(buf[st]) | np.int64(buf[st + 1]) << 8
+        size |= np.int64(buf[st + 2]) << 16 | np.int64(buf[st + 3]) << 24
+        t0[r] = st + off + 1 + (1 << (code & 3))
+        t1[r] = st + off + size
+        col = st + off + size
+        scode = buf[col]
+        if scode >> 2 != 1:
+            return None
+        s0[r] = col + 1 + (1 << (scode & 3))
+        total_t += t1[r] - t0[r]
+        total_s += ends[r] - s0[r]
+    tok = np.empty(total_t, np.uint8)
+    spans = np.empty(total_s, np.uint8)
+    tok_counts = np.empty(n, np.int64)
+    span_counts = np.empty(n, np.int64)
+    pt = 0
+    ps = 0
+    for r in range(n):
+        k = t1[r] - t0[r]
+        tok[pt : pt + k] = buf[t0[r] : t1[r]]
+        pt += k
+        tok_counts[r] = k // item
+        k = ends[r] - s0[r]
+        spans[ps : ps + k] = buf[s0[r] : ends[r]]
+        ps += k
+        span_counts[r] = k // 4
+    return tok, tok_counts, spans, span_counts
 
 
 def _u32(buf: np.ndarray, at: np.ndarray) -> np.ndarray:

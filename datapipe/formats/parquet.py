@@ -1,4 +1,5 @@
-"""Parquet shards: columns (sample_id, chunk, tokens: list of the token dtype), uncompressed. The
+"""Parquet shards: columns (sample_id, chunk, tokens: list of the token dtype; with a loss mask,
+trained_spans: binary, each row's uint32 pairs little-endian), uncompressed. The
 writer closes a row group once it holds `chunk_tokens` tokens, so a reader that needs one row reads
 at most about one storage chunk of other rows (`ParquetFile.read_row_group`).
 """
@@ -12,7 +13,14 @@ from typing import Any
 import numpy as np
 
 from datapipe.errors import InputError
-from datapipe.formats.base import SPAN_DTYPE, TOKENS, TRAINED, OwnShardWriter, RowReader
+from datapipe.formats.base import (
+    SPAN_DTYPE,
+    TOKENS,
+    TRAINED,
+    OwnShardWriter,
+    RowReader,
+    take_ranges,
+)
 
 
 class Writer(OwnShardWriter):
@@ -32,7 +40,7 @@ class Writer(OwnShardWriter):
             (TOKENS, pa.list_(pa.from_numpy_dtype(self.dtype))),
         ]
         if self.masks:
-            fields.append((TRAINED, pa.list_(pa.from_numpy_dtype(SPAN_DTYPE))))
+            fields.append((TRAINED, pa.binary()))  # a row's uint32 pairs, little-endian
         self._schema = pa.schema(fields)
         self._pending: list[tuple[int, int, np.ndarray]] = []
         self._pending_spans: list[np.ndarray] = []
@@ -59,7 +67,10 @@ class Writer(OwnShardWriter):
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
         ]
         if self.masks:
-            columns.append(_list_array(pa, self._pending_spans, SPAN_DTYPE))
+            spans = [
+                np.asarray(x, SPAN_DTYPE.newbyteorder("<")).tobytes() for x in self._pending_spans
+            ]
+            columns.append(pa.array(spans, pa.binary()))
         table = pa.Table.from_arrays(columns, schema=self._schema)
         self._pq.write_table(table, row_group_size=len(self._pending))
         self._pending = []
@@ -89,20 +100,13 @@ class Writer(OwnShardWriter):
         return sum(int(r.nbytes) + 16 for r in rows) + sum(int(x.nbytes) for x in spans or ())
 
 
-def _list_array(pa, arrays: list[np.ndarray], dtype: np.dtype):
-    """A pyarrow list<dtype> array of numpy arrays."""
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-
 class Reader(RowReader):
     """Parquet rows: read the row groups that hold them."""
 
     def __init__(self, local: str, remote: str | None, manifest: dict) -> None:
         super().__init__(local, remote, manifest)
         self._files: dict[int, tuple[Any, np.ndarray]] = {}
+        self._bytes: dict[tuple, np.ndarray] = {}
 
     def _open(self, shard: int) -> tuple[Any, np.ndarray]:
         if shard not in self._files:
@@ -119,33 +123,65 @@ class Reader(RowReader):
             self._files[shard] = (pf, starts)
         return self._files[shard]
 
-    def _read_shard(self, shard: int, local_rows: np.ndarray) -> list[np.ndarray]:
-        return [cols[0] for cols in self._read_columns(shard, local_rows, (TOKENS,))]
+    def _group_bytes(self, shard: int, names: tuple[str, ...]) -> np.ndarray:
+        """Bytes of the columns `names` in each row group of a shard (from the metadata, once)."""
+        key = (shard, names)
+        if key not in self._bytes:
+            md = self._open(shard)[0].metadata
+            self._bytes[key] = np.array(
+                [
+                    sum(
+                        rg.column(c).total_compressed_size
+                        for c in range(rg.num_columns)
+                        if rg.column(c).path_in_schema.split(".")[0] in names
+                    )
+                    for rg in (md.row_group(g) for g in range(md.num_row_groups))
+                ],
+                np.int64,
+            )
+        return self._bytes[key]
 
-    def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
-        return [(t, m) for t, m in self._read_columns(shard, local_rows, (TOKENS, TRAINED))]
+    def _read_shard(self, shard: int, local_rows: np.ndarray) -> list[np.ndarray]:
+        values, offsets = self._read_columns(shard, local_rows, (TOKENS,))[0]
+        return [values[offsets[k] : offsets[k + 1]] for k in range(len(local_rows))]
+
+    def _read_shard_flat(self, shard: int, local_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        values, offsets = self._read_columns(shard, local_rows, (TOKENS,))[0]
+        return values, np.diff(offsets)
+
+    def _read_shard_masked(self, shard: int, local_rows: np.ndarray) -> tuple:
+        (toks, t_off), (spans, s_off) = self._read_columns(shard, local_rows, (TOKENS, TRAINED))
+        return toks, np.diff(t_off), spans.astype(SPAN_DTYPE, copy=False), np.diff(s_off)
 
     def _read_columns(
         self, shard: int, local_rows: np.ndarray, names: tuple[str, ...]
-    ) -> list[tuple[np.ndarray, ...]]:
-        """The given list columns of the rows, read by row group: per row, one array each."""
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The given columns of the rows (tokens, a list column; TRAINED, binary), read by row
+        group: per column, the rows' values back to back and their offsets (len(local_rows) +
+        1), gathered without a loop per row."""
         pf, starts = self._open(shard)
         group_of = np.searchsorted(starts, local_rows, side="right") - 1
-        out: list[tuple[np.ndarray, ...]] = []
-        for g in np.unique(group_of):
-            table = pf.read_row_group(int(g), columns=list(names))
-            rg = pf.metadata.row_group(int(g))
-            self.stats.bytes += sum(
-                rg.column(c).total_compressed_size
-                for c in range(rg.num_columns)
-                if rg.column(c).path_in_schema.split(".")[0] in names
-            )
-            cols = []
-            for name in names:
-                lists = table.column(name).combine_chunks()
-                cols.append((lists.values.to_numpy(zero_copy_only=False), lists.offsets.to_numpy()))
-            for r in local_rows[group_of == g] - starts[g]:
-                out.append(tuple(v[o[r] : o[r + 1]] for v, o in cols))
+        groups, where = np.unique(group_of, return_inverse=True)
+        # every row group the rows are in, read in one call; a row's place in the table read
+        sizes = starts[groups + 1] - starts[groups]
+        base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        rows = base[where] + local_rows - starts[group_of]
+        table = pf.read_row_groups([int(g) for g in groups], columns=list(names))
+        self.stats.bytes += int(self._group_bytes(shard, names)[groups].sum())
+        out = []
+        for name in names:
+            col = table.column(name).combine_chunks()
+            if name == TRAINED:  # binary: the bytes of each row's uint32 pairs
+                _, off_buf, data = col.buffers()
+                offsets = np.frombuffer(off_buf, np.int32)[col.offset :].astype(np.int64) // 4
+                values = np.frombuffer(data, "<u4") if data is not None else np.zeros(0, "<u4")
+            else:
+                values = col.values.to_numpy(zero_copy_only=False)
+                offsets = col.offsets.to_numpy().astype(np.int64)
+            begin, end = offsets[rows], offsets[rows + 1]
+            taken = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(end - begin, out=taken[1:])
+            out.append((take_ranges(values, begin, end), taken))
         return out
 
 

@@ -12,6 +12,7 @@ import os
 import tarfile
 
 import numpy as np
+from numba import njit
 
 from datapipe.errors import InputError
 from datapipe.formats.base import (
@@ -21,6 +22,7 @@ from datapipe.formats.base import (
     OwnShardWriter,
     RowReader,
     read_ranges,
+    read_ranges_into,
     willneed,
 )
 
@@ -77,6 +79,7 @@ class Reader(RowReader):
         super().__init__(local, remote, manifest)
         self._shards: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
         self._spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # offsets, sizes per row
+        self._npy_ok: dict[tuple[int, str], bool] = {}  # direct cut checked, per shard and member
 
     def _open(self, shard: int) -> tuple[int, np.ndarray, np.ndarray]:
         if shard not in self._shards:
@@ -119,8 +122,20 @@ class Reader(RowReader):
         raw = read_ranges(fd, begin, begin + sizes[local_rows], self.stats)
         return [np.load(io.BytesIO(d), allow_pickle=False) for d in raw]
 
+    def _read_shard_flat(
+        self, shard: int, local_rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """All rows' `.npy` members read into one buffer and their arrays cut out together
+        (npy_rows); None (np.load row by row) where a header is not the one checked."""
+        fd, offs, sizes = self._open(shard)
+        begin = offs[local_rows]
+        end = begin + sizes[local_rows]
+        buf, starts = read_ranges_into(fd, begin, end, self.stats)
+        return self._npy(shard, MEMBER, buf, starts, starts + (end - begin), self.dtype)
+
     def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
-        """Each row's two members read as one range (the spans member follows the tokens')."""
+        """Each row's two members read as one range (the spans member follows the tokens'), both
+        cut out as `_read_shard_flat` does (else np.load row by row)."""
         fd, offs, sizes = self._open(shard)
         s_offs, s_sizes = self._spans[shard]
         begin = offs[local_rows]
@@ -128,18 +143,83 @@ class Reader(RowReader):
         if (span_at < begin + sizes[local_rows]).any():
             raise ValueError(f"a .{SPANS_MEMBER} member does not follow its row's .{MEMBER}")
         end = span_at + s_sizes[local_rows]
-        raw = read_ranges(fd, begin, end, self.stats)
+        buf, starts = read_ranges_into(fd, begin, end, self.stats)
+        toks = self._npy(shard, MEMBER, buf, starts, starts + sizes[local_rows], self.dtype)
+        spans = self._npy(
+            shard, SPANS_MEMBER, buf, starts + (span_at - begin), starts + (end - begin), SPAN_DTYPE
+        )
+        if toks is not None and spans is not None:
+            return (*toks, *spans)
         out = []
-        for d, n, at in zip(raw, sizes[local_rows], span_at - begin):
-            toks = np.load(io.BytesIO(d[:n]), allow_pickle=False)
-            spans = np.load(io.BytesIO(d[at:]), allow_pickle=False)
-            out.append((toks, np.asarray(spans, SPAN_DTYPE)))
+        for s, n, at, e in zip(starts, sizes[local_rows], span_at - begin, end - begin):
+            t = np.load(io.BytesIO(buf[s : s + n].tobytes()), allow_pickle=False)
+            m = np.load(io.BytesIO(buf[s + at : s + e].tobytes()), allow_pickle=False)
+            out.append((t, np.asarray(m, SPAN_DTYPE)))
         return out
+
+    def _npy(
+        self, shard: int, member: str, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The 1-D arrays of `.npy` members buf[starts[k]:ends[k]] back to back, and their
+        lengths, cut out together; the first member of a shard is checked against np.load."""
+        got = npy_rows(buf, starts, ends, np.dtype(dtype))
+        if got is None or not len(starts):
+            return got
+        key = (shard, member)
+        if key not in self._npy_ok:
+            first = np.load(io.BytesIO(buf[starts[0] : ends[0]].tobytes()), allow_pickle=False)
+            mine = got[0][: got[1][0]]
+            same = first.dtype == mine.dtype and np.array_equal(first, mine)
+            self._npy_ok[key] = bool(same and first.ndim == 1)
+        return got if self._npy_ok[key] else None
 
     def close(self) -> None:
         for fd, _, _ in self._shards.values():
             os.close(fd)
         self._shards.clear()
+
+
+def npy_rows(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The data of `.npy` files buf[starts[k]:ends[k]] (format 1.0 or 2.0, as np.save writes a
+    1-D array: magic, version, header length, header, data) back to back as `dtype`, and each
+    one's length; None if one is not an `.npy` file or its data is not whole items."""
+    starts = np.ascontiguousarray(starts, np.int64)
+    ends = np.ascontiguousarray(ends, np.int64)
+    data, counts, ok = _npy_data(buf, starts, ends, np.dtype(dtype).itemsize)
+    return (data.view(dtype), counts) if ok else None
+
+
+@njit(cache=True, nogil=True)
+def _npy_data(buf, starts, ends, item):  # noqa: ANN001, ANN202 (numba)
+    """(data bytes back to back, items per file, all well formed) of `.npy` files in `buf`."""
+    n = starts.shape[0]
+    first = np.empty(n, np.int64)
+    total = 0
+    for k in range(n):
+        s = starts[k]
+        if ends[k] - s < 12 or buf[s] != 0x93 or buf[s + 6] < 1 or buf[s + 6] > 2:
+            return np.empty(0, np.uint8), np.empty(0, np.int64), False
+        hl = np.int64(buf[s + 8]) | np.int64(buf[s + 9]) << 8
+        if buf[s + 6] == 1:
+            first[k] = s + 10 + hl
+        else:
+            hl |= np.int64(buf[s + 10]) << 16 | np.int64(buf[s + 11]) << 24
+            first[k] = s + 12 + hl
+        size = ends[k] - first[k]
+        if size < 0 or size % item:
+            return np.empty(0, np.uint8), np.empty(0, np.int64), False
+        total += size
+    out = np.empty(total, np.uint8)
+    counts = np.empty(n, np.int64)
+    pos = 0
+    for k in range(n):
+        size = ends[k] - first[k]
+        out[pos : pos + size] = buf[first[k] : ends[k]]
+        pos += size
+        counts[k] = size // item
+    return out, counts, True
 
 
 def open_reader(

@@ -15,6 +15,7 @@ weight are known from the index before any token is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -66,26 +67,12 @@ class LossMask:
 
     def trained(self, sid: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Trained tokens of sample `sid[k]` in [lo[k], hi[k]) (int64 per k; 0 where hi <= lo)."""
-        sid, lo, hi = (np.asarray(x, np.int64) for x in (sid, lo, hi))
+        sid, lo, hi = (np.ascontiguousarray(x, dtype=np.int64) for x in (sid, lo, hi))
         hi = np.maximum(hi, lo)
-        if self.offsets is None:
+        if self.offsets is None or self.values is None:
             return hi - lo
-        return self._upto(sid, hi) - self._upto(sid, lo)
-
-    def _upto(self, sid: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """Trained tokens of each sample before token x (vectorised over spans)."""
-        assert self.offsets is not None and self.values is not None
-        a, b = self.offsets[sid], self.offsets[sid + 1]
-        n = (b - a) // 2
         out = np.zeros(sid.shape[0], np.int64)
-        rows = np.repeat(np.arange(sid.shape[0]), n)
-        if rows.size == 0:
-            return out
-        k = np.arange(rows.size) - np.repeat(np.cumsum(n) - n, n)
-        first = np.repeat(a, n) + 2 * k
-        s, e = self.values[first], self.values[first + 1]
-        x_r = x[rows]
-        np.add.at(out, rows, np.clip(np.minimum(e, x_r) - s, 0, None))
+        _kernel()(self.offsets, self.values, sid, lo, hi, out)
         return out
 
     def unit_tokens(self, sid: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -100,3 +87,32 @@ class LossMask:
         if self.offsets is None or self.values is None:
             raise ValueError("every token is trained: no spans are stored")
         return self.values[self.offsets[sid] : self.offsets[sid + 1]].reshape(-1, 2)
+
+
+@cache
+def _kernel():
+    """`_trained_between` compiled by numba, imported only when a mask is counted (profiling
+    and planning a dataset without one never load numba)."""
+    from numba import njit
+
+    return njit(cache=True, nogil=True)(_trained_between)
+
+
+def _trained_between(
+    offsets: np.ndarray,
+    values: np.ndarray,
+    sid: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """out[k]: tokens of sample sid[k]'s spans inside [lo[k], hi[k])."""
+    for k in range(sid.shape[0]):
+        s, a, b = sid[k], lo[k], hi[k]
+        total = 0
+        for q in range(offsets[s], offsets[s + 1], 2):
+            x = max(values[q], a)
+            y = min(values[q + 1], b)
+            if y > x:
+                total += y - x
+        out[k] = total
