@@ -118,6 +118,7 @@ def test_mixture_of_sft_and_text_units(sft, tmp_path):
     text = sft_dataset_text(tmp_path)
     text_rows = {i: (t, np.ones(len(t), bool)) for i, t in enumerate(_text_tokens(text))}
     by_source = [rows, text_rows]
+
     def mix_config(**parallel):
         return sft_config(
             str(tmp_path / "run"),
