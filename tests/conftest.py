@@ -35,8 +35,17 @@ def _leftovers() -> tuple[set[str], set[str]]:
 
 # what trainer.parallel.comm.spawn's workers import: forked from one server that imported these
 # once (a fresh interpreter pays ~9 s for torch and the streaming library, which imports
-# transformers), instead of each importing them again
-SPAWN_PRELOAD = ["torch", "torch.distributed", "numpy", "numba", "pyarrow.parquet", "streaming"]
+# transformers), instead of each importing them again; torch._dynamo is what torch imports the
+# first time a model is initialised under a device context (trainer.model.transformer.build)
+SPAWN_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "numpy",
+    "numba",
+    "pyarrow.parquet",
+    "streaming",
+]
 
 
 def _xdist_worker(config: pytest.Config) -> bool:
