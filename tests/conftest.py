@@ -143,14 +143,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Spawned ranks (trainer.parallel.comm.spawn) fork from a server that imported
-    SPAWN_PRELOAD once; it starts now when a slow (multi-process) test will run, its imports
-    running beside the first tests instead of in the first spawn."""
+    SPAWN_PRELOAD once. On a pytest-xdist worker it starts now if a slow (multi-process) test is
+    collected, its imports running beside the first tests; elsewhere at the first spawn."""
     if "torch" not in sys.modules:  # nothing collected uses torch: no rank will be spawned
         return
     from trainer.parallel.comm import set_spawn_preload, start_spawn_server
 
     set_spawn_preload(SPAWN_PRELOAD)
-    if any(item.get_closest_marker("slow") for item in session.items):
+    if _xdist_worker(session.config) and any(i.get_closest_marker("slow") for i in session.items):
         start_spawn_server()
 
 
