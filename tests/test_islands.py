@@ -78,15 +78,17 @@ def test_modes_equal_plain_references_threads(name):
         assert [r.get("co2_applied") for r in out[0]["records"]] == [None, None, True] * 2
 
 
-@pytest.mark.parametrize("mixture", [False, True])
+@pytest.mark.parametrize("mixture,sequence", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("summed", [False, True])
-def test_metrics_records_cover_every_island(summed, mixture):
+def test_metrics_records_cover_every_island(summed, mixture, sequence):
     """A step's metrics cover the whole run (trainer.metrics.world_figures): 2 islands x 2 ranks
     x tp 2 (8 fake processes), each island's figures drawn at random. Every process ends with the
     plain sums over the islands of tokens, samples, tokens by source and boosted tokens; the
     labelled-weighted loss (with each island's) unless sync already summed loss and labels; the
     slowest island's step time and data wait, and the run's tokens over that time; an island's
-    own figures (its ranks, its gradient norm: global rank 0 writes island 0's) untouched."""
+    own figures (its ranks, its gradient norm: global rank 0 writes island 0's) untouched. Under
+    loss_normalization "sequence" the islands' losses weigh by their own denominators (samples
+    with a trained position), not by labelled positions."""
     from types import SimpleNamespace
 
     from trainer.metrics import world_figures
@@ -106,6 +108,8 @@ def test_metrics_records_cover_every_island(summed, mixture):
             "compute_time_s_per_rank": rng.uniform(0, 1, ranks).tolist(),
             "grad_norm": float(rng.uniform(0, 1)),
         }
+        if sequence:
+            rec["loss_divisor"] = int(rng.integers(1, 40))
         above = None
         if mixture:
             rec["tokens_by_source"] = {n: int(rng.integers(0, 900)) for n in ("web", "code", "x")}
@@ -140,7 +144,8 @@ def test_metrics_records_cover_every_island(summed, mixture):
             assert "loss_by_island" not in rec
         else:
             assert rec["labelled"] == labels
-            mean = sum(r["loss"] * r["labelled"] for r in recs) / labels
+            weight = [r.get("loss_divisor", r["labelled"]) for r in recs]
+            mean = sum(r["loss"] * w for r, w in zip(recs, weight)) / sum(weight)
             assert rec["loss"] == pytest.approx(mean, rel=1e-12)
             assert rec["loss_by_island"] == pytest.approx([r["loss"] for r in recs], rel=1e-12)
         if mixture:

@@ -100,6 +100,14 @@ def test_sft_training_equals_reference_and_resumes(sft, tmp_path, rule):
     assert all(r["labelled"] < r["tokens"] - r["samples"] for r in recs)  # a mask trains fewer
     if rule == "token":
         assert [r["loss_divisor"] for r in recs] == [r["labelled"] for r in recs]
+        # mixlen eval of the run's checkpoint says its loss is over the trained positions
+        from tools.cli import main
+
+        out = tmp_path / "eval"
+        args = ["eval", str(tmp_path / "a" / "ckpt"), path, "--split", "all", "--no-passkey"]
+        assert main([*args, "--max-tokens", "300", "--out", str(out)]) == 0
+        result = json.loads((out / "eval.json").read_text())
+        assert result["loss_mask"] is True and 0 < result["tokens"] < 300  # trained ones only
         return
     part = str(tmp_path / "b")  # stopped after 2 steps, resumed: the same curve, bit for bit
     first = run_training(config(path, part, rule, stop_after=2))

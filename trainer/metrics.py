@@ -130,11 +130,13 @@ def world_figures(
 
     by_source = rec.get("tokens_by_source", {})
     boosted = [(name, t) for name, by in (above or {}).items() for t in by]
-    head = ["tokens", "samples", "labelled", "loss", "step_time_s", "data_wait_s"]
+    head = ["tokens", "samples", "labelled", "loss", "step_time_s", "data_wait_s", "loss_divisor"]
     rows = torch.zeros(rt.islands, len(head) + len(by_source) + len(boosted), dtype=torch.float64)
     if rt.rank == 0 and getattr(rt, "tp_rank", 0) == 0:
-        mine = [rec[k] for k in head]
-        mine[3] *= rec["labelled"]  # the island's loss sum
+        # the loss's own denominator (trained positions, or samples under "sequence")
+        divisor = rec.get("loss_divisor") or rec["labelled"]
+        mine = [rec[k] for k in head[:-1]] + [divisor]
+        mine[3] *= divisor  # the island's loss sum
         mine += list(by_source.values()) + [above[name][t] for name, t in boosted]  # type: ignore[index]
         rows[rt.island] = torch.tensor(mine, dtype=torch.float64)
     rows = rows.to(rt.device)  # NCCL reduces CUDA tensors
@@ -145,8 +147,10 @@ def world_figures(
         rec[key] = int(round(total[i]))
     if not summed:
         rec["labelled"] = int(round(total[2]))
-        rec["loss_by_island"] = (rows[:, 3] / rows[:, 2].clamp(min=1)).tolist()
-        rec["loss"] = total[3] / max(total[2], 1)
+        rec["loss_by_island"] = (rows[:, 3] / rows[:, 6].clamp(min=1)).tolist()
+        rec["loss"] = total[3] / max(total[6], 1)
+        if "loss_divisor" in rec:
+            rec["loss_divisor"] = int(round(total[6]))
     rec["step_time_s"] = float(rows[:, 4].max())
     rec["data_wait_s"] = float(rows[:, 5].max())
     step_s = rec["step_time_s"]

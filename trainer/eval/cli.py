@@ -326,6 +326,8 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
             for (name, path), part in zip(datasets, parts)
         }
     manifest = parts[0].manifest
+    # on a dataset with a loss mask the loss is over its trained positions only (the fetch's labels)
+    out["loss_mask"] = any(bool(part.manifest.get("loss_mask")) for part in parts)
     out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
         out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, cap)
