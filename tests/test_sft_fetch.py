@@ -39,13 +39,13 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def sft_dataset(root, fmt: str, n: int = 24, chunk: int = 37) -> str:
+def sft_dataset(root, fmt: str, n: int = 24, chunk: int = 37, shard_bytes: int = 1 << 26) -> str:
     """A small masked dataset (bytes tokenizer, the demo's template) in `fmt`."""
     src = root / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in conversations(n)))
     cfg = PreprocessConfig(
         inputs=[str(src)], out=str(root / fmt), format=fmt, chunk_tokens=chunk,
-        chat_template=TEMPLATE,
+        chat_template=TEMPLATE, shard_bytes=shard_bytes,
     )  # fmt: skip
     return preprocess(cfg, warn=lambda m: None).out
 
@@ -59,7 +59,8 @@ def reference_labels(tokens: np.ndarray, mask: np.ndarray, a: int, b: int, n: in
 @pytest.fixture(scope="module", params=["mds", "wds", "parquet"])
 def dataset(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    path = sft_dataset(root, request.param)
+    # webdataset in several shards: each has its own spans member (row offsets local to it)
+    path = sft_dataset(root, request.param, shard_bytes=8192 if request.param == "wds" else 1 << 26)
     return path, read_masked_rows(path, read_index(path).manifest)
 
 
@@ -189,3 +190,140 @@ def test_mds_direct_decode_of_spans_equals_the_library(tmp_path):
             np.testing.assert_array_equal(x, y)
         assert all(direct.reader._spans_ok.values()) and direct.reader._spans_ok
         assert not library.reader._spans_ok  # decoded by the library
+
+
+@pytest.fixture(scope="module")
+def wds_dataset(tmp_path_factory) -> str:
+    """A masked webdataset of several shards, each with its own spans member."""
+    return sft_dataset(tmp_path_factory.mktemp("wds"), "wds", n=40, chunk=23, shard_bytes=6000)
+
+
+def test_wds_rows_and_spans_equal_webdatasets_read(wds_dataset):
+    """The reader's rows and spans (the spans cut from each shard's one member, by the shard's
+    own row offsets) against every row read back with webdataset's reader, for random sets of
+    rows across shards; a masked row reads its token member alone."""
+    from test_sft_ingest import read_masked_storage_rows
+
+    ref = read_masked_storage_rows(wds_dataset, read_index(wds_dataset).manifest)
+    rng = np.random.default_rng(4)
+    with FetchConfig().build(wds_dataset) as fetcher:
+        reader = fetcher.reader
+        assert len(reader.shard_names) > 3
+        for size in (len(ref), 1, 2, 5, 17):
+            rows = np.sort(rng.choice(len(ref), size, replace=False))
+            before = reader.stats.bytes
+            toks, counts, spans, span_counts = reader.read_rows_masked(rows)
+            want = [ref[r] for r in rows]
+            np.testing.assert_array_equal(toks, np.concatenate([w[2] for w in want]))
+            assert counts.tolist() == [len(w[2]) for w in want]
+            np.testing.assert_array_equal(spans, np.concatenate([w[3] for w in want]))
+            assert span_counts.tolist() == [len(w[3]) for w in want]
+            npy = [128 + reader.dtype.itemsize * len(w[2]) for w in want]  # header and data
+            assert reader.stats.bytes - before == sum(npy)
+
+
+def _rewrite_shard(root: str, k: int, edit) -> str:
+    """Shard k rewritten as edit(its members as [name, bytes]) gives, the manifest's checksums
+    updated (so only the reader's own checks can refuse it); the shard's path."""
+    import io
+    import tarfile
+
+    from datapipe.integrity import checksum_file, dataset_fingerprint
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    entry = manifest["shards"][k]
+    path = root / entry["name"]
+    with tarfile.open(path) as tf:
+        members = [[m.name, tf.extractfile(m).read()] for m in tf]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in edit(members):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    entry["bytes"], entry["xxh3_64"] = path.stat().st_size, checksum_file(str(path))
+    manifest["dataset_fingerprint"] = dataset_fingerprint(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return str(path)
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def _per_row_layout(members: list) -> list:
+    """The layout before one spans member per shard: each row's spans in a member of its own."""
+    import io
+
+    *rows, (_, data) = members
+    arr = np.load(io.BytesIO(data))
+    off, values = arr[: len(rows) + 1], arr[len(rows) + 1 :]
+    out = []
+    for r, (name, toks) in enumerate(rows):
+        key = name.split(".")[0]
+        out += [[name, toks], [f"{key}.trained_spans.npy", _npy_bytes(values[off[r] : off[r + 1]])]]
+    return out
+
+
+def _spans_edit(change):
+    """An edit of the spans member's array (the shard's R rows: R + 1 offsets, then values)."""
+
+    def edit(members: list) -> list:
+        import io
+
+        arr = np.load(io.BytesIO(members[-1][1]))
+        members[-1][1] = _npy_bytes(change(arr, len(members) - 1))
+        return members
+
+    return edit
+
+
+def _with(arr: np.ndarray, at: int, value: int) -> np.ndarray:
+    arr = arr.copy()
+    arr[at] = value
+    return arr
+
+
+REFUSED = {
+    "per-row members (older datasets)": (
+        _per_row_layout,
+        r"one \.trained_spans\.npy member per row, the layout mixlen wrote before .* re-run "
+        r"`mixlen preprocess` to rewrite this dataset",
+    ),
+    "no spans member": (lambda m: m[:-1], r"0 __mixlen_trained__\.trained_spans\.npy members"),
+    "spans before the rows": (lambda m: m[-1:] + m[:-1], r"expected one, after the shard's rows"),
+    "int64 values": (_spans_edit(lambda a, r: a.astype(np.int64)), "expected a 1-D uint32 array"),
+    "an offset too many": (
+        _spans_edit(lambda a, r: np.concatenate([a[: r + 1], [a[r]], a[r + 1 :]]).astype(a.dtype)),
+        "row offsets from 0 to",
+    ),
+    "odd count": (
+        _spans_edit(lambda a, r: _with(a, 1, a[1] + 1)),
+        r"row 0's offsets 0\.\.\d+ do not hold whole",
+    ),
+    "fewer values than offsets": (_spans_edit(lambda a, r: a[:r]), "fewer than the"),
+    "backwards span": (
+        _spans_edit(lambda a, r: _with(a, r + 1, a[r + 2] + 1)),
+        "row 0 has a span that ends before it starts",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_wds_spans_member_checked(case, wds_dataset, tmp_path):
+    """A shard whose spans member is missing, misplaced, of the older per-row layout or not a
+    consistent array is refused when first read, naming the shard file (its checksums agree:
+    the reader's own checks refuse it)."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(wds_dataset, root)
+    edit, message = REFUSED[case]
+    path = _rewrite_shard(root, 1, edit)
+    with FetchConfig().build(str(root)) as fetcher:
+        rows = np.arange(int(fetcher.reader.shard_starts[1]), int(fetcher.reader.shard_starts[2]))
+        with pytest.raises(InputError, match=f"{path}: .*{message}"):
+            fetcher.reader.read_rows_masked(rows)

@@ -24,6 +24,12 @@ FORMAT_NAMES = ("mds", "wds", "parquet")
 def read_masked_rows(root: str, manifest: dict) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each sample's (tokens, trained bool mask), from every row's `tokens` and `trained_spans`
     read with the storage library's own reader (independent of mixlen's readers)."""
+    return samples_of_rows(read_masked_storage_rows(root, manifest))
+
+
+def read_masked_storage_rows(root: str, manifest: dict) -> list[tuple]:
+    """Every storage row's (sample_id, chunk, tokens, trained_spans), in storage order, read
+    with the storage library's own reader."""
     fmt = manifest["format"]
     rows = []
     if fmt == "mds":
@@ -36,11 +42,24 @@ def read_masked_rows(root: str, manifest: dict) -> dict[int, tuple[np.ndarray, n
     elif fmt == "wds":
         import webdataset as wds
 
+        # docs/FORMAT.md: a shard's rows, then its own `__mixlen_trained__` sample (uint32: the
+        # shard's R rows' R + 1 offsets, then their spans back to back)
         urls = [os.path.join(root, s["name"]) for s in manifest["shards"]]
+        load = lambda b: np.load(io.BytesIO(b), allow_pickle=False)  # noqa: E731
+        shard: list[tuple] = []
         for r in wds.WebDataset(urls, shardshuffle=False):
+            if r["__key__"] == "__mixlen_trained__":
+                arr = load(r["trained_spans.npy"])
+                assert arr.dtype == np.uint32 and {u for *_, u in shard} == {r["__url__"]}
+                off, values = arr[: len(shard) + 1], arr[len(shard) + 1 :]
+                assert off[0] == 0 and off[-1] == len(values)
+                rows += [(*x[:3], values[off[k] : off[k + 1]]) for k, x in enumerate(shard)]
+                shard = []
+                continue
+            assert [k for k in r if not k.startswith("__")] == ["tokens.npy"]  # a member a row
             sid, chunk = r["__key__"][1:].split("_c")
-            load = lambda b: np.load(io.BytesIO(b))  # noqa: E731
-            rows.append((int(sid), int(chunk), load(r["tokens.npy"]), load(r["trained_spans.npy"])))
+            shard.append((int(sid), int(chunk), load(r["tokens.npy"]), r["__url__"]))
+        assert not shard  # every shard closes with its spans
     else:
         import pyarrow.parquet as pq
 
@@ -49,6 +68,12 @@ def read_masked_rows(root: str, manifest: dict) -> dict[int, tuple[np.ndarray, n
             for r in t:  # trained_spans: binary, little-endian uint32 pairs (docs/FORMAT.md)
                 spans = np.frombuffer(r["trained_spans"], "<u4")
                 rows.append((r["sample_id"], r["chunk"], r["tokens"], spans))
+    return rows
+
+
+def samples_of_rows(rows: list[tuple]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Storage rows (sample_id, chunk, tokens, trained_spans) joined into each sample's
+    (tokens, trained bool mask)."""
     out: dict[int, tuple[list, list]] = {}
     for sid, chunk, toks, spans in rows:
         toks = np.asarray(toks, np.int64)
@@ -125,6 +150,32 @@ def test_conversations_stored_with_their_mask(fmt, qwen, tmp_path):
     assert idx.loss_tokens.tolist() == want == read_loss_tokens(res.out).tolist()
     assert m["num_loss_tokens"] == sum(want)
     assert m["counts"]["no_target"] == 0 and m["counts"]["documents"] == len(rows)
+
+
+def test_wds_shard_layout(qwen, tmp_path):
+    """A masked webdataset shard (docs/FORMAT.md): its rows' `<key>.tokens.npy` members in
+    (sample, chunk) order, then one `__mixlen_trained__.trained_spans.npy` member, last; a dataset
+    without a mask has none."""
+    import tarfile
+
+    rows = [{"messages": c} for c in CONVERSATIONS] * 3 + [{"text": "a document " * 9}]
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    res = run(tmp_path, [tmp_path / "c.jsonl"], format="wds", tokenizer_from=qwen, chunk_tokens=16,
+              shard_bytes=1500)  # fmt: skip
+    idx = read_index(res.out)
+    shards = res.manifest["shards"]
+    assert len(shards) > 2
+    want: list[list[str]] = [[] for _ in shards]
+    for sid in range(len(rows)):  # every sample's rows, in the shard the index names
+        n = int(idx.num_rows[sid])
+        want[int(idx.shard[sid])] += [f"s{sid:010d}_c{j:06d}.tokens.npy" for j in range(n)]
+    for s, names in zip(shards, want):
+        with tarfile.open(os.path.join(res.out, s["name"])) as tf:
+            assert [m.name for m in tf] == [*names, "__mixlen_trained__.trained_spans.npy"]
+    write_jsonl(tmp_path / "t.jsonl", rows[-1:])
+    res = run(tmp_path, [tmp_path / "t.jsonl"], name="text", format="wds", tokenizer_from=qwen)
+    with tarfile.open(os.path.join(res.out, res.manifest["shards"][0]["name"])) as tf:
+        assert [m.name for m in tf] == ["s0000000000_c000000.tokens.npy"]
 
 
 def reference_mask(ref, conv) -> tuple[list[int], np.ndarray]:

@@ -1,7 +1,9 @@
 """webdataset tar shards: one `<key>.tokens.npy` member per storage row (mtime 0, no PAX
-headers), written with webdataset's `TarWriter`. webdataset has no random-access index, so the
-reader builds one by a single tar header scan per shard on first use (512 B per member), then
-`pread`s the `.npy` members.
+headers), written with webdataset's `TarWriter`; with a loss mask, one more member closes each
+shard: `__mixlen_trained__.trained_spans.npy`, all its rows' trained spans behind their offsets
+(docs/FORMAT.md). webdataset has no random-access index, so the reader builds one by a single tar
+header scan per shard on first use (512 B per member), reading and checking the spans member
+then, and `pread`s the rows' `.npy` members.
 """
 
 from __future__ import annotations
@@ -23,15 +25,22 @@ from datapipe.formats.base import (
     RowReader,
     read_ranges,
     read_ranges_into,
+    take_ranges,
     willneed,
 )
 
 MEMBER = f"{TOKENS}.npy"  # member extension of a row: `s0000000012_c000003.tokens.npy`
-SPANS_MEMBER = f"{TRAINED}.npy"  # with a loss mask: the row's spans, the member after its tokens
+SPANS_MEMBER = f"{TRAINED}.npy"  # the spans' member extension
+# the key of a masked shard's last member (a sample of its own to webdataset's readers): a 1-D
+# uint32 `.npy` of the shard's R rows: R + 1 offsets, then the rows' spans back to back (row r's
+# are values[offsets[r]:offsets[r + 1]], values = the array from R + 1 on)
+SPANS_KEY = "__mixlen_trained__"
+SPANS_NAME = f"{SPANS_KEY}.{SPANS_MEMBER}"
 
 
 class Writer(OwnShardWriter):
-    """webdataset tar shards: one `.tokens.npy` member per row, mtime 0 (no PAX headers)."""
+    """webdataset tar shards: one `.tokens.npy` member per row, mtime 0 (no PAX headers); with
+    `masks` the shard's spans member last."""
 
     suffix = ".tar"
 
@@ -40,8 +49,11 @@ class Writer(OwnShardWriter):
 
         self._f = open(os.path.join(self.root, name), "wb")
         self._tar = TarWriter(self._f, encoder=False, mtime=0)
+        self._spans: list[np.ndarray] = []
 
     def _close(self) -> None:
+        if self.masks:
+            self._tar.write({"__key__": SPANS_KEY, SPANS_MEMBER: _npy(shard_spans(self._spans))})
         self._tar.close()
         self._f.close()
 
@@ -57,11 +69,12 @@ class Writer(OwnShardWriter):
     ) -> int:
         total = 0
         for j, row in enumerate(rows):
-            sample = {"__key__": f"s{sample_id:010d}_c{j:06d}", MEMBER: _npy(row)}
-            if spans is not None:  # webdataset writes a key's members in sorted order
-                sample[SPANS_MEMBER] = _npy(spans[j])
-            self._tar.write(sample)
-            total += sum(512 + -(-len(d) // 512) * 512 for k, d in sample.items() if k != "__key__")
+            data = _npy(row)
+            self._tar.write({"__key__": f"s{sample_id:010d}_c{j:06d}", MEMBER: data})
+            total += 512 + -(-len(data) // 512) * 512
+        if spans is not None:  # kept for the shard's spans member (4 bytes a value and a row)
+            self._spans.extend(spans)
+            total += sum(4 * len(s) + 4 for s in spans)
         return total
 
 
@@ -72,45 +85,92 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def shard_spans(row_spans: list[np.ndarray]) -> np.ndarray:
+    """The spans member's array of a shard's rows (SPANS_KEY): row offsets, then the values."""
+    offsets = np.zeros(len(row_spans) + 1, np.int64)
+    np.cumsum([len(s) for s in row_spans], out=offsets[1:])
+    if offsets[-1] + len(offsets) > np.iinfo(SPAN_DTYPE).max:
+        raise ValueError(f"{offsets[-1]:,} span values in one shard: lower --shard-size")
+    return np.concatenate([offsets.astype(SPAN_DTYPE), *row_spans]).astype(SPAN_DTYPE)
+
+
+def spans_problem(arr: np.ndarray, rows: int) -> str | None:
+    """What is wrong with a spans member's array for a shard of `rows` rows (None: nothing)."""
+    if arr.dtype != SPAN_DTYPE or arr.ndim != 1:
+        return f"expected a 1-D {SPAN_DTYPE} array, got {arr.dtype} of shape {arr.shape}"
+    if len(arr) < rows + 1:
+        return f"{len(arr)} values, fewer than the {rows + 1} offsets of the shard's {rows} rows"
+    off = arr[: rows + 1].astype(np.int64)
+    n = len(arr) - rows - 1
+    if off[0] != 0 or off[-1] != n:
+        return f"row offsets from {off[0]} to {off[-1]}, expected 0 to {n} (the values after them)"
+    counts = np.diff(off)
+    bad = np.flatnonzero((counts < 0) | (counts % 2 == 1))
+    if bad.size:
+        r = int(bad[0])
+        return f"row {r}'s offsets {off[r]}..{off[r + 1]} do not hold whole [start, end) pairs"
+    pairs = arr[rows + 1 :].reshape(-1, 2)
+    bad = np.flatnonzero(pairs[:, 0] > pairs[:, 1])
+    if bad.size:
+        r = int(np.searchsorted(off, 2 * bad[0], side="right") - 1)
+        return f"row {r} has a span that ends before it starts ({pairs[bad[0]].tolist()})"
+    return None
+
+
 class Reader(RowReader):
-    """webdataset tar rows: member offsets from one header scan per shard, then pread."""
+    """webdataset tar rows: member offsets from one header scan per shard (and with a loss mask
+    the shard's spans member, read and checked then), then pread."""
 
     def __init__(self, local: str, remote: str | None, manifest: dict) -> None:
         super().__init__(local, remote, manifest)
         self._shards: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
-        self._spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # offsets, sizes per row
-        self._npy_ok: dict[tuple[int, str], bool] = {}  # direct cut checked, per shard and member
+        self._spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row offsets, span values
+        self._npy_ok: dict[int, bool] = {}  # the direct cut checked, per shard
 
     def _open(self, shard: int) -> tuple[int, np.ndarray, np.ndarray]:
         if shard not in self._shards:
             path = self.shard_path(shard)
-            found: dict[str, tuple[list[int], list[int]]] = {
-                MEMBER: ([], []),
-                SPANS_MEMBER: ([], []),
-            }
-            try:
-                with tarfile.open(path, "r:") as tf:
-                    for m in tf:
-                        kind = m.name.rpartition("/")[2].partition(".")[2]
-                        if m.isfile() and kind in found:
-                            found[kind][0].append(m.offset_data)
-                            found[kind][1].append(m.size)
-            except tarfile.TarError as exc:
-                raise InputError(f"{path}: not a readable tar shard ({exc})") from None
+            offs, sizes, spans_at = _scan(path)
             want = int(self.shard_starts[shard + 1] - self.shard_starts[shard])
-            offs, sizes = found[MEMBER]
             if len(offs) != want:
                 raise InputError(f"{path}: {len(offs)} .{MEMBER} members, manifest says {want}")
-            if self.manifest.get("loss_mask") and len(found[SPANS_MEMBER][0]) != want:
-                got = len(found[SPANS_MEMBER][0])
-                raise InputError(
-                    f"{path}: {got} .{SPANS_MEMBER} members, manifest says {want} rows (one each)"
-                )
-            self.stats.index_bytes += 512 * len(offs)
+            self.stats.index_bytes += 512 * (len(offs) + len(spans_at))
             fd = os.open(path, os.O_RDONLY)
+            try:
+                if self.manifest.get("loss_mask"):
+                    self._spans[shard] = self._read_spans(fd, path, offs, spans_at, want)
+            except BaseException:
+                os.close(fd)
+                raise
             self._shards[shard] = (fd, np.asarray(offs, np.int64), np.asarray(sizes, np.int64))
-            self._spans[shard] = tuple(np.asarray(x, np.int64) for x in found[SPANS_MEMBER])
         return self._shards[shard]
+
+    def _read_spans(
+        self, fd: int, path: str, offs: list[int], spans_at: list[tuple[str, int, int]], rows: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A masked shard's (row offsets, span values) from its spans member, checked."""
+        if any(name != SPANS_NAME for name, _, _ in spans_at):
+            raise InputError(
+                f"{path}: one .{SPANS_MEMBER} member per row, the layout mixlen wrote before it "
+                f"kept a shard's spans in one {SPANS_NAME} member; re-run `mixlen preprocess` "
+                "to rewrite this dataset"
+            )
+        if len(spans_at) != 1 or (offs and spans_at[0][1] < offs[-1]):
+            raise InputError(
+                f"{path}: {len(spans_at)} {SPANS_NAME} members, manifest.json says the dataset "
+                "has a loss mask: expected one, after the shard's rows (run `mixlen verify`)"
+            )
+        _, at, size = spans_at[0]
+        raw = os.pread(fd, size, at)
+        self.stats.index_bytes += len(raw)
+        try:
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise InputError(f"{path}: {SPANS_NAME} is not an .npy array ({exc})") from None
+        problem = spans_problem(arr, rows)
+        if problem:
+            raise InputError(f"{path}: {SPANS_NAME}: {problem}; re-run `mixlen preprocess`")
+        return arr[: rows + 1].astype(np.int64), arr[rows + 1 :]
 
     def _announce(self, shard: int, local_rows: np.ndarray) -> None:
         fd, offs, sizes = self._open(shard)
@@ -131,52 +191,60 @@ class Reader(RowReader):
         begin = offs[local_rows]
         end = begin + sizes[local_rows]
         buf, starts = read_ranges_into(fd, begin, end, self.stats)
-        return self._npy(shard, MEMBER, buf, starts, starts + (end - begin), self.dtype)
+        return self._npy(shard, buf, starts, starts + (end - begin))
 
     def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
-        """Each row's two members read as one range (the spans member follows the tokens'), both
-        cut out as `_read_shard_flat` does (else np.load row by row)."""
-        fd, offs, sizes = self._open(shard)
-        s_offs, s_sizes = self._spans[shard]
-        begin = offs[local_rows]
-        span_at = s_offs[local_rows]
-        if (span_at < begin + sizes[local_rows]).any():
-            raise ValueError(f"a .{SPANS_MEMBER} member does not follow its row's .{MEMBER}")
-        end = span_at + s_sizes[local_rows]
-        buf, starts = read_ranges_into(fd, begin, end, self.stats)
-        toks = self._npy(shard, MEMBER, buf, starts, starts + sizes[local_rows], self.dtype)
-        spans = self._npy(
-            shard, SPANS_MEMBER, buf, starts + (span_at - begin), starts + (end - begin), SPAN_DTYPE
-        )
-        if toks is not None and spans is not None:
-            return (*toks, *spans)
-        out = []
-        for s, n, at, e in zip(starts, sizes[local_rows], span_at - begin, end - begin):
-            t = np.load(io.BytesIO(buf[s : s + n].tobytes()), allow_pickle=False)
-            m = np.load(io.BytesIO(buf[s + at : s + e].tobytes()), allow_pickle=False)
-            out.append((t, np.asarray(m, SPAN_DTYPE)))
-        return out
+        """The rows' tokens as `_read_shard_flat` reads them (one member each) and their spans
+        cut out of the shard's spans member (read on the shard's first use)."""
+        toks = self._read_shard_flat(shard, local_rows)
+        off, values = self._spans[shard]
+        lo, hi = off[local_rows], off[local_rows + 1]
+        if toks is None:
+            arrays = self._read_shard(shard, local_rows)
+            return [(t, values[a:b]) for t, a, b in zip(arrays, lo.tolist(), hi.tolist())]
+        return (*toks, take_ranges(values, lo, hi), hi - lo)
 
     def _npy(
-        self, shard: int, member: str, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype
+        self, shard: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The 1-D arrays of `.npy` members buf[starts[k]:ends[k]] back to back, and their
+        """The token arrays of `.npy` members buf[starts[k]:ends[k]] back to back, and their
         lengths, cut out together; the first member of a shard is checked against np.load."""
-        got = npy_rows(buf, starts, ends, np.dtype(dtype))
+        got = npy_rows(buf, starts, ends, self.dtype)
         if got is None or not len(starts):
             return got
-        key = (shard, member)
-        if key not in self._npy_ok:
+        if shard not in self._npy_ok:
             first = np.load(io.BytesIO(buf[starts[0] : ends[0]].tobytes()), allow_pickle=False)
             mine = got[0][: got[1][0]]
             same = first.dtype == mine.dtype and np.array_equal(first, mine)
-            self._npy_ok[key] = bool(same and first.ndim == 1)
-        return got if self._npy_ok[key] else None
+            self._npy_ok[shard] = bool(same and first.ndim == 1)
+        return got if self._npy_ok[shard] else None
 
     def close(self) -> None:
         for fd, _, _ in self._shards.values():
             os.close(fd)
         self._shards.clear()
+        self._spans.clear()
+
+
+def _scan(path: str) -> tuple[list[int], list[int], list[tuple[str, int, int]]]:
+    """One header scan of a shard: its rows' token members (data offsets, sizes) in tar order
+    and every spans member (name, data offset, size)."""
+    offs: list[int] = []
+    sizes: list[int] = []
+    spans: list[tuple[str, int, int]] = []
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                name = m.name.rpartition("/")[2]
+                kind = name.partition(".")[2]
+                if m.isfile() and kind == MEMBER:
+                    offs.append(m.offset_data)
+                    sizes.append(m.size)
+                elif m.isfile() and kind == SPANS_MEMBER:
+                    spans.append((name, m.offset_data, m.size))
+    except tarfile.TarError as exc:
+        raise InputError(f"{path}: not a readable tar shard ({exc})") from None
+    return offs, sizes, spans
 
 
 def npy_rows(
