@@ -114,14 +114,17 @@ LONGEST = [
     "test_tensor_parallel.py",
     "test_faults_slow.py",
     "test_balance_example.py",
-    "test_calibrate.py",
     "test_ray_engine.py",
-    "test_train.py",
+    "test_calibrate.py",
     "test_islands.py",
-    "test_zero.py",
-    "test_sft_train.py",
+    "test_train.py",
     "test_hf_train.py",
+    "test_zero.py",
+    "test_hostile_launch.py",
+    "test_loss.py",
     "test_reference_trainer.py",
+    "test_faults_messages.py",
+    "test_sft_train.py",
 ]
 
 
