@@ -1,0 +1,73 @@
+"""How `make test` runs the suite (tests/conftest.py under pytest-xdist): a `serial` test runs
+while no other test of the run is in progress, module fixtures included, and the run's lock
+files are gone afterwards. A small suite of sleeping tests, run with this conftest on 2 workers,
+records when each test and fixture ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+TEST_FILE = """
+import json, os, time
+import pytest
+
+def _rec(log, name, t0):
+    with open(log, "a") as f:
+        f.write(json.dumps([name, t0, time.time(), os.getpid()]) + "\\n")
+
+@pytest.fixture(scope="module")
+def slow_setup():
+    t0 = time.time()
+    time.sleep(0.3)
+    _rec(os.environ["RUNNER_LOG"], "fixture-{name}", t0)
+
+@pytest.mark.parametrize("i", range(3))
+def test_plain(slow_setup, i):
+    t0 = time.time()
+    time.sleep(0.2)
+    _rec(os.environ["RUNNER_LOG"], "plain-{name}", t0)
+
+@pytest.mark.serial
+def test_alone():
+    t0 = time.time()
+    time.sleep(0.4)
+    _rec(os.environ["RUNNER_LOG"], "serial-{name}", t0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
+    pytest.importorskip("xdist")
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text((HERE / "conftest.py").read_text())
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: s\n    serial: s\n")
+    for name in "abcd":
+        (suite / f"test_{name}.py").write_text(TEST_FILE.replace("{name}", name))
+    log = tmp_path / "log.jsonl"
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pytest-mixlen-")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadfile", "--no-loadscope-reorder", str(suite)],
+        cwd=suite, env={**os.environ, "RUNNER_LOG": str(log)},
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(runs) == 4 * (1 + 3 + 1) and len({r[3] for r in runs}) == 2  # both workers ran
+    for name, start, end, _ in runs:
+        if name.startswith("serial"):
+            beside = [r[0] for r in runs if r[0] != name and r[1] < end and r[2] > start]
+            assert not beside, (name, beside)
+    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pytest-mixlen-")}
+    assert after <= before  # the run's lock files removed by the controller
