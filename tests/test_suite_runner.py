@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,10 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
     for name in "abcd":
         (suite / f"test_{name}.py").write_text(TEST_FILE.replace("{name}", name))
     log = tmp_path / "log.jsonl"
-    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pytest-mixlen-")}
+    uid = uuid.uuid4().hex  # names the run's lock files
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-         "--dist", "loadfile", "--no-loadscope-reorder", str(suite)],
+         "--dist", "loadfile", "--no-loadscope-reorder", f"--testrunuid={uid}", str(suite)],
         cwd=suite, env={**os.environ, "RUNNER_LOG": str(log)},
         capture_output=True, text=True, timeout=150,
     )  # fmt: skip
@@ -69,5 +70,5 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
         if name.startswith("serial"):
             beside = [r[0] for r in runs if r[0] != name and r[1] < end and r[2] > start]
             assert not beside, (name, beside)
-    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pytest-mixlen-")}
-    assert after <= before  # the run's lock files removed by the controller
+    for ext in (".gate", ".lock"):  # the run's lock files, removed by the controller
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}{ext}"))
