@@ -345,13 +345,16 @@ class ModelConfig:
         """Device bytes the chunked loss (trainer.model.loss) holds for a micro-batch of
         `positions`, beyond the blocks' activations: dL/dh [positions, dim] in the compute dtype
         and dL/dW of this process's vocabulary rows in float32, kept from the forward to the
-        backward, plus three chunks of float32 logits while it runs (logits, softmax in their
-        place, one transient). Whole float32 logits and their log-softmax, which it replaces,
+        backward (in a lower compute dtype also one dL/dW in it: a chunk's share, then the
+        gradient handed back), plus three chunks of float32 logits while it runs (logits,
+        softmax in their place, one transient). Whole float32 logits and their log-softmax, which it replaces,
         would be 8 x vocab_size bytes a position."""
         rows = self.vocab_size // tp
         acc = max(int(dtype_bytes), 4)
         chunk = min(LOSS_CHUNK_BYTES, positions * rows * 4)
-        return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + 3 * chunk)
+        # in a lower compute dtype, one more dL/dW in it: each chunk's share, then the gradient
+        low = rows * self.dim * dtype_bytes if dtype_bytes < acc else 0
+        return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + low + 3 * chunk)
 
 
 LOSS_CHUNK_BYTES = 256 << 20  # one chunk of the loss's float32 logits: at most this many bytes

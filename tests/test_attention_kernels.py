@@ -105,14 +105,18 @@ def test_a_micro_batch_copies_its_boundaries_once_for_every_layer() -> None:
     assert fakes.cu_seen[0].dtype == torch.int32
 
 
-def test_dispatch_by_device_and_dtype() -> None:
+def test_dispatch_by_device_and_dtype(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         assert dispatch.default_backend(cpu, dtype) == "cpu_flash"
-    assert dispatch.default_backend(cuda, torch.bfloat16) == "cuda_flash"
-    assert dispatch.default_backend(cuda, torch.float16) == "cuda_flash"
+    monkeypatch.setattr(dispatch, "_flash_runs_on", lambda index: True)  # an Ampere+ GPU
+    assert dispatch.default_backend(cuda, torch.bfloat16, 128) == "cuda_flash"
+    assert dispatch.default_backend(cuda, torch.float16, 256) == "cuda_flash"
+    assert dispatch.default_backend(cuda, torch.bfloat16, 264) == "cuda_efficient"  # too wide
     assert dispatch.default_backend(cuda, torch.float32) == "cuda_efficient"  # never flash
     assert dispatch.default_backend(cuda, torch.float64) == "math"
+    monkeypatch.setattr(dispatch, "_flash_runs_on", lambda index: False)  # before Ampere
+    assert dispatch.default_backend(cuda, torch.bfloat16, 64) == "cuda_efficient"
     with pytest.raises(ValueError, match="known: cpu_flash"):
         dispatch.get("flash3")
 

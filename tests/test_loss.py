@@ -200,3 +200,16 @@ def test_token_losses_equal_whole_logits(chunk) -> None:
     for loss, correct in run_threads(2, member, timeout=30):
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
         assert torch.equal(correct, hits)
+
+
+def test_bfloat16_gradients_accumulate_in_float32() -> None:
+    """bfloat16 compute with several chunks: dL/dh and dL/dW (each chunk's share summed in
+    float32) within bfloat16 rounding of the float64 gradients of the same rounded inputs."""
+    h, w, labels, weights = inputs(t=96, d=32, v=300, seed=8)
+    hb, wb = h.bfloat16(), w.bfloat16()
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights), hb.double(), wb.double())
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, weights.bfloat16(), 16), hb, wb)
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+    for g, r in zip(got, want):
+        err = float((g.double() - r).norm() / r.norm())
+        assert err < 1e-2, err

@@ -192,6 +192,26 @@ def test_a_tokenizer_error_is_a_bad_document(tmp_path: Path) -> None:
     )
     assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
     assert warnings[0].startswith(f"skipped {src}:1: the tokenizer failed: ")
+    # the same in a conversation row: that row is bad, named with the tokenizer's refusal
+    chats = tmp_path / "c.jsonl"
+    turns = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "zz"}]
+    ok = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
+    chats.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": ok}) + "\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    warnings.clear()
+    res = preprocess(
+        PreprocessConfig(
+            [str(chats)],
+            str(tmp_path / "o2"),
+            tokenizer=_write(tmp_path, spec),
+            chat_template=str(template),
+            progress=False,
+        ),  # fmt: skip
+        warn=warnings.append,
+    )
+    assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
+    assert warnings[0].startswith(f"skipped {chats}:1: the tokenizer failed: ")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

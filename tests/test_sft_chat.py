@@ -260,6 +260,17 @@ def test_bad_templates(tmp_path):
     syntax.write_text("line one\n{% for m in messages %}")
     with pytest.raises(InputError, match=r"syntax.jinja:2: chat template syntax error"):
         find_template(str(syntax), path)
+    # the same in a tokenizer folder: a text-only run is not stopped, conversation rows are
+    # refused with the reason
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(path, folder)
+    (folder / "chat_template.jinja").write_text(syntax.read_text())
+    src = find_template(None, str(folder))
+    assert src.text is None and "chat template syntax error" in src.missing
+    with pytest.raises(RowError, match="chat template syntax error"):
+        render_messages(conv, tok, None, src.missing)
     # a folder without a template: conversations are refused with what to do
     os.remove(os.path.join(path, "tokenizer_config.json"))
     src = find_template(None, path)

@@ -50,7 +50,8 @@ class TemplateSource:
 def find_template(template_file: str | None, folder: str | None) -> TemplateSource:
     """`--chat-template FILE`, else the tokenizer folder's chat_template.jinja, else its
     tokenizer_config.json `chat_template` (a string, or named templates with a "default");
-    a folder's special tokens either way. A template that does not compile stops here."""
+    a folder's special tokens either way. A `--chat-template` that does not compile stops here;
+    a folder's unusable template becomes the reason its conversation rows are refused."""
     special: dict[str, object] = {}
     if folder is not None:
         special = {k: v for k, v in special_token_names(folder, SPECIAL_KEYS).items() if v}
@@ -64,7 +65,15 @@ def find_template(template_file: str | None, folder: str | None) -> TemplateSour
         text = _read(template_file, "--chat-template")
         src = TemplateSource(text, template_file, items)
     elif folder is not None:
-        src = _folder_template(folder, items)
+        # the folder's template matters to conversation rows only: a problem with it is their
+        # refusal (each counted, --strict stops), never a text-only run's
+        try:
+            src = _folder_template(folder, items)
+            if src.text is not None:
+                ChatTemplate(src)
+        except InputError as exc:
+            return TemplateSource(special=items, missing=str(exc))
+        return src
     else:
         src = TemplateSource(
             special=items,

@@ -51,6 +51,17 @@ def token_mask(starts: np.ndarray, ends: np.ndarray, regions: list[tuple[int, in
     return mask
 
 
+def _encode(tok: Tokenizer, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tokenizer's ids and character offsets of `text`; what the tokenizer itself refuses
+    is this row's refusal (lone surrogates go up as UnicodeEncodeError, named by the caller)."""
+    try:
+        return tok.encode_offsets(text)
+    except UnicodeEncodeError:
+        raise
+    except Exception as exc:  # the tokenizer library's own errors, whatever their type
+        raise RowError(f"the tokenizer failed: {type(exc).__name__}: {exc}") from exc
+
+
 def _conversation(
     tok: Tokenizer, template: ChatTemplate | None, missing: str, msgs: list, first: int
 ) -> Rendered:
@@ -60,7 +71,7 @@ def _conversation(
     if template is None:
         raise RowError(missing)
     text, regions = trained_regions(template, msgs, first)
-    ids, starts, ends = tok.encode_offsets(text)
+    ids, starts, ends = _encode(tok, text)
     return Rendered(ids, spans_of_mask(token_mask(starts, ends, regions)))
 
 
@@ -82,7 +93,7 @@ def render_prompt_completion(
     turns are trained."""
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
-        ids, starts, ends = tok.encode_offsets(prompt + completion)
+        ids, starts, ends = _encode(tok, prompt + completion)
         mask = token_mask(starts, ends, [(len(prompt), len(prompt) + len(completion))])
         framed, front, back = tok.frame(ids)
         full = np.concatenate([np.zeros(front, bool), mask, np.ones(back, bool)])

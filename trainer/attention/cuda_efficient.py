@@ -59,6 +59,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_THD, lse_TH float32) of every document in one kernel call."""
     check(q, k)
+    docs.check_tokens(q, k)
     assert not causal or docs.same_sides(), "causal blocks are square (top-left = bottom-right)"
     if docs.max_q == 0 or docs.max_k == 0:
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -101,6 +102,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of every document against the given out and lse_TH, in one kernel call."""
     check(q, k)
+    docs.check_tokens(q, k)
     if docs.max_q == 0 or docs.max_k == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     g = q.shape[1] // k.shape[1]
@@ -129,4 +131,4 @@ def backward(
         False,
         scale=scale,
     )
-    return dq[0], _reduce(dk, g), _reduce(dv, g)
+    return docs.zero_lonely(dq[0], _reduce(dk, g), _reduce(dv, g))

@@ -52,6 +52,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_THD, lse_TH float32) of every document in one kernel call."""
     check(q, k)
+    docs.check_tokens(q, k)
     assert not causal or docs.same_sides(), "causal blocks are square (top-left = bottom-right)"
     if docs.max_q == 0 or docs.max_k == 0:
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -86,6 +87,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of every document against the given out and lse_TH, in one kernel call."""
     check(q, k)
+    docs.check_tokens(q, k)
     if docs.max_q == 0 or docs.max_k == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cu_q, cu_k = docs.cu(q.device)
@@ -108,4 +110,4 @@ def backward(
         unused,
         scale=scale,
     )
-    return dq, dk, dv
+    return docs.zero_lonely(dq, dk, dv)

@@ -12,7 +12,7 @@ Every backend module has the same two functions over a block's documents
 | --- | --- | --- |
 | `cpu_flash` | CPU, every dtype | torch's fused CPU flash kernel, one call per document |
 | `cuda_flash` | CUDA, float16/bfloat16 | torch's varlen flash kernel, one call per block, GQA native |
-| `cuda_efficient` | CUDA, float32 | torch's memory-efficient varlen kernel, one call per block |
+| `cuda_efficient` | CUDA, float32 (and half precision where flash cannot run: before Ampere, head_dim > 256) | torch's memory-efficient varlen kernel, one call per block |
 | `math` | CUDA float64; tests | explicit scores per document: the reference |
 
 The flash-attn package (optional, `flash_attn`) is never chosen by default: torch's own kernel is
@@ -21,6 +21,7 @@ the same algorithm; `attend(..., backend="flash_attn")` asks for it, float16/bfl
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -35,14 +36,27 @@ BACKENDS: dict[str, ModuleType] = {
 FLASH_ATTN = "flash_attn"  # the optional package, local attention only
 
 
-def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """The backend of tensors of `dtype` on `device` (the table above)."""
+@functools.lru_cache(maxsize=16)
+def _flash_runs_on(index: int | None) -> bool:
+    """Does torch's flash kernel run on this CUDA device (built in, Ampere or newer)?"""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def default_backend(
+    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
+    """The backend of tensors of `dtype` on `device` (the table above); half precision goes to
+    the memory-efficient kernel where the flash kernel cannot run it (a GPU before Ampere, a
+    head dimension above its limit)."""
     if device.type == "cpu":
         return cpu_flash.NAME
     if device.type == "cuda":
-        if dtype in cuda_flash.DTYPES:
+        big = head_dim is not None and head_dim > cuda_flash.MAX_HEAD_DIM
+        if dtype in cuda_flash.DTYPES and not big and _flash_runs_on(device.index):
             return cuda_flash.NAME
-        if dtype == torch.float32:
+        if dtype in cuda_efficient.DTYPES:
             return cuda_efficient.NAME
     return math_ref.NAME
 

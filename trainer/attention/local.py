@@ -60,9 +60,11 @@ def chunk_visibility(i: int, j: int) -> Visibility:
     return Visibility.NONE
 
 
-def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+def default_backend(
+    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
     """The backend of tensors of `dtype` on `device` (trainer.attention.dispatch)."""
-    return dispatch.default_backend(device, dtype)
+    return dispatch.default_backend(device, dtype, head_dim)
 
 
 # --- varlen blocks (no autograd) -----------------------------------------------------------------
@@ -96,7 +98,7 @@ def block_forward(
             f"{q_THD.shape[1]} query heads not a multiple of {k_SKD.shape[1]} KV heads"
         )
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype))
+    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype, q_THD.shape[-1]))
     return kernel.forward(q_THD, k_SKD, v_SKD, docs, causal, scale)
 
 
@@ -120,7 +122,7 @@ def block_backward(
     """
     docs = _docs(cu_q, cu_k)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype))
+    kernel = dispatch.get(backend or default_backend(q_THD.device, q_THD.dtype, q_THD.shape[-1]))
     return kernel.backward(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_TH, docs, causal, scale)
 
 

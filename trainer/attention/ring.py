@@ -200,7 +200,7 @@ class RingAttention:
                 f"{position_ids.shape[0]}"
             )
         lengths = np.repeat(np.asarray(lay.lengths, dtype=np.int64), counts)
-        return torch.from_numpy(lengths).to(position_ids.device)
+        return to_device(lengths, position_ids.device)
 
     # -- forward / backward bodies (no autograd) --
 

@@ -99,12 +99,44 @@ class VarlenDocs:
     def no_key_rows(self, device: torch.device) -> torch.Tensor | None:
         """A bool [T] mask of the query rows whose document has no key (on `device`, built
         once), or None if every document with queries has keys."""
-        key = ("no_key", device)
+        return self._lonely("no_key", device, self.q, self.k)
+
+    def no_query_rows(self, device: torch.device) -> torch.Tensor | None:
+        """A bool [S] mask of the key rows whose document has no query, or None."""
+        return self._lonely("no_query", device, self.k, self.q)
+
+    def _lonely(
+        self, name: str, device: torch.device, mine: tuple[int, ...], other: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """Rows of `mine`'s side whose document is empty on the `other` side (a kernel may leave
+        their outputs and gradients unwritten), built once per device."""
+        key = (name, device)
         if key not in self._cache:
-            n_q, n_k = np.diff(np.asarray(self.q)), np.diff(np.asarray(self.k))
-            bad = (n_k == 0) & (n_q > 0)
-            self._cache[key] = to_device(np.repeat(bad, n_q), device) if bad.any() else None
+            n_mine, n_other = np.diff(np.asarray(mine)), np.diff(np.asarray(other))
+            bad = (n_other == 0) & (n_mine > 0)
+            self._cache[key] = to_device(np.repeat(bad, n_mine), device) if bad.any() else None
         return self._cache[key]
+
+    def check_tokens(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The boundaries cover exactly the tokens given (a kernel would read out of bounds)."""
+        if (self.total_q, self.total_k) != (q.shape[0], k.shape[0]):
+            raise ValueError(
+                f"the documents cover {self.total_q} queries and {self.total_k} keys, the "
+                f"tensors hold {q.shape[0]} and {k.shape[0]}"
+            )
+
+    def zero_lonely(
+        self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients with the rows of documents empty on the other side set to 0 (what the
+        kernels may leave unwritten)."""
+        rows_q, rows_k = self.no_key_rows(dq.device), self.no_query_rows(dk.device)
+        if rows_q is not None:
+            dq = dq.masked_fill(rows_q[:, None, None], 0.0)
+        if rows_k is not None:
+            dk = dk.masked_fill(rows_k[:, None, None], 0.0)
+            dv = dv.masked_fill(rows_k[:, None, None], 0.0)
+        return dq, dk, dv
 
 
 def as_docs(
@@ -157,4 +189,7 @@ def check_inputs(
             f"kernel takes multiples of {align} up to {max_head_dim} in {str(q.dtype)[6:]}"
         )
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads")
+        raise ValueError(
+            f"{q.shape[1]} query heads not a multiple of {k.shape[1]} KV heads "
+            "(model.n_heads, model.n_kv_heads)"
+        )

@@ -84,6 +84,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=h.device)
         dh = torch.empty_like(h) if grad else None
         dw = torch.zeros(w.shape, dtype=acc, device=w.device) if grad else None
+        # a chunk's share of dL/dW in the compute dtype, one buffer for all chunks (none when the
+        # compute dtype is the accumulation dtype: added in place)
+        part_dw = torch.empty_like(w) if grad and w.dtype != acc else None
         with torch.no_grad():
             for s in range(0, h.shape[0], chunk):
                 e = min(s + chunk, h.shape[0])
@@ -93,7 +96,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if g is not None:
                     gc = g.to(h.dtype)
                     torch.matmul(gc, w, out=dh[s:e])  # type: ignore[index]
-                    dw.add_(gc.t() @ h[s:e])  # type: ignore[union-attr]
+                    if part_dw is None:
+                        dw.addmm_(gc.t(), h[s:e])  # type: ignore[union-attr]
+                    else:
+                        dw.add_(torch.matmul(gc.t(), h[s:e], out=part_dw))  # type: ignore[union-attr]
             if dh is not None and comm is not None and comm.size > 1:
                 comm.all_reduce(dh)  # each process's vocabulary rows gave a part of dL/dh
         ctx.save_for_backward(dh, dw)
@@ -106,7 +112,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if dh is None:
             raise RuntimeError("the loss was computed without gradients (torch.no_grad)")
         g = g_loss.to(dw.dtype)
-        return (dh * g.to(dh.dtype), (dw * g).to(ctx.w_dtype), None, None, None, None, None, None)
+        # in place: the gradients were made for this one backward
+        dw_out = dw.mul_(g).to(ctx.w_dtype)
+        return (dh.mul_(g.to(dh.dtype)), dw_out, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(

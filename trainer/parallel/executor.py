@@ -390,7 +390,8 @@ class HDPExecutor:
             self.zero.wait_weights()
         loss, _, _ = self._run_rank(plan, fetched, False)
         n = sum(mb.num_labels for mb in fetched)
-        t = torch.stack([loss.reshape(()), loss.new_tensor(float(n))])
+        # float64: a label count stays exact past float32's 2^24
+        t = torch.stack([loss.reshape(()).double(), loss.new_tensor(float(n), dtype=torch.float64)])
         self.comm.all_reduce(t)
         return float(t[0].item()), int(round(float(t[1].item())))
 

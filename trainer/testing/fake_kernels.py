@@ -9,6 +9,8 @@ every document in float64 with its own plain formulas, and answers in the kernel
 - flash: q/k/v [T, H, D] in float16/bfloat16, K/V may have fewer heads; lse float32 [H, T]; a
   causal mask is bottom-right aligned when a document's query and key counts differ (what
   FlashAttention 2 does); a row with no key: out 0, lse +inf.
+- both backwards leave the gradient rows of a document empty on the other side unwritten (NaN
+  here: the real kernels allocate them uninitialised), so a backend must zero them itself.
 - memory-efficient: q/k/v [1, T, H, D] with equal head counts; lse float32 [documents, H, L],
   L the longest query count rounded up to 32, the padding NaN; mask type 1 is top-left causal;
   a row with no key: out NaN, lse NaN (the backend must not rely on what is there).
@@ -17,6 +19,7 @@ every document in float64 with its own plain formulas, and answers in the kernel
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -87,10 +90,12 @@ class FakeKernels:
 
     calls: dict[str, int] = field(default_factory=dict)
     cu_seen: list[torch.Tensor] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # threaded fake ranks call too
 
     def _count(self, op: str, cu: torch.Tensor) -> None:
-        self.calls[op] = self.calls.get(op, 0) + 1
-        self.cu_seen.append(cu)
+        with self.lock:
+            self.calls[op] = self.calls.get(op, 0) + 1
+            self.cu_seen.append(cu)
 
     # -- flash: [T, H, D], lse [H, T] -----------------------------------------------------------
 
@@ -155,7 +160,7 @@ class FakeKernels:
         if not lse.is_contiguous() or out.dtype != q.dtype or do.shape != q.shape:
             raise ValueError("flash backward: contiguous lse, out and dout like q expected")
         self._count("flash_backward", cu_q)
-        dq, dk, dv = (torch.zeros(x.shape, dtype=F64) for x in (q, k, v))
+        dq, dk, dv = (torch.full(x.shape, float("nan"), dtype=F64) for x in (q, k, v))
         for d in range(len(bq) - 1):
             (q0, q1), (k0, k1) = (bq[d], bq[d + 1]), (bk[d], bk[d + 1])
             if q1 > q0 and k1 > k0:
@@ -227,7 +232,7 @@ class FakeKernels:
                 f"efficient backward: lse float32 [n, H, {width}], got {tuple(lse.shape)}"
             )
         self._count("efficient_backward", cu_q)
-        dq, dk, dv = (torch.zeros(x.shape, dtype=F64) for x in (q, k, v))
+        dq, dk, dv = (torch.full(x.shape, float("nan"), dtype=F64) for x in (q, k, v))
         for d in range(len(bq) - 1):
             (q0, q1), (k0, k1) = (bq[d], bq[d + 1]), (bk[d], bk[d + 1])
             if q1 > q0 and k1 > k0:
