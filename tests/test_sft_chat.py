@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from datapipe.errors import InputError
 from datapipe.ingest.chat import ChatTemplate, RowError, find_template
@@ -277,3 +279,20 @@ def test_bad_templates(tmp_path):
     assert src.text is None and "give --chat-template FILE" in src.missing
     with pytest.raises(RowError, match="no chat template in the tokenizer folder"):
         render_messages(conv, tok, None, src.missing)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40))
+def test_byte_tokenizer_offsets_equal_each_characters_utf8_width(text) -> None:
+    """The byte tokenizer's character offsets (vectorised from the code points) against each
+    character's own UTF-8 encoding."""
+    from datapipe.ingest.tokenizer import BytesTokenizer
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return  # lone surrogates: refused before offsets
+    ids, starts, ends = BytesTokenizer().encode_offsets(text)
+    want = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+    assert np.array_equal(starts, want) and np.array_equal(ends, want + 1)
+    assert len(ids) == len(text.encode("utf-8"))

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evaluate at most this many positions' predictions (the report's tokens), per "
         "dataset: held-out samples in order, the last one cut to its first tokens to make "
-        "exactly N (a causal model predicts them as in the whole sample)",
+        "exactly N (a causal model predicts them as in the whole sample); on a dataset with a "
+        "loss mask only the trained ones among them are scored and counted",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
     p.add_argument(

@@ -163,9 +163,10 @@ class BytesTokenizer(Tokenizer):
         ids = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
         if len(raw) == len(text):
             starts = np.arange(len(text), dtype=np.int64)
-        else:  # each byte belongs to its character
-            widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
-            starts = np.repeat(np.arange(len(text), dtype=np.int64), widths)
+        else:  # each byte belongs to its character: UTF-8 widths from the code points
+            cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+            widths = 1 + (cp >= 0x80) + (cp >= 0x800) + (cp >= 0x10000)
+            starts = np.repeat(np.arange(len(text), dtype=np.int64), widths.astype(np.int64))
         return ids, starts, starts + 1
 
     def describe(self) -> dict:
