@@ -286,8 +286,6 @@ def test_bad_templates(tmp_path):
 def test_byte_tokenizer_offsets_equal_each_characters_utf8_width(text) -> None:
     """The byte tokenizer's character offsets (vectorised from the code points) against each
     character's own UTF-8 encoding."""
-    from datapipe.ingest.tokenizer import BytesTokenizer
-
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
