@@ -19,6 +19,7 @@ from torch import nn
 
 from datapipe.errors import ConfigError, InputError
 from datapipe.fetch import FetchConfig
+from datapipe.index import LOSS_MASK_KEY
 from datapipe.ingest.tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from datapipe.plan.cost import resolve
 from datapipe.plan.planner import PlannerConfig
@@ -327,7 +328,7 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
         }
     manifest = parts[0].manifest
     # on a dataset with a loss mask the loss is over its trained positions only (the fetch's labels)
-    out["loss_mask"] = any(bool(part.manifest.get("loss_mask")) for part in parts)
+    out["loss_mask"] = any(bool(part.manifest.get(LOSS_MASK_KEY)) for part in parts)
     out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
         out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, cap)
