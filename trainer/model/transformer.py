@@ -112,26 +112,22 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        q, k, v = self.before_attention(x, cos, sin)
-        return self.after_attention(x, attn.attend(q, k, v))
+        return self.residual_ffn(x, self.attention(self.attention_norm(x), cos, sin, attn))
 
-    def before_attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block up to the attention kernel: norm, projections, RoPE."""
-        return self.attention.project(self.attention_norm(x), cos, sin)
-
-    def after_attention(self, x: torch.Tensor, out_THD: torch.Tensor) -> torch.Tensor:
-        """The block from the attention output on: output projection, residuals, SwiGLU."""
-        x = x + self.attention.wo(out_THD.reshape(x.shape[0], -1))
+    def residual_ffn(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The block from the attention's output on: residuals and SwiGLU."""
+        x = x + attn_out
         return x + self.feed_forward(self.ffn_norm(x))
 
     def compile_segments(self, backend: str = "inductor") -> None:
-        """torch.compile the two segments around attention (each one whole graph, shapes
-        dynamic); the attention kernel between them stays eager (local, ring, offload hooks)."""
+        """torch.compile what runs around the attention kernel (the norm before it, the
+        projections and RoPE, the residuals and SwiGLU after it), each one whole graph with
+        dynamic shapes; the kernel itself stays eager (local, ring, offload hooks), and every
+        module is still called as a module (its hooks run)."""
         opts: dict[str, Any] = {"dynamic": True, "fullgraph": True, "backend": backend}
-        self.before_attention = torch.compile(self.before_attention, **opts)  # type: ignore[method-assign]
-        self.after_attention = torch.compile(self.after_attention, **opts)  # type: ignore[method-assign]
+        self.attention_norm.compile(**opts)
+        self.attention.project = torch.compile(self.attention.project, **opts)  # type: ignore[method-assign]
+        self.residual_ffn = torch.compile(self.residual_ffn, **opts)  # type: ignore[method-assign]
 
 
 class Transformer(nn.Module):
