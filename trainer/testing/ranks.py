@@ -31,7 +31,8 @@ def _cli_rank(
     if logs is not None:
         for fd, stream, ext in ((1, sys.stdout, "stdout"), (2, sys.stderr, "stderr")):
             stream.flush()
-            f = os.open(os.path.join(logs, f"rank{rank}.{ext}"), os.O_WRONLY | os.O_CREAT, 0o644)
+            path = os.path.join(logs, f"rank{rank}.{ext}")  # a rerun starts it anew
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(f, fd)
             os.close(f)
     from tools.cli import main
