@@ -77,7 +77,7 @@ def test_plan_finds_the_step_a_mixture_runs_out_naming_the_flag(data, tmp_path, 
     assert "every source with weight in data.stages[0] finished its passes (web " in err
     assert "(data.sources[0].max_epochs = 1)); raise max_epochs" in err
     assert "email" not in err and "train.steps" not in err
-    step = int(err.split("at step ")[1].split(":")[0])
+    step = int(err.split("runs out of data at step ")[1].split(":")[0])
     assert f"or lower --steps to at most {step - 1}" in err
     code, _, err = _run(capsys, "plan", "--mix", mix, "--steps", str(step - 1), *PLAN)
     assert code == 0, err
