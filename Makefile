@@ -106,7 +106,7 @@ TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-		--no-loadscope-reorder tests
+		--no-loadscope-reorder --durations=20 tests
 
 lint: install
 	$(VENV)/bin/ruff check .
