@@ -285,8 +285,14 @@ class Fetcher:
 
     def check_labels(self, s: np.ndarray, lo: np.ndarray, hi: np.ndarray, got: np.ndarray) -> None:
         """The labels pieces got from the shards' spans (their targets: tokens [lo, hi) of
-        samples `s`) must be what index.parquet's trained_spans say; else the data is corrupt."""
-        want = self.index.loss_mask.trained(s, lo, hi)
+        samples `s`) must be what index.parquet's trained_spans say; else the data is corrupt.
+        A whole sample's (tokens [1, L)) is its loss_tokens, which read_index checked against
+        its spans: one lookup instead of a walk over them (benchmarks/RESULTS.md, "Instruction
+        data: loss masks in the fetch")."""
+        want = self.index.loss_tokens[s]
+        part = np.flatnonzero((lo != 1) | (hi != self.lengths[s]))
+        if part.size:
+            want[part] = self.index.loss_mask.trained(s[part], lo[part], hi[part])
         bad = np.flatnonzero(want != got)
         if bad.size:
             k = int(bad[0])

@@ -65,8 +65,9 @@ def dataset(request, tmp_path_factory):
 
 
 def test_labels_of_ring_chunks_and_pieces(dataset):
-    """Each sample split zigzag over k = 1..4 ranks (and arbitrary pieces): every member's
-    labels are its positions' reference labels; together they hold each trained target once."""
+    """Each sample split zigzag over k = 1..4 ranks (and arbitrary pieces, and whole): every
+    member's labels are its positions' reference labels; together they hold each trained target
+    once."""
     path, rows = dataset
     rng = np.random.default_rng(1)
     with FetchConfig().build(path) as fetcher:
@@ -88,6 +89,9 @@ def test_labels_of_ring_chunks_and_pieces(dataset):
             b = int(rng.integers(a + 1, n + 1))
             mb = fetcher.fetch(np.array([(sid, a, b)]))
             assert mb.labels.tolist() == reference_labels(toks, mask, a, b, n)
+            for b in {n, max(n - 1, 1)}:  # all the sample's targets (checked by its loss_tokens)
+                mb = fetcher.fetch(np.array([(sid, 0, b)]))
+                assert mb.labels.tolist() == reference_labels(toks, mask, 0, b, n)
 
 
 def test_mixture_units_carry_their_mask(dataset, tmp_path):
@@ -139,20 +143,27 @@ def _text_tokens(path: str) -> list[np.ndarray]:
 
 
 def test_shards_disagreeing_with_the_index_are_refused(dataset):
+    """The shards' labels disagreeing with the index are refused, naming the sample and the
+    tokens: a whole sample's with its loss_tokens (one less here), a piece's with its spans (the
+    first one token shorter here)."""
     path, rows = dataset
     with FetchConfig().build(path) as fetcher:
         sid = next(s for s, (_, m) in rows.items() if not m.all())
-        loss = fetcher.index.loss
-        values = loss.values.copy()
-        first = loss.offsets[sid]
-        values[first + 1] -= 1  # the index's first span of `sid` one token shorter
-        bad = LossColumns(loss.loss_tokens, loss.offsets, values)
-        fetcher.index = dataclasses.replace(fetcher.index, loss=bad)
         n = len(rows[sid][0])
-        with pytest.raises(
-            InputError, match=rf"sample {sid}, tokens 1\.\.{n}: the shards' trained"
+        loss, index = fetcher.index.loss, fetcher.index
+        fewer = loss.loss_tokens.copy()
+        fewer[sid] -= 1
+        shorter = loss.values.copy()
+        shorter[loss.offsets[sid] + 1] -= 1
+        for a, bad in (
+            (0, LossColumns(fewer, loss.offsets, loss.values)),
+            (1, LossColumns(loss.loss_tokens, loss.offsets, shorter)),
         ):
-            fetcher.fetch(np.array([(sid, 0, n)]))
+            fetcher.index = dataclasses.replace(index, loss=bad)
+            with pytest.raises(
+                InputError, match=rf"sample {sid}, tokens {a + 1}\.\.{n}: the shards' trained"
+            ):
+                fetcher.fetch(np.array([(sid, a, n)]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -327,3 +338,33 @@ def test_wds_spans_member_checked(case, wds_dataset, tmp_path):
         rows = np.arange(int(fetcher.reader.shard_starts[1]), int(fetcher.reader.shard_starts[2]))
         with pytest.raises(InputError, match=f"{path}: .*{message}"):
             fetcher.reader.read_rows_masked(rows)
+
+
+def test_wds_members_np_load_reads_when_not_cut_directly(wds_dataset, tmp_path):
+    """A shard whose token members are big-endian `.npy` (np.load reads them; the direct cut
+    would not): its first member's check against np.load sends its rows through np.load, with
+    the same spans; the other shards are still cut directly."""
+    import io
+    import shutil
+
+    from test_sft_ingest import read_masked_storage_rows
+
+    root = tmp_path / "copy"
+    shutil.copytree(wds_dataset, root)
+
+    def big_endian(members: list) -> list:
+        for m in members[:-1]:
+            m[1] = _npy_bytes(np.load(io.BytesIO(m[1])).astype(">u2"))
+        return members
+
+    _rewrite_shard(root, 1, big_endian)
+    ref = read_masked_storage_rows(str(root), read_index(str(root)).manifest)
+    with FetchConfig().build(str(root)) as fetcher:
+        reader = fetcher.reader
+        rows = np.arange(int(reader.shard_starts[3]))  # shards 0, 1 and 2
+        toks, counts, spans, span_counts = reader.read_rows_masked(rows)
+        assert reader._npy_ok == {0: True, 1: False, 2: True}
+    np.testing.assert_array_equal(toks, np.concatenate([ref[r][2] for r in rows]))
+    assert counts.tolist() == [len(ref[r][2]) for r in rows]
+    np.testing.assert_array_equal(spans, np.concatenate([ref[r][3] for r in rows]))
+    assert span_counts.tolist() == [len(ref[r][3]) for r in rows]

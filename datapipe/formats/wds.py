@@ -25,7 +25,6 @@ from datapipe.formats.base import (
     RowReader,
     read_ranges,
     read_ranges_into,
-    take_ranges,
     willneed,
 )
 
@@ -185,39 +184,47 @@ class Reader(RowReader):
     def _read_shard_flat(
         self, shard: int, local_rows: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """All rows' `.npy` members read into one buffer and their arrays cut out together
-        (npy_rows); None (np.load row by row) where a header is not the one checked."""
+        """The rows' tokens back to back and their counts (`_cut`); None: np.load row by row."""
+        got = self._cut(shard, local_rows, False)
+        return None if got is None else got[:2]
+
+    def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
+        """The rows' tokens as `_read_shard_flat` reads them (one member each) with their spans
+        gathered from the shard's spans member (read on the shard's first use) in the same
+        pass; else np.load row by row."""
+        got = self._cut(shard, local_rows, True)
+        if got is not None:
+            return got
+        off, values = self._spans[shard]
+        arrays = self._read_shard(shard, local_rows)
+        return [(t, values[off[r] : off[r + 1]]) for t, r in zip(arrays, local_rows.tolist())]
+
+    def _cut(self, shard: int, local_rows: np.ndarray, masked: bool) -> tuple | None:
+        """(tokens, count per row, spans, span values per row) of the rows, their `.npy`
+        members read into one buffer and cut out by one numba pass which, `masked`, also
+        gathers their spans (else none); None where a member's header is not the one checked
+        (the first of a shard is checked against np.load)."""
         fd, offs, sizes = self._open(shard)
         begin = offs[local_rows]
         end = begin + sizes[local_rows]
         buf, starts = read_ranges_into(fd, begin, end, self.stats)
-        return self._npy(shard, buf, starts, starts + (end - begin))
-
-    def _read_shard_masked(self, shard: int, local_rows: np.ndarray):
-        """The rows' tokens as `_read_shard_flat` reads them (one member each) and their spans
-        cut out of the shard's spans member (read on the shard's first use)."""
-        toks = self._read_shard_flat(shard, local_rows)
-        off, values = self._spans[shard]
-        lo, hi = off[local_rows], off[local_rows + 1]
-        if toks is None:
-            arrays = self._read_shard(shard, local_rows)
-            return [(t, values[a:b]) for t, a, b in zip(arrays, lo.tolist(), hi.tolist())]
-        return (*toks, take_ranges(values, lo, hi), hi - lo)
-
-    def _npy(
-        self, shard: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The token arrays of `.npy` members buf[starts[k]:ends[k]] back to back, and their
-        lengths, cut out together; the first member of a shard is checked against np.load."""
-        got = npy_rows(buf, starts, ends, self.dtype)
-        if got is None or not len(starts):
-            return got
-        if shard not in self._npy_ok:
+        ends = starts + (end - begin)
+        off, values = self._spans[shard] if masked else _NO_SPANS
+        rows = np.ascontiguousarray(local_rows, np.int64) if masked else _NO_ROWS
+        data, counts, ok, spans, span_counts = _npy_cut(
+            buf, starts, ends, self.dtype.itemsize, off, values, rows
+        )
+        if not ok:
+            return None
+        data = data.view(self.dtype)
+        if len(starts) and shard not in self._npy_ok:
             first = np.load(io.BytesIO(buf[starts[0] : ends[0]].tobytes()), allow_pickle=False)
-            mine = got[0][: got[1][0]]
+            mine = data[: counts[0]]
             same = first.dtype == mine.dtype and np.array_equal(first, mine)
             self._npy_ok[shard] = bool(same and first.ndim == 1)
-        return got if self._npy_ok[shard] else None
+        if len(starts) and not self._npy_ok[shard]:
+            return None
+        return data, counts, spans, span_counts
 
     def close(self) -> None:
         for fd, _, _ in self._shards.values():
@@ -247,28 +254,24 @@ def _scan(path: str) -> tuple[list[int], list[int], list[tuple[str, int, int]]]:
     return offs, sizes, spans
 
 
-def npy_rows(
-    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The data of `.npy` files buf[starts[k]:ends[k]] (format 1.0 or 2.0, as np.save writes a
-    1-D array: magic, version, header length, header, data) back to back as `dtype`, and each
-    one's length; None if one is not an `.npy` file or its data is not whole items."""
-    starts = np.ascontiguousarray(starts, np.int64)
-    ends = np.ascontiguousarray(ends, np.int64)
-    data, counts, ok = _npy_data(buf, starts, ends, np.dtype(dtype).itemsize)
-    return (data.view(dtype), counts) if ok else None
+_NO_SPANS = (np.zeros(1, np.int64), np.zeros(0, SPAN_DTYPE))  # an unmasked read's (no rows)
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 @njit(cache=True, nogil=True)
-def _npy_data(buf, starts, ends, item):  # noqa: ANN001, ANN202 (numba)
-    """(data bytes back to back, items per file, all well formed) of `.npy` files in `buf`."""
+def _npy_cut(buf, starts, ends, item, offsets, values, rows):  # noqa: ANN001, ANN202 (numba)
+    """(data bytes back to back, items per file, all well formed) of `.npy` files in `buf`
+    (format 1.0 or 2.0 as np.save writes a 1-D array: magic, version, header length, header,
+    data; not well formed: one is not, or its data is not whole items), and rows' spans
+    values[offsets[r]:offsets[r + 1]] back to back with their counts."""
     n = starts.shape[0]
     first = np.empty(n, np.int64)
     total = 0
     for k in range(n):
         s = starts[k]
         if ends[k] - s < 12 or buf[s] != 0x93 or buf[s + 6] < 1 or buf[s + 6] > 2:
-            return np.empty(0, np.uint8), np.empty(0, np.int64), False
+            total = -1
+            break
         hl = np.int64(buf[s + 8]) | np.int64(buf[s + 9]) << 8
         if buf[s + 6] == 1:
             first[k] = s + 10 + hl
@@ -277,8 +280,13 @@ def _npy_data(buf, starts, ends, item):  # noqa: ANN001, ANN202 (numba)
             first[k] = s + 12 + hl
         size = ends[k] - first[k]
         if size < 0 or size % item:
-            return np.empty(0, np.uint8), np.empty(0, np.int64), False
+            total = -1
+            break
         total += size
+    m = rows.shape[0]
+    span_counts = np.empty(m, np.int64)
+    if total < 0:
+        return np.empty(0, np.uint8), np.empty(0, np.int64), False, values[:0], span_counts[:0]
     out = np.empty(total, np.uint8)
     counts = np.empty(n, np.int64)
     pos = 0
@@ -287,7 +295,17 @@ def _npy_data(buf, starts, ends, item):  # noqa: ANN001, ANN202 (numba)
         out[pos : pos + size] = buf[first[k] : ends[k]]
         pos += size
         counts[k] = size // item
-    return out, counts, True
+    n_spans = 0
+    for k in range(m):
+        span_counts[k] = offsets[rows[k] + 1] - offsets[rows[k]]
+        n_spans += span_counts[k]
+    spans = np.empty(n_spans, values.dtype)
+    pos = 0
+    for k in range(m):
+        lo = offsets[rows[k]]
+        spans[pos : pos + span_counts[k]] = values[lo : lo + span_counts[k]]
+        pos += span_counts[k]
+    return out, counts, True, spans, span_counts
 
 
 def open_reader(
