@@ -36,7 +36,7 @@ from datapipe.errors import InputError
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
-from datapipe.pack_kernel import mark_trained, pack_kernel
+from datapipe.pack_kernel import first_mislabelled, mark_trained, pack_kernel
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.settings import Names, check, setting
 
@@ -286,20 +286,18 @@ class Fetcher:
     def check_labels(self, s: np.ndarray, lo: np.ndarray, hi: np.ndarray, got: np.ndarray) -> None:
         """The labels pieces got from the shards' spans (their targets: tokens [lo, hi) of
         samples `s`) must be what index.parquet's trained_spans say; else the data is corrupt.
-        A whole sample's (tokens [1, L)) is its loss_tokens, which read_index checked against
-        its spans: one lookup instead of a walk over them (benchmarks/RESULTS.md, "Instruction
-        data: loss masks in the fetch")."""
-        want = self.index.loss_tokens[s]
-        part = np.flatnonzero((lo != 1) | (hi != self.lengths[s]))
-        if part.size:
-            want[part] = self.index.loss_mask.trained(s[part], lo[part], hi[part])
-        bad = np.flatnonzero(want != got)
-        if bad.size:
-            k = int(bad[0])
+        One numba pass (first_mislabelled: a whole sample's count is its loss_tokens, which
+        read_index checked against its spans; benchmarks/RESULTS.md, "Instruction data: loss
+        masks in the fetch")."""
+        loss = self.index.loss
+        k, want = first_mislabelled(
+            loss.loss_tokens, self.lengths, loss.offsets, loss.values, s, lo, hi, got
+        )
+        if k >= 0:
             raise InputError(
                 f"{self.index.root}: sample {int(s[k])}, tokens {int(lo[k])}..{int(hi[k])}: the "
                 f"shards' trained spans give {int(got[k])} trained tokens, index.parquet's "
-                f"{int(want[k])}; run `mixlen verify`"
+                f"{want}; run `mixlen verify`"
             )
 
     def read_ranges(

@@ -1,7 +1,8 @@
 """The fetch's packing loop as numba kernels: one pass over a micro-batch's positions writes its
 input ids, labels and positions from the tokens read (datapipe.fetch.pack_microbatch), and, for a
-dataset with a loss mask, one pass over the rows' trained spans marks the trained tokens read.
-Both release the GIL, so the background prefetch does not hold up the training thread.
+dataset with a loss mask, one pass over the rows' trained spans marks the trained tokens read
+and one over the pieces checks the labels they got against the index. All release the GIL, so
+the background prefetch does not hold up the training thread.
 """
 
 from __future__ import annotations
@@ -70,3 +71,34 @@ def mark_trained(
             if e > row_off[r + 1]:
                 e = row_off[r + 1]
             trained[s:e] = 1  # a slice fill (3x the indexed loop, which does not vectorize)
+
+
+@njit(cache=True, nogil=True)
+def first_mislabelled(
+    loss_tokens: np.ndarray,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    values: np.ndarray,
+    sid: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    got: np.ndarray,
+) -> tuple[int, int]:
+    """(k, the index's count) of the first piece k whose labels got[k] are not the index's
+    trained tokens of sample sid[k] in [lo[k], hi[k]), or (-1, 0): a whole sample's ([1, L))
+    are its loss_tokens, a part's counted over its spans (values[offsets[s]:offsets[s + 1]], as
+    LossMask.trained does)."""
+    for k in range(sid.shape[0]):
+        s, a, b = sid[k], lo[k], hi[k]
+        if a == 1 and b == lengths[s]:
+            want = loss_tokens[s]
+        else:
+            want = 0
+            for q in range(offsets[s], offsets[s + 1], 2):
+                x = max(values[q], a)
+                y = min(values[q + 1], b)
+                if y > x:
+                    want += y - x
+        if want != got[k]:
+            return k, want
+    return -1, 0
