@@ -178,6 +178,31 @@ def test_wds_shard_layout(qwen, tmp_path):
         assert [m.name for m in tf] == ["s0000000000_c000000.tokens.npy"]
 
 
+def test_wds_spans_member_failing_leaves_nothing(qwen, tmp_path, monkeypatch):
+    """The disk filling up as a shard's spans member is written (its second shard): preprocess
+    fails naming --out, and neither the output nor its temporary directory is left."""
+    import errno
+
+    from datapipe.errors import MixlenError
+    from datapipe.formats import wds
+
+    calls = []
+
+    def full(row_spans):
+        calls.append(len(row_spans))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(row_spans)
+
+    real = wds.shard_spans
+    monkeypatch.setattr(wds, "shard_spans", full)
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS] * 3)
+    with pytest.raises(MixlenError, match=r"--out .*out: writing failed \(disk full"):
+        run(tmp_path, [tmp_path / "c.jsonl"], format="wds", tokenizer_from=qwen, chunk_tokens=16,
+            shard_bytes=1500)  # fmt: skip
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 def reference_mask(ref, conv) -> tuple[list[int], np.ndarray]:
     """transformers' ids of a conversation and the per-turn reference mask over them (each
     assistant turn's runs found in order)."""
