@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
+from datapipe.plan.warm import compile_kernels
 from trainer.config.job import TrainerConfig
 from trainer.model.config import check_model_fits
 from trainer.parallel.runtime import Runtime, setup_runtime
@@ -22,7 +23,8 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
     (manifest, index, shard sizes), the plan fitting its longest sample on `world` ranks, the
     model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
     run, a mixture's sources lasting to `train.steps`, and `parallel.islands` dividing `world`.
-    The launcher calls it before torchrun, so such an error is printed once."""
+    The launcher calls it before torchrun, so such an error is printed once; it also compiles
+    the planner's and the fetch's kernels (datapipe.plan.warm) the ranks would each compile."""
     from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
 
     cfg.validate()
@@ -36,6 +38,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
             if data.mixture:
                 data.stream.load_state_dict(state)
         data.check_supply(cfg.train.steps)  # a mixture running out before train.steps
+    compile_kernels()  # once here, so that the ranks load the step's numba kernels, not compile
 
 
 def run_training(cfg: TrainerConfig, rt: Runtime | None = None) -> dict[str, Any]:
