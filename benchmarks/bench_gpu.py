@@ -23,6 +23,8 @@ Parts (`--parts`, in this order; each records its rows or its error and the next
   varlen kernel, whole float32 logits) on the same batches.
 - `ring`: 4 threaded ranks on one GPU: a document split over the ring against whole-document
   attention, and the ring's time beside the same document on one rank.
+- `checkpoint`: one document at each step size with no, selective and full activation
+  checkpointing: step time, tokens/s, MFU and peak memory side by side.
 - `longest`: the longest single document one GPU trains (no checkpointing, then full activation
   checkpointing), doubling until out of memory or out of budget.
 
@@ -51,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
-PARTS = ("check", "attention", "calibrate", "train", "reference", "ring", "longest")
+PARTS = ("check", "attention", "calibrate", "train", "reference", "ring", "checkpoint", "longest")
 
 
 @dataclass(frozen=True)
@@ -520,6 +522,33 @@ def part_ring(b: Bench) -> list[dict]:
     return rows
 
 
+def part_checkpoint(b: Bench) -> list[dict]:
+    """One document at each step size with no, selective and full activation checkpointing:
+    step time and peak memory side by side (selective is kept where it beats full)."""
+    rows = []
+    for checkpoint in ("none", "selective", "full"):
+        ex, model = _executor(b, checkpoint)
+        for tokens in b.sizes.step_tokens:
+            lens = _batch(b, tokens, "one document")
+            plan, fetched = _plan_and_fetch(b, lens, tokens)
+
+            def run(ex=ex, plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
+                step[0] += 1
+                ex.step(plan, fetched, step[0])
+
+            secs = b.timed(run)
+            mem = b.peak(run)
+            titan, _ = _mfu(b, tokens / secs, lens, tokens)
+            rows.append({
+                "checkpoint": checkpoint, "tokens": tokens, "step_s": secs,
+                "tokens_per_s": tokens / secs, "mfu_titan": titan,
+                "peak_gib": None if mem is None else mem / 2**30,
+            })  # fmt: skip
+        del ex, model
+        gc.collect()
+    return rows
+
+
 def part_longest(b: Bench) -> list[dict]:
     """Double a single document's length until a step runs out of memory or of budget."""
     import torch
@@ -568,6 +597,7 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "train": part_train,
     "reference": part_reference,
     "ring": part_ring,
+    "checkpoint": part_checkpoint,
     "longest": part_longest,
 }
 

@@ -7,6 +7,7 @@ one run, for
     plain        the model's own forward/backward (no manager)
     none         the manager, nothing moved or recomputed (its hook overhead)
     ckpt full    every block recomputed in backward
+    ckpt selective  every block keeps its matmul and attention outputs, recomputes the rest
     offload 0.5  ceil(0.5*(l-2)) blocks' saved tensors in host memory between forward and backward
     offload 1    l-2 blocks to host (Eq. 3's r = 1)
     ckpt+off 1   every block recomputed and the checkpointed inputs of l-2 blocks to host
@@ -60,6 +61,7 @@ CONFIGS: dict[str, tuple[str, float] | None] = {
     "plain": None,
     "none": ("none", 0.0),
     "ckpt full": ("full", 0.0),
+    "ckpt selective": ("selective", 0.0),
     "offload 0.5": ("none", 0.5),
     "offload 1": ("none", 1.0),
     "ckpt+off 1": ("full", 1.0),
@@ -183,7 +185,8 @@ def run(lengths: list[int], n_layers: int, dim: int, reps: int) -> list[dict]:
     for name, spec in CONFIGS.items():
         managers[name] = None
         if spec is not None:
-            mgr = ActivationPolicy(spec[0], OffloadConfig(enabled=True)).build("cpu")
+            offload = OffloadConfig(enabled=spec[0] != "selective")  # selective: never offloads
+            mgr = ActivationPolicy(spec[0], offload).build("cpu")
             mgr.copies = _TimedCopies(mgr.copies, mgr)
             managers[name] = mgr
     rows = []
@@ -216,7 +219,9 @@ def run(lengths: list[int], n_layers: int, dim: int, reps: int) -> list[dict]:
                     "eq3_bytes": (2 + (1 - r) * (n_layers - 2)) * act
                     if spec and not ckpt
                     else None,
-                    "recompute_peak_bytes": res["peak_bytes"] + act if ckpt else None,
+                    "recompute_peak_bytes": res["peak_bytes"] + rebuilt(spec[0], act, res)
+                    if ckpt
+                    else None,
                     "moved_bytes": res.get("moved_bytes"),
                     "copy_s": copy_s if spec else None,
                     "hidden": hidden_share(res, base),
@@ -227,6 +232,14 @@ def run(lengths: list[int], n_layers: int, dim: int, reps: int) -> list[dict]:
                 }
             )
     return rows
+
+
+def rebuilt(spec: str, act: float, res: dict) -> float:
+    """Bytes a checkpointed block rebuilds while its backward runs: its whole Act(s), or under
+    selective checkpointing what it does not keep."""
+    if spec == "selective":
+        return act - max(res["block_bytes"])
+    return act
 
 
 def _pct(x: float | None) -> str:
@@ -306,6 +319,9 @@ def memory_rows(positions: int = 8192) -> list[dict]:
         rows.append({"config": f"offload r = {r:g}", "gib": kept / GIB, "saved": 1 - kept / full})
     ckpt = l_ * shape.dim * 2 * positions + act  # bf16 block inputs + one recomputed block
     rows.append({"config": "full recomputation", "gib": ckpt / GIB, "saved": 1 - ckpt / full})
+    kept = shape.saved_bytes_per_token_layer(2, "selective") * positions
+    sel = l_ * kept + act - kept  # what each block keeps + one block's rebuilt pointwise work
+    rows.append({"config": "selective recomputation", "gib": sel / GIB, "saved": 1 - sel / full})
     return rows
 
 

@@ -341,6 +341,31 @@ class ModelConfig:
         low = 4 * self.dim + 2 * self.q_dim + 2 * kv + 4 * self.ffn_dim
         return float(dtype_bytes * low + acc * (2 * self.dim + self.n_heads + 2))
 
+    def saved_bytes_per_token_layer(self, dtype_bytes: int, checkpoint: str = "none") -> float:
+        """Bytes one block keeps per position from its forward to its backward under
+        `train.activation_checkpoint` = `checkpoint` ("none", "full" or "selective"; "every:K"
+        mixes the first two).
+
+        "none": `act_bytes_per_token_layer`. "full": the block's input (dim), its forward run
+        again in backward (one block's "none" bytes while it runs). "selective": the input, the
+        outputs of the seven matmuls (Q, K, V, output projection: q_dim + 2 KV dim + dim; SwiGLU:
+        2 ffn_dim + dim) and the attention output (q_dim) in the compute dtype, and the
+        attention's log-sum-exp per query head in >= float32; the norms, RoPE, SiLU, product and
+        residual sums are recomputed. `tests/test_selective.py` checks it against what a block
+        keeps."""
+        if checkpoint == "none":
+            return self.act_bytes_per_token_layer(dtype_bytes)
+        if checkpoint == "full":
+            return float(dtype_bytes * self.dim)
+        if checkpoint != "selective":
+            raise ValueError(
+                f'checkpoint: expected "none", "full" or "selective", got {checkpoint!r}'
+            )
+        kv = self.n_kv_heads * self.head_dim
+        acc = max(int(dtype_bytes), 4)
+        low = 3 * self.dim + 2 * self.q_dim + 2 * kv + 2 * self.ffn_dim
+        return float(dtype_bytes * low + acc * self.n_heads)
+
     def loss_bytes(self, positions: int, dtype_bytes: int, tp: int = 1) -> float:
         """Device bytes the chunked loss (trainer.model.loss) holds for a micro-batch of
         `positions`, beyond the blocks' activations: dL/dh [positions, dim] in the compute dtype

@@ -199,6 +199,8 @@ def test_host_budget_refused_by_every_rank_before_the_step():
         (['train.activation_checkpoint="some"'], "train.activation_checkpoint"),
         (['train.activation_checkpoint="every:0"'], "train.activation_checkpoint"),
         (['train.activation_checkpoint="every:x"'], "train.activation_checkpoint"),
+        (['train.activation_checkpoint="selective"', "train.compile=true"], "train.compile"),
+        (['train.activation_checkpoint="selective"', "offload.enabled=true"], "offload.enabled"),
         (["offload.force_ratio=0.5"], "offload.force_ratio"),  # needs enabled
         (["offload.enabled=true", "offload.force_ratio=1.5"], "offload.force_ratio"),
         (["offload.host_bytes_per_s=0"], "offload.host_bytes_per_s"),
@@ -258,7 +260,8 @@ def test_executor_offload_and_checkpointing_threads():
     """hdp steps (rings of 3 and 2 beside local work) with offload r = 0, 0.5, 1: gradients and
     losses bitwise those of the plain executor; checkpointing full and every:2 (with r = 0.5)
     within float64 1e-12. Each rank's measured bytes moved equal the plan's host bytes of its
-    micro-batches (min_bytes 0: everything moves), and StepResult carries them per rank."""
+    micro-batches (min_bytes 0: everything moves), and StepResult carries them per rank.
+    Selective checkpointing (rings replayed from the attention tape) within float64 1e-12."""
     plain = run_threads(WORLD, lambda c: run_offload(c, managed=False), timeout=120)
     assert sorted({int(k) for k in plain[0]["plans"][0].group_sizes}) == [1, 2, 3]
     for name, kw in [
@@ -267,6 +270,7 @@ def test_executor_offload_and_checkpointing_threads():
         ("r=1", {"force": 1.0}),
         ("full", {"checkpoint": "full"}),
         ("every:2+r=0.5", {"checkpoint": "every:2", "force": 0.5}),
+        ("selective", {"checkpoint": "selective"}),
     ]:
         got = run_threads(WORLD, lambda c, kw=kw: run_offload(c, **kw), timeout=120)
         for rank, (ref, res) in enumerate(zip(plain, got)):

@@ -29,6 +29,20 @@ class Refusal(NamedTuple):
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
+        "train",
+        '`train.activation_checkpoint = "selective"` with `offload.enabled = true`',
+        "does not run with offload.enabled = true",
+        "trainer/offload/config.py",
+        "tests/test_offload_train.py::test_offload_config_errors_name_the_key",
+    ),
+    Refusal(
+        "train",
+        '`train.compile = true` with `train.activation_checkpoint = "selective"`',
+        "refuses to compile under selective checkpointing's dispatch mode",
+        "trainer/config/job.py",
+        "tests/test_offload_train.py::test_offload_config_errors_name_the_key",
+    ),
+    Refusal(
         "train, eval, export",
         "a config.json float (`rms_norm_eps`, `rope_theta`, each `rope_scaling` setting) or a "
         "`[model]` RoPE setting that is NaN, infinite or out of its range",

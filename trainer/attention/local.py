@@ -24,6 +24,7 @@ import torch
 
 from trainer.attention import dispatch
 from trainer.attention.math_ref import accum_dtype
+from trainer.attention.tape import taped
 from trainer.attention.varlen import VarlenDocs, as_docs
 
 __all__ = [
@@ -150,7 +151,7 @@ def merge_partial(
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, docs, causal, scale, backend):  # type: ignore[override]
-        out, lse = block_forward(q, k, v, docs, None, causal, scale, backend)
+        out, lse = taped(lambda: block_forward(q, k, v, docs, None, causal, scale, backend))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (docs, None, causal, scale, backend)
         ctx.mark_non_differentiable(lse)

@@ -26,6 +26,7 @@ import torch
 
 from datapipe.plan.zigzag import chunk_bounds
 from trainer.attention.local import accum_dtype, block_backward, block_forward, merge_partial
+from trainer.attention.tape import taped
 from trainer.attention.varlen import VarlenDocs, to_device
 from trainer.parallel.comm import Communicator
 
@@ -307,7 +308,7 @@ class RingAttention:
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):  # type: ignore[override]
-        out, lse = ring._forward(q, k, v)
+        out, lse = taped(lambda: ring._forward(q, k, v))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         ctx.mark_non_differentiable(lse)

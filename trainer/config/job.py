@@ -26,7 +26,7 @@ from trainer.data import DataConfig, PlannerSpec, TrainData, check_special_ids
 from trainer.islands.config import CO2Config
 from trainer.metrics import MetricsConfig
 from trainer.model.config import DTYPES, ModelSection, pretrained_of
-from trainer.offload.config import OffloadConfig, checkpoint_every
+from trainer.offload.config import SELECTIVE, SELECTIVE_OFFLOAD, OffloadConfig, checkpoint_every
 from trainer.parallel.config import ParallelConfig
 
 __all__ = ["TrainConfig", "TrainerConfig", "from_dict"]
@@ -70,8 +70,9 @@ class TrainConfig:
     )
     activation_checkpoint: str = setting(
         "none",
-        help='recompute blocks\' forward in backward: "none", "full" or "every:K" (blocks 0, K, '
-        "2K, ...)",
+        help='recompute blocks\' forward in backward: "none", "full", "every:K" (blocks 0, K, '
+        '2K, ...) or "selective" (every block keeps its matmul and attention outputs and '
+        "recomputes its pointwise ops; not with offload)",
         free_on_resume=True,
     )
     compile: bool = setting(
@@ -143,6 +144,13 @@ class TrainerConfig:
         problem = self.model.shape().tp_problem(self.parallel.tp) if self.parallel.tp > 1 else ""
         if problem:
             raise ConfigError(f"{self.key(self.parallel, 'tp')}: {problem}")
+        if self.train.compile and self.train.activation_checkpoint == SELECTIVE:
+            raise ConfigError(
+                f"{self.key(self.train, 'compile')}: not with "
+                f'{self.key(self.train, "activation_checkpoint")} = "selective" (torch.compile '
+                "refuses to compile under selective checkpointing's dispatch mode); turn one "
+                "of them off"
+            )
         if self.train.compile and self.parallel.tp > 1:
             raise ConfigError(
                 f"{self.key(self.train, 'compile')}: not with {self.key(self.parallel, 'tp')} = "
@@ -152,6 +160,8 @@ class TrainerConfig:
     def _validate_offload(self) -> None:
         """A planned offload needs a policy that offloads and the model's layer count in the cost
         model (Eq. 3's capacity depends on it)."""
+        if self.offload.enabled and self.train.activation_checkpoint == SELECTIVE:
+            raise ConfigError(SELECTIVE_OFFLOAD)
         if not self.offload.planned:
             return
         policy, off = self.parallel.planner.policy, self.names(self.offload)

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.settings import Names, setting
 
-__all__ = ["OffloadConfig", "checkpoint_every"]
+__all__ = ["SELECTIVE", "SELECTIVE_OFFLOAD", "OffloadConfig", "checkpoint_every"]
+
+SELECTIVE = "selective"  # every block: matmul and attention outputs kept, pointwise ops recomputed
+SELECTIVE_OFFLOAD = (
+    'train.activation_checkpoint = "selective" does not run with offload.enabled = true (what '
+    'it keeps is held outside the offload\'s hooks): use "full" or "every:K" with offload, '
+    "or set offload.enabled = false"
+)
 
 
 @dataclass
@@ -84,13 +91,15 @@ class OffloadConfig:
 
 
 def checkpoint_every(spec: str, key: str = "train.activation_checkpoint") -> int:
-    """An activation checkpointing spec as a stride: 0 for "none", 1 for "full", K for
-    "every:K"."""
+    """An activation checkpointing spec as a stride: 0 for "none", 1 for "full" and "selective"
+    (every block, whole or selectively), K for "every:K"."""
     if spec == "none":
         return 0
-    if spec == "full":
+    if spec in ("full", SELECTIVE):
         return 1
     head, _, k = spec.partition(":")
     if head == "every" and k.isdigit() and 1 <= int(k) <= 1 << 20:
         return int(k)
-    raise ConfigError(f'{key}: expected "none", "full" or "every:K" (K >= 1), got {spec!r}')
+    raise ConfigError(
+        f'{key}: expected "none", "full", "selective" or "every:K" (K >= 1), got {spec!r}'
+    )

@@ -45,9 +45,15 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
+from datapipe.errors import ConfigError
 from datapipe.settings import Names, check
 from datapipe.shapes import ModelConfig
-from trainer.offload.config import OffloadConfig, checkpoint_every
+from trainer.offload.config import (
+    SELECTIVE,
+    SELECTIVE_OFFLOAD,
+    OffloadConfig,
+    checkpoint_every,
+)
 from trainer.offload.host_store import HostBuffer, HostPool, copy_engine
 from trainer.offload.plan import (
     HostNeed,
@@ -56,6 +62,7 @@ from trainer.offload.plan import (
     offload_blocks,
     plan_offload,
 )
+from trainer.offload.selective import SelectiveBlock
 
 if TYPE_CHECKING:
     from datapipe.plan.stepplan import StepPlan
@@ -72,12 +79,19 @@ __all__ = [
 class ActivationPolicy:
     """`[train] activation_checkpoint` and the `[offload]` section (trainer.offload.config)."""
 
-    checkpoint: str = "none"  # "none" | "full" | "every:K" (blocks 0, K, 2K, ... recompute)
+    checkpoint: str = "none"  # "none" | "full" | "selective" | "every:K" (blocks 0, K, 2K, ...)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         checkpoint_every(self.checkpoint)
         check(self.offload, Names("offload"))
+        if self.selective and self.offload.enabled:
+            raise ConfigError(SELECTIVE_OFFLOAD)
+
+    @property
+    def selective(self) -> bool:
+        """Are blocks checkpointed selectively (trainer.offload.selective)?"""
+        return self.checkpoint == SELECTIVE
 
     def checkpointed(self, n_layers: int) -> list[bool]:
         """Per block: is its forward recomputed in backward?"""
@@ -207,6 +221,7 @@ class _Microbatch:
         j = offload_blocks(ratio, n_blocks)
         self.offload = [i < j for i in range(n_blocks)]
         self.checkpointed = mgr.policy.checkpointed(n_blocks)
+        self.selective = mgr.policy.selective
         from trainer.parallel.tensor import local_tensor  # a DTensor parameter's own shard
 
         self.frozen = {local_tensor(t).untyped_storage().data_ptr() for t in model.parameters()}
@@ -235,6 +250,15 @@ class _Microbatch:
     def run_block(self, index: int, fn: Callable, *args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        if self.selective:  # no offload with it (refused): SAC keeps tensors outside the hooks
+            sel = SelectiveBlock()
+            out = sel(fn, *args, **kwargs)
+            n = sel.nbytes()
+            self.stats.block_bytes[index] = n
+            self.stats.kept_bytes += n
+            self.resident += n
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.resident)
+            return out
         self.fwd_block = index
         self.shared = {
             a.untyped_storage().data_ptr()
