@@ -98,6 +98,21 @@ def test_tp_offload_moves_the_local_activations(tp_reports, tp) -> None:
         assert r["grad_err"] < 1e-10, (rank, r)
 
 
+def test_selective_checkpointing_at_tp2_runs_no_matmul_or_all_reduce_again(tp_reports) -> None:
+    """Selective checkpointing of DTensor blocks (tp 2): gradients equal the plain decoder's, and
+    the backward runs the matmuls and all-reduces of no checkpointing (full runs more)."""
+    for rank, rep in enumerate(tp_reports):
+        r = rep["selective"]
+        assert all(r[m]["grad_err"] < 1e-10 for m in r), (rank, r)
+        assert (r["selective"]["mm"], r["selective"]["all_reduce"]) == (
+            r["none"]["mm"],
+            r["none"]["all_reduce"],
+        ), (rank, r)
+        assert (
+            r["full"]["mm"] > r["none"]["mm"] and r["full"]["all_reduce"] > r["none"]["all_reduce"]
+        )
+
+
 def test_llama3_70b_published_size_and_tp8_share() -> None:
     cfg = MODEL_CONFIGS["llama3-70b"]
     assert cfg.num_params() == 70_553_706_496  # Meta's published count

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -86,6 +88,8 @@ class SelectiveBlock:
         seen: dict[int, int] = {}
 
         def add(t: object) -> None:
+            while isinstance(t, (DTensor, AsyncCollectiveTensor)):  # tensor parallelism: local
+                t = t._local_tensor if isinstance(t, DTensor) else t.elem
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
