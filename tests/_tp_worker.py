@@ -101,6 +101,8 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
             "bf16": bf16_errors(cfg, mesh, group),
         }
     report["offload"] = offload_check(rank)
+    from _tp_selective import selective_check
+
     report["selective"] = selective_check(rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -220,48 +222,6 @@ def offload_check(rank: int) -> dict:
             "grad_err": err,
             "plain": saved_bytes(ref, (ids, pos, cu, labels)),
         }
-    return out
-
-
-def selective_check(rank: int) -> dict:
-    """A 3-layer decoder at tp 2 under no, selective and full activation checkpointing: the
-    gradients' largest difference from the plain decoder's, and the matmuls and all-reduces its
-    backward runs (selective: those of no checkpointing; full: a block's again)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from trainer.offload.manager import ActivationPolicy
-    from trainer.parallel.tensor import parallelize, tp_mesh
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mm = self.all_reduce = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            self.mm += func is torch.ops.aten.mm.default
-            self.all_reduce += "all_reduce" in str(func)
-            return func(*args, **(kwargs or {}))
-
-    cfg = shape(n_layers=3, n_kv_heads=2)
-    ids, pos, cu, labels = batch(rank // 2)
-    ref = reference(cfg, seed=3)
-    ref(ids, pos, cu, labels)[0].backward()
-    out = {}
-    for mode in ("none", "selective", "full"):
-        model = parallelize(reference(cfg, seed=3), tp_mesh(2))
-        count = Count()
-        with (
-            ActivationPolicy(mode).build("cpu").microbatch(model, 0.0)
-            if mode != "none"
-            else (contextlib.nullcontext())
-        ):
-            loss = model(ids, pos, cu, labels)[0]
-            with count:
-                loss.backward()
-        got = {k: p.grad for k, p in model.named_parameters()}
-        got = {k: g.full_tensor() if hasattr(g, "full_tensor") else g for k, g in got.items()}
-        err = max((got[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
-        out[mode] = {"grad_err": err, "mm": count.mm, "all_reduce": count.all_reduce}
     return out
 
 
