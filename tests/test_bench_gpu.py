@@ -54,7 +54,7 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert max(ring[0][k] for k in ("out", "dq", "dk", "dv")) < 1e-5 and ring[1]["ratio"] > 0
     ckpt = parts["checkpoint"]["rows"]
     assert [(r["checkpoint"], r["tokens"]) for r in ckpt] == [
-        (m, t) for m in ("none", "selective", "full") for t in bench_gpu.DRY.step_tokens
+        (m, bench_gpu.DRY.step_tokens[-1]) for m in ("none", "selective", "full")
     ]
     assert all(r["tokens_per_s"] > 0 for r in ckpt)
     longest = parts["longest"]["rows"]

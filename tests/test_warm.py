@@ -48,6 +48,8 @@ for dtype in (np.uint16, np.uint32, np.int64):
     pieces = np.array([[0, 0, 100], [1, 30, 200], [2, 0, 50]], np.int64)
     for trained in (None, rng.integers(0, 2, 400).astype(np.uint8)):
         pack_pieces(pieces, np.array([100, 250, 50]), flat, np.array([0, 100, 300]), trained)
+from datapipe.formats.mds_direct import _copy_ranges
+_copy_ranges(np.arange(99, dtype=np.uint8), np.array([3, 50]), np.array([5, 9]), np.empty(14, np.uint8))
 after = compiled()
 new = {k: v - warm.get(k, 0) for k, v in after.items() if v > warm.get(k, 0)}
 print(json.dumps({"by_warm": sum(warm.values()) - sum(before.values()), "new": new}))

@@ -5,7 +5,8 @@ machine code beside its source; later processes load it. On a fresh install, ran
 together (`mixlen train --nproc N`, the test suite's spawned ranks) would each compile the same
 kernels at once, N times the work on the same cores. `python -m datapipe.plan.warm` plans a small
 batch with every policy, replays it, buckets it and packs masked and unmasked micro-batches of
-both token widths, so the ranks that follow find every kernel of a step in the cache.
+both token widths and gathers MDS rows' tokens as the direct reader does, so the ranks that follow
+find every kernel of a step in the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from datapipe.fetch import pack_pieces
+from datapipe.formats.mds_direct import _copy_ranges
 from datapipe.plan.buckets import group_by_bucket, length_buckets
 from datapipe.plan.cost import preset
 from datapipe.plan.planner import POLICIES, PlannerConfig
@@ -50,6 +52,10 @@ def compile_kernels() -> int:
         starts = np.array([0, 8], np.int64)
         for trained in (None, np.ones(16, np.uint8)):
             pack_pieces(pieces, np.array([6, 8], np.int64), flat, starts, trained)
+    buf = np.arange(64, dtype=np.uint8)  # MDS rows' token columns gathered (the direct reader)
+    _copy_ranges(
+        buf, np.array([0, 10], np.int64), np.array([4, 6], np.int64), np.empty(10, np.uint8)
+    )
     return plans
 
 

@@ -100,7 +100,8 @@ class SelectiveBlock:
             for t in pair:
                 add(t)
         for per_op in (self.storage or {}).values():
-            for entry in per_op.values():
+            # a dict by call index (torch 2.14), a list in call order (earlier releases)
+            for entry in per_op.values() if isinstance(per_op, dict) else per_op:
                 for t in torch.utils._pytree.tree_leaves(entry):
                     add(getattr(t, "val", t))
         return sum(seen.values())
