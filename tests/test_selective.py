@@ -15,6 +15,7 @@ from test_offload import T, batch, build, build_shape, grads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from datapipe.errors import ConfigError
+from trainer.attention import local
 from trainer.attention.ring import RingAttention, ZigzagLayout
 from trainer.attention.tape import AttentionTape, taped
 from trainer.model.transformer import get_config
@@ -24,15 +25,28 @@ from trainer.testing.threads import run_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
-MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+MATMULS = ("aten.mm.default", "aten.addmm.default")
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that run (those a selective checkpoint serves from its cache do not)."""
+    """Counts the aten ops that run (those a selective checkpoint serves from its cache do not),
+    and the attention block forwards called while it is entered (`kernel_calls`: counted in
+    Python, since the tape sets dispatch modes aside while a kernel records)."""
+
+    current: OpCounter | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.kernel_calls = 0
+
+    def __enter__(self) -> OpCounter:
+        OpCounter.current = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        OpCounter.current = None
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         self.ops[str(func)] += 1
@@ -85,11 +99,20 @@ def test_selective_equals_the_plain_backward_float64(name):
         assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1e-300)
 
 
-def test_the_backward_runs_no_matmul_or_attention_kernel_again():
+@pytest.mark.parametrize("name", sorted(SHAPES))  # bias-mha: the projections are addmm
+def test_the_backward_runs_no_matmul_or_attention_kernel_again(name, monkeypatch):
     """Against the plain backward (matmul gradients only) and whole-block checkpointing (each
     block's attention kernel and 6 of its 7 matmuls once more: the recomputation stops once it
     has rebuilt what the backward needs, before SwiGLU's output projection)."""
-    shape = SHAPES["gqa"]
+    forward = local.block_forward
+
+    def counted(*args, **kwargs):
+        if OpCounter.current is not None:
+            OpCounter.current.kernel_calls += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(local, "block_forward", counted)
+    shape = SHAPES[name]
     _, _, _, plain = step(None, **shape)
     _, _, _, full = step(ActivationPolicy("full"), **shape)
     _, _, _, sel = step(ActivationPolicy("selective"), **shape)
@@ -101,6 +124,8 @@ def test_the_backward_runs_no_matmul_or_attention_kernel_again():
     assert full.attention_forwards() == kernel_calls >= layers
     assert sel.matmuls() == plain.matmuls()
     assert sel.attention_forwards() == 0
+    # in Python too: the block forward runs again under full, never under selective
+    assert (plain.kernel_calls, full.kernel_calls, sel.kernel_calls) == (0, layers, 0)
     # the pointwise work (norms, RoPE, SiLU) is what it recomputes
     assert sel.ops["aten.rsqrt.default"] == 2 * layers
     assert sel.ops["aten.silu.default"] == layers

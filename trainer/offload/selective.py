@@ -2,7 +2,7 @@
 
 A block's forward runs under torch's non-reentrant checkpoint with a selective policy: the
 outputs of its matrix multiplications (the Q, K, V and output projections, SwiGLU's three
-matmuls) and of its tensor-parallel collectives are kept; the attention's out and log-sum-exp
+matmuls) and of its tensor-parallel all-reduces are kept; the attention's out and log-sum-exp
 are kept by the attention tape (trainer.attention.tape); everything else (the norms, RoPE, SiLU
 and its product, the residual sums) is recomputed from them in backward. So the backward
 repeats only pointwise work: no matmul, no attention kernel and no ring exchange runs twice.
@@ -33,22 +33,19 @@ from trainer.attention.tape import AttentionTape
 __all__ = ["SAVED_OPS", "SelectiveBlock", "saved_op"]
 
 
-def _ops() -> frozenset[Any]:
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-    funcol = getattr(torch.ops, "_c10d_functional", None)
-    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
-        op = getattr(funcol, name, None) if funcol is not None else None
-        if op is not None:
-            ops.add(op.default)
-    return frozenset(ops)
-
-
-SAVED_OPS = _ops()  # ops whose outputs a selectively checkpointed block keeps
+# ops whose outputs a selectively checkpointed block keeps: the model's projections (2-D matmuls,
+# with a bias addmm) and tensor parallelism's all-reduce of the row-split projections' outputs
+SAVED_OPS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops._c10d_functional.all_reduce.default,
+    }
+)
 
 
 def saved_op(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The policy: keep matmul and collective outputs, recompute the rest."""
+    """The policy: keep matmul and all-reduce outputs, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
