@@ -408,7 +408,7 @@ def part_train(b: Bench) -> list[dict]:
     for tokens, layout, compiled in cases:
         if compiled:
             for block in model.layers:
-                block.compile_segments(backend=b.sizes.compile_backend or "inductor")
+                block.compile_block(backend=b.sizes.compile_backend or "inductor")
         lens = _batch(b, tokens, layout)
         plan, fetched = _plan_and_fetch(b, lens, tokens)
 

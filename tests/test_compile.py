@@ -1,19 +1,27 @@
-"""`[train] compile = true`: each block's segments before and after attention compiled (one graph
-each, dynamic shapes) give the eager model's loss and gradients, with activation checkpointing and
-offload hooks around them; refused with tensor parallelism. The compiler here is the `aot_eager`
-backend (dynamo's graph capture and AOTAutograd's joint graph, no code generation): the graph
-and its backward are what inductor would get; its speed is measured on a GPU (bench_gpu)."""
+"""`[train] compile = true`: over local attention each block is compiled whole, the attention a
+registered operator inside its one graph (trainer.attention.op); over a ring, the segments around
+the ring's attention. Both give the eager model's loss and gradients (with activation
+checkpointing and offload hooks around them) and compile once for every micro-batch length;
+refused with tensor parallelism. The compiler here is the `aot_eager` backend (dynamo's graph
+capture and AOTAutograd's joint graph, no code generation): the graph and its backward are what
+inductor would get; its speed is measured on a GPU (bench_gpu)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from datapipe.errors import ConfigError
 from datapipe.shapes import get_config
+from trainer.attention.local import LocalAttention, attend
+from trainer.attention.op import varlen_attention
 from trainer.model.transformer import build
+from trainer.testing.fake_kernels import installed
 
 F64 = torch.float64
 
@@ -27,12 +35,14 @@ def batch(lengths: list[int], vocab: int, seed: int) -> tuple[torch.Tensor, ...]
     return ids, pos, torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), labels
 
 
-def loss_and_grads(model, lengths, seed, manager=None):
+def loss_and_grads(model, lengths, seed, manager=None, context=None):
+    """Loss and gradients of one micro-batch; `context(cu)` the attention context if given."""
     ids, pos, cu, labels = batch(lengths, model.cfg.vocab_size, seed)
     model.zero_grad()
     ctx = manager.microbatch(model, 0.5) if manager is not None else _Null()
+    attn = None if context is None else context(cu.tolist())
     with ctx:
-        loss, _ = model(ids, pos, cu, labels=labels)
+        loss, _ = model(ids, pos, cu, labels=labels, attn=attn)
         loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -45,34 +55,157 @@ class _Null:
         return None
 
 
+def recording(graphs: list) -> Callable:
+    """The aot_eager backend, keeping each graph dynamo captured."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+
+    return backend
+
+
+def op_calls(gm: torch.fx.GraphModule) -> int:
+    return sum("mixlen.varlen_attention" in str(n.target) for n in gm.graph.nodes)
+
+
+class Wrapped:
+    """An attention context that is not LocalAttention (as a ring is not): the block runs its
+    compiled segments around it."""
+
+    def __init__(self, cu: list[int]) -> None:
+        self.inner = LocalAttention(cu)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.inner.attend(q, k, v)
+
+    def doc_lengths(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.doc_lengths(position_ids)
+
+
+def manager_of(managed: str | None, cfg):
+    if managed is None:
+        return None
+    from trainer.offload.config import OffloadConfig
+    from trainer.offload.manager import activation_manager
+
+    return activation_manager(
+        OffloadConfig(enabled=True, force_ratio=0.5), managed, cfg, "cpu", F64
+    )
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("context", ["local", "other"])
 @pytest.mark.parametrize("managed", [None, "every:1"])
-def test_compiled_segments_equal_eager(managed) -> None:
+def test_compiled_blocks_equal_eager(context, managed) -> None:
+    """Loss and gradients of 3 layers compiled equal eager's in float64 over micro-batches of
+    other lengths and document counts, with nothing compiled again after the first: over local
+    attention one graph per block holding the attention operator, over another context the
+    segments, none holding it."""
     torch._dynamo.reset()
     cfg = dataclasses.replace(get_config("debug"), n_layers=3)
     eager, compiled = build(cfg, dtype=F64), build(cfg, dtype=F64)
     compiled.load_state_dict(eager.state_dict())
+    graphs: list = []
+    backend = recording(graphs)
     for block in compiled.layers:
-        block.compile_segments(backend="aot_eager")
-    manager = None
-    if managed is not None:
-        from trainer.offload.config import OffloadConfig
-        from trainer.offload.manager import activation_manager
-
-        manager = activation_manager(
-            OffloadConfig(enabled=True, force_ratio=0.5), managed, cfg, "cpu", F64
-        )
-    from torch._dynamo.utils import counters
-
-    for i, lengths in enumerate(([5, 17, 9], [40, 3], [2, 2, 2, 2, 30])):
+        block.compile_block(backend=backend)
+    manager = manager_of(managed, cfg)
+    ctx = None if context == "local" else Wrapped
+    for i, lengths in enumerate(([5, 17, 9], [40, 3], [2, 2, 2, 2, 30], [1, 1])):
         want = loss_and_grads(eager, lengths, i, manager)
-        got = loss_and_grads(compiled, lengths, i, manager)
+        got = loss_and_grads(compiled, lengths, i, manager, ctx)
         torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
         for g, w in zip(got[1], want[1]):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
         if i == 0:
-            frames = counters["stats"]["unique_graphs"]
+            first = len(graphs)
     # other lengths reuse the dynamic graphs: nothing recompiles after the first batch
+    assert len(graphs) == first
+    if context == "local":  # the blocks share one whole graph, the attention inside it
+        assert [op_calls(g) for g in graphs] == [1]
+    else:  # the norm, the projections and RoPE, the residuals and SwiGLU
+        assert [op_calls(g) for g in graphs] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_the_attention_operator_equals_attend_and_passes_opcheck(dtype, tol) -> None:
+    """The registered operator on the CPU's default kernel: out, lse and gradients equal the
+    math reference's (float64, on the same rounded inputs) on packed documents (GQA, an empty
+    document); torch.library.opcheck checks its schema, its fake (shapes and dtypes: the lse in
+    float32 for bfloat16) and its autograd registration (AOTAutograd included)."""
+    lengths = [5, 0, 17, 9]
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(31, h, 8, generator=gen, dtype=F64).to(dtype) for h in (4, 2, 2))
+    dout = torch.randn(31, 4, 8, generator=gen, dtype=F64).to(dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = varlen_attention(*leaves, cu, cu.to(torch.int32), 8**-0.5, "")
+    out.backward(dout)
+    assert out.dtype == dtype and lse.dtype == (F64 if dtype == F64 else torch.float32)
+    ref_leaves = [x.to(F64).requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attend(*ref_leaves, cu.tolist(), backend="math")
+    ref_out.backward(dout.to(F64))
+    for got, want in zip(
+        (out, lse, *(x.grad for x in leaves)), (ref_out, ref_lse, *(x.grad for x in ref_leaves))
+    ):
+        scale = float(want.detach().abs().max().clamp_min(1.0))
+        torch.testing.assert_close(got.to(F64), want.detach(), rtol=0, atol=tol * scale)
+    args = (*leaves, cu, cu.to(torch.int32), 8**-0.5, "")
+    torch.library.opcheck(torch.ops.mixlen.varlen_attention.default, args)
+
+
+def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_boundaries() -> None:
+    """bfloat16 blocks on the `cuda_flash` backend's CPU fake (its conventions enforced):
+    compiled equals eager, one kernel call forward and one backward per layer, every call of
+    a micro-batch on the same device boundaries (copied once, not per layer)."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(get_config("debug"), n_layers=2)
+    eager, compiled = build(cfg, dtype=torch.bfloat16), build(cfg, dtype=torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers:
+        block.compile_block(backend="aot_eager")
+    for i, lengths in enumerate(([7, 30, 11], [3, 3, 50])):
+        ctx = functools.partial(LocalAttention, backend="cuda_flash")
+        with installed() as fakes:
+            want = loss_and_grads(eager, lengths, i, None, ctx)
+        with installed() as fakes:
+            got = loss_and_grads(compiled, lengths, i, None, ctx)
+        assert fakes.calls == {"flash_forward": 2, "flash_backward": 2}
+        assert all(cu is fakes.cu_seen[0] for cu in fakes.cu_seen)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=0)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (inductor, the real kernel)")
+def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GPU only
+    """bfloat16 blocks compiled by inductor on the real varlen flash kernel equal eager and do
+    not compile again for another micro-batch."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(get_config("debug"), n_layers=2)
+    dev = torch.device("cuda")
+    eager = build(cfg, dtype=torch.bfloat16).to(dev)
+    compiled = build(cfg, dtype=torch.bfloat16).to(dev)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers:
+        block.compile_block()
+    from torch._dynamo.utils import counters
+
+    for i, lengths in enumerate(([700, 3000, 300], [64, 64, 2048, 900])):
+        ids, pos, cu, labels = (t.to(dev) for t in batch(lengths, cfg.vocab_size, i))
+        out = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss, _ = model(ids, pos, cu.tolist(), labels=labels)
+            loss.backward()
+            out.append((loss.detach().float(), [p.grad.float() for p in model.parameters()]))
+        torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-2, atol=0)
+        for g, w in zip(out[1][1], out[0][1]):
+            torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2)
+        if i == 0:
+            frames = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == frames > 0
 
 

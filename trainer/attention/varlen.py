@@ -83,6 +83,14 @@ class VarlenDocs:
             self._cache[key] = (dev[0], dev[0] if self.same_sides() else dev[1])
         return self._cache[key]
 
+    def host_cu(self) -> torch.Tensor:
+        """The query-side boundaries as an int64 CPU tensor, built once (what
+        trainer.attention.op's operator takes beside the device copy)."""
+        key = ("host", None)
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(self.q, dtype=torch.int64)
+        return self._cache[key]
+
     def token_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(document, offset in it) of every query token, int64 on `device`, copied once."""
         key = ("rows", device)

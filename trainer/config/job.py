@@ -77,8 +77,9 @@ class TrainConfig:
     )
     compile: bool = setting(
         False,
-        help="torch.compile each block's segments before and after attention (one graph each, "
-        "dynamic shapes; the attention kernels stay eager); tensor parallelism runs uncompiled",
+        help="torch.compile each block as one graph with dynamic shapes, local attention a "
+        "registered operator inside it (a ring micro-batch: the segments around its attention); "
+        "tensor parallelism runs uncompiled",
         free_on_resume=True,
     )
     loss_normalization: str = setting(

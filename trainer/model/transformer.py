@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ from torch import nn
 
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.shapes import DTYPES, MODEL_CONFIGS, ModelConfig, get_config
+from trainer.attention.dispatch import FLASH_ATTN
 from trainer.attention.local import AttentionContext, LocalAttention, accum_dtype
+from trainer.attention.op import varlen_attention
 from trainer.model.loss import linear_cross_entropy, token_losses
 from trainer.model.rope import Rope, apply_rope
 
@@ -108,26 +111,65 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self._compiled: _Compiled | None = None  # set by compile_block
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        return self.residual_ffn(x, self.attention(self.attention_norm(x), cos, sin, attn))
+        c = self._compiled
+        if c is None:
+            return self.residual_ffn(x, self.attention(self.attention_norm(x), cos, sin, attn))
+        if type(attn) is LocalAttention and attn.backend != FLASH_ATTN:  # one graph, op inside
+            cu_dev, _ = attn.docs.cu(x.device)
+            return c.local(x, cos, sin, attn.docs.host_cu(), cu_dev, attn.backend or "")
+        # a ring: compiled segments around its attention, which talks to other ranks
+        q, k, v = c.project(c.norm(x), cos, sin)
+        out = attn.attend(q, k, v).reshape(x.shape[0], -1)
+        return c.residual_ffn(x, self.attention.wo(out))
 
     def residual_ffn(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The block from the attention's output on: residuals and SwiGLU."""
         x = x + attn_out
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def compile_segments(self, backend: str = "inductor") -> None:
-        """torch.compile what runs around the attention kernel (the norm before it, the
-        projections and RoPE, the residuals and SwiGLU after it), each one whole graph with
-        dynamic shapes; the kernel itself stays eager (local, ring, offload hooks), and every
-        module is still called as a module (its hooks run)."""
+    def local_forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_host: torch.Tensor,
+        cu_dev: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        """The block over local attention through its registered operator
+        (trainer.attention.op): what `compile_block` captures as one graph."""
+        q, k, v = self.attention.project(self.attention_norm(x), cos, sin)
+        scale = self.attention.head_dim**-0.5
+        out, _ = varlen_attention(q, k, v, cu_host, cu_dev, scale, backend)
+        return self.residual_ffn(x, self.attention.wo(out.reshape(x.shape[0], -1)))
+
+    def compile_block(self, backend: str = "inductor") -> None:
+        """torch.compile the block with dynamic shapes, each a whole graph (a graph break is an
+        error): over local attention the whole block, the attention kernel one registered
+        operator in it; over a ring the segments around its attention (the norm, the projections
+        and RoPE, the residuals and SwiGLU), the ring itself eager."""
         opts: dict[str, Any] = {"dynamic": True, "fullgraph": True, "backend": backend}
-        self.attention_norm.compile(**opts)
-        self.attention.project = torch.compile(self.attention.project, **opts)  # type: ignore[method-assign]
-        self.residual_ffn = torch.compile(self.residual_ffn, **opts)  # type: ignore[method-assign]
+        self._compiled = _Compiled(
+            local=torch.compile(self.local_forward, **opts),
+            norm=torch.compile(self.attention_norm, **opts),
+            project=torch.compile(self.attention.project, **opts),
+            residual_ffn=torch.compile(self.residual_ffn, **opts),
+        )
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A block's compiled callables (kept outside the module tree: no parameters twice)."""
+
+    local: Callable
+    norm: Callable
+    project: Callable
+    residual_ffn: Callable
 
 
 class Transformer(nn.Module):
