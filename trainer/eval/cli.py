@@ -381,9 +381,12 @@ def _evaluated(
     if not opts.max_tokens or ids.size == 0:
         return ids, lengths
     reach = np.cumsum(np.maximum(lengths - 1, 0))  # labelled positions through each sample
-    whole = int(np.searchsorted(reach, opts.max_tokens, side="right"))
-    if whole == ids.size:
+    first = int(np.searchsorted(reach, opts.max_tokens, side="left"))  # the first to reach N
+    if first == ids.size:
         return ids, lengths
+    if reach[first] == opts.max_tokens:  # N exactly: no sample after it (not even an empty one)
+        return ids[: first + 1].copy(), lengths[: first + 1].copy()
+    whole = first
     left = opts.max_tokens - (int(reach[whole - 1]) if whole else 0)
     ids, lengths = ids[: whole + (left > 0)].copy(), lengths[: whole + (left > 0)].copy()
     if left > 0:
