@@ -371,15 +371,17 @@ class ModelConfig:
         `positions`, beyond the blocks' activations: dL/dh [positions, dim] in the compute dtype
         and dL/dW of this process's vocabulary rows in float32, kept from the forward to the
         backward (in a lower compute dtype also one dL/dW in it: a chunk's share, then the
-        gradient handed back), plus three chunks of float32 logits while it runs (logits,
-        softmax in their place, one transient). Whole float32 logits and their log-softmax, which it replaces,
-        would be 8 x vocab_size bytes a position."""
+        gradient handed back), plus one chunk of float32 logits while it runs (their
+        exponentials and then their gradient in their place), and in a lower compute dtype that
+        chunk in it too (the matmul's output, then the gradient the matmuls read). Whole float32
+        logits and their log-softmax, which it replaces, would be 8 x vocab_size bytes a
+        position."""
         rows = self.vocab_size // tp
         acc = max(int(dtype_bytes), 4)
         chunk = min(LOSS_CHUNK_BYTES, positions * rows * 4)
-        # in a lower compute dtype, one more dL/dW in it: each chunk's share, then the gradient
-        low = rows * self.dim * dtype_bytes if dtype_bytes < acc else 0
-        return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + low + 3 * chunk)
+        # in a lower compute dtype, one more dL/dW and one more chunk in it
+        low = (rows * self.dim + chunk / 4) * dtype_bytes if dtype_bytes < acc else 0
+        return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + low + chunk)
 
 
 LOSS_CHUNK_BYTES = 256 << 20  # one chunk of the loss's float32 logits: at most this many bytes

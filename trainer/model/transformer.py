@@ -148,7 +148,7 @@ class Block(nn.Module):
         out, _ = varlen_attention(q, k, v, cu_host, cu_dev, scale, backend)
         return self.residual_ffn(x, self.attention.wo(out.reshape(x.shape[0], -1)))
 
-    def compile_block(self, backend: str = "inductor") -> None:
+    def compile_block(self, backend: str | Callable = "inductor") -> None:
         """torch.compile the block with dynamic shapes, each a whole graph (a graph break is an
         error): over local attention the whole block, the attention kernel one registered
         operator in it; over a ring the segments around its attention (the norm, the projections
