@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 from _train_worker import (
+    LENGTHS,
     WORLD,
     compare,
     make_plan,
     model_config,
     run_policy,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from datapipe.errors import MixlenError
 from datapipe.fetch import MemoryFetcher
@@ -139,3 +141,53 @@ def test_exactness_threads_cuda(dtype, monkeypatch):
     ref = run_policy(SoloComm(), "single", dtype)
     res = run_threads(WORLD, lambda comm: run_policy(comm, "hdp", dtype), timeout=90)
     compare(ref, res[0], dtype)
+
+
+# operators that make the host wait on a CUDA device: a scalar read (.item(), bool(), int()),
+# data-dependent shapes (nonzero, boolean-mask indexing, masked_select, unique, repeat_interleave
+# without a size), whole-tensor comparisons read on the host
+HOST_WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal",
+              "is_nonzero", "repeat_interleave"}  # fmt: skip
+
+
+class _HostWaits(TorchDispatchMode):
+    """Counts the operators of HOST_WAITS this thread dispatches (a dispatch mode is per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func._schema.name.split("::")[-1]
+        bool_index = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        )
+        self.count += name in HOST_WAITS or bool_index
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["single", "hdp"])
+def test_no_host_wait_per_micro_batch_or_layer(policy) -> None:
+    """A step's operators that would make the host wait on a GPU (counted on the CPU by a
+    dispatch mode: what torch.cuda.set_sync_debug_mode reports there, less the copies a CPU
+    cannot show) are as many with 2 layers and few micro-batches as with 4 layers and several
+    times the micro-batches, rings included: none per micro-batch, none per layer."""
+    counts = []
+    for layers, lengths in ((2, [30, 20, 9, 40, 3]), (4, [*LENGTHS, 60, 50, 7, 70, 33, 21])):
+        cfg = dataclasses.replace(model_config(), n_layers=layers)
+        fetcher = MemoryFetcher([np.arange(n) % 200 for n in lengths])
+
+        def run(comm, cfg=cfg, fetcher=fetcher):
+            plan = make_plan(policy, fetcher.lengths, np.arange(fetcher.lengths.size), comm.size)
+            model, _ = build_model(cfg, torch.float32, seed=3)
+            ex = HDPExecutor(model, ZeroOptimizer.for_model(model, comm, level=1), comm)
+            mine = plan.microbatches(comm.rank)
+            fetched = fetcher.fetch_step([np.array(m.pieces) for m in mine])
+            with _HostWaits() as waits:
+                ex.step(plan, fetched, 1)
+            return len(mine), waits.count
+
+        counts.append(run_threads(1 if policy == "single" else WORLD, run, timeout=60))
+    few, many = counts
+    assert sum(n for n, _ in many) >= 3 * sum(n for n, _ in few)  # micro-batches
+    assert {w for _, w in few} == {w for _, w in many}, (few, many)
