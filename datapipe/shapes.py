@@ -378,7 +378,8 @@ class ModelConfig:
         position."""
         rows = self.vocab_size // tp
         acc = max(int(dtype_bytes), 4)
-        chunk = min(LOSS_CHUNK_BYTES, positions * rows * 4)
+        # a chunk holds LOSS_CHUNK_BYTES of float32 logits: as many logits in float64 are twice that
+        chunk = min(LOSS_CHUNK_BYTES, positions * rows * 4) * acc / 4
         # in a lower compute dtype, one more dL/dW and one more chunk in it
         low = (rows * self.dim + chunk / 4) * dtype_bytes if dtype_bytes < acc else 0
         return float(positions * self.dim * dtype_bytes + rows * self.dim * acc + low + chunk)

@@ -18,6 +18,7 @@ import torch
 
 from datapipe.errors import ConfigError
 from datapipe.shapes import get_config
+from trainer.attention import op
 from trainer.attention.local import LocalAttention, attend
 from trainer.attention.op import varlen_attention
 from trainer.model.transformer import build
@@ -156,7 +157,25 @@ def test_the_attention_operator_equals_attend_and_passes_opcheck(dtype, tol) -> 
     torch.library.opcheck(torch.ops.mixlen.varlen_attention.default, args)
 
 
-def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_boundaries() -> None:
+@pytest.mark.parametrize(
+    "backend,dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)]
+)
+def test_the_attention_operator_on_the_cuda_kernels_matches_its_fake(backend, dtype) -> None:
+    """On the CUDA backends' CPU fakes (their layouts: the flash kernel's lse is [H, T]
+    underneath), opcheck finds the operator's outputs as its fake states them; the operator
+    returns contiguous tensors, the strides inductor asserts on a GPU."""
+    lengths = [5, 0, 17, 9]
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(31, h, 8, generator=gen).to(dtype).requires_grad_() for h in (4, 2, 2))
+    args = (q, k, v, cu, cu.to(torch.int32), 8**-0.5, backend)
+    with installed():
+        torch.library.opcheck(torch.ops.mixlen.varlen_attention.default, args)
+
+
+def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_boundaries(
+    monkeypatch,
+) -> None:
     """bfloat16 blocks on the `cuda_flash` backend's CPU fake (its conventions enforced):
     compiled equals eager, one kernel call forward and one backward per layer, every call of
     a micro-batch on the same device boundaries (copied once, not per layer)."""
@@ -166,13 +185,23 @@ def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_bounda
     compiled.load_state_dict(eager.state_dict())
     for block in compiled.layers:
         block.compile_block(backend="aot_eager")
+    built = []
+
+    class Counted(op.VarlenDocs):
+        def __post_init__(self) -> None:
+            built.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(op, "VarlenDocs", Counted)
     for i, lengths in enumerate(([7, 30, 11], [3, 3, 50])):
         ctx = functools.partial(LocalAttention, backend="cuda_flash")
         with installed() as fakes:
             want = loss_and_grads(eager, lengths, i, None, ctx)
+        built.clear()
         with installed() as fakes:
             got = loss_and_grads(compiled, lengths, i, None, ctx)
         assert fakes.calls == {"flash_forward": 2, "flash_backward": 2}
+        assert len(built) == 1  # the operator's documents: once for the micro-batch's layers
         assert all(cu is fakes.cu_seen[0] for cu in fakes.cu_seen)
         torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=0)
         for g, w in zip(got[1], want[1]):
@@ -207,6 +236,15 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
         if i == 0:
             frames = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == frames > 0
+
+
+def test_compiling_a_block_with_hooks_on_its_attention_is_refused() -> None:
+    """A compiled block calls the attention's projections, not the attention module: a hook on
+    it would silently stop running, so compiling refuses it."""
+    model = build(dataclasses.replace(get_config("debug"), n_layers=1), dtype=F64)
+    model.layers[0].attention.register_forward_hook(lambda *_: None)
+    with pytest.raises(ValueError, match="hooks registered on it would not run"):
+        model.layers[0].compile_block(backend="aot_eager")
 
 
 def test_compile_is_refused_with_tensor_parallelism(tmp_path) -> None:

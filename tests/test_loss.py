@@ -137,14 +137,16 @@ def test_bfloat16_close_to_the_float32_loss_of_whole_logits() -> None:
 
 
 @pytest.mark.slow
-def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary() -> None:
+@pytest.mark.parametrize("tokens,dtype", [(16384, "float32"), (4096, "float64")])
+def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary(tokens, dtype) -> None:
     """16,384 tokens at a 131,072 vocabulary, forward and backward in float32: whole float32
     logits alone would be 8 GiB (and their log-softmax as much again); the chunked loss stays
     under 4 GB of peak resident memory (a fresh process, its resident set before and after),
-    and what it adds is what the memory model (ModelConfig.loss_bytes) says, within 25%."""
+    and what it adds is what the memory model (ModelConfig.loss_bytes) says, within 25%; the
+    same for 4,096 tokens in float64 (a chunk of as many float64 logits: twice the bytes)."""
     assert chunk_tokens(131072) == 512
     code = textwrap.dedent(
-        """
+        f"""
         import torch
         from trainer.model.loss import linear_cross_entropy
         def peak():  # this process's peak resident bytes (ru_maxrss would keep the forking
@@ -153,9 +155,9 @@ def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary() -> None:
             return int(line.split()[1]) * 1024
         torch.set_num_threads(2)
         g = torch.Generator().manual_seed(0)
-        h = torch.randn(16384, 32, generator=g).requires_grad_()
-        w = (torch.randn(131072, 32, generator=g) * 0.1).requires_grad_()
-        labels = torch.randint(0, 131072, (16384,), generator=g)
+        h = torch.randn({tokens}, 32, generator=g, dtype=torch.{dtype}).requires_grad_()
+        w = (torch.randn(131072, 32, generator=g, dtype=torch.{dtype}) * 0.1).requires_grad_()
+        labels = torch.randint(0, 131072, ({tokens},), generator=g)
         before = peak()
         loss = linear_cross_entropy(h, w, labels)
         loss.backward()
@@ -173,7 +175,7 @@ def test_peak_memory_at_16k_tokens_and_a_131072_vocabulary() -> None:
     assert after - before < 2e9, f"the loss added {(after - before) / 1e9:.2f} GB"
     # the planner's memory model of the loss (datapipe.shapes.ModelConfig.loss_bytes) counts it
     shape = dataclasses.replace(get_config("debug"), vocab_size=131072, dim=32)
-    model = shape.loss_bytes(16384, 4)
+    model = shape.loss_bytes(tokens, 4 if dtype == "float32" else 8)
     assert 0.75 * model < after - before < 1.25 * model, (after - before, model)
 
 

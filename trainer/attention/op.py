@@ -17,6 +17,7 @@ between kernel calls, which a graph cannot hold; compiled blocks run it between 
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -28,15 +29,15 @@ from trainer.attention.varlen import VarlenDocs
 
 __all__ = ["varlen_attention"]
 
-# the documents of the last host boundaries seen (every layer of a micro-batch passes the same
-# tensor): their device tensors and token rows are not rebuilt layer by layer
-_last: tuple[weakref.ref, VarlenDocs] | None = None
+# per thread (threaded ranks, autograd's device threads), the documents of the last host
+# boundaries seen (every layer of a micro-batch passes the same tensor): their device tensors and
+# token rows are not rebuilt layer by layer
+_state = threading.local()
 
 
 def _docs(cu_host: Tensor, cu_dev: Tensor) -> VarlenDocs:
     """The documents of host boundaries `cu_host`, their device copy `cu_dev` reused."""
-    global _last
-    last = _last  # one read: threaded ranks may replace it meanwhile
+    last: tuple[weakref.ref, VarlenDocs] | None = getattr(_state, "last", None)
     if last is not None and last[0]() is cu_host:
         return last[1]
     bounds = tuple(cu_host.tolist())
@@ -44,7 +45,7 @@ def _docs(cu_host: Tensor, cu_dev: Tensor) -> VarlenDocs:
     if len(bounds) != cu_dev.shape[0]:
         raise ValueError(f"{len(bounds)} host boundaries but {cu_dev.shape[0]} on the device")
     docs._cache[("cu", cu_dev.device)] = (cu_dev, cu_dev)
-    _last = (weakref.ref(cu_host), docs)
+    _state.last = (weakref.ref(cu_host), docs)
     return docs
 
 
@@ -63,7 +64,8 @@ def varlen_attention(
     trainer.attention.dispatch name ("" for the device's default)."""
     docs = _docs(cu_host, cu_dev)
     out, lse = block_forward(q, k, v, docs, None, True, scale, backend or None)
-    return out, lse
+    # the layouts the fake states: a kernel's lse may be a transposed view ([H, T] underneath)
+    return out.contiguous(), lse.contiguous()
 
 
 @varlen_attention.register_fake
@@ -87,7 +89,7 @@ def varlen_attention_backward(
     """(dq, dk, dv) of `varlen_attention` against its out and lse."""
     docs = _docs(cu_host, cu_dev)
     dq, dk, dv = block_backward(dout, q, k, v, out, lse, docs, None, True, scale, backend or None)
-    return dq, dk, dv
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @varlen_attention_backward.register_fake

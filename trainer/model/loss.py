@@ -6,8 +6,9 @@ labels' logits in float32 (float64 for float64), and, when a gradient is wanted,
 the chunk's logits (softmax - one-hot, times each position's weight) turns at once into the
 chunk's rows of dL/dh and a share of dL/dW (accumulated in float32). The chunk's float32 logits
 become their exponentials, then the gradient, in place: one chunk of them is alive at a time,
-and they are read five times (max, exp, sum, scale, the two matmuls' reads aside). Backward only scales them by
-the incoming gradient. Peak memory is a few chunks of [chunk, V] float32 plus dL/dW, instead of
+and they are passed over five times (max, subtract, exp, sum, scale; the one-hot's scatter and the
+two matmuls' reads aside). Backward only scales them by the incoming gradient. Peak memory is one
+chunk of [chunk, V] float32 (and its copy in a lower compute dtype) plus dL/dW, instead of
 the whole batch's logits, their float32 copy and their log-softmax (about 1.3 MB a token at a
 128K vocabulary). The result is the SUM over labelled positions (labels != -100) of
 weight x cross-entropy, the same loss and gradients as cross-entropy over whole logits.

@@ -152,7 +152,14 @@ class Block(nn.Module):
         """torch.compile the block with dynamic shapes, each a whole graph (a graph break is an
         error): over local attention the whole block, the attention kernel one registered
         operator in it; over a ring the segments around its attention (the norm, the projections
-        and RoPE, the residuals and SwiGLU), the ring itself eager."""
+        and RoPE, the residuals and SwiGLU), the ring itself eager. Both call the attention's
+        projections as modules but not `self.attention` itself: hooks on it would not run, so
+        they are refused."""
+        if self.attention._forward_hooks or self.attention._forward_pre_hooks:
+            raise ValueError(
+                "train.compile: a compiled block does not call its attention module's forward, "
+                "so the hooks registered on it would not run"
+            )
         opts: dict[str, Any] = {"dynamic": True, "fullgraph": True, "backend": backend}
         self._compiled = _Compiled(
             local=torch.compile(self.local_forward, **opts),
