@@ -124,6 +124,20 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
             assert isinstance(p[key], float) and p[key] >= 0
     assert out["speedup_hdp_over_static"] > 1.0
     assert out["model_state_bytes_per_rank"] == _state_bytes_by_hand("llama-7b", 16)
+    # activations at C = 2048, by hand for llama-7b (dim 4096, 32 heads and KV heads, ffn 11008,
+    # 32 layers, vocabulary 32,000) in bfloat16: a position and layer keeps, without
+    # checkpointing, 2 x (4 dim + 2 q + 2 kv + 4 ffn) + 4 x (2 dim + heads + 2) = 186,504 bytes;
+    # selective 2 x (3 dim + 2 q + 2 kv + 2 ffn) + 4 x heads = 101,504; full 2 x dim = 8,192.
+    # The loss: dL/dh 2048 x 4096 x 2, dL/dW 32000 x 4096 x (4 + 2), one chunk of 2048 x 32000
+    # float32 logits and its bfloat16 copy.
+    per = 32 * 2048
+    assert out["activation_bytes_per_rank"] == {
+        "kept_none": 186504 * per,
+        "kept_selective": 101504 * per,
+        "kept_full": 8192 * per,
+        "recompute": 186504 * 2048,
+        "loss": 2048 * 4096 * 2 + 32000 * 4096 * 6 + 2048 * 32000 * (4 + 2),
+    }
     # The dump replays: rebuild each step's batch from the stream, re-plan, compare per rank.
     d = json.loads(dump.read_text())
     assert len(d["steps"]) == 6
@@ -220,6 +234,14 @@ def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
     # the default --model llama-7b: 121.3 GB of model state per rank at zero 0 on 8 ranks
     assert "model state per rank (llama-7b, bfloat16 compute, 8 ranks per island, GB;" in text
     assert "zero 0: weights 13.5  master 27.0  moments 53.9  grads 27.0" in text
+    assert (
+        "activations per rank at C=4096 positions (llama-7b, bfloat16, GB): kept by the blocks "
+        "24.4 with activation_checkpoint none, 13.3 selective, 1.1 full" in text
+    )
+    from datapipe.plan.memory import format_activation_memory
+
+    assert format_activation_memory("llama-7b", 4096, tp=2).endswith("not modelled (tp 1 only)")
+    assert format_activation_memory("no-such-shape", 4096) == ""
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = page.read_text().split('id="plan-data">', 1)[1].split("</script>", 1)[0]
     # the page's embedded data: hdp widens by default, as `mixlen train` plans it

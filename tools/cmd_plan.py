@@ -273,11 +273,24 @@ def plan_mixture(args: argparse.Namespace, names: Any) -> PlannedMixture:
     )
 
 
+def memory_report(args: argparse.Namespace) -> tuple[dict, str]:
+    """--model's per-rank memory: the JSON fields and the printed lines ('' with --cost FILE)."""
+    from datapipe.plan import memory as M
+
+    name = model_name(args)
+    out: dict = {"model_state_bytes_per_rank": M.preset_memory(name, args.ranks, tp=args.tp)}
+    if args.tp == 1:
+        out["activation_bytes_per_rank"] = M.activation_memory(name, args.capacity)
+    text = M.format_preset_memory(name, args.ranks, tp=args.tp)
+    if text:
+        text += "\n" + M.format_activation_memory(name, args.capacity, tp=args.tp)
+    return out, text
+
+
 def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
     """The table (or JSON) on stdout, and the --plot, --html and --dump files."""
     import numpy as np
 
-    from datapipe.plan.memory import format_preset_memory, preset_memory
     from tools import report, report_html
 
     all_metrics = [r.average for r in res.values()]
@@ -336,7 +349,7 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
         hdp = next((m for m in all_metrics if m.policy.startswith("hdp")), None)
         if "static" in by and hdp is not None and hdp.est_step_time_s > 0:
             out["speedup_hdp_over_static"] = by["static"].est_step_time_s / hdp.est_step_time_s
-        out["model_state_bytes_per_rank"] = preset_memory(model_name(args), args.ranks, tp=args.tp)
+        out.update(memory_report(args)[0])
         if mixture is not None:
             out["mixture"] = shares
         print(json.dumps(out))
@@ -346,7 +359,7 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
     if mixture is not None:
         print(f"\ntoken shares over the {len(batches)} planned steps:")
         print(format_shares(shares))
-    memory = format_preset_memory(model_name(args), args.ranks, tp=args.tp)
+    memory = memory_report(args)[1]
     if memory:
         print(memory)
     for path in (args.plot, args.html, args.dump, args.lengths_plot if mixture else None):

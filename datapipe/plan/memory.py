@@ -5,7 +5,9 @@ One definition of how the flat parameter vector is cut into per-rank slices (`sl
 weights, master weights, AdamW moments and gradient buffers under `[parallel] zero = 0 | 1 | 2`
 (`model_state_bytes`), and for CO2's outer state (`outer_state_bytes`). The trainer's metrics,
 `mixlen plan` and `mixlen simulate` (`preset_memory`) report these figures, so this module imports
-nothing heavier than the standard library.
+nothing heavier than the standard library. `mixlen plan` also reports a micro-batch's activations
+by checkpointing mode and the chunked loss's bytes (`activation_memory`, from the shape's terms in
+datapipe.shapes).
 
 What each level keeps, for P parameters on N ranks of an island, slice length S (P/N rounded up
 to the alignment), compute dtype c and accumulation dtype a (float64 for float64, else float32):
@@ -26,10 +28,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 __all__ = [
+    "CHECKPOINTS",
     "DEVICE_GB",
     "DTYPE_BYTES",
     "ModelStateBytes",
     "accum_dtype_name",
+    "activation_memory",
+    "format_activation_memory",
     "format_preset_memory",
     "model_state_bytes",
     "outer_state_bytes",
@@ -145,6 +150,47 @@ def preset_memory(
 
 
 DEVICE_GB = 80.0  # the device memory the table compares with (an H100's 80 GB)
+CHECKPOINTS = ("none", "selective", "full")  # train.activation_checkpoint's whole-model modes
+
+
+def activation_memory(model: str, capacity: int, compute: str = "bfloat16") -> dict[str, int]:
+    """Bytes one rank (tp 1) holds beside its model state for a micro-batch of `capacity`
+    positions of the named shape: what all its blocks keep from forward to backward under each
+    `train.activation_checkpoint` mode ("kept_none", "kept_selective", "kept_full":
+    `ModelConfig.saved_bytes_per_token_layer` x layers), one block's activations while its
+    backward recomputes it ("recompute", under selective or full), and the chunked loss's
+    (`ModelConfig.loss_bytes`); {} for a name that is not a model shape."""
+    from datapipe.shapes import MODEL_CONFIGS
+
+    shape = MODEL_CONFIGS.get(model.split("@")[0])
+    if shape is None:
+        return {}
+    c = DTYPE_BYTES[compute]
+    out = {
+        f"kept_{m}": int(shape.saved_bytes_per_token_layer(c, m) * shape.n_layers * capacity)
+        for m in CHECKPOINTS
+    }
+    out["recompute"] = int(shape.act_bytes_per_token_layer(c) * capacity)
+    out["loss"] = int(shape.loss_bytes(capacity, c))
+    return out
+
+
+def format_activation_memory(
+    model: str, capacity: int, compute: str = "bfloat16", tp: int = 1
+) -> str:
+    """One line for `mixlen plan` ('' when `model` is no shape)."""
+    b = activation_memory(model, capacity, compute)
+    if not b:
+        return ""
+    if tp > 1:
+        return f"activations per process at tp {tp}: not modelled (tp 1 only)"
+    gb = {k: v / 1e9 for k, v in b.items()}
+    return (
+        f"activations per rank at C={capacity} positions ({model.split('@')[0]}, {compute}, GB): "
+        f"kept by the blocks {gb['kept_none']:.1f} with activation_checkpoint none, "
+        f"{gb['kept_selective']:.1f} selective, {gb['kept_full']:.1f} full (these two add up to "
+        f"{gb['recompute']:.1f} for the block being recomputed); the loss {gb['loss']:.1f}"
+    )
 
 
 def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16", tp: int = 1) -> str:
