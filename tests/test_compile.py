@@ -9,12 +9,11 @@ inductor would get; its speed is measured on a GPU (bench_gpu)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 from datapipe.errors import ConfigError
 from datapipe.shapes import get_config
@@ -56,19 +55,9 @@ class _Null:
         return None
 
 
-def recording(graphs: list) -> Callable:
-    """The aot_eager backend, keeping each graph dynamo captured."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(gm: torch.fx.GraphModule, inputs: list) -> Callable:
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, inputs)
-
-    return backend
-
-
-def op_calls(gm: torch.fx.GraphModule) -> int:
-    return sum("mixlen.varlen_attention" in str(n.target) for n in gm.graph.nodes)
+def op_calls(gm: torch.fx.GraphModule, name: str = "varlen_attention") -> int:
+    """Calls of the operator `mixlen::name` in a graph."""
+    return sum(str(n.target).split(".")[:2] == ["mixlen", name] for n in gm.graph.nodes)
 
 
 class Wrapped:
@@ -97,6 +86,8 @@ def manager_of(managed: str | None, cfg):
 
 
 @pytest.mark.slow
+# torch's recording backend returns unboxed graph functions (its own warning; nothing of ours)
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd is returning a function")
 @pytest.mark.parametrize("context", ["local", "other"])
 @pytest.mark.parametrize("managed", [None, "every:1"])
 def test_compiled_blocks_equal_eager(context, managed) -> None:
@@ -108,8 +99,8 @@ def test_compiled_blocks_equal_eager(context, managed) -> None:
     cfg = dataclasses.replace(get_config("debug"), n_layers=3)
     eager, compiled = build(cfg, dtype=F64), build(cfg, dtype=F64)
     compiled.load_state_dict(eager.state_dict())
-    graphs: list = []
-    backend = recording(graphs)
+    backend = AotEagerAndRecordGraphs()  # aot_eager, keeping the graphs it was given
+    graphs = backend.graphs
     for block in compiled.layers:
         block.compile_block(backend=backend)
     manager = manager_of(managed, cfg)
@@ -126,6 +117,9 @@ def test_compiled_blocks_equal_eager(context, managed) -> None:
     assert len(graphs) == first
     if context == "local":  # the blocks share one whole graph, the attention inside it
         assert [op_calls(g) for g in graphs] == [1]
+        # AOTAutograd's forward and backward graphs: the operator, then its backward operator
+        assert [op_calls(g) for g in backend.fw_graphs] == [1]
+        assert [op_calls(g, "varlen_attention_backward") for g in backend.bw_graphs] == [1]
     else:  # the norm, the projections and RoPE, the residuals and SwiGLU
         assert [op_calls(g) for g in graphs] == [0, 0, 0]
 
@@ -193,8 +187,13 @@ def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_bounda
             super().__post_init__()
 
     monkeypatch.setattr(op, "VarlenDocs", Counted)
+    made: list[LocalAttention] = []
+
+    def ctx(cu: list[int]) -> LocalAttention:
+        made.append(LocalAttention(cu, backend="cuda_flash"))
+        return made[-1]
+
     for i, lengths in enumerate(([7, 30, 11], [3, 3, 50])):
-        ctx = functools.partial(LocalAttention, backend="cuda_flash")
         with installed() as fakes:
             want = loss_and_grads(eager, lengths, i, None, ctx)
         built.clear()
@@ -202,10 +201,51 @@ def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_bounda
             got = loss_and_grads(compiled, lengths, i, None, ctx)
         assert fakes.calls == {"flash_forward": 2, "flash_backward": 2}
         assert len(built) == 1  # the operator's documents: once for the micro-batch's layers
-        assert all(cu is fakes.cu_seen[0] for cu in fakes.cu_seen)
+        # every kernel call took the micro-batch's own device boundaries (no copy per call)
+        own = made[-1].docs.cu(torch.device("cpu"))[0]
+        assert all(cu is own for cu in fakes.cu_seen)
         torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=0)
         for g, w in zip(got[1], want[1]):
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_threaded_ranks_keep_their_own_documents(monkeypatch) -> None:
+    """Two threads (as threaded ranks do) call the operator in turns, each for its own
+    micro-batch's layers: each builds its documents once, neither evicts the other's."""
+    import threading
+
+    built = []
+
+    class Counted(op.VarlenDocs):
+        def __post_init__(self) -> None:
+            built.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(op, "VarlenDocs", Counted)
+    turn = threading.Barrier(2)
+    gen = torch.Generator().manual_seed(5)
+    qkv = [torch.randn(12, 2, 8, generator=gen, dtype=F64) for _ in range(3)]
+
+    errors: list[BaseException] = []
+
+    def rank(lengths: list[int]) -> None:
+        cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+        try:
+            for _layer in range(3):
+                for mine in (True, False):  # one thread calls while the other waits
+                    if mine == (lengths[0] == 4):
+                        varlen_attention(*qkv, cu, cu.to(torch.int32), 8**-0.5, "")
+                    turn.wait(timeout=30)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            turn.abort()
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in ([4, 8], [7, 5])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and len(built) == 2, errors
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (inductor, the real kernel)")

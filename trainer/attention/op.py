@@ -42,9 +42,7 @@ def _docs(cu_host: Tensor, cu_dev: Tensor) -> VarlenDocs:
         return last[1]
     bounds = tuple(cu_host.tolist())
     docs = VarlenDocs(bounds, bounds)
-    if len(bounds) != cu_dev.shape[0]:
-        raise ValueError(f"{len(bounds)} host boundaries but {cu_dev.shape[0]} on the device")
-    docs._cache[("cu", cu_dev.device)] = (cu_dev, cu_dev)
+    docs.adopt_cu(cu_dev)
     _state.last = (weakref.ref(cu_host), docs)
     return docs
 

@@ -83,6 +83,12 @@ class VarlenDocs:
             self._cache[key] = (dev[0], dev[0] if self.same_sides() else dev[1])
         return self._cache[key]
 
+    def adopt_cu(self, cu: torch.Tensor) -> None:
+        """Take `cu` (int32, both sides' boundaries, on its device) as this documents' device
+        copy instead of copying them there again."""
+        assert self.same_sides() and cu.shape == (self.n + 1,) and cu.dtype == torch.int32
+        self._cache[("cu", cu.device)] = (cu, cu)
+
     def host_cu(self) -> torch.Tensor:
         """The query-side boundaries as an int64 CPU tensor, built once (what
         trainer.attention.op's operator takes beside the device copy)."""
