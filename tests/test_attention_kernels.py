@@ -2,7 +2,9 @@
 the kernels' conventions (trainer.testing.fake_kernels) stand in for the kernels, and every
 result is checked against the `math` reference. A wrong boundary dtype, log-sum-exp layout,
 mask alignment, GQA fold or empty-row value fails here; whether the real kernels keep those
-conventions is checked on a GPU (tests marked cuda, benchmarks/bench_gpu.py)."""
+conventions is checked on a GPU (tests marked cuda, benchmarks/bench_gpu.py). Here the fakes'
+answers are also held against torch's own meta functions of those kernels (output shapes,
+dtypes and strides from the same arguments), and every call is bound to the kernel's schema."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from trainer.attention import cuda_efficient, cuda_flash, dispatch, math_ref
 from trainer.attention.local import LocalAttention, attend, block_backward, block_forward
 from trainer.attention.varlen import VarlenDocs
-from trainer.testing.fake_kernels import installed
+from trainer.testing.fake_kernels import bind_schema, installed
 
 F64 = torch.float64
 # per backend: the dtype it computes in here, and the tolerance against the float64 reference
@@ -103,6 +105,93 @@ def test_a_micro_batch_copies_its_boundaries_once_for_every_layer() -> None:
             ctx.attend(q, k, v)
     assert len(fakes.cu_seen) == 3 and all(t is fakes.cu_seen[0] for t in fakes.cu_seen)
     assert fakes.cu_seen[0].dtype == torch.int32
+
+
+# the fakes' names -> torch's kernels; the memory-efficient backward's meta function is left out:
+# in torch 2.11-2.14 it lacks the schema's `out` argument, so torch cannot run it on meta tensors
+REAL = {
+    "flash_forward": torch.ops.aten._flash_attention_forward.default,
+    "flash_backward": torch.ops.aten._flash_attention_backward.default,
+    "efficient_forward": torch.ops.aten._efficient_attention_forward.default,
+}
+USED = {"flash_forward": 2, "flash_backward": 3, "efficient_forward": 2}  # outputs a backend reads
+
+
+def _meta(x: object) -> object:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_fakes_answer_like_torchs_own_kernels_on_the_meta_device(
+    backend, causal, monkeypatch
+) -> None:
+    """Each kernel call a backend makes (forward, then backward against the reference's out and
+    lse, GQA, packed documents with empty sides) is made again on meta tensors through torch's
+    own kernel: the outputs the backend reads have the fake's shapes, dtypes and strides."""
+    dtype, _ = CASES[backend]
+    if causal:
+        docs = VarlenDocs((0, 5, 5, 17, 18, 40), (0, 5, 5, 17, 18, 40))
+    else:
+        docs = VarlenDocs((0, 5, 5, 17, 20, 40), (0, 9, 12, 12, 30, 31))
+    q, k, v, dout = qkv(docs.total_q, docs.total_k, 8, 2, 16, dtype)
+    want = reference(q, k, v, dout, docs, causal, 0.25)
+    compared = []
+    with installed() as fakes:
+        module = cuda_flash if backend == "cuda_flash" else cuda_efficient
+        kind = "flash" if backend == "cuda_flash" else "efficient"
+
+        def spy(name: str, fake):  # noqa: ANN001, ANN202
+            def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                got = fake(*args, **kwargs)
+                if name in REAL:
+                    meta = REAL[name](*map(_meta, args), **{n: _meta(x) for n, x in kwargs.items()})
+                    for g, m in zip(got[: USED[name]], meta[: USED[name]]):
+                        assert (g.shape, g.dtype, g.stride()) == (m.shape, m.dtype, m.stride()), (
+                            name
+                        )
+                    compared.append(name)
+                return got
+
+            return call
+
+        monkeypatch.setattr(
+            module,
+            "kernels",
+            type(module.kernels)(
+                spy(f"{kind}_forward", module.kernels.forward),
+                spy(f"{kind}_backward", module.kernels.backward),
+            ),
+        )
+        block_forward(q, k, v, docs, None, causal, 0.25, backend)
+        block_backward(dout, q, k, v, want[0].to(dtype), want[1], docs, None, causal, 0.25, backend)
+    assert sum(fakes.calls.values()) == 2
+    assert compared == [n for n in (f"{kind}_forward", f"{kind}_backward") if n in REAL]
+
+
+def test_a_call_the_kernel_would_refuse_is_refused_before_the_fake_runs() -> None:
+    """`bind_schema` against torch's own argument parsing of the same calls on meta tensors:
+    both take the call the backend makes, both refuse each broken one."""
+    op = torch.ops.aten._flash_attention_forward.default
+    q = torch.empty(10, 4, 16, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    good = [q, q, q, cu, cu, 6, 6, 0.0, True, False]
+    bind_schema(op, tuple(good), {"scale": 0.25})
+    op(*good, scale=0.25)
+    broken = [
+        (good + [0.25], {}),  # scale by position: it is keyword-only
+        (good[:-1], {"scale": 0.25}),  # return_debug_mask missing
+        (good, {"softmax_scale": 0.25}),  # flash-attn's name, not torch's
+        (good[:5] + [6.0] + good[6:], {}),  # max_q a float
+        (good[:5] + ["6"] + good[6:], {}),  # max_q a string
+        (good[:3] + [[0, 4, 10]] + good[4:], {}),  # boundaries as a list
+        ([None] + good[1:], {}),  # no query
+    ]
+    for args, kwargs in broken:
+        with pytest.raises(TypeError):
+            bind_schema(op, tuple(args), kwargs)
+        with pytest.raises((TypeError, RuntimeError)):
+            op(*args, **kwargs)
 
 
 def test_dispatch_by_device_and_dtype(monkeypatch) -> None:

@@ -14,23 +14,91 @@ every document in float64 with its own plain formulas, and answers in the kernel
 - memory-efficient: q/k/v [1, T, H, D] with equal head counts; lse float32 [documents, H, L],
   L the longest query count rounded up to 32, the padding NaN; mask type 1 is top-left causal;
   a row with no key: out NaN, lse NaN (the backend must not rely on what is there).
+
+Every call is first bound to the real operator's schema, as this torch declares it
+(`bind_schema`): its positional and keyword arguments, each of the kind the schema names, so a
+backend cannot call a fake in a way torch's kernel would refuse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from trainer.attention import cuda_efficient, cuda_flash
 from trainer.attention.varlen import Kernels
 
-__all__ = ["FakeKernels", "installed"]
+__all__ = ["FakeKernels", "bind_schema", "installed"]
 
 F64 = torch.float64
+
+# a schema argument's type (as torch prints it) -> the Python values a call may pass for it
+_KINDS: dict[str, tuple[type, ...]] = {
+    "Tensor": (torch.Tensor,),
+    "int": (int,),
+    "float": (float, int),
+    "bool": (bool,),
+}
+
+
+def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuse (TypeError) a call of `op` that its schema would not take: too many positional
+    arguments, an unknown or repeated keyword, a keyword-only one passed by position, a required
+    one missing, or a value of another kind (a bool for an int, None where no `?`, a list for a
+    tensor). Stricter than torch where torch converts: only a Python int passes for an int."""
+    name = op._schema.name
+    params = op._schema.arguments
+    positional = [a for a in params if not a.kwarg_only]
+    if len(args) > len(positional):
+        raise TypeError(
+            f"{name}: {len(args)} positional arguments, the schema takes {len(positional)}"
+        )
+    known = {a.name for a in params}
+    for key in kwargs:
+        if key not in known:
+            raise TypeError(f"{name}: no argument {key!r}")
+    for i, a in enumerate(params):
+        given = i < len(args)
+        if given and a.name in kwargs:
+            raise TypeError(f"{name}: {a.name!r} given by position and by keyword")
+        if not given and a.name not in kwargs:
+            if not a.has_default_value():
+                raise TypeError(f"{name}: required argument {a.name!r} missing")
+            continue
+        value = args[i] if given else kwargs[a.name]
+        kind = str(a.type)
+        optional = kind.startswith("Optional[")
+        base = kind[len("Optional[") : -1] if optional else kind
+        if value is None:
+            if not optional:
+                raise TypeError(f"{name}: {a.name!r} ({kind}) got None")
+            continue
+        ok = _KINDS.get(base)
+        wrong = ok is not None and (
+            type(value) not in ok if base != "Tensor" else not isinstance(value, torch.Tensor)
+        )
+        if wrong or (base in ("int", "float") and isinstance(value, bool)):
+            raise TypeError(f"{name}: {a.name!r} ({kind}) got {type(value).__name__}")
+
+
+def _real(op_name: str) -> Callable[[Callable], Callable]:
+    """Bind each call of the decorated fake to `torch.ops.aten.<op_name>`'s schema first."""
+
+    def wrap(fake: Callable) -> Callable:
+        @functools.wraps(fake)
+        def checked(self: FakeKernels, *args: Any, **kwargs: Any) -> Any:
+            bind_schema(getattr(torch.ops.aten, op_name).default, args, kwargs)
+            return fake(self, *args, **kwargs)
+
+        return checked
+
+    return wrap
 
 
 def _bounds(cu: torch.Tensor, total: int, device: torch.device, what: str) -> list[int]:
@@ -116,6 +184,7 @@ class FakeKernels:
             raise ValueError(f"flash: max_q/max_k {max_q}/{max_k}, documents {lens_q}/{lens_k}")
         return bq, bk
 
+    @_real("_flash_attention_forward")
     def flash_forward(
         self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale
     ):  # noqa: ANN001, ANN201, E501
@@ -135,6 +204,7 @@ class FakeKernels:
         rng = torch.zeros(2, dtype=torch.uint64)
         return out.to(q.dtype), lse.float(), rng, torch.empty(0), torch.empty(0)
 
+    @_real("_flash_attention_backward")
     def flash_backward(
         self,
         do,
@@ -185,6 +255,7 @@ class FakeKernels:
             raise ValueError("efficient: max_seqlen_q below the longest document")
         return bq, bk
 
+    @_real("_efficient_attention_forward")
     def efficient_forward(
         self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *, scale
     ):  # noqa: ANN001, ANN201, E501
@@ -204,6 +275,7 @@ class FakeKernels:
         seed = torch.zeros((), dtype=torch.int64)
         return out.to(q.dtype), lse.float(), seed, seed, max_q, max_k
 
+    @_real("_efficient_attention_backward")
     def efficient_backward(
         self,
         do,
