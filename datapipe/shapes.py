@@ -366,6 +366,14 @@ class ModelConfig:
         low = 3 * self.dim + 2 * self.q_dim + 2 * kv + 2 * self.ffn_dim
         return float(dtype_bytes * low + acc * self.n_heads)
 
+    def backward_bytes_per_token(self, dtype_bytes: int) -> float:
+        """Bytes per position one block's backward allocates beyond what its forward saved, at
+        its peak: the gradients of the SwiGLU's two input projections (2 ffn_dim in the compute
+        dtype), alive together. Under every `train.activation_checkpoint` mode it comes on top of
+        what the blocks keep; `tests/test_memory_meta.py` checks the sum against torch's memory
+        tracker."""
+        return float(dtype_bytes * 2 * self.ffn_dim)
+
     def loss_bytes(self, positions: int, dtype_bytes: int, tp: int = 1) -> float:
         """Device bytes the chunked loss (trainer.model.loss) holds for a micro-batch of
         `positions`, beyond the blocks' activations: dL/dh [positions, dim] in the compute dtype

@@ -136,6 +136,7 @@ def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
         "kept_selective": 101504 * per,
         "kept_full": 8192 * per,
         "recompute": 186504 * 2048,
+        "backward": 2 * 2 * 11008 * 2048,  # a block's backward: 2 ffn in bfloat16
         "loss": 2048 * 4096 * 2 + 32000 * 4096 * 6 + 2048 * 32000 * (4 + 2),
     }
     # The dump replays: rebuild each step's batch from the stream, re-plan, compare per rank.

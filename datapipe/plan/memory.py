@@ -158,8 +158,9 @@ def activation_memory(model: str, capacity: int, compute: str = "bfloat16") -> d
     positions of the named shape: what all its blocks keep from forward to backward under each
     `train.activation_checkpoint` mode ("kept_none", "kept_selective", "kept_full":
     `ModelConfig.saved_bytes_per_token_layer` x layers), one block's activations while its
-    backward recomputes it ("recompute", under selective or full), and the chunked loss's
-    (`ModelConfig.loss_bytes`); {} for a name that is not a model shape."""
+    backward recomputes it ("recompute", under selective or full), what a block's backward
+    allocates at its peak ("backward", every mode: `ModelConfig.backward_bytes_per_token`) and
+    the chunked loss's (`ModelConfig.loss_bytes`); {} for a name that is not a model shape."""
     from datapipe.shapes import MODEL_CONFIGS
 
     shape = MODEL_CONFIGS.get(model.split("@")[0])
@@ -171,6 +172,7 @@ def activation_memory(model: str, capacity: int, compute: str = "bfloat16") -> d
         for m in CHECKPOINTS
     }
     out["recompute"] = int(shape.act_bytes_per_token_layer(c) * capacity)
+    out["backward"] = int(shape.backward_bytes_per_token(c) * capacity)
     out["loss"] = int(shape.loss_bytes(capacity, c))
     return out
 
@@ -189,7 +191,8 @@ def format_activation_memory(
         f"activations per rank at C={capacity} positions ({model.split('@')[0]}, {compute}, GB): "
         f"kept by the blocks {gb['kept_none']:.1f} with activation_checkpoint none, "
         f"{gb['kept_selective']:.1f} selective, {gb['kept_full']:.1f} full (these two add up to "
-        f"{gb['recompute']:.1f} for the block being recomputed); the loss {gb['loss']:.1f}"
+        f"{gb['recompute']:.1f} for the block being recomputed); a block's backward "
+        f"{gb['backward']:.1f}; the loss {gb['loss']:.1f}"
     )
 
 
