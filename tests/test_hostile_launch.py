@@ -99,7 +99,7 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
 
     from trainer.config.toml import to_toml
 
-    data = make_dataset(str(tmp_path / "ds"), n_docs=40)
+    data = make_dataset(str(tmp_path / "ds"), n_docs=40, fmt="parquet")  # ranks skip streaming
     run = tmp_path / "run"
     cfg = tmp_path / "c.toml"
     c = train_config(

@@ -269,12 +269,13 @@ def test_train_two_gloo_ranks(dataset, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_cli_nproc_launch(dataset, tmp_path):
+def test_cli_nproc_launch(tmp_path):
     """`mixlen train --nproc 2` goes through torchrun; rank 0 writes one record per step with
     both ranks' compute times."""
     run = tmp_path / "cli"
     cfg = tmp_path / "c.toml"
-    cfg.write_text(to_toml(train_config(dataset, str(run), checkpoint={"dir": None})))
+    data = make_dataset(str(tmp_path / "ds"), fmt="parquet")  # the ranks skip streaming's import
+    cfg.write_text(to_toml(train_config(data, str(run), checkpoint={"dir": None})))
     # the ranks give up on a stuck collective within the test's budget, and a timeout kills the
     # whole process group (launcher and ranks), not just the launcher
     env = {**os.environ, "PYTHONPATH": ROOT, "MIXLEN_DIST_TIMEOUT": "60"}
