@@ -88,26 +88,8 @@ def dataset(tmp_path_factory) -> tuple[Path, np.ndarray]:
 def test_plan_cli_json_and_dump(dataset, tmp_path, capsys) -> None:
     root, lengths = dataset
     dump = tmp_path / "plan.json"
-    rc = main(
-        [
-            "plan",
-            str(root),
-            "--ranks",
-            "16",
-            "--capacity",
-            "2048",
-            "--global-batch-tokens",
-            "200000",
-            "--steps",
-            "2",
-            "--model",
-            "llama-7b",
-            "--no-widen",
-            "--json",
-            "--dump",
-            str(dump),
-        ]
-    )
+    args = "--ranks 16 --capacity 2048 --global-batch-tokens 200000 --steps 2 --model llama-7b"
+    rc = main(["plan", str(root), *args.split(), "--no-widen", "--json", "--dump", str(dump)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     names = [p["policy"] for p in out["policies"]]
