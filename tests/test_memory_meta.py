@@ -3,15 +3,29 @@
 forward and backward on the meta device, attention through torch's CUDA flash kernel's meta
 function, the chunked loss, each activation_checkpoint mode through the trainer's
 ActivationManager (benchmarks/estimate_memory.py; nothing is computed, so a 1B model takes
-seconds on a CPU)."""
+seconds on a CPU); the largest micro-batch a device holds, and `mixlen train`'s warning on a
+GPU when `parallel.capacity` would not fit."""
 
 from __future__ import annotations
 
+import re
 import sys
+from types import SimpleNamespace
 
+import pytest
 from conftest import ROOT
 
-from datapipe.plan.memory import CHECKPOINTS
+from datapipe.plan.memory import (
+    CHECKPOINTS,
+    activation_memory,
+    largest_capacity,
+    micro_batch_bytes,
+    model_state_bytes,
+)
+from datapipe.shapes import MODEL_CONFIGS
+from trainer.config.job import from_dict
+from trainer.offload.manager import ActivationPolicy
+from trainer.trainer import memory_warning
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -43,3 +57,55 @@ def test_planned_activations_bound_torchs_tracked_peak() -> None:
     ratio, got = _ratio("llama3.2-1b", 2048, "full")
     assert got["Parameter"] > 2e9  # the bf16 weights of 1.24 B parameters, tracked apart
     assert 0.97 <= ratio <= 1.3, (ratio, got)
+
+
+@pytest.mark.parametrize("name", ["debug", "small", "llama3.2-1b"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full", "every:3"])
+def test_largest_capacity_is_the_last_that_fits(name: str, mode: str) -> None:
+    """`micro_batch_bytes` against the sum of `activation_memory`'s terms, every:K built from the
+    ActivationPolicy's own list of checkpointed blocks; `largest_capacity` against a scan."""
+    shape = MODEL_CONFIGS[name]
+    n = 4096
+    a = activation_memory(name, n)
+    if mode.startswith("every:"):
+        marks = ActivationPolicy(mode).checkpointed(shape.n_layers)
+        kept = sum(shape.saved_bytes_per_token_layer(2, "full" if m else "none") for m in marks)
+        want = int(kept * n) + a["recompute"] + a["backward"] + a["loss"]
+        assert abs(micro_batch_bytes(shape, n, mode) - want) <= 4
+    else:
+        want = a[f"kept_{mode}"] + (a["recompute"] if mode != "none" else 0)
+        assert abs(micro_batch_bytes(shape, n, mode) - (want + a["backward"] + a["loss"])) <= 4
+    for budget in (0, micro_batch_bytes(shape, 1, mode) - 1, micro_batch_bytes(shape, 777, mode)):
+        edge = largest_capacity(shape, budget, mode)
+        fits = [c for c in range(0, 800) if micro_batch_bytes(shape, c, mode) <= budget]
+        assert edge == (max(fits) if fits else 0)
+    big = 141 * 10**9
+    edge = largest_capacity(shape, big, mode)
+    assert micro_batch_bytes(shape, edge, mode) <= big < micro_batch_bytes(shape, edge + 1, mode)
+
+
+def test_a_run_that_would_not_fit_its_gpu_is_warned_naming_the_settings() -> None:
+    """`mixlen train` on a GPU (trainer.memory_warning with the device's bytes): Llama-3.2-1B at
+    capacity 65,536 without checkpointing on one 80 GB rank is warned, naming the keys and the
+    largest capacity that fits (the last that does); 32,768 on 141 GB, offload, or tp 2 are not."""
+
+    def cfg(capacity: int, offload: bool = False):  # noqa: ANN202
+        return from_dict({"model": {"name": "llama3.2-1b"}, "train": {"dtype": "bfloat16"},
+                          "parallel": {"capacity": capacity, "cost": "llama3.2-1b"},
+                          "offload": {"enabled": offload},
+                          "data": {"path": "/nowhere"}})  # fmt: skip
+
+    one = SimpleNamespace(tp=1, comm=SimpleNamespace(size=1))
+    msg = memory_warning(cfg(65536), one, 80 * 10**9)
+    assert msg is not None
+    assert 'parallel.capacity = 65536 with train.activation_checkpoint = "none"' in msg
+    fit = int(re.search(r"At most ([\d,]+) positions fit", msg).group(1).replace(",", ""))
+    state = model_state_bytes(MODEL_CONFIGS["llama3.2-1b"].num_params(), 1, 0).total
+    shape = MODEL_CONFIGS["llama3.2-1b"]
+    assert state + micro_batch_bytes(shape, fit) <= 80 * 10**9
+    assert state + micro_batch_bytes(shape, fit + 1) > 80 * 10**9
+    assert "selective" in msg and "offload.enabled = true" in msg
+    assert memory_warning(cfg(32768), one, 141 * 10**9) is None
+    assert memory_warning(cfg(65536), SimpleNamespace(tp=2, comm=one.comm), 80 * 10**9) is None
+    assert "model state alone" in memory_warning(cfg(65536), one, 10 * 10**9)
+    assert memory_warning(cfg(65536, offload=True), one, 80 * 10**9) is None

@@ -284,6 +284,8 @@ def memory_report(args: argparse.Namespace) -> tuple[dict, str]:
     text = M.format_preset_memory(name, args.ranks, tp=args.tp)
     if text:
         text += "\n" + M.format_activation_memory(name, args.capacity, tp=args.tp)
+        if args.tp == 1:
+            text += "\n" + M.format_capacity_fit(name, args.ranks)
     return out, text
 
 

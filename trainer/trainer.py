@@ -101,6 +101,29 @@ def build_optimizer(
     )
 
 
+def memory_warning(cfg: TrainerConfig, rt: Runtime, device_bytes: int) -> str | None:
+    """Will a rank's model state plus its largest micro-batch (`parallel.capacity` positions
+    under `train.activation_checkpoint`, datapipe.plan.memory's terms) exceed `device_bytes`?
+    The warning naming what would fit, or None (also at tp > 1 or with offload: not modelled)."""
+    from datapipe.plan.memory import capacity_warning, model_state_bytes
+
+    if rt.tp > 1 or cfg.offload.enabled:
+        return None
+    shape, ranks = cfg.model.shape(), rt.comm.size
+    zero = cfg.parallel.zero_level(ranks)
+    state = model_state_bytes(shape.num_params(), ranks, zero, cfg.train.dtype).total
+    keys = (cfg.key(cfg.parallel.planner, "capacity"), cfg.key(cfg.train, "activation_checkpoint"))
+    return capacity_warning(
+        shape,
+        cfg.parallel.planner.capacity,
+        cfg.train.activation_checkpoint,
+        cfg.train.dtype,
+        state,
+        device_bytes,
+        keys,
+    )
+
+
 class Trainer:
     """One rank's training run (collective: every rank of the island builds and runs one)."""
 
@@ -122,6 +145,10 @@ class Trainer:
                 f"set up with {rt.islands} island(s)"
             )
         self._build_model()
+        if rt.device.type == "cuda" and rt.global_rank == 0:  # its total memory, not what is free
+            warning = memory_warning(cfg, rt, torch.cuda.mem_get_info(rt.device)[1])
+            if warning:
+                get_logger().warning(warning)
         differ = cfg.parallel.timed_shape_differences(cfg.model.shape(), cfg.train.dtype)
         if differ and rt.global_rank == 0:
             get_logger().warning(

@@ -7,7 +7,9 @@ weights, master weights, AdamW moments and gradient buffers under `[parallel] ze
 `mixlen plan` and `mixlen simulate` (`preset_memory`) report these figures, so this module imports
 nothing heavier than the standard library. `mixlen plan` also reports a micro-batch's activations
 by checkpointing mode and the chunked loss's bytes (`activation_memory`, from the shape's terms in
-datapipe.shapes).
+datapipe.shapes), and the largest micro-batch a device holds beside the model state
+(`micro_batch_bytes`, `largest_capacity`; `mixlen train` warns on a GPU when its
+`parallel.capacity` would not fit: `capacity_warning`).
 
 What each level keeps, for P parameters on N ranks of an island, slice length S (P/N rounded up
 to the alignment), compute dtype c and accumulation dtype a (float64 for float64, else float32):
@@ -26,6 +28,10 @@ float32/float64 compute the flat weights are the master weights (no copy).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from datapipe.shapes import ModelConfig
 
 __all__ = [
     "CHECKPOINTS",
@@ -34,8 +40,12 @@ __all__ = [
     "ModelStateBytes",
     "accum_dtype_name",
     "activation_memory",
+    "capacity_warning",
     "format_activation_memory",
+    "format_capacity_fit",
     "format_preset_memory",
+    "largest_capacity",
+    "micro_batch_bytes",
     "model_state_bytes",
     "outer_state_bytes",
     "preset_memory",
@@ -193,6 +203,98 @@ def format_activation_memory(
         f"{gb['kept_selective']:.1f} selective, {gb['kept_full']:.1f} full (these two add up to "
         f"{gb['recompute']:.1f} for the block being recomputed); a block's backward "
         f"{gb['backward']:.1f}; the loss {gb['loss']:.1f}"
+    )
+
+
+def micro_batch_bytes(
+    shape: ModelConfig, capacity: int, checkpoint: str = "none", compute: str = "bfloat16"
+) -> int:
+    """Peak bytes one rank (tp 1, no offload) holds beside its model state for a micro-batch of
+    `capacity` positions under `train.activation_checkpoint` = `checkpoint` ("none",
+    "selective", "full" or "every:K"): what the blocks keep, one block recomputed (when any
+    is), a block's backward, the chunked loss (the sum `activation_memory` reports)."""
+    c = DTYPE_BYTES[compute]
+    layers = shape.n_layers
+    if checkpoint.startswith("every:"):
+        k = int(checkpoint.split(":", 1)[1])
+        full = -(-layers // k)  # blocks 0, K, 2K, ...
+        kept = full * shape.saved_bytes_per_token_layer(c, "full")
+        kept += (layers - full) * shape.saved_bytes_per_token_layer(c, "none")
+    else:
+        kept = layers * shape.saved_bytes_per_token_layer(c, checkpoint)
+    recompute = shape.act_bytes_per_token_layer(c) if checkpoint != "none" else 0.0
+    per_token = kept + recompute + shape.backward_bytes_per_token(c)
+    return int(per_token * capacity + shape.loss_bytes(capacity, c))
+
+
+def largest_capacity(
+    shape: ModelConfig, budget: int, checkpoint: str = "none", compute: str = "bfloat16"
+) -> int:
+    """The most positions whose `micro_batch_bytes` stay within `budget` bytes (0: none)."""
+    lo, hi = 0, 1
+    while micro_batch_bytes(shape, hi, checkpoint, compute) <= budget and hi < 1 << 40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # micro_batch_bytes rises with the positions
+        mid = (lo + hi) // 2
+        lo, hi = (
+            (mid, hi) if micro_batch_bytes(shape, mid, checkpoint, compute) <= budget else (lo, mid)
+        )
+    return lo
+
+
+def format_capacity_fit(
+    model: str, ranks: int, compute: str = "bfloat16", device_gb: float = DEVICE_GB, zero: int = 0
+) -> str:
+    """One line for `mixlen plan`: the largest --capacity a rank of `device_gb` GB holds with
+    each checkpointing mode, beside the model state at ZeRO `zero` ('' when `model` is no
+    shape)."""
+    from datapipe.shapes import MODEL_CONFIGS
+
+    shape = MODEL_CONFIGS.get(model.split("@")[0])
+    if shape is None:
+        return ""
+    state = model_state_bytes(shape.num_params(), ranks, zero, compute).total
+    fits = [largest_capacity(shape, int(device_gb * 1e9) - state, m, compute) for m in CHECKPOINTS]
+    modes = ", ".join(f"{n:,} {m}" for n, m in zip(fits, CHECKPOINTS))
+    return (
+        f"largest --capacity in {device_gb:.0f} GB beside zero {zero}'s model state (tp 1, no "
+        f"offload): {modes}"
+    )
+
+
+def capacity_warning(
+    shape: ModelConfig,
+    capacity: int,
+    checkpoint: str,
+    compute: str,
+    state: int,
+    device_bytes: int,
+    keys: tuple[str, str] = ("parallel.capacity", "train.activation_checkpoint"),
+) -> str | None:
+    """A warning when `state` model-state bytes plus a micro-batch of `capacity` positions
+    (`micro_batch_bytes`) exceed `device_bytes`, naming the settings (`keys`: capacity,
+    checkpointing) and what would fit; None when it fits."""
+    need = state + micro_batch_bytes(shape, capacity, checkpoint, compute)
+    if need <= device_bytes:
+        return None
+    if state >= device_bytes:
+        return (
+            f"the model state alone needs about {state / 1e9:.1f} GB a rank, more than this "
+            f"device's {device_bytes / 1e9:.1f} GB: shard it over more ranks (parallel.zero, "
+            f"--nproc) or tensor parallelism"
+        )
+    room = device_bytes - state
+    other = ", ".join(
+        f"{largest_capacity(shape, room, m, compute):,} with {m}"
+        for m in CHECKPOINTS
+        if m != checkpoint
+    )
+    return (
+        f'{keys[0]} = {capacity} with {keys[1]} = "{checkpoint}" needs about {need / 1e9:.1f} GB '
+        f"a rank (model state {state / 1e9:.1f} GB + the largest micro-batch "
+        f"{(need - state) / 1e9:.1f} GB), more than this device's {device_bytes / 1e9:.1f} GB: "
+        f"it may run out of memory. At most {largest_capacity(shape, room, checkpoint, compute):,} "
+        f"positions fit as configured ({other}); or set offload.enabled = true"
     )
 
 
