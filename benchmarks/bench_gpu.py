@@ -522,10 +522,18 @@ def part_ring(b: Bench) -> list[dict]:
     return rows
 
 
+def _planned_bytes(b: Bench, tokens: int, checkpoint: str) -> int:
+    """What the planner's memory model says a micro-batch of `tokens` positions holds above the
+    model state (datapipe.plan.memory.micro_batch_bytes): `peak_gib`'s counterpart."""
+    from datapipe.plan.memory import micro_batch_bytes
+
+    return micro_batch_bytes(b.shape(), tokens, checkpoint, b.sizes.dtype)
+
+
 def part_checkpoint(b: Bench) -> list[dict]:
     """One document of the largest step size with no, selective and full activation
     checkpointing: step time and peak memory side by side (selective is kept where it beats
-    full)."""
+    full), the peak beside the planner's figure."""
     rows = []
     for checkpoint in ("none", "selective", "full"):
         ex, model = _executor(b, checkpoint)
@@ -544,6 +552,7 @@ def part_checkpoint(b: Bench) -> list[dict]:
                 "checkpoint": checkpoint, "tokens": tokens, "step_s": secs,
                 "tokens_per_s": tokens / secs, "mfu_titan": titan,
                 "peak_gib": None if mem is None else mem / 2**30,
+                "planned_gib": _planned_bytes(b, tokens, checkpoint) / 2**30,
             })  # fmt: skip
         del ex, model
         gc.collect()
@@ -578,7 +587,8 @@ def part_longest(b: Bench) -> list[dict]:
                     torch.cuda.empty_cache()
             last_s = time.perf_counter() - t0
             rows.append({"checkpoint": checkpoint, "tokens": n, "result": "trained",
-                         "step_s": last_s, "peak_gib": None if mem is None else mem / 2**30})  # fmt: skip
+                         "step_s": last_s, "peak_gib": None if mem is None else mem / 2**30,
+                         "planned_gib": _planned_bytes(b, n, checkpoint) / 2**30})  # fmt: skip
             start = n
             n *= 2
         del ex, model
