@@ -16,6 +16,7 @@ from _train_worker import (
     model_config,
     run_policy,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from datapipe.errors import MixlenError
@@ -166,12 +167,31 @@ class _HostWaits(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# a tensor's value read into Python: on a CUDA tensor each is a device-to-host copy the host waits
+# for. At dispatch level a CPU shows only .item()'s; .tolist(), .cpu() and .numpy() are no-ops there
+HOST_READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts this thread's calls of HOST_READS' tensor methods (a function mode is per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("policy", ["single", "hdp"])
 def test_no_host_wait_per_micro_batch_or_layer(policy) -> None:
     """A step's operators that would make the host wait on a GPU (counted on the CPU by a
-    dispatch mode: what torch.cuda.set_sync_debug_mode reports there, less the copies a CPU
-    cannot show) are as many with 2 layers and few micro-batches as with 4 layers and several
-    times the micro-batches, rings included: none per micro-batch, none per layer."""
+    dispatch mode: what torch.cuda.set_sync_debug_mode reports there) and its reads of tensor
+    values into Python (.tolist(), .cpu(), .numpy(), .item(), bool/int/float: a function mode,
+    as a CPU hides those copies from dispatch) are as many with 2 layers and few micro-batches as
+    with 4 layers and several times the micro-batches, rings included: none per micro-batch,
+    none per layer."""
     counts = []
     for layers, lengths in ((2, [30, 20, 9, 40, 3]), (4, [*LENGTHS, 60, 50, 7, 70, 33, 21])):
         cfg = dataclasses.replace(model_config(), n_layers=layers)
@@ -183,9 +203,9 @@ def test_no_host_wait_per_micro_batch_or_layer(policy) -> None:
             ex = HDPExecutor(model, ZeroOptimizer.for_model(model, comm, level=1), comm)
             mine = plan.microbatches(comm.rank)
             fetched = fetcher.fetch_step([np.array(m.pieces) for m in mine])
-            with _HostWaits() as waits:
+            with _HostWaits() as waits, _HostReads() as reads:
                 ex.step(plan, fetched, 1)
-            return len(mine), waits.count
+            return len(mine), (waits.count, reads.count)
 
         counts.append(run_threads(1 if policy == "single" else WORLD, run, timeout=60))
     few, many = counts
