@@ -4,15 +4,17 @@ varlen flash kernel (its meta function: the outputs the CUDA kernel allocates), 
 and `train.activation_checkpoint` none / selective / full through the trainer's own
 ActivationManager; torch's MemTracker (torch.distributed._tools.mem_tracker) counts what is alive
 at the peak. Beside it, what the planner's memory model says for the same micro-batch
-(datapipe.plan.memory.activation_memory: the blocks' kept bytes, the block being recomputed, a
-block's backward, the loss) and the model state of one rank (weights, float32 master, gradients, AdamW moments), so the
-longest document one GPU holds can be read off before the GPU is lent.
+(datapipe.plan.memory.micro_batch_bytes: the blocks' kept bytes, the block being recomputed, a
+block's backward, the loss; what `mixlen train` warns with) and the model state of one rank
+(weights, float32 master, gradients, AdamW moments), so the longest document one GPU holds can be
+read off before the GPU is lent.
 
 An estimate, not a measurement: the CUDA caching allocator's fragmentation and workspaces, NCCL's
-buffers and the CUDA context are not here; bench_gpu's `longest` part measures the real thing.
+buffers and the CUDA context are not here (the longest document counts on `usable_bytes` of the
+device: 95% less 1 GiB); bench_gpu's `longest` part measures the real thing.
 
     .venv/bin/python benchmarks/estimate_memory.py [--model llama3.2-1b] \
-        [--tokens 8192,32768,65536,131072] [--device-gb 141]
+        [--tokens 8192,32768,65536,131072] [--device-mib 143771]
 
 Prints a table and writes benchmarks/out/estimate_memory.json.
 """
@@ -33,7 +35,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from datapipe.files import write_text_atomic  # noqa: E402
-from datapipe.plan.memory import CHECKPOINTS, activation_memory, preset_memory  # noqa: E402
+from datapipe.plan.memory import (  # noqa: E402
+    CHECKPOINTS,
+    H200_BYTES,
+    micro_batch_bytes,
+    preset_memory,
+    usable_bytes,
+)
 from datapipe.shapes import MODEL_CONFIGS  # noqa: E402
 
 # a MemTracker category -> counted as the micro-batch's (parameters, buffers, optimizer are not)
@@ -81,18 +89,17 @@ def tracked_peak(model: str, tokens: int, checkpoint: str, documents: int = 1) -
 
 
 def planned(model: str, tokens: int, checkpoint: str) -> int:
-    """The planner's bytes for the same micro-batch: kept + recomputed block + a block's
-    backward + loss."""
-    a = activation_memory(model, tokens)
-    recompute = a["recompute"] if checkpoint != "none" else 0
-    return a[f"kept_{checkpoint}"] + recompute + a["backward"] + a["loss"]
+    """The planner's bytes for the same micro-batch (what `mixlen train` warns with)."""
+    return micro_batch_bytes(MODEL_CONFIGS[model], tokens, checkpoint)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3.2-1b", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--tokens", default="8192,32768,65536,131072")
-    p.add_argument("--device-gb", type=float, default=141.0, help="an H200's 141 GB")
+    p.add_argument(
+        "--device-mib", type=int, default=H200_BYTES >> 20, help="an H200's, as torch reports it"
+    )
     args = p.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
     state = preset_memory(args.model, 1)["zero0"]["total"]
@@ -108,7 +115,8 @@ def main() -> None:
                 "state": state, "total": state + got["microbatch"], "categories": got,
                 "seconds": time.perf_counter() - t0,
             })  # fmt: skip
-    cap = args.device_gb * 1e9
+    device = args.device_mib << 20
+    cap = usable_bytes(device)
     longest = {}
     for checkpoint in CHECKPOINTS:  # linear in T: the line through the two longest lengths
         (a, b) = [r for r in rows if r["checkpoint"] == checkpoint][-2:]
@@ -126,7 +134,7 @@ def main() -> None:
             f"| {r['planned'] / 1e9:.2f} | {r['ratio']:.3f} | {r['total'] / 1e9:.1f} |"
         )
     print(
-        f"longest document in {args.device_gb:.0f} GB (tracked, linear in T): "
+        f"longest document in {device / 1e9:.1f} GB (usable {cap / 1e9:.1f}; tracked, linear in T): "
         + ", ".join(f"{k} {v:,}" for k, v in longest.items())
     )
     out = os.path.join(ROOT, "benchmarks", "out", "estimate_memory.json")

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+from _datasets import make_dataset  # noqa: F401 - the tests import it from here too
 
 from datapipe.fetch import MemoryFetcher
 from datapipe.plan.cost import DEVICES, CostModel, build_cost_model, preset
@@ -396,32 +397,7 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-# --- training runs: a tiny dataset and a 2-process worker ------------------------------------------
-
-
-def make_dataset(
-    out: str, n_docs: int = 120, max_chars: int = 500, seed: int = 0, fmt: str = "mds"
-) -> str:
-    """A small byte-tokenized dataset of mixed lengths (128-token chunks) in `fmt` (parquet's
-    reader never imports the streaming library: 3 s less CPU for each fresh rank process)."""
-    import json
-
-    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
-
-    rng = np.random.default_rng(seed)
-    words = "def class return import for while if else self value data length token".split()
-    src = out + ".jsonl"
-    with open(src, "w") as f:
-        for _ in range(n_docs):
-            n = int(
-                rng.choice(
-                    [rng.integers(5, 60), rng.integers(60, 250), rng.integers(250, max_chars)],
-                    p=[0.5, 0.35, 0.15],
-                )
-            )
-            f.write(json.dumps({"text": " ".join(rng.choice(words, size=n // 4 + 1))[:n]}) + "\n")
-    preprocess(PreprocessConfig([src], out, chunk_tokens=128, progress=False, format=fmt))
-    return out
+# --- training runs: a config over a tiny dataset (tests/_datasets.py) and a 2-process worker ---
 
 
 def train_config(data: str, run: str, **sections: dict):

@@ -57,8 +57,9 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         (m, bench_gpu.DRY.step_tokens[-1]) for m in ("none", "selective", "full")
     ]
     assert all(r["tokens_per_s"] > 0 for r in ckpt)
-    planned = [r["planned_gib"] for r in ckpt]  # the planner's bytes (2 layers: a recomputed
-    assert 0 < planned[2] < min(planned[:2])  # block makes selective hold more than none)
+    # the planner's bytes: full least (2 layers: a recomputed block makes selective hold more)
+    planned = [r["planned_gib"] for r in ckpt]
+    assert 0 < planned[2] < min(planned[:2])
     longest = parts["longest"]["rows"]
     for mode in ("none", "full"):  # doubling stops past the dry run's emulated memory cap
         rows = [r for r in longest if r["checkpoint"] == mode]

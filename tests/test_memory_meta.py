@@ -17,13 +17,16 @@ from conftest import ROOT
 
 from datapipe.plan.memory import (
     CHECKPOINTS,
+    H100_BYTES,
+    H200_BYTES,
     activation_memory,
     largest_capacity,
     micro_batch_bytes,
     model_state_bytes,
+    outer_state_bytes,
 )
 from datapipe.shapes import MODEL_CONFIGS
-from trainer.config.job import from_dict
+from trainer.config.job import TrainerConfig, from_dict
 from trainer.offload.manager import ActivationPolicy
 from trainer.trainer import memory_warning
 
@@ -84,28 +87,56 @@ def test_largest_capacity_is_the_last_that_fits(name: str, mode: str) -> None:
     assert micro_batch_bytes(shape, edge, mode) <= big < micro_batch_bytes(shape, edge + 1, mode)
 
 
+def _config(capacity: int, **sections: dict) -> TrainerConfig:
+    base = {"model": {"name": "llama3.2-1b"}, "train": {"dtype": "bfloat16"},
+            "parallel": {"capacity": capacity, "cost": "llama3.2-1b"}, "data": {"path": "/no"}}  # fmt: skip
+    for key, more in sections.items():
+        base[key] = {**base.get(key, {}), **more}
+    return from_dict(base)
+
+
+def _rt(ranks: int = 1, tp: int = 1, islands: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(tp=tp, islands=islands, comm=SimpleNamespace(size=ranks))
+
+
+def _need(msg: str, what: str = "needs about") -> float:
+    return float(re.search(what + r" ([\d.]+) GB", msg).group(1))
+
+
 def test_a_run_that_would_not_fit_its_gpu_is_warned_naming_the_settings() -> None:
-    """`mixlen train` on a GPU (trainer.memory_warning with the device's bytes): Llama-3.2-1B at
-    capacity 65,536 without checkpointing on one 80 GB rank is warned, naming the keys and the
-    largest capacity that fits (the last that does); 32,768 on 141 GB, offload, or tp 2 are not."""
-
-    def cfg(capacity: int, offload: bool = False):  # noqa: ANN202
-        return from_dict({"model": {"name": "llama3.2-1b"}, "train": {"dtype": "bfloat16"},
-                          "parallel": {"capacity": capacity, "cost": "llama3.2-1b"},
-                          "offload": {"enabled": offload},
-                          "data": {"path": "/nowhere"}})  # fmt: skip
-
-    one = SimpleNamespace(tp=1, comm=SimpleNamespace(size=1))
-    msg = memory_warning(cfg(65536), one, 80 * 10**9)
+    """`mixlen train` on a GPU (trainer.memory_warning with the device's total bytes): Llama-3.2-1B
+    at capacity 65,536 without checkpointing on one H100 is warned, naming the keys and the
+    largest capacity that fits 95% of the device less 1 GiB (the last that does)."""
+    msg = memory_warning(_config(65536), _rt(), H100_BYTES)
     assert msg is not None
     assert 'parallel.capacity = 65536 with train.activation_checkpoint = "none"' in msg
     fit = int(re.search(r"At most ([\d,]+) positions fit", msg).group(1).replace(",", ""))
-    state = model_state_bytes(MODEL_CONFIGS["llama3.2-1b"].num_params(), 1, 0).total
     shape = MODEL_CONFIGS["llama3.2-1b"]
-    assert state + micro_batch_bytes(shape, fit) <= 80 * 10**9
-    assert state + micro_batch_bytes(shape, fit + 1) > 80 * 10**9
+    state = model_state_bytes(shape.num_params(), 1, 0).total
+    usable = 0.95 * H100_BYTES - 2**30
+    assert (
+        state + micro_batch_bytes(shape, fit) <= usable < state + micro_batch_bytes(shape, fit + 1)
+    )
     assert "selective" in msg and "offload.enabled = true" in msg
-    assert memory_warning(cfg(32768), one, 141 * 10**9) is None
-    assert memory_warning(cfg(65536), SimpleNamespace(tp=2, comm=one.comm), 80 * 10**9) is None
-    assert "model state alone" in memory_warning(cfg(65536), one, 10 * 10**9)
-    assert memory_warning(cfg(65536, offload=True), one, 80 * 10**9) is None
+    assert memory_warning(_config(32768), _rt(), H200_BYTES) is None
+
+
+def test_the_warning_counts_the_runs_own_state() -> None:
+    """The ranks and ZeRO level (8 ranks at the default ZeRO 1: 9.3 GB of model state, 32K
+    positions fit an H100; at ZeRO 0, 22.2 GB, they do not), the compute dtype (float32 needs
+    more), CO2's outer state across islands, a model state with no room left; nothing at tp 2
+    or with offload (not modelled)."""
+    assert memory_warning(_config(32768), _rt(8), H100_BYTES) is None
+    zero0 = memory_warning(_config(32768, parallel={"zero": 0}), _rt(8), H100_BYTES)
+    assert zero0 is not None and "model state 22.2 GB" in zero0
+    bf16 = memory_warning(_config(65536), _rt(), H100_BYTES)
+    f32 = memory_warning(_config(65536, train={"dtype": "float32"}), _rt(), H100_BYTES)
+    micro = "the largest micro-batch"  # float32 activations: most of them twice the bytes
+    assert _need(f32, micro) > 1.8 * _need(bf16, micro) and "model state 19.8 GB" in f32
+    co2 = _config(65536, parallel={"islands": 2}, co2={"mode": "co2"})
+    numel = MODEL_CONFIGS["llama3.2-1b"].num_params()
+    outer = outer_state_bytes(numel, 1) / 1e9  # 4 float32 copies of the model: 19.8 GB
+    assert abs(_need(memory_warning(co2, _rt(islands=2), H100_BYTES)) - _need(bf16) - outer) < 0.1
+    assert "leaving no room" in memory_warning(_config(65536), _rt(), 20 << 30)
+    assert memory_warning(_config(65536), _rt(tp=2), H100_BYTES) is None
+    assert memory_warning(_config(65536, offload={"enabled": True}), _rt(), H100_BYTES) is None

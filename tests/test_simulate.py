@@ -221,7 +221,8 @@ def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
         "activations per rank at C=4096 positions (llama-7b, bfloat16, GB): kept by the blocks "
         "24.4 with activation_checkpoint none, 13.3 selective, 1.1 full" in text
     )
-    assert "largest --capacity in 80 GB beside zero 0's model state (tp 1, no offload): " in text
+    fit = "largest --capacity in 85.5 GB (usable 80.2) beside zero 1's model state (tp 1, no "
+    assert fit in text  # the trainer's ZeRO on 8 ranks
     from datapipe.plan.memory import format_activation_memory
 
     assert format_activation_memory("llama-7b", 4096, tp=2).endswith("not modelled (tp 1 only)")

@@ -132,7 +132,7 @@ def test_tp_model_state_table_llama3_70b_tp8_zero1_16_ranks() -> None:
     assert got["weights"] >= 2 * n and got["moments"] == 2 * own * 4
     assert got["total"] < 80e9 < preset_memory("llama3-70b", 16, "bfloat16", tp=1)["zero1"]["total"]
     table = format_preset_memory("llama3-70b", 16, tp=8)
-    assert "tp 8" in table and "zero 1:" in table and "(fits 80 GB)" in table
+    assert "tp 8" in table and "zero 1:" in table and "(fits an 80 GB H100)" in table
 
 
 @pytest.mark.parametrize(

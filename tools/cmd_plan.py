@@ -281,6 +281,7 @@ def memory_report(args: argparse.Namespace) -> tuple[dict, str]:
     out: dict = {"model_state_bytes_per_rank": M.preset_memory(name, args.ranks, tp=args.tp)}
     if args.tp == 1:
         out["activation_bytes_per_rank"] = M.activation_memory(name, args.capacity)
+        out["largest_capacity_per_rank"] = M.capacity_fit(name, args.ranks)
     text = M.format_preset_memory(name, args.ranks, tp=args.tp)
     if text:
         text += "\n" + M.format_activation_memory(name, args.capacity, tp=args.tp)

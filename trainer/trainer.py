@@ -102,22 +102,25 @@ def build_optimizer(
 
 
 def memory_warning(cfg: TrainerConfig, rt: Runtime, device_bytes: int) -> str | None:
-    """Will a rank's model state plus its largest micro-batch (`parallel.capacity` positions
-    under `train.activation_checkpoint`, datapipe.plan.memory's terms) exceed `device_bytes`?
-    The warning naming what would fit, or None (also at tp > 1 or with offload: not modelled)."""
-    from datapipe.plan.memory import capacity_warning, model_state_bytes
+    """Will a rank's model state (and CO2's outer state) plus its largest micro-batch
+    (`parallel.capacity` positions under `train.activation_checkpoint`, datapipe.plan.memory's
+    terms) exceed what a device of `device_bytes` can hold (`usable_bytes`)? The warning naming
+    what would fit, or None (also at tp > 1 or with offload: not modelled)."""
+    from datapipe.plan.memory import capacity_warning, model_state_bytes, outer_state_bytes
 
     if rt.tp > 1 or cfg.offload.enabled:
         return None
-    shape, ranks = cfg.model.shape(), rt.comm.size
-    zero = cfg.parallel.zero_level(ranks)
-    state = model_state_bytes(shape.num_params(), ranks, zero, cfg.train.dtype).total
+    shape, ranks, dtype = cfg.model.shape(), rt.comm.size, cfg.train.dtype
+    numel = shape.num_params()
+    state = model_state_bytes(numel, ranks, cfg.parallel.zero_level(ranks), dtype).total
+    if rt.islands > 1 and cfg.co2.mode in ("co2", "diloco"):  # the outer rounds' state
+        state += outer_state_bytes(numel, ranks, dtype)
     keys = (cfg.key(cfg.parallel.planner, "capacity"), cfg.key(cfg.train, "activation_checkpoint"))
     return capacity_warning(
         shape,
         cfg.parallel.planner.capacity,
         cfg.train.activation_checkpoint,
-        cfg.train.dtype,
+        dtype,
         state,
         device_bytes,
         keys,
@@ -145,10 +148,8 @@ class Trainer:
                 f"set up with {rt.islands} island(s)"
             )
         self._build_model()
-        if rt.device.type == "cuda" and rt.global_rank == 0:  # its total memory, not what is free
-            warning = memory_warning(cfg, rt, torch.cuda.mem_get_info(rt.device)[1])
-            if warning:
-                get_logger().warning(warning)
+        if rt.device.type == "cuda" and rt.global_rank == 0:
+            self._warn_memory()
         differ = cfg.parallel.timed_shape_differences(cfg.model.shape(), cfg.train.dtype)
         if differ and rt.global_rank == 0:
             get_logger().warning(
@@ -178,6 +179,17 @@ class Trainer:
         self.checkpointer.lock()  # one job per checkpoint.dir, before the first save
         self._stack.callback(self.checkpointer.unlock)
         self._build_reports()
+
+    def _warn_memory(self) -> None:
+        """Log `memory_warning` against the device's total memory; an estimate's failure is
+        logged too, never raised (rank 0 alone runs it: the others would wait on it)."""
+        try:
+            warning = memory_warning(self.cfg, self.rt, torch.cuda.mem_get_info(self.rt.device)[1])
+        except Exception as exc:  # noqa: BLE001 - a warning must not stop the run
+            get_logger().debug(f"memory estimate skipped: {type(exc).__name__}: {exc}")
+            return
+        if warning:
+            get_logger().warning(warning)
 
     def _build_model(self) -> None:
         """Model, the island's sharded optimizer, schedule, executor, CO2 rounds; every generator

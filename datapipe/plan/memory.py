@@ -35,13 +35,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKPOINTS",
-    "DEVICE_GB",
+    "DEVICE_BYTES",
+    "H100_BYTES",
+    "H200_BYTES",
     "DTYPE_BYTES",
     "ModelStateBytes",
     "accum_dtype_name",
     "activation_memory",
     "capacity_warning",
     "format_activation_memory",
+    "capacity_fit",
     "format_capacity_fit",
     "format_preset_memory",
     "largest_capacity",
@@ -51,6 +54,7 @@ __all__ = [
     "preset_memory",
     "slice_bounds",
     "slice_length",
+    "usable_bytes",
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -159,7 +163,18 @@ def preset_memory(
     return {f"zero{z}": model_state_bytes(n, ranks, z, compute).as_dict() for z in (0, 1, 2)}
 
 
-DEVICE_GB = 80.0  # the device memory the table compares with (an H100's 80 GB)
+# devices' memory as torch.cuda.mem_get_info reports their total (bytes)
+H100_BYTES = 81_559 << 20  # an "80 GB" H100
+H200_BYTES = 143_771 << 20  # a "141 GB" H200
+DEVICE_BYTES = H100_BYTES  # the device the tables compare with
+
+
+def usable_bytes(total: int) -> int:
+    """What the memory estimates may fill of a device of `total` bytes: 95% less 1 GiB (the CUDA
+    context, the caching allocator's fragmentation, kernels' workspaces are not modelled)."""
+    return int(total * 0.95) - (1 << 30)
+
+
 CHECKPOINTS = ("none", "selective", "full")  # train.activation_checkpoint's whole-model modes
 
 
@@ -243,23 +258,44 @@ def largest_capacity(
 
 
 def format_capacity_fit(
-    model: str, ranks: int, compute: str = "bfloat16", device_gb: float = DEVICE_GB, zero: int = 0
+    model: str,
+    ranks: int,
+    compute: str = "bfloat16",
+    device_bytes: int = DEVICE_BYTES,
+    zero: int | None = None,
 ) -> str:
-    """One line for `mixlen plan`: the largest --capacity a rank of `device_gb` GB holds with
-    each checkpointing mode, beside the model state at ZeRO `zero` ('' when `model` is no
-    shape)."""
+    """One line for `mixlen plan`: the largest --capacity a rank of `device_bytes` holds with
+    each checkpointing mode beside the model state at ZeRO `zero` (default: the trainer's, 1 with
+    more than one rank); '' when `model` is no shape."""
+    fits = capacity_fit(model, ranks, compute, device_bytes, zero)
+    if not fits:
+        return ""
+    zero = (1 if ranks > 1 else 0) if zero is None else zero
+    modes = ", ".join(f"{n:,} {m}" for m, n in fits.items())
+    return (
+        f"largest --capacity in {device_bytes / 1e9:.1f} GB (usable {usable_bytes(device_bytes) / 1e9:.1f}) "
+        f"beside zero {zero}'s model state (tp 1, no offload): {modes}"
+    )
+
+
+def capacity_fit(
+    model: str,
+    ranks: int,
+    compute: str = "bfloat16",
+    device_bytes: int = DEVICE_BYTES,
+    zero: int | None = None,
+) -> dict[str, int]:
+    """{checkpointing mode: the largest capacity that fits `usable_bytes(device_bytes)` beside
+    the model state}; {} when `model` is no shape."""
     from datapipe.shapes import MODEL_CONFIGS
 
     shape = MODEL_CONFIGS.get(model.split("@")[0])
     if shape is None:
-        return ""
+        return {}
+    zero = (1 if ranks > 1 else 0) if zero is None else zero
     state = model_state_bytes(shape.num_params(), ranks, zero, compute).total
-    fits = [largest_capacity(shape, int(device_gb * 1e9) - state, m, compute) for m in CHECKPOINTS]
-    modes = ", ".join(f"{n:,} {m}" for n, m in zip(fits, CHECKPOINTS))
-    return (
-        f"largest --capacity in {device_gb:.0f} GB beside zero {zero}'s model state (tp 1, no "
-        f"offload): {modes}"
-    )
+    room = usable_bytes(device_bytes) - state
+    return {m: largest_capacity(shape, room, m, compute) for m in CHECKPOINTS}
 
 
 def capacity_warning(
@@ -272,18 +308,23 @@ def capacity_warning(
     keys: tuple[str, str] = ("parallel.capacity", "train.activation_checkpoint"),
 ) -> str | None:
     """A warning when `state` model-state bytes plus a micro-batch of `capacity` positions
-    (`micro_batch_bytes`) exceed `device_bytes`, naming the settings (`keys`: capacity,
-    checkpointing) and what would fit; None when it fits."""
+    (`micro_batch_bytes`) exceed `usable_bytes(device_bytes)`, naming the settings (`keys`:
+    capacity, checkpointing) and what would fit; None when it fits."""
+    usable = usable_bytes(device_bytes)
     need = state + micro_batch_bytes(shape, capacity, checkpoint, compute)
-    if need <= device_bytes:
+    if need <= usable:
         return None
-    if state >= device_bytes:
+    where = (
+        f"about {usable / 1e9:.1f} GB usable of this device's {device_bytes / 1e9:.1f} GB (the "
+        "CUDA context, fragmentation and workspaces aside)"
+    )
+    advice = "shard it over more ranks (parallel.zero, --nproc) or tensor parallelism"
+    if micro_batch_bytes(shape, 1, "full", compute) > usable - state:
         return (
-            f"the model state alone needs about {state / 1e9:.1f} GB a rank, more than this "
-            f"device's {device_bytes / 1e9:.1f} GB: shard it over more ranks (parallel.zero, "
-            f"--nproc) or tensor parallelism"
+            f"the model state needs about {state / 1e9:.1f} GB a rank, leaving no room for a "
+            f"micro-batch in {where}: {advice}"
         )
-    room = device_bytes - state
+    room = usable - state
     other = ", ".join(
         f"{largest_capacity(shape, room, m, compute):,} with {m}"
         for m in CHECKPOINTS
@@ -292,9 +333,9 @@ def capacity_warning(
     return (
         f'{keys[0]} = {capacity} with {keys[1]} = "{checkpoint}" needs about {need / 1e9:.1f} GB '
         f"a rank (model state {state / 1e9:.1f} GB + the largest micro-batch "
-        f"{(need - state) / 1e9:.1f} GB), more than this device's {device_bytes / 1e9:.1f} GB: "
-        f"it may run out of memory. At most {largest_capacity(shape, room, checkpoint, compute):,} "
-        f"positions fit as configured ({other}); or set offload.enabled = true"
+        f"{(need - state) / 1e9:.1f} GB), more than {where}: it may run out of memory. At most "
+        f"{largest_capacity(shape, room, checkpoint, compute):,} positions fit as configured "
+        f"({other}); or set offload.enabled = true"
     )
 
 
@@ -310,11 +351,11 @@ def format_preset_memory(model: str, ranks: int, compute: str = "bfloat16", tp: 
         f"activations not included):"
     ]
     for level, b in table.items():
-        fits = "fits" if b["total"] <= DEVICE_GB * 1e9 else "over"
+        fits = "fits" if b["total"] <= usable_bytes(DEVICE_BYTES) else "over"
         lines.append(
             f"  zero {level[-1]}: weights {b['weights'] / 1e9:.1f}  master {b['master'] / 1e9:.1f}"
             f"  moments {b['moments'] / 1e9:.1f}  grads {b['grads'] / 1e9:.1f}"
             f" (peak {b['grads_peak'] / 1e9:.1f})  total {b['total'] / 1e9:.1f}"
-            f"  ({fits} {DEVICE_GB:.0f} GB)"
+            f"  ({fits} an 80 GB H100)"
         )
     return "\n".join(lines)

@@ -51,7 +51,9 @@ def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) 
     """Refuse (TypeError) a call of `op` that its schema would not take: too many positional
     arguments, an unknown or repeated keyword, a keyword-only one passed by position, a required
     one missing, or a value of another kind (a bool for an int, None where no `?`, a list for a
-    tensor). Stricter than torch where torch converts: only a Python int passes for an int."""
+    tensor). Stricter than torch where torch converts: only a Python int passes for an int.
+    Arguments of the kinds _KINDS does not name (lists, dtypes, devices, scalars) are bound by
+    name and position only: the attention kernels take none."""
     name = op._schema.name
     params = op._schema.arguments
     positional = [a for a in params if not a.kwarg_only]
@@ -72,7 +74,7 @@ def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) 
                 raise TypeError(f"{name}: required argument {a.name!r} missing")
             continue
         value = args[i] if given else kwargs[a.name]
-        kind = str(a.type)
+        kind = str(a.real_type)  # `type` prints a ScalarType, Layout or MemoryFormat as int
         optional = kind.startswith("Optional[")
         base = kind[len("Optional[") : -1] if optional else kind
         if value is None:
