@@ -8,11 +8,13 @@ GPU when `parallel.capacity` would not fit."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ROOT
 
 from datapipe.plan.memory import (
@@ -28,7 +30,7 @@ from datapipe.plan.memory import (
 from datapipe.shapes import MODEL_CONFIGS
 from trainer.config.job import TrainerConfig, from_dict
 from trainer.offload.manager import ActivationPolicy
-from trainer.trainer import memory_warning
+from trainer.trainer import Trainer, memory_warning
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -140,3 +142,29 @@ def test_the_warning_counts_the_runs_own_state() -> None:
     assert "leaving no room" in memory_warning(_config(65536), _rt(), 20 << 30)
     assert memory_warning(_config(65536), _rt(tp=2), H100_BYTES) is None
     assert memory_warning(_config(65536, offload={"enabled": True}), _rt(), H100_BYTES) is None
+
+
+def test_the_trainer_logs_the_warning_and_never_fails_on_it(monkeypatch) -> None:
+    """Trainer._warn_memory (what a CUDA rank 0 runs at start) with torch.cuda.mem_get_info
+    answering an H100's total: the warning is logged; if the estimate fails (a driver error
+    here), it is logged at debug level and the run goes on."""
+    import trainer.trainer as module
+
+    logged: list[tuple[str, str]] = []
+    log = SimpleNamespace(**{k: functools.partial(lambda k, m: logged.append((k, m)), k)
+                             for k in ("debug", "warning")})  # fmt: skip
+    monkeypatch.setattr(module, "get_logger", lambda: log)
+    trainer = SimpleNamespace(cfg=_config(65536), rt=_rt())
+    trainer.rt.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, H100_BYTES))
+    Trainer._warn_memory(trainer)
+    assert len(logged) == 1 and logged[0][0] == "warning" and "capacity = 65536" in logged[0][1]
+    logged.clear()
+
+    def broken(device=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    Trainer._warn_memory(trainer)
+    assert logged == [("debug", "memory estimate skipped: RuntimeError: CUDA driver version is "
+                       "insufficient")]  # fmt: skip
