@@ -167,8 +167,22 @@ def test_the_attention_operator_on_the_cuda_kernels_matches_its_fake(backend, dt
         torch.library.opcheck(torch.ops.mixlen.varlen_attention.default, args)
 
 
+@pytest.fixture
+def docs_built(monkeypatch) -> list:
+    """The VarlenDocs the operator builds during the test, in order."""
+    built: list = []
+
+    class Counted(op.VarlenDocs):
+        def __post_init__(self) -> None:
+            built.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(op, "VarlenDocs", Counted)
+    return built
+
+
 def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_boundaries(
-    monkeypatch,
+    docs_built,
 ) -> None:
     """bfloat16 blocks on the `cuda_flash` backend's CPU fake (its conventions enforced):
     compiled equals eager, one kernel call forward and one backward per layer, every call of
@@ -179,14 +193,7 @@ def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_bounda
     compiled.load_state_dict(eager.state_dict())
     for block in compiled.layers:
         block.compile_block(backend="aot_eager")
-    built = []
-
-    class Counted(op.VarlenDocs):
-        def __post_init__(self) -> None:
-            built.append(self)
-            super().__post_init__()
-
-    monkeypatch.setattr(op, "VarlenDocs", Counted)
+    built = docs_built
     made: list[LocalAttention] = []
 
     def ctx(cu: list[int]) -> LocalAttention:
@@ -209,19 +216,12 @@ def test_a_compiled_block_calls_the_flash_kernel_once_per_layer_on_shared_bounda
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
-def test_threaded_ranks_keep_their_own_documents(monkeypatch) -> None:
+def test_threaded_ranks_keep_their_own_documents(docs_built) -> None:
     """Two threads (as threaded ranks do) call the operator in turns, each for its own
     micro-batch's layers: each builds its documents once, neither evicts the other's."""
     import threading
 
-    built = []
-
-    class Counted(op.VarlenDocs):
-        def __post_init__(self) -> None:
-            built.append(self)
-            super().__post_init__()
-
-    monkeypatch.setattr(op, "VarlenDocs", Counted)
+    built = docs_built
     turn = threading.Barrier(2)
     gen = torch.Generator().manual_seed(5)
     qkv = [torch.randn(12, 2, 8, generator=gen, dtype=F64) for _ in range(3)]

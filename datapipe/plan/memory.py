@@ -36,15 +36,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINTS",
     "DEVICE_BYTES",
+    "DTYPE_BYTES",
     "H100_BYTES",
     "H200_BYTES",
-    "DTYPE_BYTES",
     "ModelStateBytes",
     "accum_dtype_name",
     "activation_memory",
+    "capacity_fit",
     "capacity_warning",
     "format_activation_memory",
-    "capacity_fit",
     "format_capacity_fit",
     "format_preset_memory",
     "largest_capacity",
@@ -55,6 +55,7 @@ __all__ = [
     "slice_bounds",
     "slice_length",
     "usable_bytes",
+    "zero_level",
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -257,6 +258,14 @@ def largest_capacity(
     return lo
 
 
+def zero_level(zero: int | None, ranks: int) -> int:
+    """The ZeRO level an island of `ranks` ranks trains with: `[parallel] zero`, or by default 1
+    with more than one rank, else 0."""
+    if zero is not None:
+        return zero
+    return 1 if ranks > 1 else 0
+
+
 def format_capacity_fit(
     model: str,
     ranks: int,
@@ -270,7 +279,7 @@ def format_capacity_fit(
     fits = capacity_fit(model, ranks, compute, device_bytes, zero)
     if not fits:
         return ""
-    zero = (1 if ranks > 1 else 0) if zero is None else zero
+    zero = zero_level(zero, ranks)
     modes = ", ".join(f"{n:,} {m}" for m, n in fits.items())
     return (
         f"largest --capacity in {device_bytes / 1e9:.1f} GB (usable {usable_bytes(device_bytes) / 1e9:.1f}) "
@@ -292,7 +301,7 @@ def capacity_fit(
     shape = MODEL_CONFIGS.get(model.split("@")[0])
     if shape is None:
         return {}
-    zero = (1 if ranks > 1 else 0) if zero is None else zero
+    zero = zero_level(zero, ranks)
     state = model_state_bytes(shape.num_params(), ranks, zero, compute).total
     room = usable_bytes(device_bytes) - state
     return {m: largest_capacity(shape, room, m, compute) for m in CHECKPOINTS}

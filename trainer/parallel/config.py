@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datapipe.errors import ConfigError, MixlenError
 from datapipe.plan.cost import CostModel, load, preset
 from datapipe.plan.costcheck import timed_model
+from datapipe.plan.memory import zero_level
 from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, setting
 from datapipe.shapes import COST_FREE_FIELDS, TP_DEGREES, ModelConfig
@@ -63,9 +64,7 @@ class ParallelConfig:
 
     def zero_level(self, ranks: int) -> int:
         """The ZeRO level of an island of `ranks` ranks (`zero`, default 1 if ranks > 1)."""
-        if self.zero is not None:
-            return self.zero
-        return 1 if ranks > 1 else 0
+        return zero_level(self.zero, ranks)
 
     def _timed_differences(self, shape: ModelConfig, dtype: str | None) -> list[tuple]:
         """(field, timed, now) where the model timed for the cost file differs from `shape` (and
