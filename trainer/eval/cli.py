@@ -384,13 +384,10 @@ def _evaluated(
     first = int(np.searchsorted(reach, opts.max_tokens, side="left"))  # the first to reach N
     if first == ids.size:
         return ids, lengths
-    if reach[first] == opts.max_tokens:  # N exactly: no sample after it (not even an empty one)
-        return ids[: first + 1].copy(), lengths[: first + 1].copy()
-    whole = first
-    left = opts.max_tokens - (int(reach[whole - 1]) if whole else 0)
-    ids, lengths = ids[: whole + (left > 0)].copy(), lengths[: whole + (left > 0)].copy()
-    if left > 0:
-        lengths[whole] = left
+    # no sample after the first to reach N (not even an empty one); that one cut to make N
+    ids, lengths = ids[: first + 1].copy(), lengths[: first + 1].copy()
+    if reach[first] > opts.max_tokens:
+        lengths[first] = opts.max_tokens - (int(reach[first - 1]) if first else 0)
     return ids, lengths
 
 
