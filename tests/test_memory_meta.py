@@ -44,16 +44,17 @@ def _ratio(model: str, tokens: int, mode: str) -> tuple[float, dict[str, int]]:
 
 
 def test_planned_activations_bound_torchs_tracked_peak() -> None:
-    """The `small` shape (8 layers, dim 512) per activation_checkpoint mode at 2,048 positions
-    in 3 documents, and Llama-3.2-1B under full checkpointing, where the loss over its 128,256
+    """The `small` shape (8 layers, dim 512) per activation_checkpoint mode (and every:3, blocks 0,
+    3 and 6 checkpointed) at 2,048 positions in 3 documents, and Llama-3.2-1B under full checkpointing, where the loss over its 128,256
     vocabulary is most of the peak: never below the tracked peak by more than 3%, nor above it by
     more than 30% (the planner adds the loss's bytes to the recomputed block's, which the tracker
     sees alive one after the other). Without checkpointing, 2,048 more positions add what the
     planner says they add, within 5% (linear memory: nothing in T x T)."""
     peaks = {}
-    for mode in CHECKPOINTS:
+    for mode in (*CHECKPOINTS, "every:3"):
         ratio, peaks[mode] = _ratio("small", 2048, mode)
         assert 0.97 <= ratio <= 1.3, (mode, ratio, peaks[mode])
+    assert peaks["full"]["microbatch"] < peaks["every:3"]["microbatch"] < peaks["none"]["microbatch"]
     assert peaks["full"]["microbatch"] < peaks["selective"]["microbatch"]
     assert peaks["selective"]["microbatch"] < peaks["none"]["microbatch"]
     more = tracked_peak("small", 4096, "none")["microbatch"] - peaks["none"]["microbatch"]
@@ -120,6 +121,8 @@ def test_a_run_that_would_not_fit_its_gpu_is_warned_naming_the_settings() -> Non
         state + micro_batch_bytes(shape, fit) <= usable < state + micro_batch_bytes(shape, fit + 1)
     )
     assert "selective" in msg and "offload.enabled = true" in msg
+    assert memory_warning(_config(fit), _rt(), H100_BYTES) is None  # the last that fits
+    assert memory_warning(_config(fit + 1), _rt(), H100_BYTES) is not None
     assert memory_warning(_config(32768), _rt(), H200_BYTES) is None
 
 

@@ -79,18 +79,18 @@ class Attention(nn.Module):
         self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (rotated) and V [T, heads, head_dim] of the normalised input."""
-        T = x_TC.shape[0]
-        # -1 heads: under tensor parallelism (trainer.parallel.tensor) a process holds a share
-        q = self.wq(x_TC).view(T, -1, self.head_dim)
-        k = self.wk(x_TC).view(T, -1, self.head_dim)
-        v = self.wv(x_TC).view(T, -1, self.head_dim)
+        # -1 heads: under tensor parallelism (trainer.parallel.tensor) a process holds a share;
+        # unflatten rather than view(T, -1, ...): a ring member may hold no token (T = 0)
+        q = self.wq(x_TC).unflatten(-1, (-1, self.head_dim))
+        k = self.wk(x_TC).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(x_TC).unflatten(-1, (-1, self.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
     def forward(
         self, x_TC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         q, k, v = self.project(x_TC, cos, sin)
-        return self.wo(attn.attend(q, k, v).reshape(x_TC.shape[0], -1))
+        return self.wo(attn.attend(q, k, v).flatten(1))
 
 
 class FeedForward(nn.Module):
@@ -124,7 +124,7 @@ class Block(nn.Module):
             return c.local(x, cos, sin, attn.docs.host_cu(), cu_dev, attn.backend or "")
         # a ring: compiled segments around its attention, which talks to other ranks
         q, k, v = c.project(c.norm(x), cos, sin)
-        out = attn.attend(q, k, v).reshape(x.shape[0], -1)
+        out = attn.attend(q, k, v).flatten(1)
         return c.residual_ffn(x, self.attention.wo(out))
 
     def residual_ffn(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ class Block(nn.Module):
         q, k, v = self.attention.project(self.attention_norm(x), cos, sin)
         scale = self.attention.head_dim**-0.5
         out, _ = varlen_attention(q, k, v, cu_host, cu_dev, scale, backend)
-        return self.residual_ffn(x, self.attention.wo(out.reshape(x.shape[0], -1)))
+        return self.residual_ffn(x, self.attention.wo(out.flatten(1)))
 
     def compile_block(self, backend: str | Callable = "inductor") -> None:
         """torch.compile the block with dynamic shapes, each a whole graph (a graph break is an
