@@ -54,7 +54,9 @@ def test_planned_activations_bound_torchs_tracked_peak() -> None:
     for mode in (*CHECKPOINTS, "every:3"):
         ratio, peaks[mode] = _ratio("small", 2048, mode)
         assert 0.97 <= ratio <= 1.3, (mode, ratio, peaks[mode])
-    assert peaks["full"]["microbatch"] < peaks["every:3"]["microbatch"] < peaks["none"]["microbatch"]
+    assert (
+        peaks["full"]["microbatch"] < peaks["every:3"]["microbatch"] < peaks["none"]["microbatch"]
+    )
     assert peaks["full"]["microbatch"] < peaks["selective"]["microbatch"]
     assert peaks["selective"]["microbatch"] < peaks["none"]["microbatch"]
     more = tracked_peak("small", 4096, "none")["microbatch"] - peaks["none"]["microbatch"]
