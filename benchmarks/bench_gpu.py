@@ -21,6 +21,8 @@ Parts (`--parts`, in this order; each records its rows or its error and the next
   time, host synchronisations per step (torch.cuda.set_sync_debug_mode).
 - `reference`: the plain-torch loop of benchmarks/gpu_reference.py (compiled blocks, torch's
   varlen kernel, whole float32 logits) on the same batches.
+- `torchtitan`: TorchTitan 0.2.2's own trainer on the same shape and document lengths
+  (benchmarks/torchtitan_bench.py, a process per step size; skipped when it is not installed).
 - `ring`: 4 threaded ranks on one GPU: a document split over the ring against whole-document
   attention, and the ring's time beside the same document on one rank.
 - `checkpoint`: one document of the largest step size (32K) with no, selective and full
@@ -37,6 +39,7 @@ import argparse
 import gc
 import json
 import math
+import subprocess
 import sys
 import time
 import traceback
@@ -53,7 +56,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
-PARTS = ("check", "attention", "calibrate", "train", "reference", "ring", "checkpoint", "longest")
+PARTS = (
+    "check", "attention", "calibrate", "train", "reference", "torchtitan", "ring", "checkpoint",
+    "longest",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -390,7 +396,7 @@ def _mfu(b: Bench, tokens_per_s: float, lens: list[int], tokens: int) -> tuple[f
 
     shape = b.shape()
     titan = tokens_per_s * flops_per_token(shape, tokens) / (PEAK_TFLOPS * 1e12)
-    linear = 6.0 * (shape.num_params() - shape.vocab_size * shape.dim)
+    linear = flops_per_token(shape, 0)
     attn = causal_attention_flops(lens, shape.n_heads, shape.head_dim) * shape.n_layers / tokens
     actual = tokens_per_s * (linear + attn * 3.0 / 3.5) / (PEAK_TFLOPS * 1e12)  # fwd x 3
     return titan, actual
@@ -482,6 +488,46 @@ def part_reference(b: Bench) -> list[dict]:
                 "tokens_per_s": tokens / secs, "mfu_titan": titan, "mfu_doc_attention": actual,
                 "peak_gib": None if mem is None else mem / 2**30, "first_step_s": first,
             })  # fmt: skip
+    return rows
+
+
+def part_torchtitan(b: Bench) -> list[dict]:
+    """TorchTitan 0.2.2's own trainer on the same shape and document lengths, a process per step
+    size (benchmarks/torchtitan_bench.py); on the CPU its dry run (everything but training)."""
+    import importlib.util
+
+    from gpu_reference import flops_per_token
+
+    if importlib.util.find_spec("torchtitan") is None:
+        why = "torchtitan is not installed (benchmarks/torchtitan_wheels.sh; gpu_run.sh installs)"
+        return [{"result": f"skipped: {why}"}]
+    dry = b.dev.type != "cuda"
+    rows: list[dict] = []
+    for tokens in sorted(b.sizes.step_tokens, reverse=True):  # the goal's 32K first
+        if not dry and b.left() < 100:  # a process's start, compilation and 8 steps
+            rows.append({"tokens": tokens, "result": "skipped: budget"})
+            continue
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "torchtitan_bench.py"),
+               "--out", str(b.out / "torchtitan"), "--model", b.sizes.model,
+               "--seq-len", str(tokens), "--length-divisor", str(b.sizes.length_divisor)]  # fmt: skip
+        proc = subprocess.run(
+            cmd + (["--dry-run"] if dry else []), capture_output=True, text=True,
+            timeout=max(60.0, min(b.left(), 300.0)),
+        )  # fmt: skip
+        (b.out / f"torchtitan-{tokens}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            rows.append({"tokens": tokens, "result": f"failed ({proc.returncode}): {last[:200]}"})
+            continue
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = {"tokens": tokens, "result": "dry run" if dry else "trained",
+               "torchtitan": got["torchtitan"], "params": got.get("params")}  # fmt: skip
+        if not dry:
+            tps = got["tokens_per_s"]
+            row.update(step_s=got["step_s"], tokens_per_s=tps, peak_gib=got["peak_gib"],
+                       mfu_titan=tps * flops_per_token(b.shape(), tokens) / (PEAK_TFLOPS * 1e12),
+                       first_step_s=got["first_step_s"])  # fmt: skip
+        rows.append(row)
     return rows
 
 
@@ -607,6 +653,7 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "calibrate": part_calibrate,
     "train": part_train,
     "reference": part_reference,
+    "torchtitan": part_torchtitan,
     "ring": part_ring,
     "checkpoint": part_checkpoint,
     "longest": part_longest,

@@ -149,9 +149,11 @@ class ReferenceLoop:
 
 
 def flops_per_token(shape: Any, seq_len: int) -> float:
-    """TorchTitan's count: 6 x (parameters less the embedding) + 12 x layers x heads x head_dim x
-    sequence length."""
-    params = shape.num_params() - shape.vocab_size * shape.dim
+    """TorchTitan's count: 6 x (parameters less the input embedding) + 12 x layers x heads x
+    head_dim x sequence length. The output layer's matrix is counted also when it is the tied
+    embedding (Llama 3.2 1B): its product is computed all the same, and TorchTitan's own model of
+    the shape (untied) counts it."""
+    params = shape.num_params() - (0 if shape.tie_embeddings else shape.vocab_size * shape.dim)
     return 6.0 * params + 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 

@@ -3,6 +3,8 @@ script a GPU session runs in one call cannot rot between sessions; and the MFU a
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import sys
 
 import pytest
@@ -20,8 +22,12 @@ def test_llama_3_2_1b_shape_and_torchtitan_flops() -> None:
     cfg = MODEL_CONFIGS["llama3.2-1b"]
     assert cfg.num_params() == 1_235_814_400  # Meta's published count
     assert cfg.head_dim == 64
-    # by hand: 6 x (1,235,814,400 - 128,256 x 2,048 = 973,146,112) + 12 x 16 x 32 x 64 x 8,192
-    assert flops_per_token(cfg, 8192) == 6 * 973_146_112 + 12 * 16 * 32 * 64 * 8192
+    # by hand: 6 x 1,235,814,400 (the tied embedding counted once, as the output layer: what
+    # TorchTitan counts for its untied model of the shape, 1,498,482,688 less 128,256 x 2,048)
+    # + 12 x 16 x 32 x 64 x 8,192
+    assert flops_per_token(cfg, 8192) == 6 * 1_235_814_400 + 12 * 16 * 32 * 64 * 8192
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    assert flops_per_token(untied, 8192) == flops_per_token(cfg, 8192)
     # causal pairs: one document of 4 tokens has 10, two of 2 have 6
     assert causal_attention_flops([4], 2, 8) == 3.5 * 4 * 2 * 8 * 10
     assert causal_attention_flops([2, 2], 2, 8) == 3.5 * 4 * 2 * 8 * 6
@@ -50,6 +56,17 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert [r["compiled"] for r in train] == [False] * 4 + [True]
     assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
     assert len(parts["reference"]["rows"]) == 4
+    titan = parts["torchtitan"]["rows"]  # its dry run where TorchTitan is installed
+    if importlib.util.find_spec("torchtitan") is None:
+        assert [r["result"] for r in titan] == [
+            "skipped: torchtitan is not installed (benchmarks/torchtitan_wheels.sh; gpu_run.sh "
+            "installs)"
+        ]
+    else:
+        untied = MODEL_CONFIGS["debug"].num_params() + 258 * 128  # its own output layer
+        assert [(r["tokens"], r["result"], r["params"]) for r in titan] == [
+            (t, "dry run", untied) for t in sorted(bench_gpu.DRY.step_tokens, reverse=True)
+        ]
     ring = parts["ring"]["rows"]
     assert max(ring[0][k] for k in ("out", "dq", "dk", "dv")) < 1e-5 and ring[1]["ratio"] > 0
     ckpt = parts["checkpoint"]["rows"]
