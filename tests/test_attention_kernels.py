@@ -208,9 +208,9 @@ def test_kernel_limits_are_refused_naming_the_setting() -> None:
     q, k, v, _ = qkv(4, 4, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="train.dtype"):
         cuda_flash.check(q, k)
-    with pytest.raises(ValueError, match="model.head_dim"):
+    with pytest.raises(ValueError, match="model.dim / model.n_heads"):
         cuda_flash.check(*qkv(4, 4, 2, 2, 264, torch.bfloat16)[:2])
-    with pytest.raises(ValueError, match="model.head_dim"):
+    with pytest.raises(ValueError, match="model.dim / model.n_heads"):
         cuda_flash.check(*qkv(4, 4, 2, 2, 12, torch.bfloat16)[:2])
     cuda_flash.check(*qkv(4, 4, 2, 2, 256, torch.bfloat16)[:2])  # the limit itself
     with pytest.raises(ValueError, match="train.dtype"):

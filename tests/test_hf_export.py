@@ -349,7 +349,20 @@ def test_export_finds_the_tokenizer_files(tmp_path):
     ]
     shutil.copyfile(bpe, tmp_path / "bpe.json")
     by_file = dataset("from-file", tokenizer=str(tmp_path / "bpe.json"))
-    assert _tokenizer_files(by_file, None) == [str(tmp_path / "bpe.json")]
+    assert _tokenizer_files(by_file, None) == [(str(tmp_path / "bpe.json"), "tokenizer.json")]
+    # exported under the name transformers loads: its tokenizer encodes as the file does
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    pre = inspect_pretrained(model)
+    out = str(tmp_path / "exported")
+    weights = dict(load(model).named_parameters())
+    files = export_hf(weights, pre.shape, pre.family, out, base_config=pre.config,
+                      tokenizer_files=_tokenizer_files(by_file, None))  # fmt: skip
+    assert "tokenizer.json" in files and "bpe.json" not in files
+    text = "def f(x):\n    return x + 1"
+    want_ids = Tokenizer.from_file(bpe).encode(text).ids
+    assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == want_ids
     os.remove(tmp_path / "bpe.json")
     assert _tokenizer_files(by_file, None) == []
     assert _tokenizer_files(dataset("bytes"), None) == []

@@ -175,6 +175,28 @@ def test_held_out_mask_matches_reference():
     assert 150 < mask.sum() < 250
 
 
+def test_a_fraction_that_holds_out_nothing_is_said(dataset):
+    """val_fraction > 0 that hashes none of the samples out (and eval_interval > 0): no
+    validation runs, and the run says so naming the key; a fraction that holds some out, or
+    validation off, says nothing."""
+    from contextlib import ExitStack
+
+    def config(fraction: float):
+        return from_dict({"model": {"name": "debug"}, "train": {"eval_interval": 3},
+                          "data": {"path": dataset, "val_fraction": fraction}})  # fmt: skip
+
+    with ExitStack() as stack:
+        got = config(1e-9).train_data(0, 1, stack)
+        assert got.validation is None and got.val_ids.size == 0
+        assert got.notice == (
+            f"data.val_fraction = 1e-09 holds out none of the {got.train_ids.size:,} samples of "
+            f"{dataset}: no validation runs (no val_loss); raise it or set data.val_path"
+        )
+        assert config(1e-9).train_data(0, 1, stack, validation=False).notice is None
+        some = config(0.3).train_data(0, 1, stack)
+        assert some.val_ids.size > 0 and some.validation is not None and some.notice is None
+
+
 # --- training in one process ---------------------------------------------------------------------
 
 

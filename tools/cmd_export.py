@@ -52,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
 
 
-def _tokenizer_files(run: dict, model_dir: str | None) -> list[str]:
-    """The tokenizer files of the pretrained folder, else the dataset's tokenizer.json."""
+def _tokenizer_files(run: dict, model_dir: str | None) -> list[str | tuple[str, str]]:
+    """The tokenizer files of the pretrained folder, else the dataset's (its --tokenizer-from
+    folder's, or its --tokenizer file as tokenizer.json, the name transformers loads)."""
     if model_dir:
         return [
             os.path.join(model_dir, n)
@@ -70,7 +71,7 @@ def _tokenizer_files(run: dict, model_dir: str | None) -> list[str]:
     if tok.get("kind") == "hf-dir" and tok.get("path"):
         return _tokenizer_files(run, tok["path"])
     if tok.get("kind") == "hf" and tok.get("path") and os.path.isfile(tok["path"]):
-        return [tok["path"]]
+        return [(tok["path"], "tokenizer.json")]
     return []
 
 

@@ -12,10 +12,12 @@ POLICY_CHOICES = ("hdp", "static", "naive-hdp", "single", "all")
 
 def add_planner_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by plan and simulate."""
+    from datapipe.shapes import MODEL_CONFIGS
+
     p.add_argument(
         "--model",
         default="llama-7b",
-        help="cost preset: debug, llama-7b, llama-13b, llama-70b, optionally @h100/@cpu",
+        help=f"cost preset: {', '.join(sorted(MODEL_CONFIGS))}, optionally @h100/@cpu",
     )
     p.add_argument(
         "--cost",

@@ -258,6 +258,7 @@ class TrainData:
         self.mixture = cfg.is_mixture
         self.source_names: tuple[str, ...] = ()
         self.validation: Validation | MixValidation | None = None
+        self.notice: str | None = None  # what the trainer logs at start (no held-out sample)
         if self.mixture:
             self._open_mixture(
                 cfg, planner, global_batch_tokens, vocab_size, stack, names, eval_interval,
@@ -287,6 +288,12 @@ class TrainData:
             self.val_fetcher = self.fetcher
         if self.train_ids.size == 0:
             raise ConfigError(f"{names('val_fraction')}: leaves no training samples")
+        if eval_interval and not cfg.val_path and cfg.val_fraction > 0 and not self.val_ids.size:
+            self.notice = (
+                f"{names('val_fraction')} = {cfg.val_fraction} holds out none of the "
+                f"{all_ids.size:,} samples of {cfg.path}: no validation runs (no val_loss); "
+                f"raise it or set {names('val_path')}"
+            )
         # stream over the training samples, and the island's planner
         self.stream = cfg.stream.build(
             all_lengths[self.train_ids], global_batch_tokens, island, islands, names

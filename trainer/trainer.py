@@ -162,6 +162,8 @@ class Trainer:
         self.hooks.attach(self.model)
         # data: fetch, held-out split, this island's stream, planner, validation set
         self.data = cfg.train_data(rt.rank, rt.world, self._stack, island=rt.island)
+        if self.data.notice and rt.global_rank == 0:
+            get_logger().warning(self.data.notice)
         # resume before the first step
         self.state = ModelState(
             self.model,

@@ -190,7 +190,7 @@ def check_inputs(
 ) -> None:
     """Refuse what `kernel` cannot compute, naming the setting: a dtype outside `dtypes`
     (train.dtype), a head dimension not a multiple of `align` or above `max_head_dim`
-    (model.head_dim), query heads not a multiple of the KV heads."""
+    (model.dim / model.n_heads), query heads not a multiple of the KV heads."""
     if q.dtype not in dtypes:
         names = ", ".join(str(d)[6:] for d in dtypes)
         raise ValueError(
@@ -199,7 +199,7 @@ def check_inputs(
     d = q.shape[-1]
     if d % align or d > max_head_dim:
         raise ValueError(
-            f"head dimension {d} (model.dim / model.n_heads, or model.head_dim): the {kernel} "
+            f"head dimension {d} (model.dim / model.n_heads, or a pretrained config.json's head_dim): the {kernel} "
             f"kernel takes multiples of {align} up to {max_head_dim} in {str(q.dtype)[6:]}"
         )
     if q.shape[1] % k.shape[1]:

@@ -79,7 +79,7 @@ class TrainConfig:
         False,
         help="torch.compile each block as one graph with dynamic shapes, local attention a "
         "registered operator inside it (a ring micro-batch: the segments around its attention); "
-        "tensor parallelism runs uncompiled",
+        "refused with parallel.tp > 1 (DTensor blocks run uncompiled)",
         free_on_resume=True,
     )
     loss_normalization: str = setting(

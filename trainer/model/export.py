@@ -138,7 +138,7 @@ def export_hf(
     out_dir: str,
     *,
     dtype: torch.dtype | None = None,
-    tokenizer_files: Sequence[str] = (),
+    tokenizer_files: Sequence[str | tuple[str, str]] = (),
     max_position_embeddings: int | None = None,
     base_config: Mapping[str, Any] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -150,7 +150,8 @@ def export_hf(
     `dtype`: the stored dtype (default: each tensor's own); `max_position_embeddings`: the
     declared context (default: the shape's; dynamic NTK writes its original context, where
     transformers starts stretching); `base_config`: the source config.json, whose token ids
-    (bos, eos, pad) are carried over; `tokenizer_files`: copied into the folder.
+    (bos, eos, pad) are carried over; `tokenizer_files`: copied into the folder, each a path
+    (under its own name) or (path, name in the folder).
     Raises InputError (destination exists, a tokenizer file missing), ConfigError (no declared
     context), ValueError (weights not of the shape)."""
     out_dir = os.path.normpath(os.fspath(out_dir))
@@ -161,10 +162,11 @@ def export_hf(
         raise ConfigError("max_position_embeddings: needed for config.json (the model's context)")
     if os.path.lexists(out_dir) and not overwrite:
         raise InputError(f"{out_dir}: already exists (overwrite it explicitly)")
-    for src in tokenizer_files:
+    copies = [(f, os.path.basename(f)) if isinstance(f, str) else f for f in tokenizer_files]
+    for src, name in copies:
         if not os.path.isfile(src):
             raise InputError(f"{src}: tokenizer file missing")
-        if os.path.basename(src) in (CONFIG_FILE, INDEX_FILE) or src.endswith(".safetensors"):
+        if name in (CONFIG_FILE, INDEX_FILE) or name.endswith(".safetensors"):
             raise InputError(f"{src}: a tokenizer file cannot be named like the model's files")
     stored = dtype or next(iter(weights.values())).dtype
     config = fam.config_json(shape, context, str(stored).removeprefix("torch."), base_config)
@@ -176,11 +178,11 @@ def export_hf(
         files = _write_weights(tmp, weights, names, dtype, shard_bytes)
         _write_json(os.path.join(tmp, CONFIG_FILE), config)
         files.append(CONFIG_FILE)
-        for src in tokenizer_files:
-            dst = os.path.join(tmp, os.path.basename(src))
+        for src, name in copies:
+            dst = os.path.join(tmp, name)
             shutil.copyfile(src, dst)
             fsync_dir(dst)
-            files.append(os.path.basename(src))
+            files.append(name)
         fsync_dir(tmp)
         _install(tmp, out_dir, overwrite)
     except BaseException:
