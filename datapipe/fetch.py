@@ -248,9 +248,12 @@ class Fetcher:
             )
 
     def _out_of_vocab(self, flat: np.ndarray, uniq: np.ndarray, row_off: np.ndarray) -> None:
-        """InputError naming the shard, sample and position of the first out-of-vocabulary id."""
-        assert self.vocab_size is not None
-        k = int(np.argmax(flat >= self.vocab_size))
+        """InputError naming the shard, sample and position of the first out-of-vocabulary id
+        (negative, or at least the vocabulary size)."""
+        bad = flat < 0 if flat.dtype.kind == "i" else np.zeros(flat.shape, bool)
+        if self.vocab_size is not None:
+            bad |= flat >= self.vocab_size
+        k = int(np.argmax(bad))
         i = int(np.searchsorted(row_off, k, side="right") - 1)
         row = int(uniq[i])
         sample = int(np.searchsorted(self.global_first_row, row, side="right") - 1)
@@ -258,8 +261,8 @@ class Fetcher:
         shard = self.reader.shard_names[self.reader.shard_of_row(row)]
         raise InputError(
             f"{self.index.root}/{shard}: sample {sample}, token {pos} has id {int(flat[k])}, "
-            f"outside the vocabulary ({self.vocab_source} = {self.vocab_size}); the data does "
-            "not match its tokenizer or the model"
+            f"outside the vocabulary ({self.vocab_source} = {self.vocab_size}, ids from 0); "
+            "the data does not match its tokenizer or the model"
         )
 
     def fetch_step(self, microbatches: Sequence[Any]) -> list[PackedMicroBatch]:
@@ -322,7 +325,10 @@ class Fetcher:
             np.cumsum(span_len, out=span_off[1:])
             trained = np.zeros(flat.shape[0], np.uint8)
             mark_trained(row_off, span_off, spans, trained)
-        if self.vocab_size is not None and flat.size and int(flat.max()) >= self.vocab_size:
+        if flat.size and (
+            (self.vocab_size is not None and int(flat.max()) >= self.vocab_size)
+            or (flat.dtype.kind == "i" and int(flat.min()) < 0)  # a signed column of others
+        ):
             self._out_of_vocab(flat, uniq, row_off)
         # a range's rows are consecutive global rows, hence adjacent in `uniq`: its span is
         # contiguous in `flat`, starting inside its first row

@@ -138,11 +138,14 @@ def _check_shard_rows(reader, lo: int, hi: int, want: np.ndarray, vocab: int | N
                 f"{int(want[rows[k]])}"
             )
         flat = np.concatenate(got) if got else np.zeros(0, np.int64)
-        if vocab is not None and flat.size and int(flat.max()) >= vocab:
-            k = int(np.argmax(flat >= vocab))
+        bad = flat < 0 if flat.dtype.kind == "i" else np.zeros(flat.shape, bool)
+        if vocab is not None:
+            bad |= flat >= vocab
+        if bad.any():
+            k = int(np.argmax(bad))
             r = int(np.searchsorted(np.cumsum(lens), k, side="right"))
             return (
                 f"row {int(rows[r]) - lo} holds token id {int(flat[k])}, outside the vocabulary "
-                f"({MANIFEST_FILE} vocab_size = {vocab})"
+                f"({MANIFEST_FILE} vocab_size = {vocab}, ids from 0)"
             )
     return None

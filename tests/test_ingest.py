@@ -309,8 +309,15 @@ def test_existing_output_refused_then_overwritten(tmp_path: Path, corpus: dict) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_interrupted_run_leaves_no_output(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("sig", "workers"), [(signal.SIGKILL, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)]
+)
+def test_interrupted_run_leaves_no_output(
+    tmp_path: Path, sig: signal.Signals, workers: int
+) -> None:
+    """Killed, stopped, or Ctrl-C (SIGINT to the whole process group) with two workers waiting
+    for blocks: the run ends at once (workers had died holding the pool's lock, and the run
+    waited for it forever), leaving nothing but what SIGKILL cannot clean."""
     src = tmp_path / "src"
     src.mkdir()
     for i in range(40):
@@ -319,8 +326,9 @@ def test_interrupted_run_leaves_no_output(tmp_path: Path, sig: signal.Signals) -
     marker = tmp_path / "paused"
     env = dict(os.environ, MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD=str(marker), PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "tools.cli", "preprocess", str(src), "--out", str(out), "--format", "parquet",
-           "--shard-size", "4KiB", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           "--shard-size", "4KiB", "--no-progress", "--workers", str(workers)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -331,15 +339,17 @@ def test_interrupted_run_leaves_no_output(tmp_path: Path, sig: signal.Signals) -
         assert len(partial) == 1 and any(partial[0].glob("shard-*.parquet")), (
             "paused mid-way with a shard written"
         )
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 130 and err.decode().strip() == "mixlen preprocess: interrupted"
     assert not out.exists()
     leftovers = list(tmp_path.glob(".out.partial-*"))
-    if sig == signal.SIGTERM:
-        assert leftovers == [], "SIGTERM cleans its temporary directory"
+    if sig != signal.SIGKILL:
+        assert leftovers == [], "SIGTERM and Ctrl-C clean the temporary directory"
     for p in leftovers:  # SIGKILL cannot clean up: nothing there looks complete
         assert not (p / "manifest.json").exists() and not (p / "index.parquet").exists()
     # the next run succeeds and removes the dead run's temporary directory

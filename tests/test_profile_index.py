@@ -165,3 +165,48 @@ def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(["profile", str(root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_tokens"] == int(lengths.sum())
+
+
+def _write_mds(root: Path, rows: list[np.ndarray], encoding: str = "ndarray:int32") -> None:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(root), columns={"tokens": encoding}) as w:
+        for ids in rows:
+            w.write({"tokens": ids})
+
+
+def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
+    """`mixlen index` refuses a negative token id (naming shard, row and position), a token
+    dtype mixlen does not read, and an MDS dataset with no rows; a negative id in a dataset
+    indexed before this check (the shard rewritten, its checksum too) is refused by `verify`
+    and by the fetch, naming the sample and position."""
+    from datapipe.fetch import FetchConfig
+    from datapipe.integrity import FINGERPRINT_KEY, checksum_file, dataset_fingerprint
+    from datapipe.verify import verify_dataset
+
+    good = [np.array([5, 3, 7], np.int32), np.array([1, 2, 3, 4], np.int32)]
+    bad = [good[0], np.array([1, 2, -3, 4], np.int32)]
+    _write_mds(tmp_path / "neg", bad)
+    with pytest.raises(InputError, match=r"shard\.00000\.mds row 1: .* holds token id -3 at "
+                       r"position 2; token ids are never negative"):  # fmt: skip
+        index_mds(str(tmp_path / "neg"))
+    _write_mds(tmp_path / "i16", [g.astype(np.int16) for g in good], "ndarray:int16")
+    with pytest.raises(InputError, match="holds int16 token ids; mixlen reads uint8, uint16"):
+        index_mds(str(tmp_path / "i16"))
+    _write_mds(tmp_path / "empty", [])
+    with pytest.raises(InputError, match="holds no rows"):
+        index_mds(str(tmp_path / "empty"))
+    root = tmp_path / "old"
+    _write_mds(root, good)
+    index_mds(str(root))
+    shard = root / "shard.00000.mds"
+    shard.write_bytes((tmp_path / "neg" / "shard.00000.mds").read_bytes())
+    m = json.loads((root / "manifest.json").read_text())
+    m["shards"][0]["xxh3_64"] = checksum_file(str(shard))
+    m[FINGERPRINT_KEY] = dataset_fingerprint(m)
+    (root / "manifest.json").write_text(json.dumps(m))
+    problems = verify_dataset(str(root)).problems
+    assert len(problems) == 1 and "row 1 holds token id -3, outside the vocabulary" in problems[0]
+    with FetchConfig().build(str(root)) as fetcher, pytest.raises(InputError) as exc:
+        fetcher.fetch(np.array([[1, 0, 4]], np.int64))
+    assert "shard.00000.mds: sample 1, token 2 has id -3, outside the vocabulary" in str(exc.value)

@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     the exit code; a torchrun rank running its own command line (argv None) leaves at once with
     it, skipping the interpreter's finalization where gloo can abort (a multi-node launch runs
     `torchrun ... --no-python mixlen train ...`)."""
-    code = run_command(argv)
+    try:
+        code = run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules load
+        print("mixlen: interrupted", file=sys.stderr)
+        code = 130
     if argv is None:
         from tools.launch import under_torchrun
 

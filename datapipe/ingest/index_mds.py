@@ -19,6 +19,7 @@ from datapipe.index import INDEX_FILE, MANIFEST_FILE, write_index
 from datapipe.integrity import (
     FINGERPRINT_KEY,
     INDEX_CHECKSUM_KEY,
+    TOKEN_DTYPES,
     checksum_file,
     dataset_fingerprint,
     shard_name_problem,
@@ -99,6 +100,13 @@ def index_mds(
             dtype = toks.dtype if dtype is None else np.promote_types(dtype, toks.dtype)
             if toks.size:
                 max_token = max(max_token, int(toks.max()))
+                if toks.dtype.kind == "i" and int(toks.min()) < 0:
+                    k = int(np.argmax(toks < 0))
+                    raise InputError(
+                        f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} "
+                        f"holds token id {int(toks[k])} at position {k}; token ids are never "
+                        "negative"
+                    )
             lengths.append(int(toks.size))
             shard_of.append(si)
             row_in_shard.append(r)
@@ -116,6 +124,13 @@ def index_mds(
             }
         )
     bar.close()
+    if not lengths:
+        raise InputError(f"{root}: the MDS dataset holds no rows; nothing to index")
+    if dtype is not None and dtype.name not in TOKEN_DTYPES:
+        raise InputError(
+            f"{root}: column {tokens_field!r} holds {dtype.name} token ids; mixlen reads "
+            f"{', '.join(TOKEN_DTYPES)} (rewrite the column in one of them)"
+        )
     num_tokens = np.asarray(lengths, dtype=np.int64)
     tmp_index = os.path.join(root, INDEX_FILE + ".tmp")
     write_index(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -28,6 +29,17 @@ from datapipe.ingest.engines.base import EngineResult, EngineRun, Written, write
 from datapipe.ingest.sources import BLOCK_BYTES, Block, TokenizeSettings, iter_blocks
 from datapipe.ingest.worker import BlockResult, init_worker, process_block
 from datapipe.progress import InputProgress, input_sizes, progress
+
+
+def _init_pool_worker(settings: TokenizeSettings) -> None:
+    """A pool process leaves the main process's process group and ignores SIGINT. Ctrl-C,
+    `kill -- -PGID` or a scheduler's stop signal a whole group: workers killed while one holds
+    the pool's task-queue lock would leave the pool's shutdown waiting for it forever. Now only
+    the main process gets them, and it ends the pool as after any error (the workers end at
+    end of file of the task queue if the main process is killed outright)."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_worker(settings)
 
 
 def _results(
@@ -44,7 +56,7 @@ def _results(
         return
     budget = workers * max(settings.max_doc_bytes, BLOCK_BYTES)
     ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=init_worker, initargs=(settings,)) as pool:
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(settings,)) as pool:
         window: deque = deque()
         inflight = 0
         for block in blocks:
