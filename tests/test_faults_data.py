@@ -263,6 +263,28 @@ def test_mds_pickled_columns_are_never_read(copy, tmp_path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("enc", ["ndarray:float16", "ndarray:uint32", "str", "json", None])
+def test_a_token_column_of_another_encoding_is_refused(copy, enc) -> None:
+    """MDS's index.json is not under the manifest's checksums: a token column whose encoding
+    is not an ndarray of the manifest's dtype (float16 read every id as about 0 and trained on
+    them; str or json ended in an AttributeError), or a missing one, is refused naming the
+    shard, the column and what was expected, by the reader, the dataset access and verify."""
+    root = copy("mds")
+    obj = json.loads((root / "index.json").read_text())
+    k = obj["shards"][0]["column_names"].index("tokens")
+    if enc is None:
+        obj["shards"][0]["column_names"][k] = "ids"
+    else:
+        obj["shards"][0]["column_encodings"][k] = enc
+    (root / "index.json").write_text(json.dumps(obj))
+    name = obj["shards"][0]["raw_data"]["basename"]
+    want = f"shard {name} column 'tokens' has encoding {enc!r}; expected 'ndarray:uint16'"
+    for access in ("reader", "dataset"):
+        with pytest.raises(InputError, match=re.escape(want)):
+            FetchConfig(mds_access=access).build(str(root))
+    assert any(want in p for p in verify_dataset(str(root)).problems)
+
+
 def test_out_of_vocabulary_token_names_shard_sample_and_position(copy) -> None:
     """Token ids at or above the vocabulary (here: a manifest claiming a smaller vocabulary than
     its data) are refused by the fetch naming the shard, the sample and the token's position."""

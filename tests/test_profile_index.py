@@ -165,6 +165,16 @@ def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(["profile", str(root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_tokens"] == int(lengths.sum())
+    # read for training from its own column (the str column beside it decodes too)
+    from datapipe.fetch import FetchConfig
+
+    want = np.random.default_rng(1)
+    want.integers(1, 3000, 50)
+    ids = [want.integers(0, 70000, n).astype(np.uint32) for n in lengths]
+    for access in ("reader", "dataset"):
+        with FetchConfig(mds_access=access).build(str(root)) as fetcher:
+            mb = fetcher.fetch(np.array([[7, 0, int(lengths[7])], [3, 5, 9]], np.int64))
+        np.testing.assert_array_equal(mb.input_ids, np.concatenate([ids[7], ids[3][5:9]]))
 
 
 def _write_mds(root: Path, rows: list[np.ndarray], encoding: str = "ndarray:int32") -> None:

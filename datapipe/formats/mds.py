@@ -105,8 +105,9 @@ UNSAFE_ENCODINGS = ("pkl",)  # MDS column encodings that unpickle on decode: nev
 
 def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
     """MDS's own index.json (downloaded first for a remote dataset), checked against the
-    manifest: the same shards in the same order with the same row counts, no compression, and no
-    column that would be unpickled when decoded."""
+    manifest: the same shards in the same order with the same row counts, no compression, no
+    column that would be unpickled when decoded, and the token column (`tokens_field`) an
+    ndarray of the manifest's dtype in every shard."""
     path = os.path.join(local, "index.json")
     if remote is not None and not os.path.exists(path):
         download(remote.rstrip("/") + "/index.json", path)
@@ -120,6 +121,7 @@ def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
         names = [s["raw_data"]["basename"] for s in shards]
         rows = [s["samples"] for s in shards]
         encodings = [e for s in shards for e in s.get("column_encodings", [])]
+        columns = [dict(zip(s["column_names"], s["column_encodings"])) for s in shards]
         compressed = any(s.get("compression") for s in shards)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise InputError(f"{path}: not a valid MDS index ({type(exc).__name__}: {exc})") from None
@@ -139,7 +141,21 @@ def read_mds_index(local: str, remote: str | None, manifest: dict) -> dict:
             f"{path}: column encoding {unsafe[0]!r} would unpickle data; mixlen never reads "
             "pickled columns"
         )
+    field, dtype = tokens_field(manifest), manifest.get("dtype", "uint16")
+    for name, cols in zip(names, columns):
+        enc = cols.get(field)
+        if not (isinstance(enc, str) and enc.split(":")[:2] in (["ndarray"], ["ndarray", dtype])):
+            raise InputError(
+                f"{path}: shard {name} column {field!r} has encoding {enc!r}; expected "
+                f"'ndarray:{dtype}' (manifest.json dtype)"
+            )
     return obj
+
+
+def tokens_field(manifest: dict) -> str:
+    """The MDS column holding the token ids (`mixlen index --tokens-field`; mixlen's own:
+    tokens)."""
+    return manifest.get("tokens_field") or TOKENS
 
 
 class Reader(RowReader):
@@ -154,6 +170,7 @@ class Reader(RowReader):
         from streaming.base.format import reader_from_json
 
         obj = read_mds_index(local, remote, manifest)
+        self.field = tokens_field(manifest)
         self.readers = [reader_from_json(local, None, s) for s in obj["shards"]]
         self._fds: dict[int, tuple[int, np.ndarray]] = {}
         self._decoders: dict[int, Callable] = {}
@@ -181,11 +198,12 @@ class Reader(RowReader):
         if shard not in self._decoders:
             rd = self.readers[shard]
 
-            def library(data, _decode=rd.decode_sample):
-                return _decode(data)[TOKENS]
+            def library(data, _decode=rd.decode_sample, _field=self.field):
+                # bytes: the library's str/json decoders cannot take a memoryview
+                return _decode(bytes(data) if isinstance(data, memoryview) else data)[_field]
 
             direct = None
-            if self.direct:
+            if self.direct and self.field == TOKENS:
                 direct = token_decoder(
                     rd.column_names, rd.column_encodings, rd.column_sizes, self.dtype, library
                 )
@@ -238,7 +256,7 @@ class Reader(RowReader):
         out = []
         for d in read_ranges(fd, begin, end, self.stats):
             row = decode(d)
-            out.append((row[TOKENS], np.asarray(row[TRAINED], SPAN_DTYPE)))
+            out.append((row[self.field], np.asarray(row[TRAINED], SPAN_DTYPE)))
         return out
 
     def _spans_direct(self, shard: int, layout, fd: int, offs: np.ndarray) -> bool:
@@ -268,6 +286,7 @@ class DatasetReader(RowReader):
         from streaming import StreamingDataset
 
         read_mds_index(local, remote, manifest)
+        self.field = tokens_field(manifest)
         clean_stale_streaming()  # leftovers of killed runs (streaming issues #781, #893)
         if remote is None:
             ds_local, ds_remote = local, None
@@ -291,7 +310,7 @@ class DatasetReader(RowReader):
         if self.remote is None:  # verified before the library reads them
             for shard in shards:
                 self.shard_path(shard)
-        out = [self.ds.get_item(int(r))[TOKENS] for r in rows]
+        out = [self.ds.get_item(int(r))[self.field] for r in rows]
         if self._own_local is not None:  # downloaded by the library: verified before use
             for shard in shards:
                 self.verify_shard(shard, os.path.join(self._own_local, self.shard_names[shard]))
