@@ -87,9 +87,12 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_INT_MAX = 1 << 62  # counts and sizes the int64 arithmetic on them holds
+
+
 def _need_int(where: str, v: object, lo: int) -> None:
-    if not _is_int(v) or v < lo:  # type: ignore[operator]
-        raise InputError(f"{where}: expected an integer >= {lo}, got {v!r}")
+    if not _is_int(v) or not lo <= v <= _INT_MAX:  # type: ignore[operator]
+        raise InputError(f"{where}: expected an integer in [{lo}, 2^62], got {v!r}")
 
 
 def check_manifest(manifest: object, mpath: str) -> None:

@@ -206,7 +206,9 @@ def test_manifest_shard_names_must_stay_inside(copy, name, phrase: str) -> None:
     [
         (lambda m: m.pop("shards"), "missing key 'shards'"),
         (lambda m: m.__setitem__("num_samples", "many"), "num_samples: expected an integer"),
-        (lambda m: m.__setitem__("chunk_tokens", 0), "chunk_tokens: expected an integer >= 1"),
+        (lambda m: m.__setitem__("chunk_tokens", 0), "chunk_tokens: expected an integer in \\[1, "),
+        (lambda m: m.__setitem__("chunk_tokens", 10**30), "chunk_tokens: expected an integer in"),
+        (lambda m: m["shards"][0].__setitem__("rows", 10**30), "shards\\[0\\].rows: expected an"),
         (lambda m: m["shards"][1].__setitem__("rows", -1), "shards\\[1\\].rows"),
         (lambda m: m["shards"][1].__setitem__("xxh3_64", "zz"), "shards\\[1\\].xxh3_64"),
         (lambda m: m.__setitem__("dtype", "float32"), "dtype: expected one of"),

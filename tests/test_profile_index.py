@@ -187,7 +187,7 @@ def _write_mds(root: Path, rows: list[np.ndarray], encoding: str = "ndarray:int3
 
 def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
     """`mixlen index` refuses a negative token id (naming shard, row and position), a token
-    dtype mixlen does not read, and an MDS dataset with no rows; a negative id in a dataset
+    dtype mixlen does not read, a truncated shard (naming it) and an MDS dataset with no rows; a negative id in a dataset
     indexed before this check (the shard rewritten, its checksum too) is refused by `verify`
     and by the fetch, naming the sample and position."""
     from datapipe.fetch import FetchConfig
@@ -203,6 +203,11 @@ def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
     _write_mds(tmp_path / "i16", [g.astype(np.int16) for g in good], "ndarray:int16")
     with pytest.raises(InputError, match="holds int16 token ids; mixlen reads uint8, uint16"):
         index_mds(str(tmp_path / "i16"))
+    _write_mds(tmp_path / "cut", [np.arange(1000, dtype=np.int32)] * 5)
+    shard = tmp_path / "cut" / "shard.00000.mds"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + 1])
+    with pytest.raises(InputError, match=r"shard\.00000\.mds row \d: cannot be read .*truncated"):
+        index_mds(str(tmp_path / "cut"))
     _write_mds(tmp_path / "empty", [])
     with pytest.raises(InputError, match="holds no rows"):
         index_mds(str(tmp_path / "empty"))

@@ -92,7 +92,13 @@ def index_mds(
             )
         reader = reader_from_json(root, None, sh)
         for r in range(sh["samples"]):
-            toks = np.asarray(reader.get_item(r)[tokens_field])
+            try:
+                toks = np.asarray(reader.get_item(r)[tokens_field])
+            except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise InputError(
+                    f"{root}/{sh['raw_data']['basename']} row {r}: cannot be read "
+                    f"({type(exc).__name__}: {exc}); the shard is truncated or corrupt"
+                ) from None
             if toks.ndim != 1 or toks.dtype.kind not in "iu":
                 raise InputError(
                     f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} is not a 1-D integer array"
