@@ -142,8 +142,8 @@ def test_a_folder_named_like_a_weight_and_two_folders_of_one_name(data, capsys) 
 
 def test_a_mix_files_paths_and_keys(data, tmp_path, capsys, monkeypatch) -> None:
     """Relative paths are read from the current folder (as `mixlen train` reads its config's),
-    errors name the file's key (not DIR[0]), unknown [data] keys are refused, and a source that
-    is a file says so."""
+    errors name the file's key (not DIR[0]), unknown [data] keys are refused, a mixture given both
+    at the top and under [data] is refused, and a source that is a file says so."""
     sub = tmp_path / "configs"
     sub.mkdir()
     mix = _write(sub / "mix.toml", '[data]\nsources = [{path = "web"}, {path = "email"}]\n')
@@ -163,6 +163,13 @@ def test_a_mix_files_paths_and_keys(data, tmp_path, capsys, monkeypatch) -> None
     for cmd in (["profile", "--mix", bad], ["plan", "--mix", bad, *PLAN]):
         code, _, err = _run(capsys, *cmd)
         assert code == 2 and f"--mix {bad}: data.lookahed: unknown key (known: " in err
+    both = _write(sub / "both.toml", f'sources = [{{path = "{data["web"]}"}}]\n[data]\n'
+                  f'sources = [{{path = "{data["email"]}"}}]\n')  # fmt: skip
+    code, _, err = _run(capsys, "plan", "--mix", both, *PLAN)  # one list was silently dropped
+    assert code == 2 and f"--mix {both}: sources at the top and a [data] table: give the" in err
+    config = _write(sub / "run.toml", f'[model]\nname = "debug"\n[data]\n'
+                    f'sources = [{{path = "{data["web"]}"}}]\n')  # fmt: skip
+    assert _run(capsys, "profile", "--mix", config)[0] == 0  # a training config's other tables
     afile = os.path.join(data["web"], "manifest.json")
     code, _, err = _run(capsys, "profile", afile + "@1", data["email"])
     assert code == 2

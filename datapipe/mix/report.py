@@ -124,6 +124,14 @@ def read_mixture(dirs: list[str], mix: str | None, table: type | None = None) ->
         raise ConfigError(f"--mix {mix}: not valid TOML ({exc})") from None
     data = doc.get("data", doc) if isinstance(doc.get("data"), dict) else doc
     names = Names("data" if data is not doc else "")
+    # a [data] table and top-level keys beside it (a training config's other tables aside):
+    # one of the two would be silently ignored
+    stray = sorted(k for k, v in doc.items() if not isinstance(v, dict)) if data is not doc else []
+    if stray:
+        raise ConfigError(
+            f"{where}{', '.join(stray)} at the top and a [data] table: give the mixture in one "
+            "of them"
+        )
     try:
         if table is not None:
             _check_table(table, data, names)
