@@ -119,6 +119,16 @@ def check_manifest(manifest: object, mpath: str) -> None:
         )
     if "tokens_field" in manifest and not isinstance(manifest["tokens_field"], str):
         raise InputError(f"{mpath}: tokens_field: expected a string")
+    if manifest.get("loss_mask") not in (None, False, "trained_spans"):
+        raise InputError(
+            f'{mpath}: loss_mask: expected "trained_spans" or none, got {manifest["loss_mask"]!r}'
+        )
+    for key in ("bos_id", "eos_id"):  # a special token's id, or none
+        v = manifest.get(key)
+        if v is not None and not (_is_int(v) and 0 <= v <= _INT_MAX):
+            raise InputError(
+                f"{mpath}: {key}: expected a token id (an integer >= 0) or null, got {v!r}"
+            )
     digest = manifest.get(INDEX_CHECKSUM_KEY)
     if digest is not None and not (isinstance(digest, str) and _HEX16.match(digest)):
         raise InputError(f"{mpath}: {INDEX_CHECKSUM_KEY}: expected 16 hex digits, got {digest!r}")
