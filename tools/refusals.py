@@ -220,6 +220,29 @@ REFUSALS: tuple[Refusal, ...] = (
         "datapipe/shapes.py",
         "tests/test_tensor_parallel.py::test_tp_config_refusals",
     ),
+    Refusal(
+        "index",
+        "an MDS token column with a negative id, a dtype other than uint8/16/32 or int32/64, "
+        "a truncated shard, or no rows",
+        "token ids are never negative",
+        "datapipe/ingest/index_mds.py",
+        "tests/test_profile_index.py::test_index_refuses_what_training_would_not_read",
+    ),
+    Refusal(
+        "train, eval, verify, profile, plan",
+        "an MDS dataset whose index.json gives the token column another encoding than an "
+        "ndarray of manifest.json's dtype",
+        "(manifest.json dtype)",
+        "datapipe/formats/mds.py",
+        "tests/test_faults_data.py::test_a_token_column_of_another_encoding_is_refused",
+    ),
+    Refusal(
+        "plan, profile, simulate",
+        "a `--mix` file with mixture keys both at its top and under `[data]`",
+        "at the top and a [data] table",
+        "datapipe/mix/report.py",
+        "tests/test_mix_cli.py::test_a_mix_files_paths_and_keys",
+    ),
 )
 
 

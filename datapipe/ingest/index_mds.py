@@ -110,8 +110,8 @@ def index_mds(
                     k = int(np.argmax(toks < 0))
                     raise InputError(
                         f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} "
-                        f"holds token id {int(toks[k])} at position {k}; token ids are never "
-                        "negative"
+                        f"holds token id {int(toks[k])} at position {k}; "
+                        "token ids are never negative"
                     )
             lengths.append(int(toks.size))
             shard_of.append(si)
