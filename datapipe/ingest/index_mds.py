@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -59,8 +60,6 @@ def index_mds(
 ) -> dict:
     """Read every row's token column once, write index.parquet and manifest.json; return the
     manifest. `progress`: a bar over rows (None: only on a terminal)."""
-    from streaming.base.format import reader_from_json
-
     from datapipe.progress import progress as progress_bar
 
     obj = _read_mds_index(root)
@@ -90,32 +89,13 @@ def index_mds(
             raise InputError(
                 f"{root}: shard {si} is compressed ({sh['compression']}); decompress it first"
             )
-        reader = reader_from_json(root, None, sh)
-        for r in range(sh["samples"]):
-            try:
-                toks = np.asarray(reader.get_item(r)[tokens_field])
-            except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as exc:
-                raise InputError(
-                    f"{root}/{sh['raw_data']['basename']} row {r}: cannot be read "
-                    f"({type(exc).__name__}: {exc}); the shard is truncated or corrupt"
-                ) from None
-            if toks.ndim != 1 or toks.dtype.kind not in "iu":
-                raise InputError(
-                    f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} is not a 1-D integer array"
-                )
+        for toks in _shard_rows(root, sh, tokens_field):
             dtype = toks.dtype if dtype is None else np.promote_types(dtype, toks.dtype)
             if toks.size:
                 max_token = max(max_token, int(toks.max()))
-                if toks.dtype.kind == "i" and int(toks.min()) < 0:
-                    k = int(np.argmax(toks < 0))
-                    raise InputError(
-                        f"{root}/{sh['raw_data']['basename']} row {r}: column {tokens_field!r} "
-                        f"holds token id {int(toks[k])} at position {k}; "
-                        "token ids are never negative"
-                    )
             lengths.append(int(toks.size))
             shard_of.append(si)
-            row_in_shard.append(r)
+        row_in_shard.extend(range(sh["samples"]))
         bar.update(sh["samples"])
         name = sh["raw_data"]["basename"]
         path = os.path.join(root, name)
@@ -154,6 +134,32 @@ def index_mds(
     os.replace(tmp_index, os.path.join(root, INDEX_FILE))
     os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
     return manifest
+
+
+def _shard_rows(root: str, sh: dict, tokens_field: str) -> Iterator[np.ndarray]:
+    """Each row's token column of one MDS shard (its index.json entry `sh`), checked: readable,
+    a 1-D integer array, no negative id."""
+    from streaming.base.format import reader_from_json
+
+    reader = reader_from_json(root, None, sh)
+    where = f"{root}/{sh['raw_data']['basename']}"
+    for r in range(sh["samples"]):
+        try:
+            toks = np.asarray(reader.get_item(r)[tokens_field])
+        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise InputError(
+                f"{where} row {r}: cannot be read ({type(exc).__name__}: {exc}); the shard is "
+                "truncated or corrupt"
+            ) from None
+        if toks.ndim != 1 or toks.dtype.kind not in "iu":
+            raise InputError(f"{where} row {r}: column {tokens_field!r} is not a 1-D integer array")
+        if toks.size and toks.dtype.kind == "i" and int(toks.min()) < 0:
+            k = int(np.argmax(toks < 0))
+            raise InputError(
+                f"{where} row {r}: column {tokens_field!r} holds token id {int(toks[k])} at "
+                f"position {k}; token ids are never negative"
+            )
+        yield toks
 
 
 def _manifest(
