@@ -140,6 +140,9 @@ def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
     gbt = ["plan", ds, "--ranks", "2", "--capacity", "64", "--global-batch-tokens", str(1 << 62)]
     assert cli_main(gbt) == 2
     assert "--global-batch-tokens: must be an integer in [1, " in capsys.readouterr().err
+    for value in ("nan", "inf", "-1"):  # named by the flag, not the cost model's key
+        assert cli_main([*base, "--capacity", "64", "--offload", "--offload-gbps", value]) == 2
+        assert "--offload-gbps must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_config_files_and_numbers_refused_by_the_cli(tmp_path, capsys) -> None:

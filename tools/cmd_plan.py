@@ -123,8 +123,10 @@ def resolve_cost(args: argparse.Namespace):
 
     cost = resolve(args.model, args.cost)
     if args.offload_gbps is not None:
-        if args.offload_gbps <= 0:
-            raise ConfigError(f"--offload-gbps must be > 0, got {args.offload_gbps}")
+        if not 0 < args.offload_gbps < float("inf"):  # NaN fails too
+            raise ConfigError(
+                f"--offload-gbps must be a finite number > 0, got {args.offload_gbps}"
+            )
         cost = cost.with_offload_bandwidth(args.offload_gbps * 1e9 / 8)
     return cost
 
