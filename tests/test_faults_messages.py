@@ -123,6 +123,10 @@ def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
     for key in ("train.global_batch_tokens", "parallel.max_context", "train.steps", "data.seed"):
         with pytest.raises(ConfigError, match=f"^--set {key}: must be <= "):
             load_config(cfg, [f"{key}={1 << 80}"])
+    shaped = tmp_path / "shaped.toml"  # another [model] override in the file: the --set is named
+    shaped.write_text('[model]\nname = "debug"\nvocab_size = 300\n[data]\npath = "x"\n')
+    with pytest.raises(ConfigError, match=r"^--set model.rope_theta: rope_theta must be > 1"):
+        load_config(shaped, ["model.rope_theta=-1"])
     ds = make_dataset(str(tmp_path / "ds"), n_docs=20)
     base = ["plan", ds, "--ranks", "4", "--global-batch-tokens", "4096", "--model", "debug"]
     for flags, key in [

@@ -132,7 +132,9 @@ class ModelSection:
             msg = str(exc)
             if msg.startswith("rope_scaling"):
                 raise ConfigError(f"{names.prefix}.{msg}") from None
-            keys = ", ".join(names(k) for k in over) or names("name")
+            # a message about one override names it alone (so a --set is named as the --set)
+            named = [k for k in over if msg.split(" ", 1)[0] == k] or list(over)
+            keys = ", ".join(names(k) for k in named) or names("name")
             raise ConfigError(f"{keys}: {exc}") from None
 
 
