@@ -310,13 +310,19 @@ def test_existing_output_refused_then_overwritten(tmp_path: Path, corpus: dict) 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("sig", "workers"), [(signal.SIGKILL, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)]
+    ("sig", "workers", "group"),
+    [
+        (signal.SIGKILL, 1, False),
+        (signal.SIGTERM, 1, False),
+        (signal.SIGINT, 2, True),
+        (signal.SIGTERM, 2, True),
+    ],  # fmt: skip
 )
 def test_interrupted_run_leaves_no_output(
-    tmp_path: Path, sig: signal.Signals, workers: int
+    tmp_path: Path, sig: signal.Signals, workers: int, group: bool
 ) -> None:
-    """Killed, stopped, or Ctrl-C (SIGINT to the whole process group) with two workers waiting
-    for blocks: the run ends at once (workers had died holding the pool's lock, and the run
+    """Killed, stopped, or Ctrl-C or a scheduler's stop (SIGINT, SIGTERM to the whole process
+    group) with two workers waiting for blocks: the run ends at once (workers had died holding the pool's lock, and the run
     waited for it forever), leaving nothing but what SIGKILL cannot clean."""
     src = tmp_path / "src"
     src.mkdir()
@@ -339,7 +345,7 @@ def test_interrupted_run_leaves_no_output(
         assert len(partial) == 1 and any(partial[0].glob("shard-*.parquet")), (
             "paused mid-way with a shard written"
         )
-        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -32,13 +31,12 @@ from datapipe.progress import InputProgress, input_sizes, progress
 
 
 def _init_pool_worker(settings: TokenizeSettings) -> None:
-    """A pool process leaves the main process's process group and ignores SIGINT. Ctrl-C,
-    `kill -- -PGID` or a scheduler's stop signal a whole group: workers killed while one holds
-    the pool's task-queue lock would leave the pool's shutdown waiting for it forever. Now only
-    the main process gets them, and it ends the pool as after any error (the workers end at
-    end of file of the task queue if the main process is killed outright)."""
+    """A pool process leaves the main process's process group. Ctrl-C, `kill -- -PGID` or a
+    scheduler's stop signal a whole group: workers killed while one holds the pool's task-queue
+    lock would leave the pool's shutdown waiting for it forever. Now only the main process gets
+    them, and it ends the pool as after any error (the workers end at end of file of the task
+    queue if the main process is killed outright)."""
     os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_worker(settings)
 
 
