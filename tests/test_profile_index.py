@@ -187,7 +187,8 @@ def _write_mds(root: Path, rows: list[np.ndarray], encoding: str = "ndarray:int3
 
 def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
     """`mixlen index` refuses a negative token id (naming shard, row and position), a token
-    dtype mixlen does not read, a truncated shard (naming it) and an MDS dataset with no rows; a negative id in a dataset
+    dtype mixlen does not read, a truncated shard (naming it) and an MDS dataset with no rows
+    (and takes MDS's dtype-less `ndarray` encoding); a negative id in a dataset
     indexed before this check (the shard rewritten, its checksum too) is refused by `verify`
     and by the fetch, naming the sample and position."""
     from datapipe.fetch import FetchConfig
@@ -211,6 +212,12 @@ def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
     _write_mds(tmp_path / "empty", [])
     with pytest.raises(InputError, match="holds no rows"):
         index_mds(str(tmp_path / "empty"))
+    generic = tmp_path / "generic"  # MDS's dtype-less ndarray encoding (each row says its own)
+    _write_mds(generic, good, "ndarray")
+    index_mds(str(generic))
+    with FetchConfig().build(str(generic)) as fetcher:
+        got = fetcher.fetch(np.array([[1, 0, 4], [0, 0, 3]], np.int64)).input_ids
+    np.testing.assert_array_equal(got, np.concatenate([good[1], good[0]]))
     root = tmp_path / "old"
     _write_mds(root, good)
     index_mds(str(root))

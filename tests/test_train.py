@@ -193,6 +193,7 @@ def test_a_fraction_that_holds_out_nothing_is_said(dataset):
             f"{dataset}: no validation runs (no val_loss); raise it or set data.val_path"
         )
         assert config(1e-9).train_data(0, 1, stack, validation=False).notice is None
+        assert config(0.0).train_data(0, 1, stack).notice is None  # no held-out set asked for
         some = config(0.3).train_data(0, 1, stack)
         assert some.val_ids.size > 0 and some.validation is not None and some.notice is None
 
