@@ -36,7 +36,9 @@ def _leftovers() -> tuple[set[str], set[str]]:
 # what trainer.parallel.comm.spawn's workers import: forked from one server that imported these
 # once (a fresh interpreter pays ~9 s for torch and the streaming library, which imports
 # transformers), instead of each importing them again; torch._dynamo is what torch imports the
-# first time a model is initialised under a device context (trainer.model.transformer.build)
+# first time a model is initialised under a device context (trainer.model.transformer.build);
+# mixlen's own training, evaluation and calibration modules come next (~0.8 s a worker), and
+# pandas, which pyarrow imports the first time it converts a numpy array (~0.6 s a worker)
 SPAWN_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -44,7 +46,13 @@ SPAWN_PRELOAD = [
     "numpy",
     "numba",
     "pyarrow.parquet",
+    "pandas",
     "streaming",
+    "trainer.train",
+    "trainer.eval.run",
+    "trainer.calibrate",
+    "trainer.parallel.procexit",
+    "tools.cli",
 ]
 
 

@@ -1,9 +1,10 @@
 """The README's training example balances: `mixlen train configs/debug.toml --set data.path=DATASET
---nproc N` (N = 1, 2, 4) on standard-library sources tokenized with the BPE the demo uses (capacity
-16,384, 8,192-token steps). Packing to C left rank 0 running every step alone (imbalance 4.000);
-then, with short samples spread, a ~8K-token sample that fits one rank kept 4 ranks at measured 3.16,
-planned 3.89 (ByteScale's smallest-ring rule, `widen = false`). With widen, the default, every rank
-gets work and the report shows both figures under 1.3."""
+--nproc N` (N = 2, 4; one rank is balanced by definition) on standard-library sources tokenized
+with the BPE the demo uses (capacity 16,384, 8,192-token steps). Packing to C left rank 0 running
+every step alone (imbalance 4.000); then, with short samples spread, a ~8K-token sample that fits
+one rank kept 4 ranks at measured 3.16, planned 3.89 (ByteScale's smallest-ring rule,
+`widen = false`). With widen, the default, every rank gets work and the report shows both figures
+under 1.3."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def stdlib_slice(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # the first case also preprocesses; CI boxes may be loaded
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_readme_example_uses_every_rank(stdlib_slice, tmp_path, nproc: int) -> None:
     data = stdlib_slice
     run = tmp_path / "run"

@@ -5,7 +5,7 @@ For each chunk of tokens the logits are computed in the compute dtype, the log-s
 labels' logits in float32 (float64 for float64), and, when a gradient is wanted, the gradient of
 the chunk's logits (softmax - one-hot, times each position's weight) turns at once into the
 chunk's rows of dL/dh and a share of dL/dW (accumulated in float32). The chunk's float32 logits
-become their exponentials, then the gradient, in place: one chunk of them is alive at a time,
+become their exponentials, then the gradient, in place, in one buffer that every chunk reuses,
 and they are passed over five times (max, subtract, exp, sum, scale; the one-hot's scatter and the
 two matmuls' reads aside). Backward only scales them by the incoming gradient. Peak memory is one
 chunk of [chunk, V] float32 (and its copy in a lower compute dtype) plus dL/dW, instead of
@@ -38,6 +38,16 @@ def chunk_tokens(vocab_rows: int, budget: int = LOSS_CHUNK_BYTES) -> int:
     return max(1, budget // (4 * max(1, vocab_rows)))
 
 
+def _logits(hc: torch.Tensor, w: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """The chunk's logits `hc @ w.T` in `buf`'s (accumulation) dtype, written into `buf`'s first
+    rows: one buffer for every chunk of a call (a fresh one each chunk costs page faults on a
+    CPU, where large blocks go back to the system when freed)."""
+    out = buf[: hc.shape[0]]
+    if hc.dtype == buf.dtype:
+        return torch.matmul(hc, w.t(), out=out)
+    return out.copy_(hc @ w.t())
+
+
 def _chunk(
     hc: torch.Tensor,
     w: torch.Tensor,
@@ -45,11 +55,13 @@ def _chunk(
     wt: torch.Tensor | None,
     v0: int,
     comm: Communicator | None,
+    buf: torch.Tensor,
     grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weighted loss sum, gradient of the chunk's logits or None) of one chunk."""
-    acc = accum_dtype(hc.dtype)
-    logits = (hc @ w.t()).to(acc)  # [c, Vl]
+    """(weighted loss sum, gradient of the chunk's logits or None) of one chunk; the logits, then
+    their gradient, are held in `buf` ([chunk, Vl] in the accumulation dtype)."""
+    acc = buf.dtype
+    logits = _logits(hc, w, buf)  # [c, Vl]
     valid = lab != IGNORE_INDEX
     local = lab.long() - v0
     mine = valid & (local >= 0) & (local < w.shape[0])
@@ -94,15 +106,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # a chunk's share of dL/dW in the compute dtype, one buffer for all chunks (none when the
         # compute dtype is the accumulation dtype: added in place)
         part_dw = torch.empty_like(w) if grad and w.dtype != acc else None
+        buf = torch.empty((min(chunk, h.shape[0]), w.shape[0]), dtype=acc, device=h.device)
         with torch.no_grad():
             for s in range(0, h.shape[0], chunk):
                 e = min(s + chunk, h.shape[0])
                 wt = None if weights is None else weights[s:e]
-                part, g = _chunk(h[s:e], w, labels[s:e], wt, v0, comm, grad)
+                part, g = _chunk(h[s:e], w, labels[s:e], wt, v0, comm, buf, grad)
                 loss += part
                 if g is not None:
-                    gc = g.to(h.dtype)
-                    del g  # one chunk of float32 logits alive at a time
+                    gc = g.to(h.dtype)  # g itself where h is in the accumulation dtype
+                    del g
                     torch.matmul(gc, w, out=dh[s:e])  # type: ignore[index]
                     if part_dw is None:
                         dw.addmm_(gc.t(), h[s:e])  # type: ignore[union-attr]
@@ -167,16 +180,18 @@ def token_losses(
     loss = torch.zeros(h.shape[0], dtype=acc, device=h.device)
     correct = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
     tp = comm is not None and comm.size > 1
+    buf = torch.empty((min(step, h.shape[0]), w.shape[0]), dtype=acc, device=h.device)
     for s in range(0, h.shape[0], step):
         e = min(s + step, h.shape[0])
-        logits = (h[s:e] @ w.t()).to(acc)
+        logits = _logits(h[s:e], w, buf)
         lab = labels[s:e].long()
-        lse = torch.logsumexp(logits, dim=-1)
         best, arg = logits.max(dim=-1)
         arg = arg + vocab_start
         local = lab - vocab_start
         mine = (lab != IGNORE_INDEX) & (local >= 0) & (local < w.shape[0])
         target = logits.gather(1, local.clamp(0, w.shape[0] - 1)[:, None])[:, 0] * mine
+        # the log-sum-exp from exp(logits - row max) in place (the logits are not needed after)
+        lse = best + logits.sub_(best[:, None]).exp_().sum(dim=-1).log()
         if tp:
             assert comm is not None
             lse = torch.logsumexp(torch.stack(comm.all_gather(lse)), dim=0)
