@@ -215,8 +215,13 @@ def test_kernel_limits_are_refused_naming_the_setting() -> None:
     cuda_flash.check(*qkv(4, 4, 2, 2, 256, torch.bfloat16)[:2])  # the limit itself
     with pytest.raises(ValueError, match="train.dtype"):
         cuda_efficient.check(*qkv(4, 4, 2, 2, 8, F64)[:2])
-    with pytest.raises(ValueError, match="flash-attn package"):
+    with pytest.raises(ValueError, match="flash-attn package's kernel computes in .*train.dtype"):
         attend(q, k, v, [0, 4], backend="flash_attn")  # the package: never in float32
+    big = qkv(4, 4, 2, 2, 264, torch.bfloat16)[:3]  # nor above its head dimension limit
+    with pytest.raises(
+        ValueError, match="flash-attn package's kernel takes head dimensions up to 256"
+    ):
+        attend(*big, [0, 4], backend="flash_attn")
 
 
 @pytest.mark.parametrize("backend", list(CASES))

@@ -22,10 +22,14 @@ from typing import Protocol
 
 import torch
 
-from trainer.attention import dispatch
+from trainer.attention import cuda_flash, dispatch
 from trainer.attention.math_ref import accum_dtype
 from trainer.attention.tape import taped
-from trainer.attention.varlen import VarlenDocs, as_docs
+from trainer.attention.varlen import VarlenDocs, as_docs, check_inputs
+
+# the flash-attn package's limits: half precision, head dimensions up to torch's flash kernel's
+# (any size below: the package pads it to a multiple of 8 itself)
+_FLASH_LIMITS = (cuda_flash.DTYPES, 1, cuda_flash.MAX_HEAD_DIM)
 
 __all__ = [
     "AttentionContext",
@@ -205,11 +209,8 @@ def attend(
             f"cu_seqlens must rise from 0 to {q_THD.shape[0]}, got {list(docs.q[:8])}..."
         )
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    if backend == dispatch.FLASH_ATTN:  # pragma: no cover - needs CUDA + flash-attn
-        if q_THD.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"the flash-attn package computes in float16/bfloat16, not {q_THD.dtype}"
-            )
+    if backend == dispatch.FLASH_ATTN:
+        check_inputs(q_THD, k_TKD, "flash-attn package's", *_FLASH_LIMITS)
         return _attend_flash_attn(q_THD, k_TKD, v_TKD, docs, scale)
     return _VarlenAttention.apply(q_THD, k_TKD, v_TKD, docs, True, scale, backend)
 

@@ -198,9 +198,10 @@ def check_inputs(
         )
     d = q.shape[-1]
     if d % align or d > max_head_dim:
+        sizes = f"multiples of {align} up to" if align > 1 else "head dimensions up to"
         raise ValueError(
             f"head dimension {d} (model.dim / model.n_heads, or a pretrained config.json's head_dim): the {kernel} "
-            f"kernel takes multiples of {align} up to {max_head_dim} in {str(q.dtype)[6:]}"
+            f"kernel takes {sizes} {max_head_dim} in {str(q.dtype)[6:]}"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(
