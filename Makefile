@@ -41,6 +41,7 @@ demo-data: install
 
 demo-train: install
 	test -f $(DEMO_DIR)/stdlib/index.parquet -a -f $(DEMO_DIR)/cost.json || $(MAKE) demo-data
+	rm -rf $(DEMO_DIR)/run  # a new run each time (a run refuses a directory of earlier checkpoints)
 	$(VENV)/bin/mixlen train configs/demo.toml --nproc 4 \
 		--set data.path='"$(DEMO_DIR)/stdlib"' --set metrics.dir='"$(DEMO_DIR)/run"' \
 		--set checkpoint.dir='"$(DEMO_DIR)/run/ckpt"' --set parallel.cost='"$(DEMO_DIR)/cost.json"'

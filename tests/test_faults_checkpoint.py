@@ -188,11 +188,13 @@ def test_restart_resumes_by_itself(dataset, reference, tmp_path, monkeypatch) ->
     step2 = str(run / "ckpt" / "step-00000002")
     out = run_training(cfg(dataset, run, checkpoint={"resume": step2}, train={"stop_after": 7}))
     assert out["start_step"] == 6 and out["losses"] == reference[6:7]
-    # checkpoints another job left in checkpoint.dir are not this job's to continue: a fresh run
-    # (resume unset) restarted before its first save starts again from step 0
+    # another job's checkpoints are not this one's to continue, nor may a fresh run restarted
+    # before its first save start from step 0 there (its first save would remove them)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
-    out = run_training(cfg(dataset, run, train={"stop_after": 1}))
-    assert out["start_step"] == 0 and out["losses"] == reference[:1]
+    with pytest.raises(
+        ConfigError, match="holds an earlier run's checkpoints .newest step-0000000"
+    ):
+        run_training(cfg(dataset, run, train={"stop_after": 1}))
     # torchrun's default run id "none" (every such job's) proves nothing: a restart that finds
     # checkpoints stops (it started again from step 0, its first save removing steps 4 and 6),
     # and continues the newest with checkpoint.resume = true
@@ -381,15 +383,13 @@ def test_a_copy_a_save_replaced_is_removed(tmp_path, monkeypatch) -> None:
 def test_a_failed_save_blames_the_disk_only_when_the_disk_is_the_cause(
     dataset, tmp_path, monkeypatch
 ) -> None:
-    """An I/O error that is not a full disk is named as such (no advice to free space); a
-    checkpoint another run left in the directory is not called intact."""
+    """An I/O error that is not a full disk is named as such (no advice to free space), and a
+    run with no checkpoint of its own yet says so."""
     import errno
 
     import trainer.checkpoint.save as save
 
-    run = tmp_path / "r"
-    _first_part(dataset, run, stop=2)  # another run's step-00000002
-    real = save.write_json
+    run, real = tmp_path / "r", save.write_json
 
     def failing(path, obj):
         if os.path.basename(path).startswith("rng-"):

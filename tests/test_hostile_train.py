@@ -183,6 +183,53 @@ def test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why(dataset, t
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(old, checkpoint_id=str(step))
     write_checksums(str(step))
+    sections["train"]["steps"] = 6  # steps left after step 4
     resumed = train_config(dataset, str(run), **sections, checkpoint={"resume": str(step)})
     with pytest.raises(ConfigError, match="optimizer state is saved by flat offsets"):
         run_training(resumed)
+
+
+def test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused(
+    dataset, tmp_path, monkeypatch
+) -> None:
+    """A new run (checkpoint.resume = false) into a checkpoint.dir of an earlier run's
+    checkpoints is refused before writing anything, by the ranks and by the launcher's check (its
+    first save removed them all, silently); a job still holding the directory's lock is named
+    instead. A resume at or past train.steps / train.stop_after (it ran nothing and exited 0) is
+    refused naming that key, except in a torchrun restart of a job that had finished. And
+    train.stop_after without checkpoint.dir (it stopped with nothing saved) names both keys."""
+    from datapipe.errors import ConfigError
+    from trainer.checkpoint.lock import LOCK_FILE, DirLock, started
+    from trainer.train import preflight, run_training
+
+    run, ckpt = tmp_path / "r", tmp_path / "r" / "ckpt"
+
+    def config(checkpoint: dict | None = None, **train: int):
+        sections = {"parallel": {"policy": "single"}, "metrics": {"dir": str(tmp_path / "m")}}
+        return train_config(dataset, str(run), **sections, train={"steps": 2, "eval_interval": 0,
+                            **train}, checkpoint={"interval": 1, **(checkpoint or {})})  # fmt: skip
+
+    run_training(config())
+    saved = sorted(os.listdir(ckpt))
+    assert saved == ["step-00000001", "step-00000002"]
+    for check in (lambda: run_training(config(steps=3)), lambda: preflight(config(steps=3), 1)):
+        with pytest.raises(ConfigError, match=f"checkpoint.dir {ckpt} holds an earlier run's "
+                           "checkpoints \\(newest step-00000002\\).*checkpoint.resume = true"):  # fmt: skip
+            check()
+        assert sorted(os.listdir(ckpt)) == saved
+    other = {**DirLock(str(ckpt))._mine(), "pid": os.getppid(), "started": started(os.getppid())}
+    (ckpt / LOCK_FILE).write_text(json.dumps(other))  # a live job of this host holds it
+    with pytest.raises(ConfigError, match=f"another job is using it .job .*pid {os.getppid()} "):
+        run_training(config(steps=3))
+    (ckpt / LOCK_FILE).unlink()
+    for train, key in (({}, "train.steps = 2"), ({"steps": 4, "stop_after": 2}, "stop_after = 2")):
+        resumed = config({"resume": True}, **train)
+        for check in (run_training, lambda c: preflight(c, 1)):
+            with pytest.raises(ConfigError, match=f"{key}, but the checkpoint resumed .*step-0+2"):
+                check(resumed)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a finished job restarted: no step
+    out = run_training(config({"resume": True}))
+    assert out["start_step"] == 2 and out["losses"] == []
+    with pytest.raises(ConfigError, match="train.stop_after = 1 ends the run checkpointed, but "
+                       "checkpoint.dir is not set"):  # fmt: skip
+        config({"dir": None}, stop_after=1).validate()

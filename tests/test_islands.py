@@ -214,6 +214,11 @@ def test_islands_gloo_processes(dataset, tmp_path):
     # warmup_rounds 1: round 1 applies its own average, round 2 travels during round 3
     assert [r["co2_applied"] for r in boundary] == [True, False, True]
     assert recs[-1]["co2_final"] is True and recs[-1]["co2_round"] == 3
+    # step 6 ends round 3 (applying round 2's average), then the run's end applies round 3's:
+    # two updates, each recorded (the second had overwritten the first)
+    assert recs[-1]["co2_final_update_norm"] > 0 and recs[-1]["co2_final_wait_s"] >= 0
+    assert recs[-1]["co2_update_norm"] != recs[-1]["co2_final_update_norm"]
+    assert "co2_final_update_norm" not in dl[-1]  # diloco: the partial round's own, nothing stale
     applied = [r for r in boundary if r["co2_applied"]]
     assert all(r["co2_wait_s"] >= 0 and r["co2_update_norm"] > 0 for r in applied)
     numel = get_config("debug", dim=32, ffn_dim=64).num_params()

@@ -55,7 +55,7 @@ def test_the_check_finds_a_stale_row(monkeypatch) -> None:
 # limit is accepted, the nearest value past it refused naming the key ------------------------------
 
 SECTIONS = ("train", "parallel", "co2")  # [parallel] holds the planner's keys, islands and tp
-BASE = {"data": {"path": "data"}, "model": {"name": "debug"}}
+BASE = {"data": {"path": "data"}, "model": {"name": "debug"}, "checkpoint": {"dir": "ckpt"}}
 
 
 def _range_keys() -> list[tuple[str, str, type, float | None, float | None]]:

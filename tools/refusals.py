@@ -140,6 +140,32 @@ REFUSALS: tuple[Refusal, ...] = (
         "test_a_checkpoint_of_flat_optimizer_offsets_is_refused_naming_why",
     ),
     Refusal(
+        "train",
+        "a new run (`checkpoint.resume = false`) into a `checkpoint.dir` that holds an earlier "
+        "run's checkpoints (its first save would remove them)",
+        "holds an earlier run's checkpoints",
+        "trainer/checkpoint/checkpointer.py",
+        "tests/test_hostile_train.py::"
+        "test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused",
+    ),
+    Refusal(
+        "train",
+        "a resume whose checkpoint is at or past `train.steps` (or `train.stop_after`): no step "
+        "left to run",
+        "this run has no step left",
+        "trainer/checkpoint/checkpointer.py",
+        "tests/test_hostile_train.py::"
+        "test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused",
+    ),
+    Refusal(
+        "train",
+        "`train.stop_after` without `checkpoint.dir` (it would stop with nothing saved)",
+        "stop with nothing to continue from",
+        "trainer/config/job.py",
+        "tests/test_hostile_train.py::"
+        "test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused",
+    ),
+    Refusal(
         "export",
         "`--island` of a run without that island",
         "the run had",

@@ -21,11 +21,16 @@ __all__ = ["preflight", "run_training"]
 def preflight(cfg: TrainerConfig, world: int) -> None:
     """Check, without starting it, that a run of `world` ranks can start: the config, the dataset
     (manifest, index, shard sizes), the plan fitting its longest sample on `world` ranks, the
-    model covering its vocabulary, and the checkpoint `checkpoint.resume` names belonging to this
-    run, a mixture's sources lasting to `train.steps`, and `parallel.islands` dividing `world`.
-    The launcher calls it before torchrun, so such an error is printed once; it also compiles
-    the planner's and the fetch's kernels (datapipe.plan.warm) the ranks would each compile."""
-    from trainer.checkpoint.checkpointer import check_run_matches, resume_candidates
+    model covering its vocabulary, the checkpoint `checkpoint.resume` names belonging to this run
+    and leaving it a step to run, a mixture's sources lasting to `train.steps`, and
+    `parallel.islands` dividing `world`. The launcher calls it before torchrun, so such an error
+    is printed once; it also compiles the planner's and the fetch's kernels
+    (datapipe.plan.warm) the ranks would each compile."""
+    from trainer.checkpoint.checkpointer import (
+        check_run_matches,
+        check_steps_left,
+        resume_candidates,
+    )
 
     cfg.validate()
     check_model_fits(cfg.model.shape(), cfg.train.dtype, cfg.train.device, cfg.model.key_of)
@@ -35,6 +40,7 @@ def preflight(cfg: TrainerConfig, world: int) -> None:
         paths, _ = resume_candidates(cfg.checkpoint)
         if paths:
             state = check_run_matches(paths[0], cfg, data.stream, data.fingerprint)
+            check_steps_left(cfg, paths[0])
             if data.mixture:
                 data.stream.load_state_dict(state)
         data.check_supply(cfg.train.steps)  # a mixture running out before train.steps

@@ -71,6 +71,7 @@ from trainer.parallel.runtime import job_id, restart_count
 __all__ = [
     "Checkpointer",
     "check_run_matches",
+    "check_steps_left",
     "complete_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
@@ -135,8 +136,8 @@ def resume_candidates(cfg: CheckpointConfig) -> tuple[list[str], bool]:
     then). After a torchrun restart: the newest complete ones this job wrote in checkpoint.dir
     (a job known by a real run id: `--standalone`'s, or a `--rdzv-id` other than "none"). Else
     (and before this job saved any) what `checkpoint.resume` names. ConfigError if it asks for
-    one that is not there, or if a restart of a job without a real run id finds checkpoints
-    that may not be its own (starting again from step 0 would prune them)."""
+    one that is not there, or if a run starting from step 0 finds checkpoints that are not its
+    own in checkpoint.dir (its first save would prune them)."""
     auto = complete_checkpoints(cfg.dir) if cfg.dir else []
     if restart_count() > 0 and job_id():  # torchrun restarted us: continue what this job saved
         mine = [p for p in auto if _job_of(p) == job_id()]
@@ -169,7 +170,32 @@ def resume_candidates(cfg: CheckpointConfig) -> tuple[list[str], bool]:
                 "a new run"
             )
         return auto, False
+    if auto:  # a new run's first save would remove these (it keeps no step after its own)
+        DirLock(cfg.dir).check_free()  # a job still writing them is named first
+        raise ConfigError(
+            f"checkpoint.dir {cfg.dir} holds an earlier run's checkpoints (newest "
+            f"{os.path.basename(auto[0])}), and checkpoint.resume = false starts a new run from "
+            "step 0, whose first save would remove them; set checkpoint.resume = true to "
+            "continue that run, or give the new one another checkpoint.dir"
+        )
     return [], False
+
+
+def check_steps_left(cfg: TrainerConfig, path: str) -> None:
+    """ConfigError when checkpoint `path`'s step leaves this invocation no step to run (it is at
+    or past train.steps, or train.stop_after), naming the key; a torchrun restart of a job that
+    had finished is let through (it has nothing left to do)."""
+    source = os.path.join(path, RUN_FILE)
+    step = int(_checked_run(read_json(source), source)["step"])
+    stop = cfg.train.stop_after
+    name = "stop_after" if stop and stop < cfg.train.steps else "steps"
+    last = getattr(cfg.train, name)
+    if step < last or restart_count() > 0:
+        return
+    raise ConfigError(
+        f"{cfg.key(cfg.train, name)} = {last}, but the checkpoint resumed ({path}) is at step "
+        f"{step}: this run has no step left; raise {cfg.key(cfg.train, name)}"
+    )
 
 
 def _job_of(path: str) -> str | None:
@@ -348,6 +374,7 @@ class Checkpointer:
     def _load(self, path: str, stream: LengthAwareStream | MixtureStream) -> int:
         """Load the verified checkpoint `path` after checking it belongs to this run."""
         stream_state = check_run_matches(path, self.run, stream, self.fingerprint)
+        check_steps_left(self.run, path)
         try:
             meta = SafeReader(path).read_metadata()  # refused here, before DCP's own traceback
             if any(k.endswith("optim.exp_avg") for k in meta.state_dict_metadata):

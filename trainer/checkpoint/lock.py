@@ -28,6 +28,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 from datapipe.errors import ConfigError
 from datapipe.files import pid_alive
@@ -215,34 +216,45 @@ class DirLock:
             return f"on host {other.get('host')}: this job, restarted with the same torchrun run id"
         return None
 
+    def check_free(self) -> None:
+        """ConfigError naming the job that holds the lock if this process could not take it over;
+        changes nothing (a check before reading the directory's checkpoints)."""
+        other, mine = self._read(), self._mine()
+        if other is not None and self._why_free(other, mine) is None:
+            self._refuse(other, mine)
+
     def _clear_if_stale(self, other: dict | None, mine: dict) -> None:
         """Remove a lock this process may take over; ConfigError naming the holder otherwise."""
         if other is None:
             return  # released meanwhile
         why = self._why_free(other, mine)
         if why is None:
-            here = same_host(other, mine)
-            where = "on this host" if here else f"on host {other.get('host', '?')}"
-            if not here and other.get("host") == mine["host"]:
-                where += " (in another PID namespace or boot)"
-            hint = ""
-            if not here:
-                hint = (
-                    "; a job restarted on another host is recognised only by its torchrun run "
-                    'id (--rdzv-id other than "none")'
-                )
-            raise ConfigError(
-                f"checkpoint.dir {self.root}: another job is using it (job "
-                f"{other.get('job', '?')}, pid {other.get('pid')} {where}; lock {self.path}); use "
-                "another checkpoint.dir, or wait for that job to end (remove the lock file only if "
-                f"you know it is not running){hint}"
-            )
+            self._refuse(other, mine)
         if why:
             self.took_over, self.reason = other, why
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def _refuse(self, other: dict, mine: dict) -> NoReturn:
+        """ConfigError naming the job holding the lock, where it runs, and what to do."""
+        here = same_host(other, mine)
+        where = "on this host" if here else f"on host {other.get('host', '?')}"
+        if not here and other.get("host") == mine["host"]:
+            where += " (in another PID namespace or boot)"
+        hint = ""
+        if not here:
+            hint = (
+                "; a job restarted on another host is recognised only by its torchrun run "
+                'id (--rdzv-id other than "none")'
+            )
+        raise ConfigError(
+            f"checkpoint.dir {self.root}: another job is using it (job "
+            f"{other.get('job', '?')}, pid {other.get('pid')} {where}; lock {self.path}); use "
+            "another checkpoint.dir, or wait for that job to end (remove the lock file only if "
+            f"you know it is not running){hint}"
+        )
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""

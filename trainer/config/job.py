@@ -139,6 +139,12 @@ class TrainerConfig:
         self._validate_offload()
         self._validate_compare()
         self._validate_tp()
+        if self.train.stop_after and not self.checkpoint.dir:
+            raise ConfigError(
+                f"{self.key(self.train, 'stop_after')} = {self.train.stop_after} ends the run "
+                f"checkpointed, but {self.key(self.checkpoint, 'dir')} is not set: the run would "
+                "stop with nothing to continue from; set a checkpoint directory"
+            )
 
     def _validate_tp(self) -> None:
         """Tensor parallelism needs a shape it can split."""

@@ -307,14 +307,14 @@ class OuterSync:
         return OuterStats(self.round, True, update_norm, penalty, clipped, wait_s)
 
     @torch.no_grad()
-    def finish(self, x: torch.Tensor) -> OuterStats | None:
+    def finish(self, x: torch.Tensor) -> tuple[OuterStats | None, OuterStats | None]:
         """At the end of training: end the current round early if it has local steps (its
-        delta is averaged and applied too), then `flush`; None if there was nothing to do."""
+        delta is averaged and applied too), then `flush`; the stats of both (None: not run)."""
         s = None
         if self.local_steps:
             self.local_steps = 0
             s = self.boundary(x)
-        return self.flush(x) or s
+        return s, self.flush(x)
 
     @property
     def overlapped(self) -> bool:

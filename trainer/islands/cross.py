@@ -18,6 +18,9 @@ from trainer.parallel.zero import ZeroOptimizer
 
 __all__ = ["CrossIsland", "cross_link"]
 
+# what the last pending average's application records, as co2_final_<name>
+FINAL_KEYS = ("co2_update_norm", "co2_penalty", "co2_clipped_fraction", "co2_wait_s")
+
 
 def cross_link(cfg: CO2Config, cross: Communicator) -> Communicator:
     """The cross-island communicator, behind the emulated link when `co2.link_gbps` > 0."""
@@ -76,12 +79,18 @@ class CrossIsland:
 
     def finish(self) -> dict[str, Any]:
         """After the last step: end the current round if it has local steps, apply every average
-        still pending, and leave every island at the final anchor."""
+        still pending, and leave every island at the final anchor. Returns the metrics: a round
+        ended here under the round-end keys (the step's `after_step` ended none then), the
+        pending average applied last under `co2_final_*`."""
         self.zero.wait_weights()
-        s = self.outer.finish(self.zero.outer_slice())
-        if s is not None:
+        ended, flushed = self.outer.finish(self.zero.outer_slice())
+        if ended is not None or flushed is not None:
             self.zero.publish_outer_slice()
-        return {**self._record(s), "co2_final": True}
+        rec = {**self._record(ended), "co2_final": True}
+        if flushed is not None:
+            last = self._record(flushed)
+            rec.update({k.replace("co2_", "co2_final_", 1): last[k] for k in FINAL_KEYS})
+        return rec
 
     def _record(self, s: OuterStats | None) -> dict[str, Any]:
         rec: dict[str, Any] = {"co2_round": self.outer.round}
