@@ -226,6 +226,17 @@ def test_rope_scaling_in_config_json(llama, tmp_path):
         path, rope_scaling={"type": "dynamic", "factor": 2.0}
     )  # the old spelling of rope_type
     assert inspect_pretrained(path).shape.rope_scaling == RopeScaling("dynamic", 2.0, 128)
+    # both spellings: transformers takes `type`, and so does mixlen
+    both = {"type": "linear", "rope_type": "yarn", "factor": 2.0}
+    assert LlamaConfig(rope_scaling=dict(both)).rope_scaling["rope_type"] == "linear"
+    edit_config(path, rope_scaling=both)
+    assert inspect_pretrained(path).shape.rope_scaling == RopeScaling("linear", 2.0)
+    # yarn's truncate null: transformers does not round the correction range (not its default)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    edit_config(path, rope_scaling={**yarn, "truncate": None})
+    got = inspect_pretrained(path).shape.rope_scaling
+    want = _transformers_rope({**yarn, "truncate": None})[0]
+    torch.testing.assert_close(inv_freq(16, 500.0, got), want, rtol=1e-14, atol=0)
 
 
 def test_loading_copies_in_place_and_casts(llama):

@@ -309,3 +309,35 @@ def test_eval_nproc_refuses_once_before_any_rank_starts(ds, run, capsys, monkeyp
     shard.unlink()
     err = cli_error(["eval", str(step), ds, "--nproc", "2", *quiet], capsys)
     assert f"error: {step}: {shard.name} is missing" in err, err
+
+
+def test_a_scratch_exports_token_ids_and_a_float16_overflow(ds, run, capsys) -> None:
+    """A model trained from scratch exports its dataset's BOS and EOS ids (config.json had none,
+    so transformers took its defaults 1 and 2); with the dataset gone, explicit nulls. A float16
+    export of a weight beyond float16's range is refused naming the tensor, leaving nothing (it
+    wrote infinities that mixlen itself then refused to load)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from datapipe.index import read_manifest
+    from tools.cmd_export import _token_ids
+    from trainer.checkpoint.weights import read_model_weights
+
+    m = read_manifest(ds)
+    assert cli_main(["export", str(run / "ckpt"), "--hf", str(run / "hf")]) == 0
+    got = AutoConfig.from_pretrained(run / "hf")
+    assert (got.bos_token_id, got.eos_token_id) == (m["bos_id"], m["eos_id"]) == (256, 257)
+    unknown = _token_ids({"data": {"path": str(run / "gone")}})
+    assert unknown == {"bos_token_id": None, "eos_token_id": None}
+    assert LlamaConfig.from_dict(unknown).bos_token_id is None  # not transformers' default 1
+    step = run / "ckpt" / STEP3
+    weights = read_model_weights(str(step))
+    weights["norm.weight"][3] = 1e5  # float16's largest is 65,504
+    for f in [*step.glob("*.distcp"), step / ".metadata", step / "checksums.json"]:
+        f.unlink()
+    save_as_ranks(str(step), [{f"model.{k}": v for k, v in weights.items()}])
+    write_checksums(str(step))
+    before = sorted(os.listdir(run))
+    err = cli_error(["export", str(step), "--hf", str(run / "f16"), "--dtype", "float16"], capsys)
+    assert "--dtype float16: model.norm.weight holds values beyond that dtype's range" in err, err
+    assert sorted(os.listdir(run)) == before  # no folder, no temporary one
+    assert cli_main(["export", str(step), "--hf", str(run / "bf16"), "--dtype", "bfloat16"]) == 0

@@ -20,6 +20,11 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",  # transformers >= 4.50 saves the chat template beside the tokenizer
+    "chat_template.json",
     "generation_config.json",
 )
 
@@ -52,6 +57,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
 
 
+def _dataset_manifest(run: dict) -> dict:
+    """The manifest of the run's dataset (a mixture's first source's: its sources share one
+    tokenizer), or {} where it is not here to read."""
+    data = run.get("data", {})
+    sources = data.get("sources") or [{}]
+    path = data.get("path") or (sources[0] or {}).get("path")
+    try:
+        from datapipe.index import read_manifest
+
+        return read_manifest(path) if path else {}
+    except (InputError, OSError):
+        return {}
+
+
+def _token_ids(run: dict) -> dict[str, int | None]:
+    """A model trained from scratch: the dataset's BOS and EOS ids, as config.json's (null where
+    unknown: transformers would otherwise take its own defaults, 1 and 2)."""
+    manifest = _dataset_manifest(run)
+    return {"bos_token_id": manifest.get("bos_id"), "eos_token_id": manifest.get("eos_id")}
+
+
 def _tokenizer_files(run: dict, model_dir: str | None) -> list[str | tuple[str, str]]:
     """The tokenizer files of the pretrained folder, else the dataset's (its --tokenizer-from
     folder's, or its --tokenizer file as tokenizer.json, the name transformers loads)."""
@@ -61,13 +87,7 @@ def _tokenizer_files(run: dict, model_dir: str | None) -> list[str | tuple[str, 
             for n in TOKENIZER_FILES
             if os.path.isfile(os.path.join(model_dir, n))
         ]
-    data = run.get("data", {}).get("path")
-    try:
-        from datapipe.index import read_manifest
-
-        tok = read_manifest(data).get("tokenizer", {}) if data else {}
-    except (InputError, OSError):
-        return []
+    tok = _dataset_manifest(run).get("tokenizer", {})
     if tok.get("kind") == "hf-dir" and tok.get("path"):
         return _tokenizer_files(run, tok["path"])
     if tok.get("kind") == "hf" and tok.get("path") and os.path.isfile(tok["path"]):
@@ -138,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         tokenizer_files=_tokenizer_files(run_cfg, pre.path if pre is not None else None),
         max_position_embeddings=_context(args, shape, run_cfg),
-        base_config=pre.config if pre is not None else None,
+        base_config=pre.config if pre is not None else _token_ids(run_cfg),
         shard_bytes=args.shard_size,
         overwrite=args.overwrite,
     )

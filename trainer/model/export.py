@@ -24,7 +24,7 @@ from datapipe.errors import ConfigError, InputError
 from datapipe.shapes import ModelConfig
 from trainer.checkpoint.files import fsync_dir
 from trainer.model.families import Family, family_of
-from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, non_finite
 from trainer.model.transformer import parameter_shapes
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "plan_shards"]
@@ -53,10 +53,18 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _own(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _own(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """`t` on the CPU in `dtype`, contiguous and owning its storage (safetensors refuses views
-    sharing one buffer, such as a sharded optimizer's flat weights)."""
+    sharing one buffer, such as a sharded optimizer's flat weights); ConfigError naming the
+    tensor if the cast made a value infinite (a float16 export of a weight beyond 65,504)."""
+    src = t
     t = t.detach().to(device="cpu", dtype=dtype)
+    if dtype != src.dtype and non_finite(t) > non_finite(src):
+        raise ConfigError(
+            f"--dtype {str(dtype).removeprefix('torch.')}: {name} holds values beyond that "
+            f"dtype's range (largest magnitude {float(src.detach().abs().max()):.4g}); export "
+            "in float32 or bfloat16"
+        )
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
         t = t.contiguous().clone()
     return t
@@ -102,7 +110,7 @@ def _write_weights(
     )
     weight_map = {}
     for file, shard in zip(files, shards):
-        tensors = {names[m]: _own(weights[m], dtypes[m]) for m in shard}
+        tensors = {names[m]: _own(weights[m], dtypes[m], names[m]) for m in shard}
         save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
         fsync_dir(os.path.join(tmp, file))
         weight_map.update(dict.fromkeys(tensors, file))

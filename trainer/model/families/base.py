@@ -184,7 +184,7 @@ class LlamaStyle(Family):
             return None
         if not isinstance(rs, Mapping):
             raise InputError(f"{where}: rope_scaling must be an object or null, got {rs!r}")
-        kind = rs.get("rope_type", rs.get("type"))
+        kind = rs.get("type", rs.get("rope_type"))  # transformers: a legacy `type` wins
         if kind == "default":
             return None
         if kind not in ROPE_SETTINGS:
@@ -203,6 +203,8 @@ class LlamaStyle(Family):
         for key in settings:
             if key not in known:
                 raise InputError(f"{where}: rope_scaling.{key}: unknown setting of type {kind!r}")
+        if kind == "yarn" and "truncate" in settings and settings["truncate"] is None:
+            settings["truncate"] = False  # transformers rounds only where truncate is truthy
         settings = {k: v for k, v in settings.items() if v is not None}
         try:
             return RopeScaling(type=kind, **settings)
