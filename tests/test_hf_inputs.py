@@ -207,7 +207,7 @@ def test_tokenizer_from_folder(saved: dict, tmp_path: Path) -> None:
     # errors name the folder and what is wrong
     unknown = tmp_path / "unknown"
     _save_tokenizer(unknown, bos_token="<s>", eos_token="</s>")
-    _edit(unknown / "tokenizer_config.json", eos_token="<|eot|>")
+    _edit(unknown / "special_tokens_map.json", eos_token="<|eot|>")  # it wins over the config
     with pytest.raises(InputError, match=r"unknown: eos_token '<\|eot\|>' .* not in"):
         run(unknown, "o-unknown")
     only_spm = tmp_path / "spm"

@@ -114,6 +114,18 @@ def test_rendering_equals_transformers(folder):
         assert rendered.ids.tolist() == list(want)
 
 
+def test_special_tokens_map_wins_over_tokenizer_config_as_in_transformers(tmp_path):
+    """A folder whose special_tokens_map.json names another EOS than its tokenizer_config.json:
+    the template's eos_token, the tokenizer's EOS id and the rendering are transformers'."""
+    path = make_folder(str(tmp_path / "f"), "qwen2")  # tokenizer_config.json: <|im_end|>
+    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>"}, f)
+    ref = reference_tokenizer(path)
+    tok, template, _ = ours(path)
+    assert tok.eos_id == ref.eos_token_id == ref.convert_tokens_to_ids("<|endoftext|>")
+    assert template.special["eos_token"] == ref.eos_token
+
+
 def test_llama3_style_is_the_llama3_format(tmp_path):
     """The hand-written template renders the Llama 3 chat format (spelled out here)."""
     path = make_folder(str(tmp_path), "llama3-style")

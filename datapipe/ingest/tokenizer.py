@@ -21,8 +21,9 @@ BYTES_EOS = 257
 BYTES_VOCAB = 258
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[SEP]")
 _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
-# files of a saved tokenizer folder that name its special tokens; later files win
-_SPECIAL_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+# files of a saved tokenizer folder that name its special tokens; later files win (transformers'
+# from_pretrained lets special_tokens_map.json override tokenizer_config.json)
+_SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 TOKENIZER_FILE_LIMIT = 1 << 30  # tokenizer.json: refused above this size (large vocabularies)
 # `tokenizers` holds 170-190 bytes per character of text while it encodes (offsets, alignments,
 # token strings): a longer text is encoded in pieces of about this many characters where that
@@ -289,8 +290,8 @@ def special_token_names(
     folder: str, keys: tuple[str, ...] = ("bos_token", "eos_token")
 ) -> dict[str, str | None]:
     """Special tokens (bos_token/eos_token unless `keys` says) of a saved tokenizer folder: a
-    string, an AddedToken dict (its "content") or null; tokenizer_config.json wins over
-    special_tokens_map.json."""
+    string, an AddedToken dict (its "content") or null; special_tokens_map.json wins over
+    tokenizer_config.json, as in transformers."""
     names: dict[str, str | None] = {}
     for fname in _SPECIAL_FILES:
         p = os.path.join(folder, fname)
