@@ -349,3 +349,34 @@ def test_saved_dataset_of_conversations(qwen, tmp_path):
     for i in got_a:
         assert got_a[i][0].tolist() == got_b[i][0].tolist()
         assert got_a[i][1].tolist() == got_b[i][1].tolist()
+
+
+def test_a_tokenizer_file_gives_the_template_its_own_eos(tmp_path) -> None:
+    """`--tokenizer FILE --chat-template FILE` (no folder naming special tokens): a template's
+    `{{ eos_token }}` is the EOS that frames the tokenizer's documents, as transformers renders
+    it for that tokenizer, and each assistant turn's EOS is trained (it rendered as "", so the
+    model never saw an end of turn)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from datapipe.ingest.tokenizer import HFTokenizer
+
+    bpe = os.path.join(os.path.dirname(__file__), "assets", "bpe-stdlib.json")
+    tok = HFTokenizer(bpe)
+    eos = tok.special_names()["eos_token"]
+    template = tmp_path / "zephyr.jinja"  # each turn ends with eos_token
+    template.write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": conv}) + "\n")
+    res = preprocess(PreprocessConfig(inputs=[str(src)], out=str(tmp_path / "out"),
+                                      tokenizer=bpe, chat_template=str(template), progress=False))  # fmt: skip
+    ((ids, mask),) = read_masked_rows(res.out, res.manifest).values()
+    ref = PreTrainedTokenizerFast(tokenizer_file=bpe, eos_token=eos)
+    want = ref.apply_chat_template(conv, chat_template=template.read_text(), tokenize=True)
+    assert ids.tolist() == list(want) and ids.tolist().count(tok.eos_id) == 2
+    trained = ids[mask.astype(bool)].tolist()
+    answer = ref("Hello there", add_special_tokens=False).input_ids
+    assert trained[-1] == tok.eos_id and trained[:-1] == answer

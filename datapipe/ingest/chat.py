@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -47,12 +48,16 @@ class TemplateSource:
     missing: str = ""
 
 
-def find_template(template_file: str | None, folder: str | None) -> TemplateSource:
+def find_template(
+    template_file: str | None, folder: str | None, framing: Mapping[str, str] | None = None
+) -> TemplateSource:
     """`--chat-template FILE`, else the tokenizer folder's chat_template.jinja, else its
     tokenizer_config.json `chat_template` (a string, or named templates with a "default");
-    a folder's special tokens either way. A `--chat-template` that does not compile stops here;
-    a folder's unusable template becomes the reason its conversation rows are refused."""
-    special: dict[str, object] = {}
+    a folder's special tokens either way, else `framing` (a tokenizer file's own BOS/EOS
+    names: a template's `eos_token` is the EOS that frames documents, never an empty string).
+    A `--chat-template` that does not compile stops here; a folder's unusable template becomes
+    the reason its conversation rows are refused."""
+    special: dict[str, object] = dict(framing or {}) if folder is None else {}
     if folder is not None:
         special = {k: v for k, v in special_token_names(folder, SPECIAL_KEYS).items() if v}
         extra = _config(folder).get("additional_special_tokens")

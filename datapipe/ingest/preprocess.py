@@ -91,7 +91,8 @@ def _prepare(cfg: PreprocessConfig, warn: Callable[[str], None]) -> EngineRun:
             "characters outside its vocabulary are dropped; they are counted as unknown_chars"
             " and the first documents losing any are named (--strict stops at the first)"
         )
-    chat = find_template(cfg.chat_template, cfg.tokenizer_from)  # conversations' template
+    # conversations' template; with a tokenizer file, its own BOS/EOS names as the template's
+    chat = find_template(cfg.chat_template, cfg.tokenizer_from, tokenizer.special_names())
     settings = TokenizeSettings(
         tok_spec,
         cfg.text_field,

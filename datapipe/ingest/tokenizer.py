@@ -136,6 +136,11 @@ class Tokenizer:
         parts += [np.array([self.eos_id], self.dtype)] if back else []
         return np.concatenate(parts), int(front), int(back)
 
+    def special_names(self) -> dict[str, str]:
+        """The BOS and EOS as strings, keyed as a chat template reads them (bos_token,
+        eos_token); none where the tokenizer has no token strings."""
+        return {}
+
     def lost_chars(self, text: str) -> Lost | None:
         """The characters of `text` that `encode` drops without a trace (None: none)."""
         return None
@@ -276,6 +281,11 @@ class HFTokenizer(Tokenizer):
         enc = self._offsets_tok.encode(text, add_special_tokens=False)
         offs = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(enc.ids, dtype=self.dtype), offs[:, 0].copy(), offs[:, 1].copy()
+
+    def special_names(self) -> dict[str, str]:
+        pairs = (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+        names = {key: self._tok.id_to_token(i) for key, i in pairs if i is not None}
+        return {key: name for key, name in names.items() if name}
 
     def lost_chars(self, text: str) -> Lost | None:
         return self._loss.lost(text) if self._loss is not None else None
