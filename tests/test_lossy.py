@@ -8,6 +8,7 @@ the model could not represent."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from datapipe.errors import InputError
 from datapipe.index import read_index
 from datapipe.ingest.lossy import bytes_to_unicode
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
@@ -146,6 +148,36 @@ def test_unknown_chars_counted_named_and_strict(tmp_path: Path, capsys) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".strict")]
     assert cli_main(argv[:-3] + ["--out", str(tmp_path / "o2"), "--quiet"]) == 0
     assert "unknown_chars 7 in 2 documents" in capsys.readouterr().out
+
+
+def test_instruction_rows_count_what_they_lose(tmp_path: Path) -> None:
+    """A conversation's and a string prompt-completion's dropped characters are counted and the
+    row named as a document's are (the answer was trained with them missing, uncounted, and
+    --strict let it through); the count is the unk-token reference's over the rendered text."""
+    spec = CASES["whitespace"]
+    tok = _write(tmp_path, json.loads(json.dumps(spec)))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    conv = [{"role": "user", "content": "ab z"}, {"role": "assistant", "content": "c zz b"}]
+    rows = {
+        "messages": {"messages": conv},
+        "prompt_completion": {"prompt": "ab", "completion": " cz"},
+    }
+    want = {"messages": _reference_lost(spec, "<s>ab z</s><s>c zz b</s>"),
+            "prompt_completion": _reference_lost(spec, "ab cz")}  # fmt: skip
+    assert want == {"messages": 3, "prompt_completion": 1}
+    for kind, row in rows.items():
+        data = tmp_path / f"{kind}.jsonl"
+        data.write_text(json.dumps(row) + "\n")
+        cfg = PreprocessConfig([str(data)], str(tmp_path / kind), tokenizer=tok, progress=False,
+                               chat_template=str(template))  # fmt: skip
+        res = preprocess(cfg, warn=lambda msg: None)
+        c = res.manifest["counts"]
+        assert (c["unknown_chars"], c["unknown_docs"]) == (want[kind], 1), (kind, c)
+        assert [w for w, _ in res.manifest["reported"]["unknown"]] == [f"{data}:1"]
+        strict = dataclasses.replace(cfg, out=str(tmp_path / f"strict-{kind}"), strict=True)
+        with pytest.raises(InputError, match=f"{data}:1: {want[kind]} characters? outside"):
+            preprocess(strict, warn=lambda msg: None)
 
 
 def test_tokenizers_that_lose_nothing_are_not_checked(tmp_path: Path) -> None:

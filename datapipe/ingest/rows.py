@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from datapipe.ingest.chat import ChatTemplate, RowError, check_messages, trained_regions
+from datapipe.ingest.lossy import Lost
 from datapipe.ingest.tokenizer import Tokenizer
 from datapipe.plan.loss import spans_of_mask
 
@@ -21,10 +22,12 @@ SFT_FIELDS = ("messages", "prompt", "completion")  # the fields of the kinds bes
 
 
 class Rendered(NamedTuple):
-    """A row's token ids and its trained tokens as flat [start, end) pairs (int64)."""
+    """A row's token ids, its trained tokens as flat [start, end) pairs (int64), and the
+    characters of its text a lossy tokenizer dropped (None: none)."""
 
     ids: np.ndarray
     spans: np.ndarray
+    lost: Lost | None = None
 
 
 def row_kind(fields: Collection[str], text_field: str) -> str | None:
@@ -72,7 +75,12 @@ def _conversation(
         raise RowError(missing)
     text, regions = trained_regions(template, msgs, first)
     ids, starts, ends = _encode(tok, text)
-    return Rendered(ids, spans_of_mask(token_mask(starts, ends, regions)))
+    return Rendered(ids, spans_of_mask(token_mask(starts, ends, regions)), _lost(tok, text))
+
+
+def _lost(tok: Tokenizer, text: str) -> Lost | None:
+    """What a lossy tokenizer dropped of `text` (counted as a document's are)."""
+    return tok.lost_chars(text) if tok.lossy else None
 
 
 def render_messages(
@@ -97,7 +105,7 @@ def render_prompt_completion(
         mask = token_mask(starts, ends, [(len(prompt), len(prompt) + len(completion))])
         framed, front, back = tok.frame(ids)
         full = np.concatenate([np.zeros(front, bool), mask, np.ones(back, bool)])
-        return Rendered(framed, spans_of_mask(full))
+        return Rendered(framed, spans_of_mask(full), _lost(tok, prompt + completion))
     if isinstance(prompt, list) and isinstance(completion, list):
         msgs = check_messages(prompt, "prompt") + check_messages(completion, "completion")
         return _conversation(tok, template, missing, msgs, len(prompt))

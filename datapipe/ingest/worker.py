@@ -157,7 +157,7 @@ def _add_row(res: BlockResult, where: str, row: dict, kind: str, s: TokenizeSett
     chat = s.chat
     missing = chat.missing if chat is not None else "no chat template"
     try:
-        ids, spans = KINDS[kind](row, tok, _WORKER.get("chat"), missing)
+        ids, spans, lost = KINDS[kind](row, tok, _WORKER.get("chat"), missing)
     except RowError as exc:
         res.bad(where, str(exc))
         return
@@ -165,6 +165,9 @@ def _add_row(res: BlockResult, where: str, row: dict, kind: str, s: TokenizeSett
         res.bad(where, f"text is not valid Unicode ({exc.reason} at {exc.start})")
         return
     res.counts["documents"] += 1
+    if lost:
+        res.counts["unknown_chars"] += lost.count
+        res.notes.append(("unknown", where, lost.describe()))
     _add_ids(res, where, ids, s, spans)
 
 
