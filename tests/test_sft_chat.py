@@ -148,7 +148,7 @@ def test_mask_is_each_assistant_turn_with_its_end_of_turn(folder):
     turn = FORMATS[name]["turn"]
     eot = tok._tok.token_to_id(FORMATS[name]["config"]["eos_token"])
     for conv in CONVERSATIONS:
-        ids, spans = render_messages({"messages": conv}, tok, template, "")
+        ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
         runs = [ids[s:e].tolist() for s, e in spans.reshape(-1, 2)]
         want = [
             tok._tok.encode(turn(m["content"]), add_special_tokens=False).ids
@@ -181,7 +181,43 @@ def test_mask_equals_transformers_assistant_mask(tmp_path):
             conv, chat_template=GENERATION_TEMPLATE, return_dict=True,
             return_assistant_tokens_mask=True,
         )  # fmt: skip
-        ids, spans = render_messages({"messages": conv}, tok, template, "")
+        ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
+        mask = np.zeros(len(ids), bool)
+        for s, e in spans.reshape(-1, 2):
+            mask[s:e] = True
+        assert ids.tolist() == out["input_ids"]
+        assert mask.astype(int).tolist() == out["assistant_masks"]
+
+
+# ChatML (Qwen2's) with generation markers: a default system prompt added inside the loop
+QWEN_GENERATION = (
+    "{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_conversation_the_assistant_opens(tmp_path):
+    """The first turn is the assistant's (a greeting) under a template whose empty rendering is
+    not the start of the one-turn rendering (Qwen2's default system prompt comes from inside its
+    loop): masked as transformers' assistant mask says (it was refused as a template that
+    rewrites earlier turns)."""
+    path = make_folder(str(tmp_path), "qwen2")
+    tfile = tmp_path / "gen.jinja"
+    tfile.write_text(QWEN_GENERATION)
+    ref = reference_tokenizer(path)
+    tok, template = HFTokenizer.from_folder(path), ChatTemplate(find_template(str(tfile), path))
+    assert not template.render([CONVERSATIONS[0][1]], False).startswith(template.render([], True))
+    for conv in ([{"role": "assistant", "content": "Hi! How can I help?"}, *CONVERSATIONS[0]],
+                 [{"role": "assistant", "content": "  "}, *CONVERSATIONS[2]]):  # fmt: skip
+        out = ref.apply_chat_template(
+            conv, chat_template=QWEN_GENERATION, return_dict=True,
+            return_assistant_tokens_mask=True,
+        )  # fmt: skip
+        ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
         mask = np.zeros(len(ids), bool)
         for s, e in spans.reshape(-1, 2):
             mask[s:e] = True
@@ -193,7 +229,7 @@ def test_prompt_completion(folder):
     name, path = folder
     tok, template, _ = ours(path)
     # strings: prompt + completion framed as a document; the completion and EOS are trained
-    ids, spans = render_prompt_completion(
+    ids, spans, _ = render_prompt_completion(
         {"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tok, template, ""
     )
     ((s, e),) = spans.reshape(-1, 2)
@@ -205,15 +241,15 @@ def test_prompt_completion(folder):
     # message lists: only the completion's assistant turns are trained
     conv = CONVERSATIONS[1]
     row = {"prompt": conv[:3], "completion": conv[3:]}
-    ids, spans = render_prompt_completion(row, tok, template, "")
-    whole, whole_spans = render_messages({"messages": conv}, tok, template, "")
+    ids, spans, _ = render_prompt_completion(row, tok, template, "")
+    whole, whole_spans, _ = render_messages({"messages": conv}, tok, template, "")
     assert ids.tolist() == whole.tolist()
     np.testing.assert_array_equal(spans, whole_spans[2:])
 
 
 def test_bytes_prompt_completion():
     tok = BytesTokenizer()
-    ids, spans = render_prompt_completion({"prompt": "é?", "completion": "ü"}, tok, None, "")
+    ids, spans, _ = render_prompt_completion({"prompt": "é?", "completion": "ü"}, tok, None, "")
     assert ids.tolist() == [256, *"é?ü".encode(), 257]
     assert spans.tolist() == [4, 7]  # "ü" (2 bytes) and EOS
 

@@ -221,6 +221,21 @@ def check_messages(messages: object, key: str = "messages") -> list[dict]:
     return messages
 
 
+def _opening(template: ChatTemplate, turn: dict) -> str:
+    """The rendering before a conversation's first turn, an assistant's: the empty conversation
+    with the generation prompt where that starts the one-turn rendering; else (a template whose
+    empty rendering differs, such as one adding its default system prompt only inside its loop,
+    or one reading messages[0]) the one-turn rendering up to where two different contents part."""
+    try:
+        before = template.render([], True)
+    except RowError:
+        before = None
+    if before is not None and template.render([turn], False).startswith(before):
+        return before
+    a, b = (template.render([{**turn, "content": c}], False) for c in ("A", "B"))
+    return a[: len(os.path.commonprefix([a, b]))]
+
+
 def trained_regions(
     template: ChatTemplate, messages: list[dict], first: int = 0
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -241,8 +256,8 @@ def trained_regions(
     for k in range(first, len(messages)):
         if messages[k]["role"] != "assistant":
             continue
-        before = template.render(messages[:k], True)
         after = template.render(messages[: k + 1], False)
+        before = _opening(template, messages[0]) if k == 0 else template.render(messages[:k], True)
         if not (after.startswith(before) and full.startswith(after)):
             raise RowError(
                 f"messages[{k}]: the chat template renders the conversation up to this turn "
