@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int_in(1, MAX_CONTEXT),
         default=None,
         help="the context config.json declares (default: model.max_position_embeddings, the "
-        "pretrained model's, or the dataset's longest sample)",
+        "pretrained model's, or the dataset's longest sample; under dynamic RoPE scaling its "
+        "original context, where transformers starts stretching)",
     )
     p.add_argument(
         "--shard-size",
