@@ -170,23 +170,28 @@ GENERATION_TEMPLATE = (
 def test_mask_equals_transformers_assistant_mask(tmp_path):
     """With `{% generation %}` markers transformers computes its own assistant mask; mixlen's
     (found from the turns, ignoring the markers) is the same."""
-    path = make_folder(str(tmp_path), "llama3-style")
+    _check_masks(tmp_path, "llama3-style", GENERATION_TEMPLATE, CONVERSATIONS)
+
+
+def _check_masks(tmp_path, name: str, text: str, conversations: list) -> ChatTemplate:
+    """Each conversation's ids and trained tokens under template `text` in a `name` folder
+    equal transformers' ids and assistant mask; returns mixlen's template."""
+    path = make_folder(str(tmp_path), name)
     tfile = tmp_path / "gen.jinja"
-    tfile.write_text(GENERATION_TEMPLATE)
+    tfile.write_text(text)
     ref = reference_tokenizer(path)
-    tok = HFTokenizer.from_folder(path)
-    template = ChatTemplate(find_template(str(tfile), path))
-    for conv in CONVERSATIONS:
+    tok, template = HFTokenizer.from_folder(path), ChatTemplate(find_template(str(tfile), path))
+    for conv in conversations:
         out = ref.apply_chat_template(
-            conv, chat_template=GENERATION_TEMPLATE, return_dict=True,
-            return_assistant_tokens_mask=True,
-        )  # fmt: skip
+            conv, chat_template=text, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
         mask = np.zeros(len(ids), bool)
         for s, e in spans.reshape(-1, 2):
             mask[s:e] = True
         assert ids.tolist() == out["input_ids"]
         assert mask.astype(int).tolist() == out["assistant_masks"]
+    return template
 
 
 # ChatML (Qwen2's) with generation markers: a default system prompt added inside the loop
@@ -205,24 +210,10 @@ def test_a_conversation_the_assistant_opens(tmp_path):
     not the start of the one-turn rendering (Qwen2's default system prompt comes from inside its
     loop): masked as transformers' assistant mask says (it was refused as a template that
     rewrites earlier turns)."""
-    path = make_folder(str(tmp_path), "qwen2")
-    tfile = tmp_path / "gen.jinja"
-    tfile.write_text(QWEN_GENERATION)
-    ref = reference_tokenizer(path)
-    tok, template = HFTokenizer.from_folder(path), ChatTemplate(find_template(str(tfile), path))
+    opened = [[{"role": "assistant", "content": "Hi! How can I help?"}, *CONVERSATIONS[0]],
+              [{"role": "assistant", "content": "  "}, *CONVERSATIONS[2]]]  # fmt: skip
+    template = _check_masks(tmp_path, "qwen2", QWEN_GENERATION, opened)
     assert not template.render([CONVERSATIONS[0][1]], False).startswith(template.render([], True))
-    for conv in ([{"role": "assistant", "content": "Hi! How can I help?"}, *CONVERSATIONS[0]],
-                 [{"role": "assistant", "content": "  "}, *CONVERSATIONS[2]]):  # fmt: skip
-        out = ref.apply_chat_template(
-            conv, chat_template=QWEN_GENERATION, return_dict=True,
-            return_assistant_tokens_mask=True,
-        )  # fmt: skip
-        ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
-        mask = np.zeros(len(ids), bool)
-        for s, e in spans.reshape(-1, 2):
-            mask[s:e] = True
-        assert ids.tolist() == out["input_ids"]
-        assert mask.astype(int).tolist() == out["assistant_masks"]
 
 
 def test_prompt_completion(folder):
