@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.attention import cuda_efficient, cuda_flash, dispatch, math_ref
+from trainer.attention import cuda_efficient, cuda_flash, dispatch, local, math_ref
 from trainer.attention.local import LocalAttention, attend, block_backward, block_forward
-from trainer.attention.varlen import VarlenDocs
+from trainer.attention.varlen import VarlenDocs, check_inputs
 from trainer.testing.fake_kernels import bind_schema, installed
 
 F64 = torch.float64
@@ -222,6 +222,9 @@ def test_kernel_limits_are_refused_naming_the_setting() -> None:
         ValueError, match="flash-attn package's kernel takes head dimensions up to 256"
     ):
         attend(*big, [0, 4], backend="flash_attn")
+    # any size up to it: the package pads a head dimension to a multiple of 8 itself (torch's
+    # own flash kernel refuses 12, above)
+    check_inputs(*qkv(4, 4, 2, 2, 12, torch.bfloat16)[:2], "flash-attn", *local._FLASH_LIMITS)
 
 
 @pytest.mark.parametrize("backend", list(CASES))

@@ -214,6 +214,11 @@ def test_a_conversation_the_assistant_opens(tmp_path):
               [{"role": "assistant", "content": "  "}, *CONVERSATIONS[2]]]  # fmt: skip
     template = _check_masks(tmp_path, "qwen2", QWEN_GENERATION, opened)
     assert not template.render([CONVERSATIONS[0][1]], False).startswith(template.render([], True))
+    # one that reads messages[0] fails on the empty conversation (Llama 3.1's does)
+    first = "{% set opener = messages[0]['role'] %}" + QWEN_GENERATION
+    template = _check_masks(tmp_path / "first", "qwen2", first, opened)
+    with pytest.raises(RowError, match="the chat template failed"):
+        template.render([], True)
 
 
 def test_prompt_completion(folder):

@@ -57,7 +57,7 @@ def find_template(
     names: a template's `eos_token` is the EOS that frames documents, never an empty string).
     A `--chat-template` that does not compile stops here; a folder's unusable template becomes
     the reason its conversation rows are refused."""
-    special: dict[str, object] = dict(framing or {}) if folder is None else {}
+    special: dict[str, object] = dict(framing or {})
     if folder is not None:
         special = {k: v for k, v in special_token_names(folder, SPECIAL_KEYS).items() if v}
         extra = _config(folder).get("additional_special_tokens")
@@ -221,16 +221,17 @@ def check_messages(messages: object, key: str = "messages") -> list[dict]:
     return messages
 
 
-def _opening(template: ChatTemplate, turn: dict) -> str:
-    """The rendering before a conversation's first turn, an assistant's: the empty conversation
-    with the generation prompt where that starts the one-turn rendering; else (a template whose
-    empty rendering differs, such as one adding its default system prompt only inside its loop,
-    or one reading messages[0]) the one-turn rendering up to where two different contents part."""
+def _opening(template: ChatTemplate, turn: dict, rendered: str) -> str:
+    """The rendering before a conversation's first turn, an assistant's (`rendered`: that turn
+    alone): the empty conversation with the generation prompt where that starts `rendered`;
+    else (a template whose empty rendering differs, such as one adding its default system prompt
+    only inside its loop, or one reading messages[0]) `rendered` up to where two renderings with
+    different contents part."""
     try:
         before = template.render([], True)
     except RowError:
         before = None
-    if before is not None and template.render([turn], False).startswith(before):
+    if before is not None and rendered.startswith(before):
         return before
     a, b = (template.render([{**turn, "content": c}], False) for c in ("A", "B"))
     return a[: len(os.path.commonprefix([a, b]))]
@@ -257,7 +258,10 @@ def trained_regions(
         if messages[k]["role"] != "assistant":
             continue
         after = template.render(messages[: k + 1], False)
-        before = _opening(template, messages[0]) if k == 0 else template.render(messages[:k], True)
+        if k == 0:
+            before = _opening(template, messages[0], after)
+        else:
+            before = template.render(messages[:k], True)
         if not (after.startswith(before) and full.startswith(after)):
             raise RowError(
                 f"messages[{k}]: the chat template renders the conversation up to this turn "

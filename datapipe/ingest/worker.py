@@ -13,6 +13,7 @@ import numpy as np
 
 from datapipe.files import NotRegularFile, open_regular
 from datapipe.ingest.chat import ChatTemplate
+from datapipe.ingest.lossy import Lost
 from datapipe.ingest.rows import KINDS, RowError, row_kind
 from datapipe.ingest.sources import Block, TokenizeSettings, cut_points
 from datapipe.ingest.tokenizer import Tokenizer
@@ -143,11 +144,16 @@ def _tokenize(
     except Exception as exc:  # the tokenizer refused it (e.g. a missing unk token)
         res.bad(source, f"the tokenizer failed: {type(exc).__name__}: {exc}")
         return False
-    if lost:
-        res.counts["unknown_chars"] += lost.count
-        res.notes.append(("unknown", source, lost.describe()))
+    _note_lost(res, source, lost)
     _add_ids(res, source, ids, s)
     return True
+
+
+def _note_lost(res: BlockResult, where: str, lost: Lost | None) -> None:
+    """Count the characters a lossy tokenizer dropped of a document or row, and name it."""
+    if lost:
+        res.counts["unknown_chars"] += lost.count
+        res.notes.append(("unknown", where, lost.describe()))
 
 
 def _add_row(res: BlockResult, where: str, row: dict, kind: str, s: TokenizeSettings) -> None:
@@ -165,9 +171,7 @@ def _add_row(res: BlockResult, where: str, row: dict, kind: str, s: TokenizeSett
         res.bad(where, f"text is not valid Unicode ({exc.reason} at {exc.start})")
         return
     res.counts["documents"] += 1
-    if lost:
-        res.counts["unknown_chars"] += lost.count
-        res.notes.append(("unknown", where, lost.describe()))
+    _note_lost(res, where, lost)
     _add_ids(res, where, ids, s, spans)
 
 
