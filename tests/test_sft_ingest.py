@@ -309,6 +309,28 @@ def test_template_refusals(tmp_path):
     res = run(tmp_path, [tmp_path / "c.jsonl"], name="o3", tokenizer_from=folder)
     assert "no chat template in the tokenizer folder" in res.bad_examples[0][1]
     assert res.manifest["counts"]["bad"] == 1 and res.manifest["num_samples"] == 1
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": {"default": "{{ messages }}"}}, f)
+    res = run(tmp_path, [tmp_path / "c.jsonl"], name="o4", tokenizer_from=folder)
+    assert "chat_template is dict, expected a string" in res.bad_examples[0][1]
+
+
+def test_lone_surrogates_through_a_bpe_tokenizer_are_named(qwen, tmp_path):
+    """A lone surrogate ("\\ud800" in JSON) in a document, a message or a prompt is that row's
+    refusal as "not valid Unicode" (the `tokenizers` library's own error is a TypeError)."""
+    lines = [
+        '{"text": "a \\ud800 b"}',
+        '{"messages": [{"role": "user", "content": "hi \\udfff"}, '
+        '{"role": "assistant", "content": "ok"}]}',
+        '{"prompt": "p \\ud800", "completion": "c"}',
+        '{"text": "fine"}',
+    ]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    res = run(tmp_path, [tmp_path / "s.jsonl"], tokenizer_from=qwen, max_reported=10)
+    assert [w for w, _ in res.bad_examples] == [f"{tmp_path / 's.jsonl'}:{i}" for i in (1, 2, 3)]
+    for _, reason in res.bad_examples:
+        assert reason.startswith("text is not valid Unicode (surrogates not allowed at ")
+    assert res.manifest["num_samples"] == 1
 
 
 def test_profile_shows_trained_share_by_length_bucket(qwen, tmp_path, capsys):

@@ -126,6 +126,12 @@ def _folder_template(folder: str, special: tuple) -> TemplateSource:
         value = named["default"]
     if isinstance(value, str):
         return TemplateSource(value, f"{where} chat_template", special)
+    if value is not None:  # a conversation row says so; text rows need no template
+        return TemplateSource(
+            special=special,
+            missing=f"{where}: chat_template is {type(value).__name__}, expected a string or a "
+            "list of named templates: give --chat-template FILE",
+        )
     return TemplateSource(
         special=special,
         missing=f"no chat template in the tokenizer folder {folder} (neither {TEMPLATE_FILE} nor "

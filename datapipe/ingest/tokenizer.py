@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -179,6 +180,16 @@ class BytesTokenizer(Tokenizer):
         return {"kind": "bytes"}
 
 
+def _encode(tok: Any, text: str, **kw: bool) -> Any:  # a `tokenizers` Tokenizer, its Encoding
+    """`tok.encode(text)`; text that is not valid Unicode (lone surrogates, "\\ud800" in JSON)
+    raises UnicodeEncodeError, as the bytes tokenizer does, not the library's TypeError."""
+    try:
+        return tok.encode(text, **kw)
+    except TypeError:
+        text.encode("utf-8")  # raises UnicodeEncodeError naming the position
+        raise
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` tokenizer.json; adds its BOS/EOS tokens when it has them and its
     post-processor did not already. BOS/EOS are the ids of `bos`/`eos` when given (a saved
@@ -253,11 +264,11 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         if self.piecewise and len(text) > self.piece_chars:
             parts = [
-                np.asarray(self._tok.encode(p, add_special_tokens=False).ids, dtype=self.dtype)
+                np.asarray(_encode(self._tok, p, add_special_tokens=False).ids, dtype=self.dtype)
                 for p in text_pieces(text, self.piece_chars)
             ]
         else:
-            parts = [np.asarray(self._tok.encode(text).ids, dtype=self.dtype)]
+            parts = [np.asarray(_encode(self._tok, text).ids, dtype=self.dtype)]
         first = next((p[0] for p in parts if len(p)), None)
         last = next((p[-1] for p in reversed(parts) if len(p)), None)
         if self.bos_id is not None and (first is None or first != self.bos_id):
@@ -278,7 +289,7 @@ class HFTokenizer(Tokenizer):
             self._offsets_tok.no_truncation()
             self._offsets_tok.no_padding()
             self._offsets_tok.post_processor = None
-        enc = self._offsets_tok.encode(text, add_special_tokens=False)
+        enc = _encode(self._offsets_tok, text, add_special_tokens=False)
         offs = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(enc.ids, dtype=self.dtype), offs[:, 0].copy(), offs[:, 1].copy()
 
