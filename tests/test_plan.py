@@ -161,6 +161,23 @@ def test_checker_catches(mbs, lengths, match) -> None:
         check_plan(make_plan(3, 6, lengths, mbs))
 
 
+def test_checker_catches_a_capacity_the_offload_does_not_allow() -> None:
+    """Without offload a micro-batch holds C positions, not the capacity it records; with offload
+    ratio r, at most C / (1 - r) (Eq. 3's C_eff for any layer count), never less than C."""
+    local = [([0], [(0, 0, 9)], 1)]
+    with pytest.raises(PlanError, match="capacity 9 at offload ratio 0.0 for C = 6"):
+        check_plan(make_plan(3, 6, [9], local, cap=9))
+    p = make_plan(3, 6, [9], local, cap=9)
+    p.mb_offload = np.full(1, 0.5)  # C_eff(0.5) <= 12: 9 is allowed
+    check_plan(p)
+    p.mb_capacity = np.full(1, 13, dtype=np.int64)
+    with pytest.raises(PlanError, match="capacity 13 at offload ratio 0.5"):
+        check_plan(p)
+    p = make_plan(3, 6, [4], [([0], [(0, 0, 4)], 1)], cap=5)
+    with pytest.raises(PlanError, match="capacity 5"):
+        check_plan(p)
+
+
 def test_checker_catches_disagreement_and_bad_times() -> None:
     p = good_plan()
     p.rank_time_ns = p.rank_time_ns.copy()
@@ -170,12 +187,13 @@ def test_checker_catches_disagreement_and_bad_times() -> None:
     check_plan(p, check_times=False)
 
     class Skewed(StepPlan):
-        """A plan whose rank 2 sees a different capacity for the shared slot."""
+        """A plan whose rank 2 sees a different capacity and offload for the shared slot."""
 
         def microbatches(self, rank):
             mbs = super().microbatches(rank)
             if rank == 2:
-                mbs[0] = dataclasses.replace(mbs[0], capacity=mbs[0].capacity + 1)
+                cap = mbs[0].capacity + 1
+                mbs[0] = dataclasses.replace(mbs[0], capacity=cap, offload_ratio=0.5)
             return mbs
 
     q = Skewed(**{f.name: getattr(good_plan(), f.name) for f in dataclasses.fields(StepPlan)})

@@ -25,6 +25,14 @@ def _zigzag_chunks(start: int, end: int, k: int, p: int) -> list[tuple[int, int]
     return [(bound(c), bound(c + 1)) for c in (p, 2 * k - 1 - p)]
 
 
+def _capacity_ok(capacity: int, c: int, ratio: float) -> bool:
+    """A micro-batch's capacity is C without offload; with offload ratio r it may be more, never
+    more than C / (1 - r) (Eq. 3, l*C / (2 + (1-r)(l-2)), is below that for every layer count l)."""
+    if ratio == 0.0:
+        return capacity == c
+    return capacity >= c and (ratio >= 1.0 or capacity * (1.0 - ratio) <= c * (1 + 1e-12))
+
+
 def check_plan(plan: StepPlan, check_times: bool = True) -> None:
     """Raise PlanError unless the plan satisfies the contract's invariants, seen through the per-rank
     view the trainer uses: exact coverage, capacities, group agreement, total slot order, no
@@ -59,6 +67,12 @@ def check_plan(plan: StepPlan, check_times: bool = True) -> None:
                 fail(f"rank {r} slot {mb.slot}: group_index {mb.group_index} does not name it")
             if not 0.0 <= mb.offload_ratio <= 1.0:
                 fail(f"slot {mb.slot}: offload ratio {mb.offload_ratio}")
+            alone = plan.policy == "single" and len(mb.pieces) == 1  # a sample longer than C
+            if not (alone or _capacity_ok(mb.capacity, plan.capacity, mb.offload_ratio)):
+                fail(
+                    f"slot {mb.slot}: capacity {mb.capacity} at offload ratio {mb.offload_ratio} "
+                    f"for C = {plan.capacity}"
+                )
             by_slot.setdefault(mb.slot, {})[r] = mb
             expect: list[tuple[int, int, int]] = []
             for sid, s, e in mb.group_pieces:

@@ -88,8 +88,9 @@ def plan_lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, ca
     offload finishes sooner, whatever group it gives each sample, from the smallest one (hdp,
     naive-hdp) up to N ranks (widen, the static mesh). max of:
 
-    - work / N: per sample, attention and linear work and exposed ring time at its smallest
-      group k (a wider group only adds attention overhead and traffic in total) plus the size
+    - work / N: per sample, attention and linear work and the ring time no compute can hide,
+      (1 - overlap) * ring, at its smallest group k (a wider group only adds attention overhead
+      and traffic in total; other samples in the micro-batch may hide the rest) plus the size
       term at its widest, N ranks (a member's per-position rate only falls with fewer positions;
       T*r(T) is superadditive, so sharing a micro-batch never lowers it either), and c per
       rank-micro-batch as in lower_bound_terms (less 2 ns per sample and rank of its widest
@@ -113,9 +114,11 @@ def plan_lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, ca
     if is_long.any():
         sl = s[is_long].astype(np.int64)
         kl = -(-sl // capacity)
-        ring = cost.ring_ns(sl / kl, kl)
-        share = cost.work_ns(sl, kl) + cost.ring_exposed_ns(cost.attn_ns(sl, kl), ring)
-        total += int((kl * share).sum())
+        ring = np.asarray(cost.ring_ns(sl / kl, kl), dtype=np.int64)
+        # only the part no compute hides: short samples packed into a ring's micro-batch (widen's
+        # fill) hide more of its traffic than its own attention does
+        unhidden = ring - np.rint(ring.astype(np.float64) * cost.overlap).astype(np.int64)
+        total += int((kl * (cost.work_ns(sl, kl) + unhidden)).sum())
     if cost.size_knots or cost.d:  # the size term split over all N ranks, floored
         rate = np.asarray(cost.size_ns(sf / n), dtype=np.float64)
         total += int(np.maximum(np.floor(rate * n) - n, 0.0).sum())
