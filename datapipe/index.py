@@ -333,10 +333,14 @@ def is_remote(path: str) -> bool:
     return scheme not in ("", "file") and len(scheme) > 1  # len>1: not a Windows drive letter
 
 
+def uri_key(remote: str) -> str:
+    """A remote dataset's folder name in a cache: stable per URI."""
+    return hashlib.sha1(remote.rstrip("/").encode()).hexdigest()[:16]
+
+
 def default_cache_dir(remote: str) -> str:
     """Local cache directory for a remote dataset: stable per URI, under the temp directory."""
-    digest = hashlib.sha1(remote.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "mixlen-cache", digest)
+    return os.path.join(tempfile.gettempdir(), "mixlen-cache", uri_key(remote))
 
 
 def download(remote_file: str, local_file: str) -> None:
@@ -352,9 +356,10 @@ def resolve_dataset(
 ) -> tuple[str, str | None]:
     """(local directory holding manifest.json + index.parquet, remote root or None).
 
-    A remote dataset's two metadata files are downloaded into ``cache_dir`` (default: a directory
-    derived from the URI); its shards are fetched later, on demand, by the fetch. `key` names the
-    setting in errors.
+    A remote dataset's two metadata files are downloaded into its folder under ``cache_dir``, one
+    per URI (default: under the temp directory), so datasets that share a cache never read each
+    other's files; its shards are fetched later, on demand, by the fetch. `key` names the setting
+    in errors.
     """
     path = str(path)
     if not is_remote(path):
@@ -363,7 +368,7 @@ def resolve_dataset(
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: dataset directory {path!r} not found")
         return path, None
-    local = cache_dir or default_cache_dir(path)
+    local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)
     for name in METADATA_FILES:
         try:

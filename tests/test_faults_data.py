@@ -87,6 +87,20 @@ def test_flipped_byte_in_a_shard_is_caught_on_first_open(copy, fmt: str) -> None
         assert fmt == "parquet"
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the library's overflow on the bad offsets
+def test_damaged_mds_shard_without_checksums_names_the_shard_through_the_library(copy) -> None:
+    """`verify = false` with `mds_access = "dataset"`: a shard whose row offsets are damaged
+    fails as an InputError naming it, not the library's bare ValueError."""
+    root = copy("mds")
+    name = _manifest(root)["shards"][1]["name"]
+    flip_byte(root / name, 20)
+    flip_byte(root / name)
+    with FetchConfig(verify=False, mds_access="dataset").build(str(root)) as fetcher:
+        with pytest.raises(InputError, match=f"{name}: cannot read its rows"):
+            for s in range(N):
+                fetcher.fetch(_whole(fetcher, s))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_truncated_or_deleted_shard_is_caught_when_opening_the_dataset(copy, fmt: str) -> None:
     root = copy(fmt)

@@ -19,7 +19,7 @@ from readback import read_rows, samples_from_rows
 
 from datapipe.errors import InputError, StoreError
 from datapipe.fetch import FetchConfig
-from datapipe.index import read_index
+from datapipe.index import read_index, uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.settings import Names
 from datapipe.stream import StreamConfig
@@ -145,7 +145,9 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
         ref = next(local_stream)
         np.testing.assert_array_equal(b.sample_ids, ref.sample_ids)
         np.testing.assert_array_equal(b.lengths, ref.lengths)
-    assert sorted(os.listdir(cache)) == ["index.parquet", "manifest.json"], "metadata first"
+    assert os.listdir(cache) == [uri_key(uri)], "a folder per dataset"
+    folder = cache / uri_key(uri)
+    assert sorted(os.listdir(folder)) == ["index.parquet", "manifest.json"], "metadata first"
     # fetch: every sample of those batches, through the download cache, equals the local tokens
     ref = samples_from_rows(read_rows(str(local), read_index(str(local)).manifest))
     with FetchConfig().build(uri, str(cache)) as fetcher:
@@ -153,10 +155,10 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
             for sid, n in zip(b.sample_ids.tolist(), b.lengths.tolist()):
                 mb = fetcher.fetch(np.array([[sid, 0, n]]))
                 np.testing.assert_array_equal(mb.input_ids, ref[sid])
-    cached = [s for s in shards if (cache / s).exists()]
+    cached = [s for s in shards if (folder / s).exists()]
     assert 1 <= len(cached) <= len(shards)
     for s in cached:  # downloaded whole and intact
-        assert (cache / s).read_bytes() == (local / s).read_bytes()
+        assert (folder / s).read_bytes() == (local / s).read_bytes()
     # a dataset is never replaced in a store
     with pytest.raises(InputError, match="already holds a dataset"):
         preprocess(PreprocessConfig(corpus["inputs"], uri, overwrite=True, progress=False))
@@ -184,7 +186,36 @@ def test_train_from_s3_equals_local(s3, tmp_path) -> None:
         runs[name] = run_training(cfg)
     assert runs["s3"]["losses"] == runs["local"]["losses"]
     assert runs["s3"]["val_losses"] == runs["local"]["val_losses"]
-    assert any(p.name.startswith("shard.") for p in (tmp_path / "cache-s3").iterdir())
+    assert any(
+        p.name.startswith("shard.") for p in (tmp_path / "cache-s3" / uri_key(uri)).iterdir()
+    )
+
+
+def test_two_remote_datasets_share_a_cache_folder(s3, tmp_path) -> None:
+    """`data.path` and `data.val_path` (or two jobs) with one `data.cache_dir`: each dataset gets
+    its own folder in it and reads its own samples, fresh or already cached; a damaged shard in
+    the cache is fetched again."""
+    from _train_worker import make_dataset
+
+    want = {}
+    for name, n_docs in (("train", 30), ("val", 7)):
+        local = make_dataset(str(tmp_path / name), n_docs=n_docs, seed=len(name))
+        uri = f"s3://{s3['bucket']}/two/{name}"
+        assert cli_main(["preprocess", str(tmp_path / f"{name}.jsonl"), "--out", uri,
+                         "--chunk-tokens", "128", "--quiet"]) == 0  # fmt: skip
+        want[uri] = samples_from_rows(read_rows(local, read_index(local).manifest))
+    cache = str(tmp_path / "cache")
+    for _ in range(2):  # a fresh cache, then the same cache again
+        for uri, ref in want.items():
+            with FetchConfig().build(uri, cache) as fetcher:
+                assert len(fetcher.lengths) == len(ref)
+                for sid, n in enumerate(fetcher.lengths.tolist()):
+                    mb = fetcher.fetch(np.array([[sid, 0, n]]))
+                    np.testing.assert_array_equal(mb.input_ids, ref[sid])
+        # a damaged copy in the cache is fetched again from the store
+        folder = os.path.join(cache, uri_key(uri))
+        shards = sorted(f for f in os.listdir(folder) if f.startswith("shard."))
+        os.truncate(os.path.join(folder, shards[0]), 10)
 
 
 def test_resume_after_server_restart_mid_epoch(s3, corpus, tmp_path, monkeypatch) -> None:
@@ -225,7 +256,8 @@ def test_resume_after_server_restart_mid_epoch(s3, corpus, tmp_path, monkeypatch
         finally:
             timer.join()
     shards = [s["name"] for s in read_index(str(local)).manifest["shards"]]
-    assert sum((tmp_path / "c" / s).exists() for s in shards) > 2, "several shards were fetched"
+    folder = tmp_path / "c" / uri_key(uri)
+    assert sum((folder / s).exists() for s in shards) > 2, "several shards were fetched"
 
 
 def test_missing_bucket_and_wrong_credentials(s3, corpus, tmp_path, monkeypatch, capsys) -> None:
@@ -295,7 +327,7 @@ def test_unsupported_scheme_is_named(corpus, tmp_path, capsys) -> None:
 
 def test_a_mixture_of_a_local_and_an_s3_source_reads_as_two_local_ones(s3, tmp_path) -> None:
     """[data] sources mixes a local dataset with one in the store: the same batches and the same
-    fetched tokens as with both local (the store's copy downloaded under cache_dir/NAME)."""
+    fetched tokens as with both local (the store's copy downloaded under cache_dir/NAME/KEY)."""
     from contextlib import ExitStack
 
     from _train_worker import make_dataset, train_config
@@ -325,7 +357,7 @@ def test_a_mixture_of_a_local_and_an_s3_source_reads_as_two_local_ones(s3, tmp_p
                 out.append((batch.digest(), [mb.input_ids.tolist() for mb in mbs]))
             fetched[name] = out
     assert fetched["s3"] == fetched["local"]
-    assert (tmp_path / "cache-s3" / "books" / "manifest.json").exists()
+    assert (tmp_path / "cache-s3" / "books" / uri_key(uri) / "manifest.json").exists()
 
 
 def _source(path: str, weight: float, name: str):

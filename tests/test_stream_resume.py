@@ -14,6 +14,7 @@ import pytest
 from test_stream import REPO, lognormal_lengths, write_length_index
 
 from datapipe.errors import ConfigError
+from datapipe.index import uri_key
 from datapipe.settings import Names
 from datapipe.stream import LengthAwareStream, StreamConfig, resolve_dataset
 
@@ -135,9 +136,10 @@ def test_remote_metadata_goes_through_streaming_downloader(tmp_path: Path, monke
     cache = tmp_path / "cache"
     s = StreamConfig().open(str(remote), 5000, cache_dir=str(cache))
     assert np.array_equal(s.lengths, lengths)
+    folder = cache / uri_key(str(remote))  # a folder per dataset in a cache
     for name in ("manifest.json", "index.parquet"):
-        assert (cache / name).read_bytes() == (remote / name).read_bytes()
-    assert resolve_dataset(str(remote), str(cache)) == (str(cache), str(remote))
+        assert (folder / name).read_bytes() == (remote / name).read_bytes()
+    assert resolve_dataset(str(remote), str(cache)) == (str(folder), str(remote))
 
 
 def _digest_runs(path: str, budget: int, runs: list[list[int]]) -> list[str]:

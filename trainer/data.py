@@ -71,7 +71,7 @@ class DataConfig:
         free_on_resume=True,
     )
     cache_dir: str | None = setting(
-        None, help="local copy of a remote dataset's files", free_on_resume=True
+        None, help="local copies of remote datasets' files, a folder per URI", free_on_resume=True
     )
     val_path: str | None = setting(None, help="a held-out dataset (another preprocessed one)")
     val_fraction: float = setting(

@@ -232,9 +232,21 @@ class RowReader:
         the manifest the first time (see the class docstring)."""
         name = self.shard_names[shard]
         path = os.path.join(self.local, name)
-        if self.remote is not None and not os.path.exists(path):
-            download(self.remote.rstrip("/") + "/" + name, path)
-        self.verify_shard(shard, path)
+        if self.remote is None:
+            self.verify_shard(shard, path)
+            return path
+        url = self.remote.rstrip("/") + "/" + name
+        cached = os.path.exists(path)
+        if not cached:
+            download(url, path)
+        try:
+            self.verify_shard(shard, path)
+        except InputError:
+            if not cached:
+                raise
+            os.remove(path)  # a damaged copy in the cache (the store's may be sound): once more
+            download(url, path)
+            self.verify_shard(shard, path)
         return path
 
     def verify_shard(self, shard: int, path: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from datapipe.errors import InputError
+from datapipe.errors import InputError, MixlenError
 from datapipe.files import METADATA_FILE_LIMIT, read_bounded_bytes
 from datapipe.formats.base import (
     SPAN_DTYPE,
@@ -303,6 +303,19 @@ class DatasetReader(RowReader):
                 f"manifest.json {int(self.shard_starts[-1])}"
             )
 
+    def _item(self, row: int) -> dict:
+        """The library's sample `row`; a shard it cannot decode is named (`verify = false`)."""
+        try:
+            return self.ds.get_item(row)
+        except MixlenError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
+            shard = int(np.searchsorted(self.shard_starts, row, side="right") - 1)
+            path = os.path.join(self._own_local or self.local, self.shard_names[shard])
+            raise InputError(
+                f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
+            ) from None
+
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         t0 = time.perf_counter()
         rows = np.asarray(rows, np.int64)
@@ -310,7 +323,7 @@ class DatasetReader(RowReader):
         if self.remote is None:  # verified before the library reads them
             for shard in shards:
                 self.shard_path(shard)
-        out = [self.ds.get_item(int(r))[self.field] for r in rows]
+        out = [self._item(int(r))[self.field] for r in rows]
         if self._own_local is not None:  # downloaded by the library: verified before use
             for shard in shards:
                 self.verify_shard(shard, os.path.join(self._own_local, self.shard_names[shard]))
@@ -327,7 +340,7 @@ class DatasetReader(RowReader):
         """`RowReader.read_rows_masked` through the dataset's items."""
         rows = np.asarray(rows, np.int64)
         tokens = self.read_rows(rows)
-        spans = [np.asarray(self.ds.get_item(int(r))[TRAINED], SPAN_DTYPE) for r in rows]
+        spans = [np.asarray(self._item(int(r))[TRAINED], SPAN_DTYPE) for r in rows]
         lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
         flat = np.concatenate(tokens) if tokens else np.zeros(0, self.dtype)
         flat_spans = np.concatenate(spans) if spans else np.zeros(0, SPAN_DTYPE)
