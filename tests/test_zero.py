@@ -95,6 +95,23 @@ def test_buckets_launch_while_the_last_backward_runs():
         assert stats.buckets == n and in_flight <= stats.early <= n
 
 
+def test_an_optimizer_with_hooks_is_freed_with_its_model():
+    """A model's grad hooks do not keep its optimizer alive: a second executor in one process
+    (eval after training, a benchmark's next case) does not inherit the first one's memory."""
+    import gc
+    import weakref
+
+    from trainer.parallel.comm import SoloComm
+
+    net = fresh_net()
+    zero = _zero(net, SoloComm(), 0)
+    zero.install_hooks()
+    gone = weakref.ref(zero)
+    del zero, net
+    gc.collect()
+    assert gone() is None
+
+
 class _InstantComm:
     """Rank 0 of 2 whose collectives complete at once (and do nothing): memory bookkeeping."""
 

@@ -26,9 +26,9 @@ local shards (`params`; `leaves` get the hooks); `square_norm` makes the global 
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,20 @@ __all__ = ["ZeroOptimizer"]
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _weak_hook(opt: ZeroOptimizer, i: int) -> Callable[[torch.Tensor], None]:
+    """`opt._on_grad(i, p)` as a grad hook that does not keep `opt` alive: a tensor's hooks live
+    where the garbage collector cannot see a cycle through them, so a strong reference would keep
+    every optimizer (flat weights, master copy, moments) for as long as the model lives."""
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(i, p)
+
+    return hook
 
 
 class ZeroOptimizer:
@@ -192,7 +206,7 @@ class ZeroOptimizer:
         freed at once) and launch each bucket's reduction as soon as it is final."""
         if not self._hooks:
             self._hooks = [
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                p.register_post_accumulate_grad_hook(_weak_hook(self, i))
                 for i, p in enumerate(self.leaves)
             ]
 
