@@ -4,7 +4,8 @@ reference loop.
     python benchmarks/bench_gpu.py --out DIR             # a CUDA machine (benchmarks/gpu_run.sh)
     python benchmarks/bench_gpu.py --dry-run --out DIR   # the CPU, tiny sizes (tests/test_bench_gpu.py)
 
-Parts (`--parts`, in this order; each records its rows or its error and the next one runs):
+Parts (`--parts`, in this order, most wanted first; each case of a part records its figures or
+its error and the next case runs; a part that no longer fits the budget is skipped):
 
 - `check`: attention forward and backward on the device's kernels against the `math` reference
   in float64 (packed documents, GQA; float32 and bfloat16), and ring blocks through 4 threaded
@@ -19,18 +20,23 @@ Parts (`--parts`, in this order; each records its rows or its error and the next
   Llama-3.2-1B shape at 8K and 32K tokens a step, packed documents and one document:
   tokens/s, MFU by TorchTitan's formula (989 TFLOP/s), peak memory, planned vs measured step
   time, host synchronisations per step (torch.cuda.set_sync_debug_mode).
-- `reference`: the plain-torch loop of benchmarks/gpu_reference.py (compiled blocks, torch's
-  varlen kernel, whole float32 logits) on the same batches.
 - `torchtitan`: TorchTitan 0.2.2's own trainer on the same shape and document lengths
-  (benchmarks/torchtitan_bench.py, a process per step size; skipped when it is not installed).
+  (benchmarks/torchtitan_bench.py, a process per step size, 32K first; skipped when it is not
+  installed).
+- `longest`: the longest single document one GPU trains (no checkpointing, then full activation
+  checkpointing), doubling until out of memory or out of budget.
+- `compiled`: `[train] compile = true` (each block compiled) at the largest step size, packed,
+  beside `train`'s eager row of the same batch.
 - `ring`: 4 threaded ranks on one GPU: a document split over the ring against whole-document
   attention, and the ring's time beside the same document on one rank.
 - `checkpoint`: one document of the largest step size (32K) with no, selective and full
   activation checkpointing: step time, tokens/s, MFU and peak memory side by side.
-- `longest`: the longest single document one GPU trains (no checkpointing, then full activation
-  checkpointing), doubling until out of memory or out of budget.
+- `reference`: the plain-torch loop of benchmarks/gpu_reference.py (compiled blocks, torch's
+  varlen kernel, whole float32 logits) on the same batches (the stand-in where TorchTitan is
+  not installed).
 
-Writes DIR/bench_gpu.json and DIR/bench_gpu.md (the tables, also printed last).
+Writes DIR/bench_gpu.json and DIR/bench_gpu.md after every part (the tables, also printed last)
+and DIR/cost-gpu.json (calibrate); TorchTitan's work folders and logs go to the temp directory.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -57,9 +64,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
 PARTS = (
-    "check", "attention", "calibrate", "train", "reference", "torchtitan", "ring", "checkpoint",
-    "longest",
+    "check", "attention", "calibrate", "train", "torchtitan", "longest", "compiled", "ring",
+    "checkpoint", "reference",
 )  # fmt: skip
+# seconds a part needs left in the budget to start on the GPU (a case inside checks again)
+PART_MIN_S = {
+    "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
+    "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90,
+}  # fmt: skip
+CASE_MIN_S = 15.0  # seconds a case needs left to start
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,8 @@ class Sizes:
     )  # fmt: skip
     warmup: int = 2
     iters: int = 5
+    step_iters: int = 3  # timed training steps a case (after its first and one warm-up)
+    budget_scale: float = 1.0  # x PART_MIN_S and CASE_MIN_S (the dry run: 0, everything runs)
     length_divisor: int = 1  # the dry run's documents: the corpus's lengths / this
 
 
@@ -115,6 +130,8 @@ DRY = Sizes(
     ),  # fmt: skip
     warmup=1,
     iters=2,
+    step_iters=2,
+    budget_scale=0.0,
     length_divisor=64,
 )
 
@@ -136,6 +153,30 @@ class Bench:
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
+
+    def free(self) -> None:
+        """What a finished case left behind: collected, and the allocator's cache emptied."""
+        import torch
+
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def case(self, rows: list[dict], head: dict, fn: Callable[[], dict]) -> bool:
+        """Append head with fn()'s figures, or with the error fn raised (the part goes on), or
+        "skipped: budget" when too little of the budget is left; True if measured."""
+        if self.left() < CASE_MIN_S * self.sizes.budget_scale:
+            rows.append({**head, "result": "skipped: budget"})
+            return False
+        try:
+            rows.append({**head, **fn()})
+            return True
+        except Exception as exc:  # out of memory, a kernel's refusal: this case's row says so
+            rows.append({**head, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print(f"bench_gpu: {head}: {traceback.format_exc()}", flush=True)
+            return False
+        finally:
+            self.free()
 
     def sync(self) -> None:
         import torch
@@ -195,26 +236,33 @@ class Bench:
 def part_check(b: Bench) -> list[dict]:
     """Device kernels against math in float64: packed documents with GQA, then a ring of 4."""
     import torch
+
+    lens = [min(n, b.sizes.check_max_doc) for n in b.packed(b.sizes.check_tokens, seed=1)]
+    rows: list[dict] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype)[6:]
+        head = {"case": "packed, GQA", "dtype": name, "docs": len(lens)}
+        b.case(rows, head, lambda dtype=dtype: _packed_errors(b, dtype, lens))
+        head = {"case": "ring of 4 (threads)", "dtype": name}
+        b.case(rows, head, lambda dtype=dtype: _ring_errors(b, dtype))
+    return rows
+
+
+def _packed_errors(b: Bench, dtype: Any, lens: list[int]) -> dict:
+    """Packed documents with GQA on the device's kernel against math in float64."""
+    import torch
     from gpu_reference import isclose_rel
 
     from trainer.attention.local import attend
 
     hq, hkv, d = b.sizes.heads
-    lens = [min(n, b.sizes.check_max_doc) for n in b.packed(b.sizes.check_tokens, seed=1)]
     cu = [0, *np.cumsum(lens).tolist()]
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        g = torch.Generator(device=b.dev).manual_seed(0)
-        x = [torch.randn(cu[-1], h, d, device=b.dev, generator=g) for h in (hq, hkv, hkv, hq)]
-        q, k, v, dout = (t.to(dtype) for t in x)
-        got = _attend_grads(attend, q, k, v, dout, cu, None)
-        ref = _attend_grads(attend, *(t.double() for t in (q, k, v, dout)), cu, "math")
-        errs = {n: isclose_rel(a, r) for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
-        rows.append({"case": "packed, GQA", "dtype": str(dtype)[6:], "docs": len(lens), **errs})
-        rows.append(
-            {"case": "ring of 4 (threads)", "dtype": str(dtype)[6:], **_ring_errors(b, dtype)}
-        )
-    return rows
+    g = torch.Generator(device=b.dev).manual_seed(0)
+    x = [torch.randn(cu[-1], h, d, device=b.dev, generator=g) for h in (hq, hkv, hkv, hq)]
+    q, k, v, dout = (t.to(dtype) for t in x)
+    got = _attend_grads(attend, q, k, v, dout, cu, None)
+    ref = _attend_grads(attend, *(t.double() for t in (q, k, v, dout)), cu, "math")
+    return {n: isclose_rel(a, r) for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
 def _attend_grads(
@@ -259,39 +307,44 @@ def _ring_errors(b: Bench, dtype: Any, lengths: tuple[int, ...] | None = None) -
 
 def part_attention(b: Bench) -> list[dict]:
     """mixlen's attention fwd+bwd (packed and one document) beside SDPA's flash kernel."""
+    from trainer.attention.local import attend
+
+    rows: list[dict] = []
+    for t in b.sizes.attn_tokens:
+        for layout, lens in (("packed", b.packed(t)), ("one document", [t])):
+            head = {"tokens": t, "layout": layout, "docs": len(lens)}
+            b.case(rows, head, lambda t=t, lens=lens: _attention_case(b, attend, t, lens))
+    return rows
+
+
+def _attention_case(b: Bench, attend: Any, t: int, lens: list[int]) -> dict:
+    """One forward + backward of `lens` packed into t tokens; SDPA's ceiling for one document."""
     import torch
     from gpu_reference import causal_attention_flops
 
-    from trainer.attention.local import attend
-
     hq, hkv, d = b.sizes.heads
-    rows = []
-    for t in b.sizes.attn_tokens:
-        for layout, lens in (("packed", b.packed(t)), ("one document", [t])):
-            g = torch.Generator(device=b.dev).manual_seed(t)
-            q, k, v, dout = (
-                torch.randn(t, h, d, device=b.dev, generator=g).to(b.dtype).requires_grad_(i < 3)
-                for i, h in enumerate((hq, hkv, hkv, hq))
-            )
-            cu = [0, *np.cumsum(lens).tolist()]
+    g = torch.Generator(device=b.dev).manual_seed(t)
+    q, k, v, dout = (
+        torch.randn(t, h, d, device=b.dev, generator=g).to(b.dtype).requires_grad_(i < 3)
+        for i, h in enumerate((hq, hkv, hkv, hq))
+    )
+    cu = [0, *np.cumsum(lens).tolist()]
 
-            def run(q=q, k=k, v=v, dout=dout, cu=cu) -> None:
-                out, _ = attend(q, k, v, cu)
-                out.backward(dout)
+    def run() -> None:
+        out, _ = attend(q, k, v, cu)
+        out.backward(dout)
 
-            secs = b.timed(run)
-            mem = b.peak(run)
-            flops = causal_attention_flops(lens, hq, d)
-            ceil_s = _sdpa_seconds(b, t) if layout == "one document" else None
-            rows.append({
-                "tokens": t, "layout": layout, "docs": len(lens), "ms": secs * 1e3,
-                "tflops": flops / secs / 1e12,
-                "sdpa_ms": None if ceil_s is None else ceil_s * 1e3,
-                "sdpa_tflops": None if ceil_s is None else flops / ceil_s / 1e12,
-                "peak_mib": None if mem is None else mem / 2**20,
-                "bytes_per_token": None if mem is None else mem / t,
-            })  # fmt: skip
-    return rows
+    secs = b.timed(run)
+    mem = b.peak(run)
+    flops = causal_attention_flops(lens, hq, d)
+    ceil_s = _sdpa_seconds(b, t) if len(lens) == 1 else None
+    return {
+        "ms": secs * 1e3, "tflops": flops / secs / 1e12,
+        "sdpa_ms": None if ceil_s is None else ceil_s * 1e3,
+        "sdpa_tflops": None if ceil_s is None else flops / ceil_s / 1e12,
+        "peak_mib": None if mem is None else mem / 2**20,
+        "bytes_per_token": None if mem is None else mem / t,
+    }  # fmt: skip
 
 
 def _sdpa_seconds(b: Bench, t: int) -> float:
@@ -305,27 +358,19 @@ def _sdpa_seconds(b: Bench, t: int) -> float:
     k = torch.randn(1, hkv, t, d, device=b.dev, generator=g).to(b.dtype).requires_grad_()
     v = torch.randn(1, hkv, t, d, device=b.dev, generator=g).to(b.dtype).requires_grad_()
     dout = torch.randn(1, hq, t, d, device=b.dev, generator=g).to(b.dtype)
-    ctx: Any = _flash_only() if b.dev.type == "cuda" else _null()
 
     def run() -> None:
-        with ctx:
+        with _sdpa_backend(b):  # a new one each call: sdpa_kernel's can be entered once
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
 
     return b.timed(run)
 
 
-def _flash_only() -> Any:
+def _sdpa_backend(b: Bench) -> Any:
+    """SDPA's flash kernel alone on CUDA (math on the CPU's dry run, through the same API)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION if b.dev.type == "cuda" else SDPBackend.MATH])
 
 
 def part_calibrate(b: Bench) -> list[dict]:
@@ -402,39 +447,68 @@ def _mfu(b: Bench, tokens_per_s: float, lens: list[int], tokens: int) -> tuple[f
     return titan, actual
 
 
-def part_train(b: Bench) -> list[dict]:
-    """The executor at each step size, packed and one document."""
+def _release(ex: Any) -> None:
+    """An executor's optimizer unhooked from its model, so both go with their last reference."""
+    ex.zero.remove_hooks()
+
+
+def _step_case(b: Bench, ex: Any, tokens: int, layout: str) -> dict:
+    """One step size and layout through the executor: its first step, then timed steps."""
     from datapipe.plan.metrics import predicted_step_ns
 
-    rows = []
+    lens = _batch(b, tokens, layout)
+    plan, fetched = _plan_and_fetch(b, lens, tokens)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        ex.step(plan, fetched, step[0])
+
+    t0 = time.perf_counter()
+    run()  # allocations, cuBLAS plans; with compiled blocks, the compilation
+    b.sync()
+    first = time.perf_counter() - t0
+    secs = b.timed(run, warmup=1, iters=b.sizes.step_iters)
+    mem = b.peak(run)
+    syncs = _count_syncs(b, run)
+    tps = tokens / secs
+    titan, actual = _mfu(b, tps, lens, tokens)
+    return {
+        "docs": len(lens), "step_s": secs, "tokens_per_s": tps, "mfu_titan": titan,
+        "mfu_doc_attention": actual, "peak_gib": None if mem is None else mem / 2**30,
+        "planned_s": predicted_step_ns(plan, _cost(b)) / 1e9,
+        "cost": "calibrated" if b.cost_path else "preset", "syncs_per_step": syncs,
+        "microbatches": len(fetched), "first_step_s": first,
+    }  # fmt: skip
+
+
+def part_train(b: Bench) -> list[dict]:
+    """The executor at each step size, packed and one document."""
+    rows: list[dict] = []
     ex, model = _executor(b)
-    cost = _cost(b)
-    cases = [(t, lay, False) for t in b.sizes.step_tokens for lay in ("packed", "one document")]
-    cases.append((b.sizes.step_tokens[-1], "packed", True))  # [train] compile = true, last
-    for tokens, layout, compiled in cases:
-        if compiled:
-            for block in model.layers:
-                block.compile_block(backend=b.sizes.compile_backend or "inductor")
-        lens = _batch(b, tokens, layout)
-        plan, fetched = _plan_and_fetch(b, lens, tokens)
+    try:
+        for tokens in b.sizes.step_tokens:
+            for layout in ("packed", "one document"):
+                head = {"tokens": tokens, "layout": layout}
+                b.case(rows, head, lambda t=tokens, lay=layout: _step_case(b, ex, t, lay))
+    finally:
+        _release(ex)  # the model and optimizer go when this returns (run() frees them)
+    return rows
 
-        def run(plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
-            step[0] += 1
-            ex.step(plan, fetched, step[0])
 
-        secs = b.timed(run)
-        mem = b.peak(run)
-        syncs = _count_syncs(b, run)
-        tps = tokens / secs
-        titan, actual = _mfu(b, tps, lens, tokens)
-        rows.append({
-            "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
-            "tokens_per_s": tps, "mfu_titan": titan, "mfu_doc_attention": actual,
-            "peak_gib": None if mem is None else mem / 2**30,
-            "planned_s": predicted_step_ns(plan, cost) / 1e9,
-            "cost": "calibrated" if b.cost_path else "preset", "syncs_per_step": syncs,
-            "microbatches": len(fetched), "compiled": compiled,
-        })  # fmt: skip
+def part_compiled(b: Bench) -> list[dict]:
+    """`[train] compile = true`: every block compiled, the largest step size packed (the
+    first step includes the compilation); `train`'s eager row of the same batch beside it."""
+    rows: list[dict] = []
+    ex, model = _executor(b)
+    try:
+        for block in model.layers:
+            block.compile_block(backend=b.sizes.compile_backend or "inductor")
+        tokens = b.sizes.step_tokens[-1]
+        head = {"tokens": tokens, "layout": "packed", "compiled": True}
+        b.case(rows, head, lambda: _step_case(b, ex, tokens, "packed"))
+    finally:
+        _release(ex)  # the model and optimizer go when this returns (run() frees them)
     return rows
 
 
@@ -460,34 +534,37 @@ def part_reference(b: Bench) -> list[dict]:
     from gpu_reference import ReferenceLoop
 
     loop = ReferenceLoop(b.shape(), b.dtype, b.dev, b.sizes.compile_backend)
-    rows = []
-    for tokens in b.sizes.step_tokens:
-        for layout in ("packed", "one document"):
-            lens = _batch(b, tokens, layout)
-            rng = np.random.default_rng(sum(lens))
-            ids = torch.as_tensor(
-                np.concatenate([rng.integers(0, b.shape().vocab_size, n) for n in lens]),
-                device=b.dev,
-            )  # noqa: E501
-            pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]), device=b.dev)
-            labels = torch.roll(ids, -1)
-            labels[torch.as_tensor(np.cumsum(lens) - 1, device=b.dev)] = -100
-            t0 = time.perf_counter()
-            loop.step(ids, pos, lens, labels)  # compiles
-            b.sync()
-            first = time.perf_counter() - t0
-            secs = b.timed(
-                lambda ids=ids, pos=pos, lens=lens, labels=labels: loop.step(ids, pos, lens, labels)
-            )  # noqa: E501
-            mem = b.peak(
-                lambda ids=ids, pos=pos, lens=lens, labels=labels: loop.step(ids, pos, lens, labels)
-            )  # noqa: E501
-            titan, actual = _mfu(b, tokens / secs, lens, tokens)
-            rows.append({
-                "tokens": tokens, "layout": layout, "docs": len(lens), "step_s": secs,
-                "tokens_per_s": tokens / secs, "mfu_titan": titan, "mfu_doc_attention": actual,
-                "peak_gib": None if mem is None else mem / 2**30, "first_step_s": first,
-            })  # fmt: skip
+    rows: list[dict] = []
+
+    def one(tokens: int, layout: str) -> dict:
+        lens = _batch(b, tokens, layout)
+        rng = np.random.default_rng(sum(lens))
+        ids = torch.as_tensor(
+            np.concatenate([rng.integers(0, b.shape().vocab_size, n) for n in lens]), device=b.dev
+        )
+        pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]), device=b.dev)
+        labels = torch.roll(ids, -1)
+        labels[torch.as_tensor(np.cumsum(lens) - 1, device=b.dev)] = -100
+        t0 = time.perf_counter()
+        loop.step(ids, pos, lens, labels)  # compiles
+        b.sync()
+        first = time.perf_counter() - t0
+        secs = b.timed(lambda: loop.step(ids, pos, lens, labels), 1, b.sizes.step_iters)
+        mem = b.peak(lambda: loop.step(ids, pos, lens, labels))
+        titan, actual = _mfu(b, tokens / secs, lens, tokens)
+        return {
+            "docs": len(lens), "step_s": secs, "tokens_per_s": tokens / secs,
+            "mfu_titan": titan, "mfu_doc_attention": actual,
+            "peak_gib": None if mem is None else mem / 2**30, "first_step_s": first,
+        }  # fmt: skip
+
+    try:
+        for tokens in sorted(b.sizes.step_tokens, reverse=True):  # the goal's 32K first
+            for layout in ("packed", "one document"):
+                head = {"tokens": tokens, "layout": layout}
+                b.case(rows, head, lambda t=tokens, lay=layout: one(t, lay))
+    finally:
+        b.free()
     return rows
 
 
@@ -503,19 +580,26 @@ def part_torchtitan(b: Bench) -> list[dict]:
         return [{"result": f"skipped: {why}"}]
     dry = b.dev.type != "cuda"
     rows: list[dict] = []
+    work = Path(tempfile.mkdtemp(prefix="mixlen-torchtitan-"))  # not under --out: its 8 files
     for tokens in sorted(b.sizes.step_tokens, reverse=True):  # the goal's 32K first
         if not dry and b.left() < 100:  # a process's start, compilation and 8 steps
             rows.append({"tokens": tokens, "result": "skipped: budget"})
             continue
         cmd = [sys.executable, str(ROOT / "benchmarks" / "torchtitan_bench.py"),
-               "--out", str(b.out / "torchtitan"), "--model", b.sizes.model,
+               "--out", str(work), "--model", b.sizes.model,
                "--seq-len", str(tokens), "--length-divisor", str(b.sizes.length_divisor)]  # fmt: skip
-        proc = subprocess.run(
-            cmd + (["--dry-run"] if dry else []), capture_output=True, text=True,
-            timeout=max(60.0, min(b.left(), 300.0)),
-        )  # fmt: skip
-        (b.out / f"torchtitan-{tokens}.log").write_text(proc.stdout + proc.stderr)
+        try:
+            proc = subprocess.run(
+                cmd + (["--dry-run"] if dry else []), capture_output=True, text=True,
+                timeout=max(60.0, min(b.left() - 10, 240.0)),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            rows.append({"tokens": tokens, "result": f"timed out after {exc.timeout:.0f} s"})
+            continue
+        (work / f"torchtitan-{tokens}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()
+            print(f"bench_gpu: torchtitan {tokens} failed:", *tail[-30:], sep="\n", flush=True)
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             rows.append({"tokens": tokens, "result": f"failed ({proc.returncode}): {last[:200]}"})
             continue
@@ -540,11 +624,11 @@ def part_ring(b: Bench) -> list[dict]:
     from trainer.attention.ring import RingAttention, ZigzagLayout, ring_attend
     from trainer.testing.threads import run_threads
 
-    rows = []
+    rows: list[dict] = []
     n = b.sizes.ring_tokens
     hq, hkv, d = b.sizes.heads
-    errs = _ring_errors(b, b.dtype, (n // 8, n // 16 + 3))
-    rows.append({"case": "equality", "dtype": b.sizes.dtype, **errs})
+    head = {"case": "equality", "dtype": b.sizes.dtype}
+    b.case(rows, head, lambda: _ring_errors(b, b.dtype, (n // 8, n // 16 + 3)))
     g = torch.Generator(device=b.dev).manual_seed(5)
     x = [torch.randn(n, h, d, device=b.dev, generator=g).to(b.dtype) for h in (hq, hkv, hkv, hq)]
     idx = [torch.as_tensor(ZigzagLayout((n,), 4).global_index(r), device=b.dev) for r in range(4)]
@@ -562,9 +646,11 @@ def part_ring(b: Bench) -> list[dict]:
         leaves = [t.clone().requires_grad_() for t in x[:3]]
         attend(*leaves, [0, n])[0].backward(x[3])
 
-    ring_s, one_s = b.timed(ring_once), b.timed(one_rank)
-    rows.append({"case": f"{n} tokens", "dtype": b.sizes.dtype, "ring_of_4_ms": ring_s * 1e3,
-                 "one_rank_ms": one_s * 1e3, "ratio": ring_s / one_s})  # fmt: skip
+    def timing() -> dict:
+        ring_s, one_s = b.timed(ring_once), b.timed(one_rank)
+        return {"ring_of_4_ms": ring_s * 1e3, "one_rank_ms": one_s * 1e3, "ratio": ring_s / one_s}
+
+    b.case(rows, {"case": f"{n} tokens", "dtype": b.sizes.dtype}, timing)
     return rows
 
 
@@ -580,67 +666,78 @@ def part_checkpoint(b: Bench) -> list[dict]:
     """One document of the largest step size with no, selective and full activation
     checkpointing: step time and peak memory side by side (selective is kept where it beats
     full), the peak beside the planner's figure."""
-    rows = []
-    for checkpoint in ("none", "selective", "full"):
+    rows: list[dict] = []
+    tokens = b.sizes.step_tokens[-1]
+
+    def one(checkpoint: str) -> dict:
         ex, model = _executor(b, checkpoint)
-        for tokens in b.sizes.step_tokens[-1:]:
-            lens = _batch(b, tokens, "one document")
-            plan, fetched = _plan_and_fetch(b, lens, tokens)
+        try:
+            got = _step_case(b, ex, tokens, "one document")
+        finally:
+            _release(ex)
+        keep = ("step_s", "tokens_per_s", "mfu_titan", "peak_gib", "first_step_s")
+        return {
+            **{k: got[k] for k in keep},
+            "planned_gib": _planned_bytes(b, tokens, checkpoint) / 2**30,
+        }
 
-            def run(ex=ex, plan=plan, fetched=fetched, step=[0]) -> None:  # noqa: B006 - a counter
-                step[0] += 1
-                ex.step(plan, fetched, step[0])
-
-            secs = b.timed(run)
-            mem = b.peak(run)
-            titan, _ = _mfu(b, tokens / secs, lens, tokens)
-            rows.append({
-                "checkpoint": checkpoint, "tokens": tokens, "step_s": secs,
-                "tokens_per_s": tokens / secs, "mfu_titan": titan,
-                "peak_gib": None if mem is None else mem / 2**30,
-                "planned_gib": _planned_bytes(b, tokens, checkpoint) / 2**30,
-            })  # fmt: skip
-        del ex, model
-        gc.collect()
+    for checkpoint in ("none", "selective", "full"):
+        b.case(rows, {"checkpoint": checkpoint, "tokens": tokens}, lambda c=checkpoint: one(c))
     return rows
 
 
 def part_longest(b: Bench) -> list[dict]:
     """Double a single document's length until a step runs out of memory or of budget."""
-    import torch
-
-    rows = []
+    rows: list[dict] = []
     start = b.sizes.longest_start
     for checkpoint in ("none", "full"):
-        ex, model = _executor(b, checkpoint)
-        n, last_s = start, 0.0
-        while n <= b.sizes.longest_cap:
-            if last_s * 4.5 > b.left() - 30:  # the next probe (quadratic) would not fit
-                rows.append({"checkpoint": checkpoint, "tokens": n, "result": "skipped: budget"})
-                break
-            plan, fetched = _plan_and_fetch(b, [n], n)
-            t0 = time.perf_counter()
-            try:
-                if b.sizes.memory_cap is not None and n > b.sizes.memory_cap:
-                    raise torch.cuda.OutOfMemoryError("dry run: past the emulated memory cap")
-                mem = _probe(b, ex, plan, fetched)
-            except torch.cuda.OutOfMemoryError:
-                rows.append({"checkpoint": checkpoint, "tokens": n, "result": "out of memory"})
-                break
-            finally:
-                del plan, fetched
-                if b.dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            last_s = time.perf_counter() - t0
-            rows.append({"checkpoint": checkpoint, "tokens": n, "result": "trained",
-                         "step_s": last_s, "peak_gib": None if mem is None else mem / 2**30,
-                         "planned_gib": _planned_bytes(b, n, checkpoint) / 2**30})  # fmt: skip
-            start = n
-            n *= 2
-        del ex, model
-        if b.dev.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            ex, model = _executor(b, checkpoint)
+        except Exception as exc:  # out of memory for the model itself: the next mode may fit
+            rows.append({"checkpoint": checkpoint, "result": f"{type(exc).__name__}: {exc}"[:300]})
+            b.free()
+            continue
+        try:
+            start = _double(b, ex, checkpoint, start, rows)
+        finally:
+            _release(ex)
+            del ex, model
+            b.free()
     return rows
+
+
+def _double(b: Bench, ex: Any, checkpoint: str, n: int, rows: list[dict]) -> int:
+    """Probe one document of n, 2n, ... tokens until one does not fit (memory, budget, or an
+    error); the longest trained."""
+    import torch
+
+    last_s, best = 0.0, n
+    while n <= b.sizes.longest_cap:
+        if last_s * 4.5 > b.left() - 30:  # the next probe (quadratic) would not fit
+            rows.append({"checkpoint": checkpoint, "tokens": n, "result": "skipped: budget"})
+            break
+        t0 = time.perf_counter()
+        try:
+            if b.sizes.memory_cap is not None and n > b.sizes.memory_cap:
+                raise torch.cuda.OutOfMemoryError("dry run: past the emulated memory cap")
+            plan, fetched = _plan_and_fetch(b, [n], n)
+            mem = _probe(b, ex, plan, fetched)
+            del plan, fetched
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"checkpoint": checkpoint, "tokens": n, "result": "out of memory"})
+            break
+        except Exception as exc:  # anything else ends this mode's search, named
+            rows.append({"checkpoint": checkpoint, "tokens": n,
+                         "result": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
+            break
+        finally:
+            b.free()
+        last_s = time.perf_counter() - t0
+        rows.append({"checkpoint": checkpoint, "tokens": n, "result": "trained",
+                     "step_s": last_s, "peak_gib": None if mem is None else mem / 2**30,
+                     "planned_gib": _planned_bytes(b, n, checkpoint) / 2**30})  # fmt: skip
+        best, n = n, 2 * n
+    return best
 
 
 def _probe(b: Bench, ex: Any, plan: Any, fetched: Any) -> int | None:
@@ -652,11 +749,12 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "attention": part_attention,
     "calibrate": part_calibrate,
     "train": part_train,
-    "reference": part_reference,
     "torchtitan": part_torchtitan,
+    "longest": part_longest,
+    "compiled": part_compiled,
     "ring": part_ring,
     "checkpoint": part_checkpoint,
-    "longest": part_longest,
+    "reference": part_reference,
 }
 
 
@@ -701,18 +799,20 @@ def run(sizes: Sizes, out: Path, parts: list[str], budget_s: float) -> dict:
     b.results["device_name"] = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
     for name in parts:
         t0 = time.perf_counter()
-        try:
-            part = {"rows": RUNNERS[name](b)}
-        except Exception as exc:  # one part's failure is reported; the others still run
-            part = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        if b.left() < PART_MIN_S[name] * sizes.budget_scale:
+            part: dict[str, Any] = {"rows": [{"result": f"skipped: {b.left():.0f} s left"}]}
+        else:
+            try:
+                part = {"rows": RUNNERS[name](b)}
+            except Exception as exc:  # one part's failure is reported; the others still run
+                part = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+                print(f"bench_gpu: {name}: {part['trace']}", flush=True)
         part["seconds"] = time.perf_counter() - t0
         b.results["parts"][name] = part
-        gc.collect()  # the part's model and optimizer go before the next part allocates
-        if b.dev.type == "cuda":
-            torch.cuda.empty_cache()
+        b.free()  # the part's model and optimizer go before the next part allocates
         (out / "bench_gpu.json").write_text(json.dumps(b.results, indent=1, default=str))
+        (out / "bench_gpu.md").write_text(render(b.results))  # a run cut short keeps its tables
         print(f"bench_gpu: {name} done in {part['seconds']:.1f} s", flush=True)
-    (out / "bench_gpu.md").write_text(render(b.results))
     return b.results
 
 

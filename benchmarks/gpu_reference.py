@@ -35,14 +35,14 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: dict) -> to
     if found is not None:
         fn, kw = found
         extra: dict[str, Any] = {}
-        if "window_size" in kw:  # torch >= 2.12: causal is the window (-1, 0)
+        if "window_size" in kw:  # torch 2.11 on: causal is the window (-1, 0)
             extra["window_size"] = (-1, 0)
         else:
             extra["is_causal"] = True
         if g > 1 and "enable_gqa" in kw:
             extra["enable_gqa"] = True
-        elif g > 1:
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        # K/V as they are otherwise too: the flash kernel underneath takes fewer KV heads (as
+        # TorchTitan passes them), and repeating them would cost the reference 4x their traffic
         return fn(q, k, v, docs["cu"], docs["cu"], docs["max"], docs["max"], **extra)
     out = []
     for a, b in zip(docs["bounds"], docs["bounds"][1:]):

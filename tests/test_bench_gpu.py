@@ -33,6 +33,22 @@ def test_llama_3_2_1b_shape_and_torchtitan_flops() -> None:
     assert causal_attention_flops([2, 2], 2, 8) == 3.5 * 4 * 2 * 8 * 6
 
 
+def test_a_failing_case_keeps_the_others_and_the_budget_skips(tmp_path) -> None:
+    """One case's error is its row's (the part goes on); a part or case that no longer fits the
+    budget is skipped, and the tables are written after every part."""
+    b = bench_gpu.Bench(bench_gpu.DRY, tmp_path, 100)
+    rows: list[dict] = []
+    assert not b.case(rows, {"tokens": 1}, lambda: {"x": 1 / 0})
+    assert b.case(rows, {"tokens": 2}, lambda: {"x": 1})
+    assert rows == [{"tokens": 1, "error": "ZeroDivisionError: division by zero"},
+                    {"tokens": 2, "x": 1}]  # fmt: skip
+    tight = dataclasses.replace(bench_gpu.DRY, budget_scale=1.0)
+    parts = bench_gpu.run(tight, tmp_path, ["check", "train"], budget_s=12)["parts"]
+    assert [r["result"] for r in parts["check"]["rows"]] == ["skipped: budget"] * 4
+    assert parts["train"]["rows"][0]["result"].startswith("skipped: ")
+    assert "## train" in (tmp_path / "bench_gpu.md").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dry_run_of_every_part(tmp_path) -> None:
@@ -51,9 +67,9 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert all(r["tflops"] > 0 for r in attn)
     assert all((r["sdpa_ms"] is None) == (r["layout"] == "packed") for r in attn)
     assert (tmp_path / "cost-gpu.json").is_file()
-    train = parts["train"]["rows"]
+    train = parts["train"]["rows"] + parts["compiled"]["rows"]
     assert len(train) == 5 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
-    assert [r["compiled"] for r in train] == [False] * 4 + [True]
+    assert [r.get("compiled", False) for r in train] == [False] * 4 + [True]
     assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
     assert len(parts["reference"]["rows"]) == 4
     titan = parts["torchtitan"]["rows"]  # its dry run where TorchTitan is installed
@@ -84,5 +100,9 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         assert max(trained) == bench_gpu.DRY.memory_cap and rows[-1]["result"] == "out of memory"
     page = (tmp_path / "bench_gpu.md").read_text()
     assert all(f"## {name}" in page for name in bench_gpu.PARTS)
+    # what comes back from a device run: at most 8 files (TorchTitan's work goes elsewhere)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bench_gpu.json", "bench_gpu.md", "cost-gpu.json"
+    ]  # fmt: skip
     with pytest.raises(SystemExit):
         bench_gpu.main(["--dry-run", "--out", str(tmp_path), "--parts", "nope"])

@@ -14,7 +14,8 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
 3. `step(scale)` = `reduce(scale)` (wait; all-reduce across islands in `sync`; scale by 1 /
    labelled positions; global norm from squared slice norms) then `apply(norm)`: clip, AdamW on
    the slice (`self.optimizer` IS a torch AdamW over it: element-wise, so exactly the whole
-   model's step), all-gather the new weights by bucket in forward order (`async_gather=True`
+   model's step; a parameter no rank used in the step has a zero gradient, as after torch's
+   `zero_grad(set_to_none=False)`, so its weight decay and moments still apply), all-gather the new weights by bucket in forward order (`async_gather=True`
    leaves the wait to `wait_weights()`).
 
 Levels: zero 0 keeps everything on every rank; zero 1 shards master weights and moments; zero 2
