@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from datapipe.fetch import FetchConfig, Prefetcher
+from datapipe.index import uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.ingest.tokenizer import BytesTokenizer
 from datapipe.plan.loss import IGNORE_INDEX
@@ -275,14 +276,15 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
     monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(root))
     ref = reference_tokens(150, 1)
     cache = tmp_path / "cache"
+    folder = cache / uri_key(str(root))  # the dataset's own folder in the cache
     before = _leftovers()
     with FetchConfig().build(str(root), str(cache)) as fetcher:
-        assert fetcher.reader.remote == str(root) and fetcher.reader.local == str(cache)
-        manifest = json.loads((cache / "manifest.json").read_text())
-        assert not any((cache / s["name"]).exists() for s in manifest["shards"])
+        assert fetcher.reader.remote == str(root) and fetcher.reader.local == str(folder)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert not any((folder / s["name"]).exists() for s in manifest["shards"])
         pieces = np.array([[0, 0, int(lengths[0])]], np.int64)
         _check_against_reference(fetcher, [pieces], ref)
-        got = [s["name"] for s in manifest["shards"] if (cache / s["name"]).exists()]
+        got = [s["name"] for s in manifest["shards"] if (folder / s["name"]).exists()]
         assert 1 <= len(got) < len(manifest["shards"])
     assert _leftovers() == before
 

@@ -14,9 +14,8 @@ Weights stay replicated in the compute dtype: the parameters are views of one pa
 3. `step(scale)` = `reduce(scale)` (wait; all-reduce across islands in `sync`; scale by 1 /
    labelled positions; global norm from squared slice norms) then `apply(norm)`: clip, AdamW on
    the slice (`self.optimizer` IS a torch AdamW over it: element-wise, so exactly the whole
-   model's step; a parameter no rank used in the step has a zero gradient, as after torch's
-   `zero_grad(set_to_none=False)`, so its weight decay and moments still apply), all-gather the new weights by bucket in forward order (`async_gather=True`
-   leaves the wait to `wait_weights()`).
+   model's step; an unused parameter's gradient is zero, as after torch's `zero_grad(False)`),
+   all-gather the new weights by bucket in forward order (`async_gather=True` waits later).
 
 Levels: zero 0 keeps everything on every rank; zero 1 shards master weights and moments; zero 2
 also the gradient buffer where HDP allows it (trainer/parallel/README.md). `state_dict()` gives
@@ -29,7 +28,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,20 +45,6 @@ __all__ = ["ZeroOptimizer"]
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
-
-
-def _weak_hook(opt: ZeroOptimizer, i: int) -> Callable[[torch.Tensor], None]:
-    """`opt._on_grad(i, p)` as a grad hook that does not keep `opt` alive: a tensor's hooks live
-    where the garbage collector cannot see a cycle through them, so a strong reference would keep
-    every optimizer (flat weights, master copy, moments) for as long as the model lives."""
-    ref = weakref.ref(opt)
-
-    def hook(p: torch.Tensor) -> None:
-        live = ref()
-        if live is not None:
-            live._on_grad(i, p)
-
-    return hook
 
 
 class ZeroOptimizer:
@@ -204,10 +189,14 @@ class ZeroOptimizer:
 
     def install_hooks(self) -> None:
         """Accumulate each parameter's gradient from a post-accumulate-grad hook (the `.grad` is
-        freed at once) and launch each bucket's reduction as soon as it is final."""
+        freed at once) and launch each bucket's reduction as soon as it is final. The hooks hold
+        the optimizer weakly: the garbage collector cannot see a cycle through a tensor's hooks."""
+        ref = weakref.ref(self)
         if not self._hooks:
             self._hooks = [
-                p.register_post_accumulate_grad_hook(_weak_hook(self, i))
+                p.register_post_accumulate_grad_hook(
+                    lambda p, i=i: None if (opt := ref()) is None else opt._on_grad(i, p)
+                )
                 for i, p in enumerate(self.leaves)
             ]
 
@@ -221,10 +210,8 @@ class ZeroOptimizer:
         the bucket bookkeeping."""
         self.wait_weights()
         self._remaining = list(self._count)
-        self._next = 0
         self._handles: list[tuple[int, Handle]] = []
-        self._polled = 0
-        self._early = 0
+        self._next = self._polled = self._early = 0
         self._t_first = 0.0
         self._last = False
         self._grad_peak = self._grad_bytes()
@@ -501,9 +488,8 @@ class ZeroOptimizer:
 
     def memory(self) -> ModelStateBytes:
         """Bytes this rank holds (compare `datapipe.plan.memory.model_state_bytes`)."""
-        master = 0
-        if self.separate_master:
-            master = _nbytes(self._master_flat if self._master_flat is not None else self.master)
+        own = self._master_flat if self._master_flat is not None else self.master
+        master = _nbytes(own) if self.separate_master else 0
         grads = self._grad_bytes()
         return ModelStateBytes(
             weights=_nbytes(self.flat_params),
