@@ -453,3 +453,47 @@ def test_tp_members_outer_sums_equal_the_whole_models(clip):
     assert want[0] > 1.01  # the penalty acted
     for g2 in got:
         assert g2 == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("kv", [2, 1])
+def test_four_tp_all_reduces_a_layer(kv: int) -> None:
+    """What the cost model counts (datapipe.plan.costfit.TP_PASSES): per layer, the attention and
+    SwiGLU outputs forward and their inputs' gradients backward, once each (the projections
+    that read one norm's output add their gradients before the all-reduce). Counted in one
+    process on torch's fake process group of 2, which runs no collective."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from datapipe.plan.costfit import TP_PASSES
+    from datapipe.shapes import get_config
+    from trainer.attention.local import LocalAttention
+    from trainer.model.transformer import build
+    from trainer.parallel.tensor import parallelize, tp_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cfg = get_config("debug", n_layers=2, n_kv_heads=kv, tie_embeddings=False)
+        model = parallelize(build(cfg, "cpu", torch.float32), tp_mesh(2))
+        x = torch.randn(16, cfg.dim, requires_grad=True)
+        cos, sin = model.rope.cos_sin(torch.arange(16), x.dtype, None)
+        fwd, bwd = CommDebugMode(), CommDebugMode()
+        with fwd:
+            h = x
+            for block in model.layers:
+                h = block(h, cos, sin, LocalAttention([0, 16]))
+        with bwd:
+            h.sum().backward()
+        counts = [
+            {str(k).rsplit(".", 1)[-1]: v for k, v in m.get_comm_counts().items()}
+            for m in (fwd, bwd)
+        ]
+    finally:
+        dist.destroy_process_group()
+    assert counts[0]["all_reduce"] + counts[1]["all_reduce"] == TP_PASSES * cfg.n_layers
+    assert counts[0]["all_reduce"] == counts[1]["all_reduce"]
+    # K/V replicated (tp > n_kv_heads): each process's K/V head gradients are gathered
+    assert counts[1].get("all_gather_into_tensor", 0) == (0 if kv == 2 else 2 * cfg.n_layers)

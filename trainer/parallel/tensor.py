@@ -13,7 +13,11 @@ matmul collectives) to a `trainer.model.transformer.Transformer`:
 | feed_forward.w1, w3 | ColwiseParallel | ffn_dim/tp hidden units |
 | feed_forward.w2 | RowwiseParallel | their input columns, output all-reduced |
 | output (untied) | ColwiseParallel, output kept sharded | vocabulary rows V/tp |
-| norms | replicated (no sequence parallelism) | the whole weight |
+| norms | replicated (no sequence parallelism); the output one replicated DTensor | the whole weight |
+
+Per layer that is 4 all-reduces of [T, dim]: the attention and SwiGLU outputs forward, and their
+inputs' gradients backward, once each (the projections reading one norm's output add their
+partial gradients before the one all-reduce).
 
 In training the loss is vocabulary-parallel (trainer.model.loss, over the TP group's
 communicator `model.tp_comm`): each process computes its vocabulary rows' logits chunk by chunk,
@@ -39,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleOutput,
     RowwiseParallel,
     parallelize_module,
 )
@@ -85,6 +90,8 @@ def tp_mesh(tp: int, device_type: str = "cpu") -> DeviceMesh:
 
 def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     (x,) = inputs
+    if isinstance(x, DTensor):  # a norm's output, already one replicated DTensor
+        return (x,)
     return (DTensor.from_local(x, mesh, [Replicate()], run_check=False),)
 
 
@@ -99,6 +106,14 @@ def _own_kv_heads(n_kv_heads: int, head_dim: int) -> Any:
         return y.redistribute(mesh, [Shard(1)]).to_local().reshape(T, head_dim)
 
     return output_fn
+
+
+def _one_input() -> PrepareModuleOutput:
+    """A norm's output as a replicated DTensor (kept): its readers' input gradients sum as
+    partial DTensors, all-reduced once where it was made."""
+    return PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+    )
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -117,6 +132,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     parallelize_module(model, mesh, plan)
     for block in model.layers:
         layer_plan: dict[str, Any] = {
+            # one replicated DTensor for each norm's output: the projections that read it add
+            # their input gradients first, then one all-reduce (not one per projection)
+            "attention_norm": _one_input(),
+            "ffn_norm": _one_input(),
             "attention.wq": ColwiseParallel(),
             "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(),
