@@ -93,8 +93,8 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
     """`mixlen train CFG --nproc 2` run from a folder holding `tools/cli.py`, `trainer/` and
     `datapipe/` packages that exit 97 when imported: both ranks train mixlen's model (one record
     per step with both ranks' compute times, rank 0's summary logged), and nothing of the folder
-    is imported. It asserts what tests/test_train.py::test_cli_nproc_launch does, from such a
-    folder and through the console script."""
+    is imported; `--set` reaches the ranks through torchrun. The one test of the console script
+    under --nproc (tests/test_faults_slow.py launches `python -m tools.cli`)."""
     from _train_worker import make_dataset, train_config
 
     from trainer.config.toml import to_toml
@@ -103,12 +103,13 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
     run = tmp_path / "run"
     cfg = tmp_path / "c.toml"
     c = train_config(
-        data, str(run), checkpoint={"dir": None}, train={"steps": 2, "eval_interval": 0}
+        data, str(run), checkpoint={"dir": None}, train={"steps": 5, "eval_interval": 1}
     )
     cfg.write_text(to_toml(c))
     cwd = shadow_project(tmp_path / "project")
+    sets = ["--set", "train.steps=2", "--set", "train.eval_interval=0"]  # passed to the ranks
     proc = subprocess.run(
-        [str(MIXLEN), "train", str(cfg), "--nproc", "2"],
+        [str(MIXLEN), "train", str(cfg), "--nproc", "2", *sets],
         cwd=cwd,
         env={**_env(), "MIXLEN_DIST_TIMEOUT": "60"},
         capture_output=True,
