@@ -45,6 +45,7 @@ import argparse
 import gc
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,7 +73,9 @@ PART_MIN_S = {
     "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
     "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90,
 }  # fmt: skip
-CASE_MIN_S = 15.0  # seconds a case needs left to start
+# seconds a case needs left to start (compiling ones more: inductor's first compile of a shape)
+CASE_MIN_S = {"compiled": 60.0, "reference": 60.0}
+CASE_MIN_DEFAULT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class Bench:
         self.dtype = getattr(torch, sizes.dtype)
         self.deadline = time.perf_counter() + budget_s
         self.results: dict[str, Any] = {"sizes": asdict(sizes), "parts": {}}
+        self.part = ""  # the part running (run() sets it): its rows are saved after each case
         self.cost_path: Path | None = None
         self.batches: dict[tuple[int, str], list[int]] = {}
 
@@ -165,7 +169,8 @@ class Bench:
     def case(self, rows: list[dict], head: dict, fn: Callable[[], dict]) -> bool:
         """Append head with fn()'s figures, or with the error fn raised (the part goes on), or
         "skipped: budget" when too little of the budget is left; True if measured."""
-        if self.left() < CASE_MIN_S * self.sizes.budget_scale:
+        need = CASE_MIN_S.get(self.part, CASE_MIN_DEFAULT_S) * self.sizes.budget_scale
+        if self.left() < need:
             rows.append({**head, "result": "skipped: budget"})
             return False
         try:
@@ -177,6 +182,14 @@ class Bench:
             return False
         finally:
             self.free()
+            if self.part:  # a run killed in its next case keeps this one
+                self.results["parts"][self.part] = {"rows": rows, "running": True}
+                self.save()
+
+    def save(self) -> None:
+        """bench_gpu.json and bench_gpu.md as they stand."""
+        (self.out / "bench_gpu.json").write_text(json.dumps(self.results, indent=1, default=str))
+        (self.out / "bench_gpu.md").write_text(render(self.results))
 
     def sync(self) -> None:
         import torch
@@ -594,6 +607,10 @@ def part_torchtitan(b: Bench) -> list[dict]:
                 timeout=max(60.0, min(b.left() - 10, 240.0)),
             )  # fmt: skip
         except subprocess.TimeoutExpired as exc:
+            tail = "\n".join(
+                _text(exc.stdout).splitlines()[-15:] + _text(exc.stderr).splitlines()[-30:]
+            )
+            print(f"bench_gpu: torchtitan {tokens} timed out; its last lines:\n{tail}", flush=True)
             rows.append({"tokens": tokens, "result": f"timed out after {exc.timeout:.0f} s"})
             continue
         (work / f"torchtitan-{tokens}.log").write_text(proc.stdout + proc.stderr)
@@ -612,7 +629,12 @@ def part_torchtitan(b: Bench) -> list[dict]:
                        mfu_titan=tps * flops_per_token(b.shape(), tokens) / (PEAK_TFLOPS * 1e12),
                        first_step_s=got["first_step_s"])  # fmt: skip
         rows.append(row)
+    shutil.rmtree(work, ignore_errors=True)  # the failures' last lines went to the log
     return rows
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def part_ring(b: Bench) -> list[dict]:
@@ -775,7 +797,8 @@ def render(results: dict) -> str:
     """Markdown: one table per part (or its error)."""
     lines = [f"# bench_gpu ({results.get('device_name', '?')}, torch {results.get('torch', '?')})"]
     for name, part in results["parts"].items():
-        lines += ["", f"## {name} ({part.get('seconds', 0):.1f} s)"]
+        took = "running" if part.get("running") else f"{part.get('seconds', 0):.1f} s"
+        lines += ["", f"## {name} ({took})"]
         if "error" in part:
             lines.append(f"error: {part['error']}")
             continue
@@ -799,6 +822,7 @@ def run(sizes: Sizes, out: Path, parts: list[str], budget_s: float) -> dict:
     b.results["device_name"] = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
     for name in parts:
         t0 = time.perf_counter()
+        b.part = name
         if b.left() < PART_MIN_S[name] * sizes.budget_scale:
             part: dict[str, Any] = {"rows": [{"result": f"skipped: {b.left():.0f} s left"}]}
         else:
@@ -810,8 +834,7 @@ def run(sizes: Sizes, out: Path, parts: list[str], budget_s: float) -> dict:
         part["seconds"] = time.perf_counter() - t0
         b.results["parts"][name] = part
         b.free()  # the part's model and optimizer go before the next part allocates
-        (out / "bench_gpu.json").write_text(json.dumps(b.results, indent=1, default=str))
-        (out / "bench_gpu.md").write_text(render(b.results))  # a run cut short keeps its tables
+        b.save()  # a run cut short keeps its tables
         print(f"bench_gpu: {name} done in {part['seconds']:.1f} s", flush=True)
     return b.results
 

