@@ -14,8 +14,9 @@ one storage chunk at each end of each piece.
 Rows come from the dataset format's reader (datapipe.formats: one module per format, random access
 by global row). Remote datasets: ``manifest.json``/``index.parquet`` come through
 ``datapipe.index.resolve_dataset`` and shards are downloaded on first use into ``cache_dir`` with
-mosaicml-streaming's downloader. Use one ``cache_dir`` per process (or per node with one
-downloading process).
+mosaicml-streaming's downloader (each remote dataset in its own folder of ``cache_dir``); the
+processes of a node may share one: a file appears under its name whole (a temporary name, then a
+rename), and a damaged copy is replaced the same way.
 
 Micro-batches are numpy; ``PackedMicroBatch.to_torch()`` converts. Torch and the streaming library
 are imported lazily.

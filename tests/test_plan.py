@@ -176,6 +176,12 @@ def test_checker_catches_a_capacity_the_offload_does_not_allow() -> None:
     p = make_plan(3, 6, [4], [([0], [(0, 0, 4)], 1)], cap=5)
     with pytest.raises(PlanError, match="capacity 5"):
         check_plan(p)
+    p.policy = "single"  # its exception: one sample longer than C, at that sample's length
+    with pytest.raises(PlanError, match="capacity 5"):
+        check_plan(p)
+    p = make_plan(3, 6, [9], [([0], [(0, 0, 9)], 1)], cap=9)
+    p.policy = "single"
+    check_plan(p)
 
 
 def test_checker_catches_disagreement_and_bad_times() -> None:

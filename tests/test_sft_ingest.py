@@ -313,6 +313,10 @@ def test_template_refusals(tmp_path):
         json.dump({"chat_template": {"default": "{{ messages }}"}}, f)
     res = run(tmp_path, [tmp_path / "c.jsonl"], name="o4", tokenizer_from=folder)
     assert "chat_template is dict, expected a string" in res.bad_examples[0][1]
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": [{"name": "default", "template": None}]}, f)
+    res = run(tmp_path, [tmp_path / "c.jsonl"], name="o5", tokenizer_from=folder)
+    assert "chat_template's 'default' template is NoneType" in res.bad_examples[0][1]
 
 
 def test_lone_surrogates_through_a_bpe_tokenizer_are_named(qwen, tmp_path):
@@ -323,13 +327,15 @@ def test_lone_surrogates_through_a_bpe_tokenizer_are_named(qwen, tmp_path):
         '{"messages": [{"role": "user", "content": "hi \\udfff"}, '
         '{"role": "assistant", "content": "ok"}]}',
         '{"prompt": "p \\ud800", "completion": "c"}',
+        '{"text": "' + "a " * 50_000 + '\\udfff"}',  # past a piece: the position in the text
         '{"text": "fine"}',
     ]
     (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
     res = run(tmp_path, [tmp_path / "s.jsonl"], tokenizer_from=qwen, max_reported=10)
-    assert [w for w, _ in res.bad_examples] == [f"{tmp_path / 's.jsonl'}:{i}" for i in (1, 2, 3)]
+    assert [w for w, _ in res.bad_examples] == [f"{tmp_path / 's.jsonl'}:{i}" for i in (1, 2, 3, 4)]
     for _, reason in res.bad_examples:
         assert reason.startswith("text is not valid Unicode (surrogates not allowed at ")
+    assert res.bad_examples[3][1].endswith(" at 100000)")
     assert res.manifest["num_samples"] == 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -244,8 +245,16 @@ class RowReader:
         except InputError:
             if not cached:
                 raise
-            os.remove(path)  # a damaged copy in the cache (the store's may be sound): once more
-            download(url, path)
+            # a damaged copy in the cache (the store's may be sound): fetched once more under a
+            # name of this process's, then put in its place in one step (other processes reading
+            # the same cache never find the file missing)
+            fresh = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+            try:
+                download(url, fresh)
+                os.replace(fresh, path)
+            finally:
+                if os.path.exists(fresh):
+                    os.remove(fresh)
             self.verify_shard(shard, path)
         return path
 

@@ -124,9 +124,15 @@ def _folder_template(folder: str, special: tuple) -> TemplateSource:
                 "no 'default'; give --chat-template FILE"
             )
         value = named["default"]
+        if not isinstance(value, str):  # a conversation row says so; text rows need none
+            return TemplateSource(
+                special=special,
+                missing=f"{where}: chat_template's 'default' template is "
+                f"{type(value).__name__}, expected a string: give --chat-template FILE",
+            )
     if isinstance(value, str):
         return TemplateSource(value, f"{where} chat_template", special)
-    if value is not None:  # a conversation row says so; text rows need no template
+    if value is not None:
         return TemplateSource(
             special=special,
             missing=f"{where}: chat_template is {type(value).__name__}, expected a string or a "

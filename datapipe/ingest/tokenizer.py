@@ -263,10 +263,14 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> np.ndarray:
         if self.piecewise and len(text) > self.piece_chars:
-            parts = [
-                np.asarray(_encode(self._tok, p, add_special_tokens=False).ids, dtype=self.dtype)
-                for p in text_pieces(text, self.piece_chars)
-            ]
+            try:
+                parts = [
+                    np.asarray(_encode(self._tok, p, add_special_tokens=False).ids, self.dtype)
+                    for p in text_pieces(text, self.piece_chars)
+                ]
+            except UnicodeEncodeError:
+                text.encode("utf-8")  # the position in the whole text, not in its piece
+                raise
         else:
             parts = [np.asarray(_encode(self._tok, text).ids, dtype=self.dtype)]
         first = next((p[0] for p in parts if len(p)), None)

@@ -67,7 +67,9 @@ def check_plan(plan: StepPlan, check_times: bool = True) -> None:
                 fail(f"rank {r} slot {mb.slot}: group_index {mb.group_index} does not name it")
             if not 0.0 <= mb.offload_ratio <= 1.0:
                 fail(f"slot {mb.slot}: offload ratio {mb.offload_ratio}")
-            alone = plan.policy == "single" and len(mb.pieces) == 1  # a sample longer than C
+            # single's micro-batch of one sample longer than C has that sample's length
+            alone = plan.policy == "single" and len(mb.pieces) == 1
+            alone = alone and mb.capacity == mb.pieces[0][2] - mb.pieces[0][1] > plan.capacity
             if not (alone or _capacity_ok(mb.capacity, plan.capacity, mb.offload_ratio)):
                 fail(
                     f"slot {mb.slot}: capacity {mb.capacity} at offload ratio {mb.offload_ratio} "
