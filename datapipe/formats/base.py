@@ -205,6 +205,17 @@ class ReadStats:
     verify_seconds: float = 0.0  # of which checking shards against the manifest (first opens)
 
 
+# what a format's decoder raises on a damaged shard (mixlen's own errors are named already)
+READ_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError)
+
+
+def unreadable(path: str, exc: Exception) -> InputError:
+    """The error for a shard `path` whose rows cannot be decoded."""
+    return InputError(
+        f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
+    )
+
+
 class RowReader:
     """Random access to storage rows by global row; subclasses implement `_read_shard`.
 
@@ -328,11 +339,8 @@ class RowReader:
                 got.append(self._read_part(shard, local_rows, mode))
         except MixlenError:  # named already (a bad shard, an object store that refused)
             raise
-        except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
-            path = os.path.join(self.local, self.shard_names[shard])
-            raise InputError(
-                f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
-            ) from None
+        except READ_ERRORS as exc:
+            raise unreadable(os.path.join(self.local, self.shard_names[shard]), exc) from None
         self.stats.rows += len(rows)
         self.stats.seconds += time.perf_counter() - t0
         if mode == "list":

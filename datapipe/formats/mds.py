@@ -24,6 +24,7 @@ import numpy as np
 from datapipe.errors import InputError, MixlenError
 from datapipe.files import METADATA_FILE_LIMIT, read_bounded_bytes
 from datapipe.formats.base import (
+    READ_ERRORS,
     SPAN_DTYPE,
     TOKENS,
     TRAINED,
@@ -32,6 +33,7 @@ from datapipe.formats.base import (
     ShardWriter,
     read_ranges,
     read_ranges_into,
+    unreadable,
     willneed,
 )
 from datapipe.formats.mds_direct import decode_rows, decode_rows_masked, token_decoder, verified
@@ -309,12 +311,9 @@ class DatasetReader(RowReader):
             return self.ds.get_item(row)
         except MixlenError:
             raise
-        except (OSError, EOFError, ValueError, KeyError, IndexError) as exc:
-            shard = int(np.searchsorted(self.shard_starts, row, side="right") - 1)
-            path = os.path.join(self._own_local or self.local, self.shard_names[shard])
-            raise InputError(
-                f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
-            ) from None
+        except READ_ERRORS as exc:
+            name = self.shard_names[self.shard_of_row(row)]
+            raise unreadable(os.path.join(self._own_local or self.local, name), exc) from None
 
     def read_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         t0 = time.perf_counter()
