@@ -168,7 +168,9 @@ def test_checker_catches_a_capacity_the_offload_does_not_allow() -> None:
     with pytest.raises(PlanError, match="capacity 9 at offload ratio 0.0 for C = 6"):
         check_plan(make_plan(3, 6, [9], local, cap=9))
     p = make_plan(3, 6, [9], local, cap=9)
-    p.mb_offload = np.full(1, 0.5)  # C_eff(0.5) <= 12: 9 is allowed
+    p.mb_offload = np.full(1, 0.5)  # C_eff(0.5) <= 12: 9 is allowed, and 12 itself
+    check_plan(p)
+    p.mb_capacity = np.full(1, 12, dtype=np.int64)
     check_plan(p)
     p.mb_capacity = np.full(1, 13, dtype=np.int64)
     with pytest.raises(PlanError, match="capacity 13 at offload ratio 0.5"):

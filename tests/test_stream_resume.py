@@ -137,6 +137,7 @@ def test_remote_metadata_goes_through_streaming_downloader(tmp_path: Path, monke
     s = StreamConfig().open(str(remote), 5000, cache_dir=str(cache))
     assert np.array_equal(s.lengths, lengths)
     folder = cache / uri_key(str(remote))  # a folder per dataset in a cache
+    assert uri_key(f"{remote}/") == uri_key(str(remote))  # the same dataset, written either way
     for name in ("manifest.json", "index.parquet"):
         assert (folder / name).read_bytes() == (remote / name).read_bytes()
     assert resolve_dataset(str(remote), str(cache)) == (str(folder), str(remote))
