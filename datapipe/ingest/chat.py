@@ -124,25 +124,20 @@ def _folder_template(folder: str, special: tuple) -> TemplateSource:
                 "no 'default'; give --chat-template FILE"
             )
         value = named["default"]
-        if not isinstance(value, str):  # a conversation row says so; text rows need none
-            return TemplateSource(
-                special=special,
-                missing=f"{where}: chat_template's 'default' template is "
-                f"{type(value).__name__}, expected a string: give --chat-template FILE",
-            )
+        what, expected = "chat_template's 'default' template", "a string"
+    else:
+        what, expected = "chat_template", "a string or a list of named templates"
     if isinstance(value, str):
         return TemplateSource(value, f"{where} chat_template", special)
-    if value is not None:
-        return TemplateSource(
-            special=special,
-            missing=f"{where}: chat_template is {type(value).__name__}, expected a string or a "
-            "list of named templates: give --chat-template FILE",
+    # a conversation row is refused with this reason; text rows need no template
+    if value is None and what == "chat_template":
+        why = (
+            f"no chat template in the tokenizer folder {folder} (neither {TEMPLATE_FILE} nor "
+            "tokenizer_config.json's chat_template)"
         )
-    return TemplateSource(
-        special=special,
-        missing=f"no chat template in the tokenizer folder {folder} (neither {TEMPLATE_FILE} nor "
-        "tokenizer_config.json's chat_template): give --chat-template FILE",
-    )
+    else:
+        why = f"{where}: {what} is {type(value).__name__}, expected {expected}"
+    return TemplateSource(special=special, missing=f"{why}: give --chat-template FILE")
 
 
 class ChatTemplate:
