@@ -117,7 +117,7 @@ def plan_lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, ca
         ring = np.asarray(cost.ring_ns(sl / kl, kl), dtype=np.int64)
         # only the part no compute hides: short samples packed into a ring's micro-batch (widen's
         # fill) hide more of its traffic than its own attention does
-        unhidden = ring - np.rint(ring.astype(np.float64) * cost.overlap).astype(np.int64)
+        unhidden = ring - cost.ring_hideable_ns(ring)
         total += int((kl * (cost.work_ns(sl, kl) + unhidden)).sum())
     if cost.size_knots or cost.d:  # the size term split over all N ranks, floored
         rate = np.asarray(cost.size_ns(sf / n), dtype=np.float64)

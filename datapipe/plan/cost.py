@@ -300,11 +300,15 @@ class CostModel:
         b = self.offload_bytes(member_tokens, ratio)
         return _ns(b / self.offload_bytes_per_s * NS)
 
+    def ring_hideable_ns(self, ring_ns: np.ndarray) -> np.ndarray:
+        """The part of ring time that may overlap compute, overlap * ring (int64 ns)."""
+        return np.rint(np.asarray(ring_ns, dtype=np.float64) * self.overlap).astype(np.int64)
+
     def ring_exposed_ns(self, attn_ns: np.ndarray, ring_ns: np.ndarray) -> np.ndarray:
         """Ring time not hidden under attention (int64 ns): the part that cannot overlap,
         (1 - overlap) * ring, plus what of the rest exceeds the attention compute."""
         ring = np.asarray(ring_ns, dtype=np.int64)
-        hideable = np.rint(ring.astype(np.float64) * self.overlap).astype(np.int64)
+        hideable = self.ring_hideable_ns(ring)
         return ring - hideable + np.maximum(hideable - np.asarray(attn_ns, dtype=np.int64), 0)
 
     def exposed_ns(
