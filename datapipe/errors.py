@@ -7,8 +7,18 @@ class MixlenError(ValueError):
     """A user error: bad input, bad config, bad arguments. The CLI prints it without a traceback."""
 
 
+# what a data error advises when the whole dataset is worth checking (verify leaves it out)
+VERIFY_ADVICE = "run `mixlen verify`"
+
+
 class InputError(MixlenError):
-    """Bad input data; the message names the file (and line) and what was expected."""
+    """Bad input data; the message names the file (and line) and what was expected. `advice`,
+    when given, follows the message after a semicolon (`message`: the message alone)."""
+
+    def __init__(self, message: str, advice: str | None = None) -> None:
+        super().__init__(f"{message}; {advice}" if advice else message)
+        self.message = message
+        self.advice = advice
 
 
 class ConfigError(MixlenError):

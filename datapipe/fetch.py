@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from datapipe.errors import InputError
+from datapipe.errors import VERIFY_ADVICE, InputError
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
@@ -301,7 +301,8 @@ class Fetcher:
             raise InputError(
                 f"{self.index.root}: sample {int(s[k])}, tokens {int(lo[k])}..{int(hi[k])}: the "
                 f"shards' trained spans give {int(got[k])} trained tokens, index.parquet's "
-                f"{want}; run `mixlen verify`"
+                f"{want}",
+                VERIFY_ADVICE,
             )
 
     def read_ranges(

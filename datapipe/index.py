@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datapipe.errors import ConfigError, InputError, StoreError
+from datapipe.errors import VERIFY_ADVICE, ConfigError, InputError, StoreError
 from datapipe.files import CONFIG_FILE_LIMIT, not_regular_reason, read_bounded_bytes
 from datapipe.integrity import (
     FINGERPRINT_KEY,
@@ -231,7 +231,8 @@ def read_index(path: str | os.PathLike, with_source: bool = False) -> DatasetInd
     if digest and os.path.isfile(ipath) and checksum_file(ipath) != digest:
         raise InputError(
             f"{ipath}: XXH3-64 checksum differs from manifest.json's {INDEX_CHECKSUM_KEY} "
-            "(the index was edited or is corrupt; run `mixlen verify`)"
+            "(the index was edited or is corrupt)",
+            VERIFY_ADVICE,
         )
     cols = [c for c in INDEX_COLUMNS if c != "source" or with_source]
     table = _read_table(path, cols)

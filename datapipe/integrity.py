@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from datapipe.errors import InputError
+from datapipe.errors import VERIFY_ADVICE, InputError
 
 __all__ = [
     "FINGERPRINT_KEY",
@@ -252,9 +252,7 @@ def check_shard_file(path: str, entry: Mapping[str, Any], hash_bytes: bool = Tru
     want = entry.get("bytes")
     if want is not None and size != want:
         what = "truncated" if size < want else "longer than written"
-        raise InputError(
-            f"{path}: {size} bytes, manifest.json says {want} ({what}; run `mixlen verify`)"
-        )
+        raise InputError(f"{path}: {size} bytes, manifest.json says {want} ({what})", VERIFY_ADVICE)
     digest = entry.get("xxh3_64")
     if hash_bytes and digest:
         got = checksum_file(path)

@@ -108,6 +108,9 @@ def test_truncated_or_deleted_shard_is_caught_when_opening_the_dataset(copy, fmt
     truncate(root / shards[1]["name"])
     with pytest.raises(InputError, match=f"{shards[1]['name']}: \\d+ bytes, manifest.json says"):
         FetchConfig().build(str(root))
+    with pytest.raises(InputError) as exc:  # the advice verify leaves out of its own report
+        FetchConfig().build(str(root))
+    assert str(exc.value).endswith("(truncated); run `mixlen verify`")
     (root / shards[1]["name"]).unlink()
     with pytest.raises(
         InputError, match=f"{shards[1]['name']}: shard listed in manifest.json is missing"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-from datapipe.errors import InputError, MixlenError
+from datapipe.errors import VERIFY_ADVICE, InputError, MixlenError
 from datapipe.index import download
 from datapipe.integrity import check_shard_file, checksum_file
 
@@ -211,9 +211,7 @@ READ_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError)
 
 def unreadable(path: str, exc: Exception) -> InputError:
     """The error for a shard `path` whose rows cannot be decoded."""
-    return InputError(
-        f"{path}: cannot read its rows ({type(exc).__name__}: {exc}); run `mixlen verify`"
-    )
+    return InputError(f"{path}: cannot read its rows ({type(exc).__name__}: {exc})", VERIFY_ADVICE)
 
 
 class RowReader:

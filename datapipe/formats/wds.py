@@ -16,7 +16,7 @@ import tarfile
 import numpy as np
 from numba import njit
 
-from datapipe.errors import InputError
+from datapipe.errors import VERIFY_ADVICE, InputError
 from datapipe.formats.base import (
     SPAN_DTYPE,
     TOKENS,
@@ -157,7 +157,8 @@ class Reader(RowReader):
         if len(spans_at) != 1 or (offs and spans_at[0][1] < offs[-1]):
             raise InputError(
                 f"{path}: {len(spans_at)} {SPANS_NAME} members, manifest.json says the dataset "
-                "has a loss mask: expected one, after the shard's rows (run `mixlen verify`)"
+                "has a loss mask: expected one, after the shard's rows",
+                VERIFY_ADVICE,
             )
         _, at, size = spans_at[0]
         raw = os.pread(fd, size, at)
