@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--packs",
         default=DEFAULT_PACKS,
         help="micro-batches of several equal samples, COUNTxLENGTH (at least one, so that the "
-        "size term d is fitted: include one as large as the trainer's capacity)",
+        "size table's rates are fitted, one at each packed size: include one as large as the "
+        "trainer's capacity)",
     )
     parser.add_argument("--ring-lengths", default=DEFAULT_RING_LENGTHS, help="ring sample lengths")
     parser.add_argument("--ring-sizes", default="", help="ring sizes (default 2..nproc)")

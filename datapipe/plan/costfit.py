@@ -181,19 +181,37 @@ def ring_seconds(
 WEIGHT_POWER = 0.75  # compute stages minimise sum(((fit - t) / t**WEIGHT_POWER)^2)
 
 
-def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray, power: float = 1.0) -> np.ndarray:
-    """Coefficients >= 0 minimising sum(((cols @ x) - t) / t**power)^2 (active set: a negative
-    coefficient is fixed at 0 and the rest refitted)."""
-    active = list(range(cols.shape[1]))
-    coef = np.zeros(cols.shape[1])
+def nonneg_lstsq(cols: np.ndarray, t: np.ndarray, power: float = 1.0) -> np.ndarray:
+    """Coefficients >= 0 minimising sum(((cols @ x) - t) / t**power)^2: Lawson and Hanson's
+    active-set method on unit-norm columns (a coefficient set to 0 may come back)."""
     w = 1.0 / t**power
-    while active:
-        sol, *_ = np.linalg.lstsq(cols[:, active] * w[:, None], t * w, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
+    a = cols * w[:, None]
+    norm = np.linalg.norm(a, axis=0)
+    norm[norm == 0] = 1.0
+    a, b = a / norm, t * w
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(np.float64).eps * max(a.shape) * max(np.abs(b).max(), 1e-300)
+    for _ in range(3 * n + 3):
+        grad = a.T @ (b - a @ x)
+        if free.all() or grad[~free].max() <= tol:
             break
-        active.pop(int(np.argmin(sol)))
-    return coef
+        free[np.argmax(np.where(free, -np.inf, grad))] = True
+        while True:  # solve on the free set; step back to the boundary while any goes <= 0
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            out = np.flatnonzero(free & (z <= 0))
+            gap = x[out] - z[out]
+            ratio = np.divide(x[out], gap, out=np.zeros_like(gap), where=gap > 0)
+            k = int(np.argmin(ratio))
+            x = x + ratio[k] * (z - x)
+            x[out[k]] = 0.0  # at least one leaves the free set: the loop ends
+            free &= x > 0
+            x[~free] = 0.0
+    return x / norm
 
 
 def fit_hops(timings: Sequence[Timing], kind: str = "hop") -> tuple[float, float, str | None]:
@@ -206,7 +224,7 @@ def fit_hops(timings: Sequence[Timing], kind: str = "hop") -> tuple[float, float
     t = np.array([m.seconds for m in hs], dtype=np.float64)
     if len(set(nb.tolist())) < 2:
         raise CalibrationError(f"{kind} timings need at least two message sizes")
-    lat, inv_bw = _nonneg_lstsq(np.stack([np.ones_like(nb), nb], axis=1), t)
+    lat, inv_bw = nonneg_lstsq(np.stack([np.ones_like(nb), nb], axis=1), t)
     if not inv_bw > 0:
         lat = float(np.exp(np.mean(np.log(t))))  # geometric mean: the sizes do not matter
         note = (
@@ -246,8 +264,14 @@ def fit_local(
     if len(ls) < 3 or len(set(s1.tolist())) < 3:
         raise CalibrationError("local timings need at least 3 distinct lengths to fit a, b, c")
     knots = size_knots(timings)
-    cols = [s2, s1, np.ones_like(s1), *_size_columns(knots, s1)]
-    a, b1, c, *steps = _nonneg_lstsq(np.stack(cols, axis=1), t, weight_power)
+    cols = np.stack([s2, s1, np.ones_like(s1), *_size_columns(knots, s1)], axis=1)
+    if np.linalg.matrix_rank(cols / np.linalg.norm(cols, axis=0)) < cols.shape[1]:
+        raise CalibrationError(
+            f"local timings: {len(ls)} timings cannot determine the {cols.shape[1]} terms (a, "
+            f"b, c and a size rate at each packed size: {[int(k) for k in knots]}); time more "
+            "lengths, or more single samples beside the packs"
+        )
+    a, b1, c, *steps = nonneg_lstsq(cols, t, weight_power)
     rates = tuple(float(x) for x in np.cumsum(steps))
     return float(a), float(b1), float(c), knots, rates
 
