@@ -15,12 +15,13 @@ from _train_worker import model_config
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from datapipe.errors import ConfigError
 from datapipe.fetch import MemoryFetcher
 from datapipe.ingest.tokenizer import TokenizerSpec
 from datapipe.plan.cost import preset
 from datapipe.plan.planner import PlannerConfig
 from trainer.eval.buckets import bucket_bounds, bucket_of
-from trainer.eval.passkey import FILLER, INTRO, NEEDLE, make_cases
+from trainer.eval.passkey import FILLER, INTRO, NEEDLE, QUESTION, check_lengths, make_cases
 from trainer.eval.run import evaluate_passkey, evaluate_samples, fetched, planned_batches
 from trainer.model.transformer import build_model
 from trainer.parallel.executor import HDPExecutor
@@ -109,6 +110,41 @@ def test_island_buckets_equal_each_sample_alone() -> None:
         assert b.loss == pytest.approx(total, rel=1e-9) and b.tokens == sum(x - 1 for x in lengths)
 
 
+def test_a_length_bucket_of_one_token_samples_keeps_its_samples() -> None:
+    """Samples of 1 token predict nothing: their bucket is still a row (loss NaN, shown as - and
+    null in JSON), so the rows' samples add up to the evaluated samples."""
+    from tools.cmd_eval import finite_json
+    from trainer.eval.report import render
+
+    tokens = [np.array([5]), np.array([7]), np.arange(1500) % 250]
+    fetcher = MemoryFetcher(tokens)
+    planner = PlannerConfig(capacity=2048).build(preset("debug"), 1)
+    plans = planned_batches(planner, np.arange(3), fetcher.lengths, 4096)
+    b = run_threads(1, lambda comm: evaluate_samples(
+        HDPExecutor(_model(), None, comm), fetched(plans, fetcher.fetch_step, 0), 0))[0]  # fmt: skip
+    rows = b.by_length()
+    assert [(r["start"], r["tokens"], r["samples"]) for r in rows] == [(0, 0, 2), (1024, 1499, 1)]
+    assert np.isnan(rows[0]["loss"]) and finite_json(rows)[0]["loss"] is None
+    result = {"model": "m", "data": "d", "split": "all", "samples": 3, "tokens": b.tokens,
+              "loss": b.loss, "by_position": b.by_position(), "by_length": rows}  # fmt: skip
+    assert "| 0-1K | - | 0 | 2 |" in render(result)
+
+
+def test_a_passkey_length_shorter_than_the_question_is_refused() -> None:
+    """The case without filler (BOS, the introduction, the needle, the question and the key:
+    counted here in bytes) is the shortest; a shorter length is refused naming it, never built
+    longer than asked."""
+    tok = TokenizerSpec("bytes").build()
+    shortest = 1 + len((INTRO + NEEDLE.format(key="12345") + QUESTION + " 12345").encode())
+    check_lengths(tok, [shortest, 4096])
+    assert make_cases(tok, [shortest], [0.0, 1.0])[0].tokens.size == shortest
+    for refuse in (lambda: check_lengths(tok, [4096, shortest - 1]),
+                   lambda: make_cases(tok, [shortest - 1], [0.5])):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"--passkey-lengths: {shortest - 1:,} tokens is "
+                           f"shorter than a passkey case without filler, {shortest:,}"):  # fmt: skip
+            refuse()
+
+
 @pytest.mark.parametrize("kind", ["bytes", "bpe"])
 def test_passkey_cases_hold_their_answer(kind) -> None:
     """The generator's answer tokens decode to " KEY", the needle sits after round(depth x filler
@@ -175,7 +211,7 @@ def trained(tmp_path_factory) -> tuple[str, str, dict]:
     return data, str(tmp / "run" / "ckpt"), run_training(c)
 
 
-def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys) -> None:
+def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys, monkeypatch) -> None:
     """`mixlen eval CKPT DATA`: a mixlen checkpoint's held-out samples (its val_fraction and
     seed), the table, --json's fields (no `passkey` with --no-passkey), eval.json and the passkey
     heatmap written with --out; the overall loss is the training run's own held-out loss at that
@@ -200,6 +236,12 @@ def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys) -> None:
     assert cli_main([*args[:3], "--no-passkey", "--json"]) == 0
     bare = json.loads(capsys.readouterr().out)
     assert "passkey" not in bare and bare["by_position"] == got["by_position"]
+    # a passkey length shorter than the question: refused before any sample is evaluated
+    monkeypatch.setattr("trainer.eval.cli.evaluate_samples", lambda *a: pytest.fail("evaluated"))
+    for extra in ([], ["--nproc", "2"]):  # --nproc: by the launcher, before any rank starts
+        assert cli_main([*args[:3], "--passkey-lengths", "100", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "--passkey-lengths: 100 tokens is shorter than a passkey case" in err
 
 
 def max_tokens_reference(lengths: list[int], n: int) -> list[int]:

@@ -97,11 +97,16 @@ class BucketLosses:
         return _rows(self.pos_sum, self.pos_n)
 
     def by_length(self) -> list[dict[str, Any]]:
-        """[{start, end, loss, tokens, samples}] of the non-empty sample-length buckets."""
-        rows = _rows(self.len_sum, self.len_n)
-        for r in rows:
-            r["samples"] = int(self.len_samples[int(bucket_of(np.array([r["start"]]))[0])])
-        return rows
+        """[{start, end, loss, tokens, samples}] of the sample-length buckets holding a sample
+        (loss NaN where none of them has a labelled position: samples of one token)."""
+        out = []
+        for k in np.flatnonzero((self.len_n > 0) | (self.len_samples > 0)):
+            start, end = bucket_bounds(int(k))
+            n = int(self.len_n[k])
+            loss = float(self.len_sum[k] / n) if n else float("nan")
+            out.append({"start": start, "end": end, "loss": loss, "tokens": n,
+                        "samples": int(self.len_samples[k])})  # fmt: skip
+        return out
 
 
 def _rows(sums: np.ndarray, counts: np.ndarray) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from datapipe.plan.planner import PlannerConfig
 from datapipe.settings import Names, from_mapping
 from datapipe.shapes import ModelConfig
 from trainer.data import held_out_mask
-from trainer.eval.passkey import make_cases
+from trainer.eval.passkey import PasskeyCase, check_lengths, make_cases
 from trainer.eval.report import perplexity
 from trainer.eval.run import evaluate_passkey, evaluate_samples, fetched, planned_batches
 from trainer.model.config import check_model_fits
@@ -223,6 +223,7 @@ def preflight(opts: EvalOptions, nproc: int, tp: int, device: str = "auto") -> N
         _check_passkey_lengths(
             opts.passkey_lengths or [], context, world, cap, opts.passkey_beyond_context
         )
+        passkey_lengths, what = _passkey_lengths(opts, context, world * cap)
     for _, path in opts.sources or [("", opts.data)]:
         with ExitStack() as stack:
             fetcher = FetchConfig().build(path)
@@ -231,8 +232,8 @@ def preflight(opts: EvalOptions, nproc: int, tp: int, device: str = "auto") -> N
             _, lengths = _evaluated(opts, run, np.asarray(fetcher.lengths, np.int64), path)
             planner.check_fits(lengths[lengths > 0], f"{path}: the evaluated samples")
             if opts.passkey:
-                model_tok = _folder_tokenizer(opts.model)
-                _tokenizer(opts, model_tok, fetcher.index.manifest)
+                tok = _tokenizer(opts, _folder_tokenizer(opts.model), fetcher.index.manifest)
+                check_lengths(tok, passkey_lengths, what)
 
 
 def _inspect_model(
@@ -289,7 +290,17 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
     ex = HDPExecutor(loaded.model, None, rt.comm, device=rt.device)
     out: dict[str, Any] = {"model": opts.model, "data": opts.data, "split": opts.split}
     datasets = opts.sources or [("", opts.data)]
-    parts = [_evaluate(path, opts, loaded, planner, ex, rt, cap) for _, path in datasets]
+    cases: list[PasskeyCase] = []
+
+    def passkey_cases(manifest: dict) -> None:  # built (or refused) before the evaluation
+        tok = _tokenizer(opts, loaded.tokenizer, manifest)
+        lengths, what = _passkey_lengths(opts, loaded.context, rt.world * cap)
+        cases.extend(make_cases(tok, lengths, list(opts.passkey_depths), what=what))
+
+    parts = [
+        _evaluate(path, opts, loaded, planner, ex, rt, cap, passkey_cases if k == 0 else None)
+        for k, (_, path) in enumerate(datasets)
+    ]
     if opts.sources:  # sources whose held-out split is empty are left out (and named)
         out["left_out"] = [name for (name, _), p in zip(datasets, parts) if p is None]
         datasets = [d for d, p in zip(datasets, parts) if p is not None]
@@ -326,12 +337,11 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
             }
             for (name, path), part in zip(datasets, parts)
         }
-    manifest = parts[0].manifest
     # on a dataset with a loss mask the loss is over its trained positions only (the fetch's labels)
     out["loss_mask"] = any(bool(part.manifest.get(LOSS_MASK_KEY)) for part in parts)
     out["seconds"] = time.perf_counter() - t0  # the samples' evaluation, after the load
     if opts.passkey:
-        out["passkey"] = _passkey(opts, loaded, manifest, planner, ex, rt, cap)
+        out["passkey"] = evaluate_passkey(ex, planner, cases, rt.world * cap, rt.rank)
     return out
 
 
@@ -345,14 +355,16 @@ class Evaluated(NamedTuple):
 
 def _evaluate(
     path: str, opts: EvalOptions, loaded: LoadedModel, planner: Any, ex: HDPExecutor,
-    rt: Runtime, cap: int,
+    rt: Runtime, cap: int, opened: Callable[[dict], None] | None = None,
 ) -> Evaluated | None:  # fmt: skip
     """The held-out samples of the dataset at `path` (--max-tokens: `_evaluated`), evaluated;
-    None for a mixture's source with none."""
+    None for a mixture's source with none. `opened` gets its manifest before the evaluation."""
     with ExitStack() as stack:
         fetcher = FetchConfig().build(path)
         stack.callback(fetcher.close)
         _check_vocab(loaded.shape, fetcher, path)
+        if opened is not None:
+            opened(fetcher.index.manifest)
         stored = np.asarray(fetcher.lengths, dtype=np.int64)
         ids, lengths = _evaluated(opts, loaded.run, stored, path)
         if ids.size == 0:  # a mixture's source with no held-out sample
@@ -422,12 +434,13 @@ def _check_vocab(shape: ModelConfig, fetcher: Any, data: str) -> None:
         )
 
 
-def _passkey(opts, loaded, manifest, planner, ex, rt, cap: int) -> list[dict[str, Any]]:
-    """The passkey cases at every length (default: powers of two from 1,024 to the model's
-    context, or to what the island holds) and depth."""
-    tok = _tokenizer(opts, loaded.tokenizer, manifest)
-    limit = rt.world * cap
-    top = min(loaded.context or limit, limit)
-    lengths = opts.passkey_lengths or [1024 << i for i in range(40) if 1024 << i <= top] or [top]
-    cases = make_cases(tok, list(lengths), list(opts.passkey_depths))
-    return evaluate_passkey(ex, planner, cases, limit, rt.rank)
+def _passkey_lengths(opts: EvalOptions, context: int | None, limit: int) -> tuple[list[int], str]:
+    """(the passkey lengths, what to call them in an error): --passkey-lengths, else powers of two
+    from 1,024 to the model's context or to what the island holds (`limit` positions)."""
+    if opts.passkey_lengths:
+        return list(opts.passkey_lengths), "--passkey-lengths"
+    top = min(context or limit, limit)
+    what = (
+        f"the default passkey lengths (up to {top:,}: the model's context, or what the ranks hold)"
+    )
+    return [1024 << i for i in range(40) if 1024 << i <= top] or [top], what

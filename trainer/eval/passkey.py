@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datapipe.errors import MixlenError
+from datapipe.errors import ConfigError, MixlenError
 from datapipe.ingest.tokenizer import Tokenizer
 
-__all__ = ["PasskeyCase", "make_cases"]
+__all__ = ["PasskeyCase", "check_lengths", "make_cases"]
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. Find it "
@@ -62,12 +62,31 @@ def _case(tok: Tokenizer, units: int, depth: float, key: str, length: int) -> Pa
     return PasskeyCase(full, int(prompt.size), int(full.size - prompt.size), key, length, depth)
 
 
+def _too_short(length: int, tokens: int, what: str) -> ConfigError:
+    return ConfigError(
+        f"{what}: {length:,} tokens is shorter than a passkey case without filler, {tokens:,} "
+        f"tokens with this tokenizer (the introduction, the needle and the question); give "
+        f"lengths of at least {tokens:,}, or --no-passkey"
+    )
+
+
+def check_lengths(tok: Tokenizer, lengths: list[int], what: str = "--passkey-lengths") -> None:
+    """ConfigError naming `what` for a length shorter than the case without filler."""
+    tokens = _case(tok, 0, 0.0, "12345", 0).tokens.size
+    if any(n < tokens for n in lengths):
+        raise _too_short(min(lengths), tokens, what)
+
+
 def make_cases(
-    tok: Tokenizer, lengths: list[int], depths: list[float], seed: int = 0
+    tok: Tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    seed: int = 0,
+    what: str = "--passkey-lengths",
 ) -> list[PasskeyCase]:
     """A case per (length, depth): filler lines as many as keep the case within `length`
-    tokens (none when even the question alone is longer), a random five-digit key each (numpy
-    generator seeded with `seed`)."""
+    tokens, a random five-digit key each (numpy generator seeded with `seed`); ConfigError
+    naming `what` where even the case without filler is longer."""
     rng = np.random.default_rng(seed)
     unit = max(_plain(tok, FILLER * 8).size - _plain(tok, "").size, 1) / 8
     base = _case(tok, 0, 0.0, "12345", 0).tokens.size
@@ -80,5 +99,7 @@ def make_cases(
             while case.tokens.size > length and units > 0:  # the estimate overshot: trim
                 units = max(units - max(int((case.tokens.size - length) / unit), 1), 0)
                 case = _case(tok, units, depth, key, length)
+            if case.tokens.size > length:
+                raise _too_short(length, case.tokens.size, what)
             out.append(case)
     return out

@@ -63,9 +63,9 @@ def render(result: dict[str, Any]) -> str:
             )
     lines += ["", "| sample length | loss | tokens | samples |", "| --- | ---: | ---: | ---: |"]
     for r in result["by_length"]:
+        loss = "-" if r["loss"] is None or math.isnan(r["loss"]) else f"{r['loss']:.4f}"
         lines.append(
-            f"| {_k(r['start'])}-{_k(r['end'])} | {r['loss']:.4f} | {r['tokens']:,} | "
-            f"{r['samples']} |"
+            f"| {_k(r['start'])}-{_k(r['end'])} | {loss} | {r['tokens']:,} | {r['samples']} |"
         )
     cases = result.get("passkey")
     if cases:
