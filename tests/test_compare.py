@@ -191,6 +191,7 @@ def test_compare_service_metrics_from_the_plans():
             rank_s = [x / 1e9 for x in plan.rank_time_ns]
             assert makespan == plan.makespan_ns
             assert m.est_step_time_s == pytest.approx((makespan + cost.step_ns) / 1e9)
+            assert m.makespan_s == makespan / 1e9
             assert m.imbalance == pytest.approx(max(rank_s) / (sum(rank_s) / len(rank_s)))
             assert m.mean_rank_time_s == pytest.approx(sum(rank_s) / len(rank_s))
             assert m.lower_bound_s == pytest.approx(plan.lower_bound_ns / 1e9)

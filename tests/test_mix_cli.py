@@ -190,6 +190,20 @@ def test_output_folders_are_checked_before_planning(data, tmp_path, capsys) -> N
     ok = tmp_path / "d.json"
     code, _, err = _run(capsys, "plan", data["web"], data["email"], *PLAN, "--dump", str(ok))
     assert code == 0 and ok.exists(), err
+    # an output inside a dataset the command reads (over its index, or beside it): refused, the
+    # dataset's files unchanged
+    index = os.path.join(data["email"], "index.parquet")
+    before = {p: Path(p).read_bytes() for p in (index, os.path.join(data["web"], "manifest.json"))}
+    runs = [("plan", data["web"], data["email"], *PLAN, "--dump", index),
+            ("plan", data["email"], *PLAN, "--html", os.path.join(data["email"], "p.html")),
+            ("profile", data["web"], "--plot", os.path.join(data["web"], "manifest.json")),
+            ("profile", data["web"], data["email"], "--plot", index)]  # fmt: skip
+    for argv in runs:
+        code, _, err = _run(capsys, *argv)
+        flag, path = argv[-2:]
+        assert code == 2 and f"{flag} {path}: inside the dataset folder " in err, err
+    assert {p: Path(p).read_bytes() for p in before} == before
+    assert not os.path.exists(os.path.join(data["email"], "p.html"))
 
 
 def test_a_file_as_a_training_source_says_so(data, tmp_path) -> None:

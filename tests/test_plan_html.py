@@ -5,6 +5,7 @@ planning times and the length histogram; and a screenshot of the window's size."
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -24,8 +25,13 @@ from tools.cli import main as cli_main
 pytestmark = pytest.mark.timeout(240)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 STEPS, RANKS = 3, 4
-# 8 layers and cheap host copies so Eq. 3 offload is chosen (as in test_planners.py)
-OFFLOAD_COST = CostModel(2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8, name="offload-test")
+# 8 layers and cheap host copies so Eq. 3 offload is chosen (as in test_planners.py); a step term
+OFFLOAD_COST = CostModel(
+    2e-7, 5e-5, 1e-4, 64.0, 1e9, 8, 2000.0, 5e8, name="offload-test", step=0.25
+)
+# a dataset folder whose name would end the page's data early if a "<" reached the script
+# element, and would fill the title with the data if the markers were replaced one by one
+DS = "d<!--<script>__DATA__s"
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +45,15 @@ def page(tmp_path_factory) -> dict:
             n = rng.choice([rng.integers(10, 100), rng.integers(100, 300), rng.integers(300, 480)],
                            p=[0.6, 0.3, 0.1])  # fmt: skip
             f.write(json.dumps({"text": "x" * int(n)}) + "\n")
-    preprocess(PreprocessConfig([str(tmp / "in.jsonl")], str(tmp / "ds"), progress=False))
+    preprocess(PreprocessConfig([str(tmp / "in.jsonl")], str(tmp / DS), progress=False))
     (tmp / "cost.json").write_text(json.dumps(OFFLOAD_COST.to_dict()))
-    args = ["plan", str(tmp / "ds"), "--ranks", str(RANKS), "--capacity", "128",
+    args = ["plan", str(tmp / DS), "--ranks", str(RANKS), "--capacity", "128",
             "--global-batch-tokens", "2048", "--policy", "all", "--widen", "--offload",
             "--steps", str(STEPS), "--cost", str(tmp / "cost.json"), "--quiet",
             "--html", str(tmp / "plan.html"), "--dump", str(tmp / "dump.json")]  # fmt: skip
     assert cli_main(args) == 0
     dump = json.loads((tmp / "dump.json").read_text())
-    lengths = pq.read_table(tmp / "ds" / "index.parquet").column("num_tokens").to_pylist()
+    lengths = pq.read_table(tmp / DS / "index.parquet").column("num_tokens").to_pylist()
     return {"tmp": tmp, "html": tmp / "plan.html", "dump": dump, "lengths": lengths}
 
 
@@ -65,6 +71,10 @@ def test_page_is_self_contained(page: dict) -> None:
     assert not re.search(r"""\ssrc\s*=""", text), "no external scripts or images"
     urls = set(re.findall(r"https?://[^\s\"'<>)]+", text))
     assert urls <= {"http://www.w3.org/2000/svg"}, urls  # the SVG namespace name, never fetched
+    data = text.split('id="plan-data">')[1].split("</script>")[0]
+    assert "<" not in data and json.loads(data)["title"].startswith(f"mixlen plan {page['tmp']}")
+    (title,) = re.findall("<title>(.*?)</title>", text)
+    assert title == html.escape(json.loads(data)["title"])
 
 
 class DomTree(HTMLParser):
@@ -128,7 +138,10 @@ def test_dom_table_timelines_histogram(page: dict) -> None:
     cells = [e["text"] for e in dom.find("td", inside=row)][1:]
     for i, cell in enumerate(cells):
         mean = sum(_dump_step(page, i, s)["est_step_time_s"] for s in range(STEPS)) / STEPS
-        assert cell == f"{mean:.3f}"
+        makespan = sum(_dump_step(page, i, s)["makespan_s"] for s in range(STEPS)) / STEPS
+        assert cell == f"{mean:.3f}" and mean == pytest.approx(makespan + 0.25)
+    (title,) = [e for e in dom.find("h1") if e["attrs"].get("id") == "title"]
+    assert title["text"].startswith(f"mixlen plan {page['tmp'] / DS}: N={RANKS}")
     # planning times: every policy, numbers, measured after the warm-up pass
     (timing,) = [e for e in dom.find("table") if e["attrs"].get("id") == "timing-table"]
     rows = [e for e in dom.find("tr", inside=timing) if e["attrs"].get("data-policy")]

@@ -360,6 +360,17 @@ def test_profile_shows_trained_share_by_length_bucket(qwen, tmp_path, capsys):
     assert prof["num_loss_tokens"] == res.manifest["num_loss_tokens"]
     assert cli_main(["profile", res.out]) == 0
     assert "% trained" in capsys.readouterr().out
+    # as a mixture's source, beside one without a loss mask: the same figures for it alone
+    write_jsonl(tmp_path / "t.jsonl", [{"text": "u " * n} for n in (5, 50)])
+    plain = run(tmp_path, [tmp_path / "t.jsonl"], name="plain", tokenizer_from=qwen)
+    assert cli_main(["profile", res.out, plain.out, "--json"]) == 0
+    masked, other = json.loads(capsys.readouterr().out)["sources"]
+    assert masked["buckets"] == prof["buckets"] and masked["num_loss_tokens"] == sum(
+        w[0] for w in want.values()
+    )
+    assert "num_loss_tokens" not in other
+    assert cli_main(["profile", res.out, plain.out]) == 0
+    assert capsys.readouterr().out.count("% trained") == 1
 
 
 def test_saved_dataset_of_conversations(qwen, tmp_path):

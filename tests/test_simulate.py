@@ -185,6 +185,10 @@ def test_plan_cli_widen(dataset, tmp_path, capsys) -> None:
     header = [line for line in capsys.readouterr().out.splitlines() if "hdp" in line]
     assert header[0].split() == ["hdp+widen"]  # the table's one column
     assert header[-1].startswith("rows: ") and header[-1].endswith("runs hdp+widen")
+    assert main(args[:-1] + ["--policy", "hdp", "--offload"]) == 0  # the row it shows
+    header = [line for line in capsys.readouterr().out.splitlines() if "hdp" in line]
+    assert header[0].split() == ["hdp+offload+widen"]
+    assert header[-1].endswith("runs hdp+offload+widen")
 
 
 def test_plan_cli_table_plot_html(dataset, tmp_path, capsys) -> None:
@@ -249,6 +253,31 @@ def test_plan_cli_errors(dataset, tmp_path, capsys) -> None:
     assert "more than N * C" in capsys.readouterr().err
     assert main(args + ["--cost", str(tmp_path / "nope.json")]) == 2
     assert "cannot read cost file" in capsys.readouterr().err
+    assert main(args + ["--max-context", "0"]) == 2  # refused, not taken as the default
+    assert "--max-context: must be >= 1, got 0" in capsys.readouterr().err
+    # the static mesh's context too short: only that setting makes room
+    assert main(args + ["--policy", "static", "--ranks", "64", "--max-context", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "more than --max-context = 100: no group can hold it (raise --max-context, or" in err
+
+
+def test_simulate_cli_errors(tmp_path, capsys) -> None:
+    """Refused before anything is drawn, naming the flag: a negative --seed, an output file in
+    a folder that does not exist, a --lengths that is no distribution or folder; --offload is no
+    flag of simulate (it shows every policy with and without)."""
+    base = ["simulate", "--ranks", "8", "--capacity", "4096", "--context", "32768",
+            "--global-batch-tokens", "100000", "--steps", "1"]  # fmt: skip
+    missing = str(tmp_path / "nope" / "s.html")
+    for extra, want in ((["--seed", "-3"], "--seed: must be >= 0, got -3"),
+                        (["--html", missing], f"--html {missing}: its folder"),
+                        (["--lengths", "bytedx"],
+                         "--lengths: 'bytedx' is neither byted, github nor a dataset folder")):  # fmt: skip
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err and ".tmp-" not in err, err
+    with pytest.raises(SystemExit):
+        main(base + ["--offload"])
+    assert "unrecognized arguments: --offload" in capsys.readouterr().err
 
 
 def test_simulate_cli_json(capsys) -> None:
@@ -328,4 +357,5 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
     assert rc == 0
     text = capsys.readouterr().out
     assert "assumptions:" in text and "hdp+offload" in text and "hdp+widen" not in text
-    assert "runs hdp\n" in text  # --no-widen: train with widen = false runs plain hdp
+    # --no-widen: train with widen = false runs plain hdp; with offload, the row with it
+    assert "runs hdp (hdp+offload with [parallel] offload)\n" in text

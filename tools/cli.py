@@ -53,7 +53,8 @@ def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixlen", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        # no prefixes of flags: `simulate --offload` would be taken as --offload-gbps
+        sp = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == argv_command:
             importlib.import_module(module).add_arguments(sp)
     return parser

@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 POLICY_CHOICES = ("hdp", "static", "naive-hdp", "single", "all")
 
 
-def add_planner_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by plan and simulate."""
+def add_planner_arguments(p: argparse.ArgumentParser, offload_flag: bool = True) -> None:
+    """Options shared by plan and simulate (`offload_flag`: --offload, which simulate leaves out
+    since it shows every policy with and without offload)."""
     from datapipe.shapes import MODEL_CONFIGS
 
     p.add_argument(
@@ -25,11 +26,12 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cost model JSON (schema in docs/PLAN.md); overrides --model",
     )
-    p.add_argument(
-        "--offload",
-        action="store_true",
-        help="selective activation offload (ByteScale Eq. 3) for hdp and naive-hdp",
-    )
+    if offload_flag:
+        p.add_argument(
+            "--offload",
+            action="store_true",
+            help="selective activation offload (ByteScale Eq. 3) for hdp and naive-hdp",
+        )
     p.add_argument(
         "--offload-gbps",
         type=float,
@@ -102,18 +104,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MAX_STEPS = 100_000  # --steps
+OUTPUTS = ("--dump", "--plot", "--html", "--lengths-plot")  # the files plan writes
 
 
-def legend(widen: bool | None) -> str:
-    """What the rows' labels mean, and which one `mixlen train` runs."""
-    from datapipe.plan.compare import widens_by_default
+def legend(widen: bool | None, offload: bool | None) -> str:
+    """What the rows' labels mean, and which one `mixlen train` runs (`offload` None: rows with
+    and without offload are shown)."""
+    from datapipe.plan.compare import Variant, widens_by_default
 
-    default = widens_by_default() if widen is None else widen
-    train = "hdp+widen" if default else "hdp"
+    wide = widens_by_default() if widen is None else widen
+    train = Variant("hdp", bool(offload), wide).label
+    if offload is None:
+        train += f" ({Variant('hdp', True, wide).label} with [parallel] offload)"
     return (
         "rows: hdp = ByteScale's smallest-group rule ([parallel] widen = false, --no-widen); "
         "+widen = widen = true (mixlen train's default); +offload = planned with Eq. 3 "
-        f"(--offload); `mixlen train` with policy hdp and these options runs {train}"
+        f"([parallel] offload); `mixlen train` with policy hdp and these options runs {train}"
     )
 
 
@@ -165,12 +171,12 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
     from datapipe.stream import StreamConfig
-    from tools.cmd_profile import check_outputs
+    from tools.cmd_profile import check_outputs, check_outside
 
     # parse: the dataset's first steps and the planners (output folders checked first)
     if not 1 <= args.steps <= MAX_STEPS:
         raise ConfigError(f"--steps: must be in [1, {MAX_STEPS:,}], got {args.steps}")
-    check_outputs(args, ("--dump", "--plot", "--html", "--lengths-plot"))
+    check_outputs(args, OUTPUTS)
     check_tp_flag(args)
     cost = resolve_cost(args)
     names = planner_names()
@@ -179,19 +185,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("a dataset directory (DIR), several (DIR@WEIGHT ...), or --mix FILE.toml")
     if is_mixture_args(args.dir, args.mix):
         mixture = plan_mixture(args, names)
+        check_outside(args, OUTPUTS, [s.local for s in mixture.loaded])
         lengths, batches, longest = mixture.lengths, mixture.batches, mixture.longest
         vocab = max(int(s.manifest.get("vocab_size") or 0) for s in mixture.loaded)
     else:
         (path,) = args.dir
         args.seed = 0 if args.seed is None else args.seed
         vocab = int(read_manifest(path).get("vocab_size") or 0)
+        check_outside(args, OUTPUTS, [path])
         lengths = read_lengths(path)
         stream = StreamConfig(seed=args.seed).build(
             lengths, args.global_batch_tokens, names=names.using(path="DIR")
         )
         batches = [next(stream) for _ in range(args.steps)]
         longest = int(max(lengths.max(initial=0), 1))
-    max_ctx = args.max_context or longest
+    max_ctx = longest if args.max_context is None else args.max_context
     base = PlannerConfig(capacity=args.capacity, max_context=max_ctx)
     variants = policy_variants(args.policy, args.offload, args.widen)
     planners = variant_planners(variants, base, cost, args.ranks, args.seed, names)
@@ -362,7 +370,7 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
         print(json.dumps(out))
         return
     print(report.format_table(all_metrics, title))
-    print(legend(args.widen))
+    print(legend(args.widen, args.offload))
     if mixture is not None:
         print(f"\ntoken shares over the {len(batches)} planned steps:")
         print(format_shares(shares))
@@ -377,12 +385,14 @@ def render_plan(args, cost, lengths, batches, res, mixture=None) -> None:
 def write_dump(path: str, cost, batches, res) -> None:
     """The planned steps as JSON (docs/PLAN.md, "--dump"), variant by variant."""
     from datapipe.files import write_text_atomic
+    from datapipe.plan.metrics import predicted_step_ns
 
     dumped = []
     for r in res.values():
         for b, plan in zip(batches, r.plans):
             d = plan.dump_step()
             d["step"] = int(b.step)
+            d["est_step_time_s"] = predicted_step_ns(plan, cost) / 1e9  # as --json reports it
             dumped.append(d)
     dump = {"schema": "mixlen-plan-dump/1", "cost": cost.to_dict(), "cost_hash": cost.hash}
     dump["steps"] = dumped

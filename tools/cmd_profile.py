@@ -46,6 +46,23 @@ def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
             raise ConfigError(f"{flag} {path}: its folder {folder!r} {what} (create it first)")
 
 
+def check_outside(args: argparse.Namespace, flags: tuple[str, ...], folders: list[str]) -> None:
+    """ConfigError naming the flag for an output file inside a dataset folder the command reads
+    (it would overwrite or add to the dataset)."""
+    from datapipe.index import is_remote
+
+    roots = [os.path.realpath(f) for f in folders if not is_remote(f)]
+    for flag in flags:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        real = os.path.realpath(path) if path else None
+        for root in roots if real else ():
+            if os.path.commonpath([real, root]) == root:
+                raise ConfigError(
+                    f"{flag} {path}: inside the dataset folder {root}, which this command reads; "
+                    "write it elsewhere"
+                )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dataset_arguments(p, "; stages are not used here")
     p.add_argument(
@@ -73,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_mixture(args)
     (path,) = args.dir
     read_manifest(path)
+    check_outside(args, ("--plot",), [path])
     lengths = read_lengths(path)
     prof = length_profile(lengths, args.capacity, read_loss_tokens(path))
     if args.plot:
@@ -100,6 +118,7 @@ def _run_mixture(args: argparse.Namespace) -> int:
 
     mix = read_mixture(args.dir, args.mix, DataConfig)
     loaded = load_mixture(mix, mix.names)
+    check_outside(args, ("--plot",), [s.local for s in loaded])
     prof = mixture_profile(loaded, args.capacity)
     if args.plot:
         plot_mixture(loaded, args.plot, args.capacity)

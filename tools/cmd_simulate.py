@@ -16,6 +16,7 @@ from tools.cmd_plan import (
     planner_names,
     resolve_cost,
 )
+from tools.cmd_profile import check_outputs, check_outside
 
 ASSUMPTIONS = """assumptions:
   - per-rank time = cost model (a*S^2/k at the chunk efficiency eff(S/k) + b*S/k, c per
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-tokens", type=int, default=32 * 1024 * 1024)
     p.add_argument("--steps", type=int, default=3, help="global batches to average over")
     p.add_argument("--seed", type=int, default=0)
-    add_planner_arguments(p)
+    add_planner_arguments(p, offload_flag=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +53,12 @@ def run(args: argparse.Namespace) -> int:
     from datapipe.plan.planner import PlannerConfig
     from datapipe.progress import progress
 
-    # parse: batches drawn from the length pool, the planners
+    # parse: batches drawn from the length pool, the planners (output folders checked first)
+    check_outputs(args, ("--plot", "--html"))
+    if args.lengths not in S.DISTRIBUTIONS:  # a dataset folder
+        check_outside(args, ("--plot", "--html"), [args.lengths])
+    if args.seed < 0:
+        raise ConfigError(f"--seed: must be >= 0, got {args.seed}")
     if not 1 <= args.steps <= 10_000:
         raise ConfigError(f"--steps: must be in [1, 10,000], got {args.steps}")
     if args.context < 1 or args.ranks < 1 or args.capacity < 1:
@@ -144,7 +150,7 @@ def render_simulate(args, cost, pool, batches, res) -> None:
         memory = format_preset_memory(model_name(args), args.ranks, tp=args.tp)
         if memory:
             print(memory)
-        print(legend(args.widen))
+        print(legend(args.widen, None))
         print(ASSUMPTIONS)
     if args.plot:
         plans = [r.plans[0] for r in res.values()]

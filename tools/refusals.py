@@ -263,7 +263,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "tests/test_faults_data.py::test_a_token_column_of_another_encoding_is_refused",
     ),
     Refusal(
-        "plan, profile, simulate",
+        "plan, profile",
         "a `--mix` file with mixture keys both at its top and under `[data]`",
         "at the top and a [data] table",
         "datapipe/mix/report.py",

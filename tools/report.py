@@ -30,9 +30,10 @@ def _fmt_bytes(b: float) -> str:
 
 ROWS = (
     ("est. step time (s)", lambda m: f"{m.est_step_time_s:.3f}"),
+    ("makespan (s)", lambda m: f"{m.makespan_s:.3f}"),
     ("mean rank time (s)", lambda m: f"{m.mean_rank_time_s:.3f}"),
     ("imbalance (max/mean)", lambda m: f"{m.imbalance:.3f}"),
-    ("max / lower bound", lambda m: f"{m.max_over_lower_bound:.3f}"),
+    ("makespan / lower bound", lambda m: f"{m.max_over_lower_bound:.3f}"),
     ("token fill", lambda m: f"{100 * m.token_fill:.1f}%"),
     ("micro-batches/rank", lambda m: f"{m.mb_per_rank_min}..{m.mb_per_rank_max}"),
     ("CP groups (size x n)", lambda m: _fmt_groups(m.groups_by_size)),
@@ -94,7 +95,7 @@ def plot_ranks(
             plan.lower_bound_ns / 1e9, color="k", linestyle="--", linewidth=0.8, label="lower bound"
         )
         name = plan.label
-        ax.set_title(f"{name}: step {plan.makespan_ns / 1e9:.3f} s", fontsize=10, loc="left")
+        ax.set_title(f"{name}: makespan {plan.makespan_ns / 1e9:.3f} s", fontsize=10, loc="left")
         ax.set_xlim(-0.5, plan.num_ranks - 0.5)
         step = max(1, -(-plan.num_ranks // 32))  # integer rank ticks, at most ~32 labels
         ax.set_xticks(np.arange(0, plan.num_ranks, step))

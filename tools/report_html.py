@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,8 +127,11 @@ def render(data: dict) -> str:
     """The page: markup, style and script from report_page.py around the JSON data."""
     from tools.report_page import PAGE
 
-    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")  # no early </script>
-    return PAGE.replace("__TITLE__", html.escape(data["title"])).replace("__DATA__", blob)
+    # no "<" at all inside the script element: neither "</script>" nor "<!--<script" (which
+    # would make the parser take the page's own </script> as data) can appear
+    blob = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
+    parts = {"__TITLE__": html.escape(data["title"]), "__DATA__": blob}
+    return re.sub("__TITLE__|__DATA__", lambda m: parts[m.group()], PAGE)  # one pass
 
 
 def write_page(path: str, data: dict) -> None:

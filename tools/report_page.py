@@ -181,7 +181,7 @@ function drawStep(parent, idx) {
   if (D.steps.length > 1) htmlEl("h3", {}, box, "step " + s.step + ": " + s.samples + " samples, " + s.tokens + " tokens");
   for (const tl of s.plans) {
     const offl = tl.offload.filter(x => x > 0);
-    htmlEl("h3", {"class": "policy-title"}, box, tl.label + ": step " + fmtS(tl.makespan) + " s, lower bound " +
+    htmlEl("h3", {"class": "policy-title"}, box, tl.label + ": makespan " + fmtS(tl.makespan) + " s, lower bound " +
       fmtS(tl.lower_bound) + " s, " + tl.start.length + " micro-batches" +
       (offl.length ? ", " + offl.length + " offloaded (mean ratio " + (offl.reduce((a, b) => a + b, 0) / offl.length).toFixed(2) + ")" : "") +
       (tl.drawn_ranks < tl.ranks ? " (first " + tl.drawn_ranks + " of " + tl.ranks + " ranks drawn)" : ""));

@@ -222,14 +222,17 @@ def mixture_profile(loaded: list[LoadedSource], capacity: int | None = None) -> 
     """Each source's length profile, its weight (normalised), its natural share of all tokens,
     and for each `length_boost` threshold its share of tokens in samples at or above it: in the
     index, and expected once boosted."""
+    from datapipe.index import read_loss_tokens
     from datapipe.profile import length_profile
 
     total_w = math.fsum(s.config.weight for s in loaded)
     all_tokens = sum(int(s.lengths.sum()) for s in loaded) or 1
     out = []
     for src in loaded:
-        lens = src.lengths[src.lengths > 0]
-        prof = length_profile(lens, capacity)
+        kept = src.lengths > 0
+        lens = src.lengths[kept]
+        trained = read_loss_tokens(src.local)  # a source with a loss mask: its trained tokens
+        prof = length_profile(lens, capacity, None if trained is None else trained[kept])
         prof.update(
             name=src.name,
             path=src.config.path,

@@ -143,10 +143,16 @@ def too_long(
     bad = np.flatnonzero(lengths > limit)
     if bad.size:
         i = int(bad[np.argmax(lengths[bad])])
+        if what == config.key("max_context"):  # the static mesh's context: that setting alone
+            room = f"raise {what}, or cap sample length at preprocess time"
+        else:
+            room = (
+                f"raise {config.key('num_ranks')} or {config.key('capacity')}, enable "
+                f"{config.key('offload')}, or cap sample length at preprocess time"
+            )
         raise MixlenError(
             f"sample {int(sample_ids[i])} has {int(lengths[i])} tokens, more than {what} = {limit}: "
-            f"no group can hold it (raise {config.key('num_ranks')} or {config.key('capacity')}, "
-            f"enable {config.key('offload')}, or cap sample length at preprocess time)"
+            f"no group can hold it ({room})"
         )
 
 

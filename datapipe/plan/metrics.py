@@ -31,11 +31,12 @@ class PlanMetrics:
     """One plan's balance metrics (times in seconds)."""
 
     policy: str
-    est_step_time_s: float
+    est_step_time_s: float  # makespan + the cost model's `step` (the work around micro-batches)
+    makespan_s: float  # the slowest rank's micro-batches
     mean_rank_time_s: float
-    imbalance: float  # max / mean rank time
+    imbalance: float  # makespan / mean rank time
     lower_bound_s: float
-    max_over_lower_bound: float
+    max_over_lower_bound: float  # makespan / lower bound
     token_fill: float  # tokens / sum of planned capacity over (rank, micro-batch)
     mb_per_rank_min: int
     mb_per_rank_max: int
@@ -107,6 +108,7 @@ def plan_metrics(plan: StepPlan, cost: CostModel, plan_ms: float) -> PlanMetrics
     return PlanMetrics(
         policy=plan.label,
         est_step_time_s=mx,
+        makespan_s=plan.makespan_ns / 1e9,
         mean_rank_time_s=mean,
         imbalance=plan.makespan_ns / 1e9 / mean if mean > 0 else 1.0,
         lower_bound_s=plan.lower_bound_ns / 1e9,
@@ -135,6 +137,7 @@ def average_metrics(steps: list[PlanMetrics]) -> PlanMetrics:
     return PlanMetrics(
         policy=steps[0].policy,
         est_step_time_s=mean("est_step_time_s"),
+        makespan_s=mean("makespan_s"),
         mean_rank_time_s=mean("mean_rank_time_s"),
         imbalance=mean("imbalance"),
         lower_bound_s=mean("lower_bound_s"),

@@ -19,6 +19,7 @@ drawn), so statistics of large draws sit close to the targets; tests check the t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,8 +227,11 @@ def length_pool(source: str, context: int, min_samples: int, seed: int = 0) -> n
     if source in DISTRIBUTIONS:
         pool = sample_lengths(source, min_samples, seed)
     else:
-        from datapipe.index import read_lengths, read_manifest
+        from datapipe.index import is_remote, read_lengths, read_manifest
 
+        if not is_remote(source) and not os.path.isdir(source):
+            names = ", ".join(DISTRIBUTIONS)
+            raise ConfigError(f"--lengths: {source!r} is neither {names} nor a dataset folder")
         read_manifest(source)
         pool = read_lengths(source)
         pool = pool[pool > 0]

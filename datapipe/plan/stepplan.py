@@ -243,7 +243,7 @@ class StepPlan:
             "capacity": self.capacity,
             "cost_hash": self.cost_hash,
             "digest": self.digest().hex(),
-            "est_step_time_s": self.makespan_ns / 1e9,
+            "makespan_s": self.makespan_ns / 1e9,
             "lower_bound_s": self.lower_bound_ns / 1e9,
             "samples": [[int(s), int(n)] for s, n in zip(self.sample_ids, self.lengths)],
             "ranks": ranks,
