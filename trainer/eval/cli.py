@@ -298,7 +298,16 @@ def run_eval(opts: EvalOptions, rt: Runtime) -> dict[str, Any]:
         cases.extend(make_cases(tok, lengths, list(opts.passkey_depths), what=what))
 
     parts = [
-        _evaluate(path, opts, loaded, planner, ex, rt, cap, passkey_cases if k == 0 else None)
+        _evaluate(
+            path,
+            opts,
+            loaded,
+            planner,
+            ex,
+            rt,
+            cap,
+            passkey_cases if opts.passkey and k == 0 else None,
+        )
         for k, (_, path) in enumerate(datasets)
     ]
     if opts.sources:  # sources whose held-out split is empty are left out (and named)
