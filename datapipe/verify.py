@@ -118,8 +118,8 @@ def _check_rows(rep: VerifyReport, index, sound: list[int], bar) -> None:
             path = os.path.join(rep.root, manifest["shards"][i]["name"])
             try:
                 problem = _check_shard_rows(reader, int(starts[i]), int(starts[i + 1]), want, vocab)
-            except InputError as exc:
-                problem = _own(exc)
+            except InputError as exc:  # names the shard already (a reader's error)
+                problem = _own(exc).removeprefix(f"{path}: ")
             if problem:
                 rep.problems.append(f"{path}: {problem}")
             else:

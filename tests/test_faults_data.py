@@ -307,6 +307,48 @@ def test_a_token_column_of_another_encoding_is_refused(copy, enc) -> None:
     assert any(want in p for p in verify_dataset(str(root)).problems)
 
 
+@pytest.mark.parametrize(
+    ("edit", "want"),
+    [
+        ("tokens:float64", "column 'tokens' is list<double>, expected list<uint16>"),
+        ("tokens:int64", "column 'tokens' is list<int64>, expected list<uint16>"),
+        ("tokens:uint16", None),  # the same type, rewritten by another writer: still read
+        ("drop:sample_id", "no column 'sample_id' (expected int64)"),
+    ],
+)
+def test_a_parquet_shard_of_another_schema_is_refused(copy, edit: str, want: str | None) -> None:
+    """A shard rewritten by another tool with its manifest entry to match (size, no checksum):
+    a token column of another type had its values cast (x + 0.5 read as x), and a missing
+    column passed; now the reader and verify name the shard and the column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = copy("parquet")
+    m = _manifest(root)
+    entry = m["shards"][0]
+    path = root / entry["name"]
+    table = pq.read_table(path)
+    kind, what = edit.split(":")
+    if kind == "drop":
+        table = table.drop_columns([what])
+    else:
+        k = table.column_names.index("tokens")
+        typ = pa.list_(pa.from_numpy_dtype(np.dtype(what)))
+        table = table.set_column(k, "tokens", table.column(k).cast(typ))
+    pq.write_table(table, path)
+    entry["bytes"] = path.stat().st_size
+    del entry["xxh3_64"], m["dataset_fingerprint"]
+    _write_manifest(root, m)
+    with FetchConfig().build(str(root)) as fetcher:
+        if want is None:  # pq.write_table names the list's item `element`
+            assert "list<element: uint16>" in str(pq.read_schema(path))
+            assert fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 0))).input_ids.size
+            return
+        with pytest.raises(InputError, match=re.escape(f"{path}: {want}")):
+            fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 0)))
+    assert f"{path}: {want}" in verify_dataset(str(root)).problems  # the path once
+
+
 def test_out_of_vocabulary_token_names_shard_sample_and_position(copy) -> None:
     """Token ids at or above the vocabulary (here: a manifest claiming a smaller vocabulary than
     its data) are refused by the fetch naming the shard, the sample and the token's position."""

@@ -130,6 +130,32 @@ def _paused_run(cfg: PreprocessConfig, marker: Path, monkeypatch) -> tuple[threa
     return t, box
 
 
+def test_a_killed_worker_ends_the_run(tmp_path: Path, monkeypatch) -> None:
+    """A worker process killed mid-run (the out-of-memory killer, say): the run fails at once
+    naming the inputs in flight, leaving nothing; it had waited forever for the lost block."""
+    import multiprocessing
+    import signal
+
+    import datapipe.ingest.sources as sources
+
+    monkeypatch.setattr(sources, "BLOCK_FILES", 2)  # 30 blocks
+    src = _corpus(tmp_path)
+    out, marker = tmp_path / "out", tmp_path / "paused"
+    cfg = PreprocessConfig([str(src)], str(out), format="parquet", shard_bytes=2000, workers=2,
+                           progress=False)  # fmt: skip
+    t, box = _paused_run(cfg, marker, monkeypatch)
+    workers = [p for p in multiprocessing.active_children() if "resource" not in p.name]
+    assert workers, multiprocessing.active_children()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    marker.unlink()
+    t.join(60)
+    assert not t.is_alive(), "the run hung"
+    err = box.get("error")
+    assert isinstance(err, MixlenError), box
+    assert "a preprocess worker process died" in str(err) and str(src / "f") in str(err)
+    assert not out.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def _corpus(root: Path, n: int = 60) -> Path:
     src = root / "src"
     src.mkdir(parents=True)

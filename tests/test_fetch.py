@@ -35,7 +35,7 @@ def make_dataset(root: Path, fmt: str, n: int = 150, seed: int = 0) -> tuple[Pat
             out=str(root),
             format=fmt,
             chunk_tokens=CHUNK,
-            shard_bytes=4000,
+            shard_bytes=8000 if fmt == "wds" else 4000,  # a tar member takes 1 KiB or more
             progress=False,
         )
     )

@@ -97,6 +97,35 @@ def test_round_trip_all_formats(corpus: dict, fmt: str) -> None:
     assert not list(corpus["tmp"].glob(".out-*")), "no temporary directory left behind"
 
 
+@pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
+def test_shard_size_bounds_every_shard_of_several_samples(tmp_path: Path, fmt: str) -> None:
+    """--shard-size bounds each shard file that holds more than one sample; a tar's end of
+    archive and record padding come on top (up to 11 KiB: 1,024 bytes padded to a 10 KiB
+    record), its members (a header, the .npy header, the padding to 512 bytes) are counted."""
+    src = tmp_path / "in.jsonl"
+    rng = np.random.default_rng(1)
+    src.write_text("".join(json.dumps({"text": "x" * int(n)}) + "\n"
+                           for n in rng.integers(100, 900, 300)))  # fmt: skip
+    limit = 20_480
+    out = tmp_path / fmt
+    preprocess(PreprocessConfig([str(src)], str(out), format=fmt, shard_bytes=limit,
+                                progress=False))  # fmt: skip
+    idx = read_index(str(out))
+    per_shard = np.bincount(idx.shard)
+    sizes = [os.path.getsize(out / s["name"]) for s in idx.manifest["shards"]]
+    assert len(sizes) > 4 and per_shard.min() > 1
+    end = -(-(limit + 1024) // 10240) * 10240 - limit if fmt == "wds" else 0
+    assert max(sizes) <= limit + end, sizes
+    if fmt == "wds":  # the members alone, as tar lists them, within the bound
+        import tarfile
+
+        for s in idx.manifest["shards"]:
+            with tarfile.open(out / s["name"]) as tf:
+                assert sum(512 + -(-m.size // 512) * 512 for m in tf.getmembers()) <= limit
+    if fmt != "parquet":  # (parquet compresses) and the shards are not left near-empty
+        assert sum(sizes) > 0.6 * limit * len(sizes)
+
+
 def test_hf_tokenizer_round_trip(corpus: dict) -> None:
     from tokenizers import Tokenizer
 
@@ -312,7 +341,7 @@ def test_existing_output_refused_then_overwritten(tmp_path: Path, corpus: dict) 
 @pytest.mark.parametrize(
     ("sig", "workers", "group"),
     [
-        (signal.SIGKILL, 1, False),
+        (signal.SIGKILL, 2, False),
         (signal.SIGTERM, 1, False),
         (signal.SIGINT, 2, True),
         (signal.SIGTERM, 2, True),
@@ -323,7 +352,8 @@ def test_interrupted_run_leaves_no_output(
 ) -> None:
     """Killed, stopped, or Ctrl-C or a scheduler's stop (SIGINT, SIGTERM to the whole process
     group) with two workers waiting for blocks: the run ends at once (workers had died holding the pool's lock, and the run
-    waited for it forever), leaving nothing but what SIGKILL cannot clean."""
+    waited for it forever), leaving nothing but what SIGKILL cannot clean, and no worker
+    process (one whose main process was killed outright had stayed, waiting for blocks)."""
     src = tmp_path / "src"
     src.mkdir()
     for i in range(40):
@@ -345,8 +375,14 @@ def test_interrupted_run_leaves_no_output(
         assert len(partial) == 1 and any(partial[0].glob("shard-*.parquet")), (
             "paused mid-way with a shard written"
         )
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) >= (2 if workers > 1 else 0), children  # the resource tracker too
         os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_running(int(c)) for c in children):
+            assert time.monotonic() < deadline, [c for c in children if _running(int(c))]
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -362,6 +398,14 @@ def test_interrupted_run_leaves_no_output(
     preprocess(PreprocessConfig([str(src)], str(out), format="parquet", progress=False))
     assert read_index(str(out)).manifest["num_samples"] == 40
     assert list(tmp_path.glob(".out.partial-*")) == []
+
+
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_index_parquet_columns(tmp_path: Path, corpus: dict) -> None:

@@ -114,6 +114,16 @@ def test_ray_dataset_equals_local(ray_session, corpus: dict, fmt: str, monkeypat
         assert s["name"].startswith("part-") and s["name"].count("/") == 1
     for part in ray_out.glob("part-*"):
         assert not (part / "index.parquet").exists() and not (part / "shards.json").exists()
+    if fmt == "parquet":  # --workers 1 and 3 (tasks not capped by size): the same bytes
+        monkeypatch.setattr(ray_engine, "TASK_BYTES", 1 << 26)
+        runs = [corpus["tmp"] / f"ray-w{k}" for k in (1, 3)]
+        for k, out in zip((1, 3), runs):
+            preprocess(PreprocessConfig(corpus["inputs"], str(out), format=fmt, engine="ray",
+                                        workers=k, progress=False, shard_bytes=1500))  # fmt: skip
+        m1, m3 = (read_index(str(out)).manifest for out in runs)
+        assert m1["shards"] == m3["shards"] and m1["engine"]["tasks"] == m3["engine"]["tasks"] > 2
+        for name in ["index.parquet"] + [s["name"] for s in m1["shards"]]:
+            assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
     if fmt == "mds":  # merged index.json lists the manifest's shards in the same order
         idx = json.loads((ray_out / "index.json").read_text())
         assert [s["raw_data"]["basename"] for s in idx["shards"]] == [

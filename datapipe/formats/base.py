@@ -160,10 +160,16 @@ class OwnShardWriter(ShardWriter):
     def _name(self, i: int) -> str:
         return f"shard-{i:05d}{self.suffix}"
 
+    def _estimate(self, rows: list[np.ndarray]) -> int:
+        """About the bytes a sample's rows add to the open shard (before they are written)."""
+        return sum(int(r.nbytes) for r in rows) + 512 * len(rows)
+
     def write(self, sample_id: int, tokens: np.ndarray, spans: np.ndarray | None = None) -> None:
         rows = self._rows(tokens)
         row_spans = self._row_spans(spans, len(tokens)) if self.masks else None
-        est = int(tokens.nbytes) + 512 * len(rows)
+        est = self._estimate(rows)
+        if row_spans is not None:
+            est += sum(4 * len(s) + 4 for s in row_spans)
         if self._is_open and self._open_bytes and self._open_bytes + est > self.shard_bytes:
             self._roll()
         if not self._is_open:

@@ -23,6 +23,41 @@ from datapipe.formats.base import (
 )
 
 
+def shard_schema(dtype: np.dtype, masks: bool) -> Any:
+    """A shard's columns: sample_id, chunk, tokens (a list of the token dtype) and, with a loss
+    mask, TRAINED (a row's uint32 pairs, little-endian, as bytes)."""
+    import pyarrow as pa
+
+    fields = [
+        ("sample_id", pa.int64()),
+        ("chunk", pa.int32()),
+        (TOKENS, pa.list_(pa.from_numpy_dtype(dtype))),
+    ]
+    if masks:
+        fields.append((TRAINED, pa.binary()))
+    return pa.schema(fields)
+
+
+def check_schema(path: str, got: Any, want: Any) -> None:
+    """InputError naming the shard and the column that is missing or of another type (a list
+    column's item may have any name: other writers call it `element`)."""
+    for field in want:
+        if field.name not in got.names:
+            raise InputError(f"{path}: no column {field.name!r} (expected {_type(field.type)})")
+        have = got.field(field.name).type
+        if _type(have) != _type(field.type):
+            raise InputError(
+                f"{path}: column {field.name!r} is {_type(have)}, expected {_type(field.type)}"
+            )
+
+
+def _type(t: Any) -> str:
+    """An Arrow type as a short name: list<uint16>, int64, binary."""
+    import pyarrow as pa
+
+    return f"list<{t.value_type}>" if pa.types.is_list(t) else str(t)
+
+
 class Writer(OwnShardWriter):
     """Parquet shards; a row group closes once it holds `chunk_tokens` tokens, so a reader that
     needs one row reads at most about one storage chunk of other rows."""
@@ -34,14 +69,7 @@ class Writer(OwnShardWriter):
         import pyarrow as pa
 
         self._pa = pa
-        fields = [
-            ("sample_id", pa.int64()),
-            ("chunk", pa.int32()),
-            (TOKENS, pa.list_(pa.from_numpy_dtype(self.dtype))),
-        ]
-        if self.masks:
-            fields.append((TRAINED, pa.binary()))  # a row's uint32 pairs, little-endian
-        self._schema = pa.schema(fields)
+        self._schema = shard_schema(self.dtype, self.masks)
         self._pending: list[tuple[int, int, np.ndarray]] = []
         self._pending_spans: list[np.ndarray] = []
         self._pending_tokens = 0
@@ -114,6 +142,8 @@ class Reader(RowReader):
 
             path = self.shard_path(shard)
             pf = pq.ParquetFile(path)
+            masks = bool(self.manifest.get("loss_mask"))
+            check_schema(path, pf.schema_arrow, shard_schema(self.dtype, masks))
             md = pf.metadata
             want = int(self.shard_starts[shard + 1] - self.shard_starts[shard])
             if md.num_rows != want:

@@ -63,6 +63,9 @@ class Writer(OwnShardWriter):
             ts.fileobj.closed = True
         self._f.close()
 
+    def _estimate(self, rows: list[np.ndarray]) -> int:
+        return sum(512 + _blocks(NPY_HEADER + int(r.nbytes)) for r in rows)
+
     def _write_rows(
         self, sample_id: int, rows: list[np.ndarray], spans: list[np.ndarray] | None
     ) -> int:
@@ -70,11 +73,19 @@ class Writer(OwnShardWriter):
         for j, row in enumerate(rows):
             data = _npy(row)
             self._tar.write({"__key__": f"s{sample_id:010d}_c{j:06d}", MEMBER: data})
-            total += 512 + -(-len(data) // 512) * 512
+            total += 512 + _blocks(len(data))
         if spans is not None:  # kept for the shard's spans member (4 bytes a value and a row)
             self._spans.extend(spans)
             total += sum(4 * len(s) + 4 for s in spans)
         return total
+
+
+NPY_HEADER = 128  # bytes before a 1-D array's data in a `.npy`
+
+
+def _blocks(n: int) -> int:
+    """`n` bytes padded to tar's 512-byte blocks."""
+    return -(-n // 512) * 512
 
 
 def _npy(arr: np.ndarray) -> bytes:

@@ -65,6 +65,13 @@ class Block:
     part: int = 0  # piece: its number (-1: the head kept by --long-docs truncate)
     row_kind: str = ""  # rows: "messages" or "prompt_completion" (datapipe.ingest.rows)
 
+    def where(self) -> str:
+        """The input it comes from (a text block: its first file and how many follow)."""
+        if self.kind != "text":
+            return self.path
+        more = len(self.items) - 1
+        return self.items[0] + (f" (or one of the {more} text files after it)" if more else "")
+
 
 class _ZstdStream(io.RawIOBase):
     """Decompressed bytes of a `.zst` file, frame after frame; unlike `stream_reader`, a file that

@@ -15,13 +15,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
+from datapipe.errors import MixlenError
 from datapipe.formats import build_writer
 from datapipe.formats.base import ShardWriter
 from datapipe.ingest.engines.base import EngineResult, EngineRun, Written, write_metadata
@@ -34,10 +38,18 @@ def _init_pool_worker(settings: TokenizeSettings) -> None:
     """A pool process leaves the main process's process group. Ctrl-C, `kill -- -PGID` or a
     scheduler's stop signal a whole group: workers killed while one holds the pool's task-queue
     lock would leave the pool's shutdown waiting for it forever. Now only the main process gets
-    them, and it ends the pool as after any error (the workers end at end of file of the task
-    queue if the main process is killed outright)."""
+    them, and it ends the pool as after any error; a worker whose main process is killed
+    outright ends within a second (`_exit_with`)."""
     os.setpgrp()
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     init_worker(settings)
+
+
+def _exit_with(parent: int) -> None:
+    """End this process once `parent` is gone (it was re-parented)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _results(
@@ -53,19 +65,62 @@ def _results(
             yield process_block(block)
         return
     budget = workers * max(settings.max_doc_bytes, BLOCK_BYTES)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(settings,)) as pool:
-        window: deque = deque()
+    pool = ProcessPoolExecutor(
+        workers, mp.get_context("spawn"), initializer=_init_pool_worker, initargs=(settings,)
+    )
+    window: deque[tuple[Future, Block]] = deque()
+    try:
         inflight = 0
         for block in blocks:
-            window.append((pool.apply_async(process_block, (block,)), block.nbytes))
+            window.append((_submit(pool, block, window), block))
             inflight += block.nbytes
             while window and (len(window) >= 2 * workers + 2 or inflight >= budget):
-                res, nbytes = window.popleft()
-                inflight -= nbytes
-                yield res.get()
+                inflight -= window[0][1].nbytes
+                yield _result(window)
         while window:
-            yield window.popleft()[0].get()
+            yield _result(window)
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown()
+
+
+def _died(window: deque) -> MixlenError:
+    """The error for a worker process that ended without a result (killed: by the out-of-memory
+    killer, say), naming the blocks it may have been tokenizing."""
+    where = "; ".join(block.where() for _, block in window) or "no block"
+    return MixlenError(
+        f"a preprocess worker process died (killed by a signal, for example when out of "
+        f"memory) while these inputs were being tokenized: {where}; nothing was written"
+    )
+
+
+def _submit(pool: ProcessPoolExecutor, block: Block, window: deque) -> Future:
+    try:
+        return pool.submit(process_block, block)
+    except BrokenProcessPool:
+        raise _died(window) from None
+
+
+def _result(window: deque) -> BlockResult:
+    """The oldest block's result, taken off the window."""
+    try:
+        return window[0][0].result()
+    except BrokenProcessPool:
+        raise _died(window) from None
+    finally:
+        window.popleft()
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End the pool now (an error or Ctrl-C ends the run; nothing the workers return is used):
+    queued blocks cancelled, the workers terminated rather than awaited."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # public only from 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(5)
 
 
 def _pause_for_test(marker: str) -> None:

@@ -50,7 +50,8 @@ from datapipe.ingest.worker import BLOCK_COUNT_KEYS
 from datapipe.progress import input_sizes, progress
 
 TASK_BYTES = 64 << 20  # most input bytes per tokenize task
-TASKS_PER_WORKER = 4  # at least this many tasks per worker when the inputs allow it
+MIN_TASKS = 64  # at least this many tasks when the inputs allow it (not per worker: the
+# groups, so the shards, must not depend on --workers)
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
 SPILL_DIR = ".spill"
 
@@ -69,12 +70,12 @@ class Job:
     max_reported: int
 
 
-def task_groups(files: list[Path], workers: int) -> list[list[str]]:
+def task_groups(files: list[Path]) -> list[list[str]]:
     """Consecutive input files cut into groups of about equal bytes (at most TASK_BYTES each,
-    at least TASKS_PER_WORKER groups per worker when there are enough files)."""
+    at least MIN_TASKS groups when there are enough files)."""
     sizes = input_sizes(files)
     total = sum(sizes.values())
-    target = max(1, min(TASK_BYTES, total // max(1, TASKS_PER_WORKER * workers)))
+    target = max(1, min(TASK_BYTES, total // MIN_TASKS))
     groups: list[list[str]] = []
     cur: list[str] = []
     cur_bytes = 0
@@ -96,14 +97,6 @@ def _spill_base(root: str, idx: int) -> str:
     return os.path.join(root, SPILL_DIR, f"{idx:05d}")
 
 
-def _describe(block: sources.Block) -> str:
-    """The input a block comes from (a text block: its first file and how many follow)."""
-    if block.kind != "text":
-        return block.path
-    more = len(block.items) - 1
-    return block.items[0] + (f" (or one of the {more} text files after it)" if more else "")
-
-
 def _tokenize_group(job: Job, paths: list[str], spill, out: dict, where: list[str]) -> None:
     """Tokenize the files in order, spilling tokens to `spill` and collecting into `out`;
     `where[0]` follows the input being read (for a failure's message)."""
@@ -112,7 +105,7 @@ def _tokenize_group(job: Job, paths: list[str], spill, out: dict, where: list[st
     note_counts: dict[str, int] = {}
     counts = dict.fromkeys(BLOCK_COUNT_KEYS, 0)
     for block in sources.iter_blocks([Path(p) for p in paths], job.settings):
-        where[0] = _describe(block)
+        where[0] = block.where()
         files = block.items if block.kind == "text" else [block.path]
         hit = [f for f in files if fail_on and fail_on in f]
         if hit:
@@ -333,7 +326,7 @@ def write_dataset(run: EngineRun) -> EngineResult:
         cfg.max_reported,
     )
     os.makedirs(os.path.join(root, SPILL_DIR), exist_ok=True)
-    groups = task_groups(files, cfg.workers)
+    groups = task_groups(files)
     sizes = input_sizes(files)
     items = [
         {"idx": i, "paths": g, "bytes": sum(sizes[p] for p in g)} for i, g in enumerate(groups)
