@@ -296,3 +296,41 @@ def test_compare_mode_alternates_the_order_and_reports_each_step_s_ratio():
     label = plans[1][0].label  # hdp, or hdp+widen where that is the default
     assert f"{label} is {total:.2f}x as fast as static on these batches" in text
     assert "1000" not in text  # the warm-up's passes are in no row
+
+
+def test_a_resumed_comparison_keeps_the_order_and_each_policy_is_described_as_itself():
+    """Comparisons counted from the step (a run resumed after step 3, interval 1: step 4 is the
+    4th comparison, the other policy second); a static run compared with hdp names its own
+    mesh (CP 1: no sample split) and hdp its local share; no compared step says so."""
+    from datapipe.stream import GlobalBatch
+    from trainer.compare_report import render_comparison
+
+    cmp = _comparison()
+    cmp._pass = lambda plan, batch, step: (1.0, 0.5)
+    rng = np.random.default_rng(4)
+    for step in (4, 5, 6):
+        lengths = rng.integers(10, 200, size=12).astype(np.int64)
+        batch = GlobalBatch(step, 0, np.arange(12, dtype=np.int64), lengths)
+        cmp.before_step(step, batch, cmp.planners["run"].plan(batch.lengths, batch.sample_ids))
+        cmp.after_step(step, None)
+    assert [r["other_first"] for r in cmp.rows] == [False, True, False]
+    swapped = [
+        {**r, "policy": r["other_policy"], "other_policy": r["policy"], "meta": r["other_meta"],
+         "other_meta": r["meta"], "local_samples": r["other_local_samples"],
+         "other_local_samples": r["local_samples"]}
+        for r in cmp.rows
+    ]  # fmt: skip
+    cp = swapped[0]["meta"]["cp"]
+    text = render_comparison(swapped, 1, "wall")
+    lines = text.splitlines()
+    local = np.mean([r["local_samples"] for r in cmp.rows])
+    assert lines[1] == f"  static: CP {cp} x DP {4 // cp}: every sample split over {cp} ranks"
+    assert lines[2].startswith(f"  {cmp.rows[0]['policy']}: each sample on as few ranks")
+    assert f"({local:.0%} of the samples computed whole" in lines[2]
+    one = [{**r, "meta": {"cp": 1, "dp": 4}} for r in swapped]
+    assert render_comparison(one, 1, "wall").splitlines()[1] == (
+        "  static: CP 1 x DP 4: every sample on one rank"
+    )
+    assert render_comparison([], 4, "wall") == (
+        "compare: no step was compared (every 4th step; the run ended before one)\n"
+    )

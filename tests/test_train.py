@@ -244,6 +244,9 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
     )
     assert [r["tokens"] for r in recs] == ref["tokens"]
     assert os.path.isfile(straight["balance_report"])
+    head = open(second["balance_report"]).readline()  # the resumed run's own steps, named
+    assert head.startswith("balance report: policy single, 3 steps (steps 4-6: this run resumed")
+    assert "(steps" not in open(straight["balance_report"]).readline()
     assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["step-00000003", "step-00000006"]
     assert [json.loads(x)["step"] for x in open(second["metrics"])] == [1, 2, 3, 4, 5, 6]
     # resuming with another learning rate would silently keep the saved one: refused
@@ -310,7 +313,7 @@ def test_print_config_and_tensorboard_message(tmp_path, capsys):
         assert os.path.isdir(tmp_path / "m" / "tb")
 
 
-def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
+def test_compare_pass_leaves_training_unchanged(dataset, tmp_path, monkeypatch):
     """`[metrics] compare`: the second policy's pass over every 2nd batch updates nothing (the
     loss curve equals the run without it bit for bit) and the report has both policies'
     predicted and measured times for the compared steps."""
@@ -326,9 +329,26 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path):
         )
 
     plain = run_training(config(str(tmp_path / "plain")))
+    # every compare pass moves the trainer's clock by 100 s: its time is compare_s, not the step's
+    import types
+
+    import trainer.trainer as T
+    from trainer.compare import PolicyComparison
+
+    shift, real, orig = [0.0], T.time.perf_counter, PolicyComparison._pass
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: real() + shift[0]))
+
+    def slow_pass(self, *args):
+        shift[0] += 100.0
+        return orig(self, *args)
+
+    monkeypatch.setattr(PolicyComparison, "_pass", slow_pass)
     both = run_training(config(str(tmp_path / "both"), compare="static", compare_interval=2))
+    monkeypatch.undo()
     assert both["losses"] == plain["losses"]
     recs = [json.loads(x) for x in open(both["metrics"])]
+    assert [int(r.get("compare_s", 0) // 100) for r in recs] == [0, 4, 0, 2]  # warm-up on the 1st
+    assert all(r["step_time_s"] < 100 for r in recs)
     rows = [r["compare"] for r in recs if "compare" in r]
     assert [r["step"] for r in recs if "compare" in r] == [2, 4]
     for row in rows:

@@ -87,7 +87,7 @@ class PolicyComparison:
         if not self.rows and self._pending is None:
             self._pass(mine, batch, step)  # warm-up, untimed: the executor's and the
             self._pass(other, batch, step)  # kernels' first use
-        first = len(self.rows) % 2 == 0
+        first = (step // self.interval) % 2 == 1  # from the step: a resumed run keeps the order
         row: dict[str, Any] = {"step": step, "other_first": first, "planning_ms": {
             "run": res["run"].plan_ms[0], "other": res["other"].plan_ms[0]}}  # fmt: skip
         for who in ("other", "run") if first else ("run", "other"):
@@ -110,6 +110,8 @@ class PolicyComparison:
             other_predicted_s=other.makespan_ns / 1e9,
             other_groups=sorted({int(k) for k in other.group_sizes}),
             local_samples=_local_share(mine),
+            other_local_samples=_local_share(other),
+            meta={k: v for k, v in mine.meta.items() if k in ("cp", "dp")},
             other_meta={k: v for k, v in other.meta.items() if k in ("cp", "dp")},
         )
         row["measured_s"] = row[f"measured_{self.clock}_s"]

@@ -21,25 +21,36 @@ def _nth(n: int) -> str:
     return f"{n}{suffix}"
 
 
+def _describe(rows: list[dict[str, Any]], prefix: str) -> str:
+    """How a compared policy places samples: a static mesh's shape, or the dynamic policies'
+    share of samples computed whole on one rank."""
+    meta = rows[0][f"{prefix}meta"]
+    if "cp" in meta:  # a static mesh
+        cp = meta["cp"]
+        split = f"every sample split over {cp} ranks" if cp > 1 else "every sample on one rank"
+        return f"CP {cp} x DP {meta['dp']}: {split}"
+    local = float(np.mean([r[f"{prefix}local_samples"] for r in rows]))
+    return (
+        f"each sample on as few ranks as it needs ({local:.0%} of the samples computed whole "
+        "on one rank, no ring)"
+    )
+
+
 def render_comparison(rows: list[dict[str, Any]], interval: int, clock: str) -> str:
     """Markdown lines: the setup, the totals table, the per-step table and the ratios' spread."""
+    every = "every step" if interval == 1 else f"every {_nth(interval)} step"
     if not rows:
-        return ""
+        return f"compare: no step was compared ({every}; the run ended before one)\n"
     a, b = rows[0]["policy"], rows[0]["other_policy"]
     tot = {k: sum(r[k] for r in rows) for k in rows[0] if k.endswith("_s")}
     pa, pb = tot["predicted_s"], tot["other_predicted_s"]
     ma, mb = tot["measured_s"], tot["other_measured_s"]
-    local = float(np.mean([r["local_samples"] for r in rows]))
-    meta = rows[0]["other_meta"]
-    mesh = f" (CP {meta['cp']} x DP {meta['dp']}: every sample split over {meta['cp']} ranks)"
-    every = "every step" if interval == 1 else f"every {_nth(interval)} step"
     lines = [
         f"{a} vs {b} on the same {len(rows)} global batches ({every}; before the step, each "
         f"plan runs one timed pass without updating the model, {b} first on odd comparisons "
         "and second on even ones; both warmed up on the first):",
-        f"  {a}: each sample on as few ranks as it needs ({local:.0%} of the samples computed "
-        "whole on one rank, no ring)",
-        f"  {b}{mesh if 'cp' in meta else ''}",
+        f"  {a}: {_describe(rows, '')}",
+        f"  {b}: {_describe(rows, 'other_')}",
         "",
         "| policy | predicted s | measured s, wall clock | measured s, CPU replayed |",
         "| --- | ---: | ---: | ---: |",

@@ -187,6 +187,7 @@ class BalanceSummary:
 
     mix_above: dict[str, dict[int, int]] | None = None  # boosted sources: tokens >= threshold
     islands: int = 1  # several: the rank table is island 0's ranks, the rest the whole run's
+    start_step: int = 0  # a resumed run's first step was start_step + 1 (the report covers its own)
 
     def add_mix(
         self,
@@ -232,8 +233,14 @@ class BalanceSummary:
     def render(self, policy: str) -> str:
         if self.measured_s is None:
             return "no steps\n"
+        resumed = (
+            f" (steps {self.start_step + 1}-{self.start_step + self.steps}: this run resumed "
+            f"after step {self.start_step}; metrics.jsonl holds every step)"
+            if self.start_step
+            else ""
+        )
         lines = [
-            f"balance report: policy {policy}, {self.steps} steps, {self.tokens} tokens, "
+            f"balance report: policy {policy}, {self.steps} steps{resumed}, {self.tokens} tokens, "
             f"{self.step_time_s:.2f} s of steps"
             + (
                 f" ({self.islands} islands; the ranks below are island 0's)"

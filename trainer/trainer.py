@@ -262,7 +262,7 @@ class Trainer:
         if rt.global_rank == 0:
             write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
         self.metrics.set_start(self.start_step)
-        self.balance = BalanceSummary(islands=rt.islands)
+        self.balance = BalanceSummary(islands=rt.islands, start_step=self.start_step)
         if self.activations is not None:
             cost = self.data.planner.cost
             n_layers = cfg.model.shape().n_layers
@@ -300,12 +300,15 @@ class Trainer:
         self.hooks.begin_step(step)
         batch, plan = item.batch, item.plan
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.compare is not None:
+        compare_s = 0.0
+        if self.compare is not None:  # its passes' time is not the step's
+            tc = time.perf_counter()
             self.compare.before_step(step, batch, plan)
+            compare_s = time.perf_counter() - tc
         res = self.executor.step(plan, item.microbatches, step, item.loss_tokens)
         check_finite_step(step, res.loss, res.grad_norm, self.rt, self.checkpointer.last_path)
         outer = self._outer_step(step)
-        step_s = time.perf_counter() - t0 + item.wait_s
+        step_s = time.perf_counter() - t0 - compare_s + item.wait_s
         planned = (plan.rank_time_ns / 1e9).tolist()
         rec = step_record(step, batch, plan, res, lr, item.wait_s, step_s)
         above = None
@@ -329,6 +332,7 @@ class Trainer:
             rec.update(self.balance.offload.add(po, res.offload_bytes, res.act_peak_bytes))
         if self.compare is not None and (row := self.compare.after_step(step, res)):
             rec["compare"] = row
+            rec["compare_s"] = compare_s
         val = self.data.validation
         if val is not None and step % self.cfg.train.eval_interval == 0:
             held = val.run(self.executor, self.rt.rank)
