@@ -28,6 +28,11 @@ _KINDS = (
 )
 
 
+def is_inside(child: str, parent: str) -> bool:
+    """Is the path `child` the folder `parent` or under it (both already resolved: realpath)?"""
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
 class NotRegularFile(InputError):
     """A path that is not a regular file (a FIFO, socket, device, directory, symlink loop or
     broken symlink); `reason` says which, without the path."""

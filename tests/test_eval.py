@@ -136,13 +136,34 @@ def test_a_passkey_length_shorter_than_the_question_is_refused() -> None:
     longer than asked."""
     tok = TokenizerSpec("bytes").build()
     shortest = 1 + len((INTRO + NEEDLE.format(key="12345") + QUESTION + " 12345").encode())
-    check_lengths(tok, [shortest, 4096])
+    check_lengths(tok, [shortest, 4096], [0.0, 1.0])
     assert make_cases(tok, [shortest], [0.0, 1.0])[0].tokens.size == shortest
-    for refuse in (lambda: check_lengths(tok, [4096, shortest - 1]),
+    for refuse in (lambda: check_lengths(tok, [4096, shortest - 1], [0.5]),
                    lambda: make_cases(tok, [shortest - 1], [0.5])):  # fmt: skip
         with pytest.raises(ConfigError, match=f"--passkey-lengths: {shortest - 1:,} tokens is "
                            f"shorter than a passkey case without filler, {shortest:,}"):  # fmt: skip
             refuse()
+
+
+def test_the_launchers_passkey_check_agrees_with_the_cases() -> None:
+    """With a BPE a key's digits take 1 to 4 more tokens than another key's: the check before
+    launch refuses exactly the lengths the cases cannot fit (it measured key 12345 only)."""
+    from datapipe.errors import ConfigError as Refused
+
+    tok = TokenizerSpec("hf", "tests/assets/bpe-stdlib.json").build()
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    verdicts = []
+    for n in range(70, 100):
+        refused = []
+        for build in (check_lengths, make_cases):
+            try:
+                build(tok, [n], depths)
+                refused.append(False)
+            except Refused:
+                refused.append(True)
+        assert refused[0] == refused[1], (n, refused)
+        verdicts.append(refused[0])
+    assert verdicts[0] and not verdicts[-1]  # the boundary lies in the range
 
 
 @pytest.mark.parametrize("kind", ["bytes", "bpe"])

@@ -127,6 +127,11 @@ def test_huge_numbers_are_refused_by_name(tmp_path, capsys) -> None:
     shaped.write_text('[model]\nname = "debug"\nvocab_size = 300\n[data]\npath = "x"\n')
     with pytest.raises(ConfigError, match=r"^--set model.rope_theta: rope_theta must be > 1"):
         load_config(shaped, ["model.rope_theta=-1"])
+    # a message about two keys, one of them from --set: both sources named (the file alone was)
+    with pytest.raises(ConfigError, match=rf"^{cfg} and --set data.sources: data.path and da"):
+        load_config(cfg, ['data.sources=[{path="y"}]'])
+    with pytest.raises(ConfigError, match=r"^--set train.stop_after: train.stop_after = 3 ends"):
+        load_config(None, ['data.path="x"', "train.stop_after=3"])
     ds = make_dataset(str(tmp_path / "ds"), n_docs=20)
     base = ["plan", ds, "--ranks", "4", "--global-batch-tokens", "4096", "--model", "debug"]
     for flags, key in [

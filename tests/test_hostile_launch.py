@@ -85,6 +85,17 @@ def test_launch_hands_torchrun_the_rank_command(monkeypatch) -> None:
     assert launch(["train", "x.toml"], 2) == 0
     _, cmd, cmd_args = seen["config"]
     assert [cmd, *cmd_args] == rank_command(["train", "x.toml"])
+    # a MIXLEN_DIST_TIMEOUT no rank could use: refused here, naming it, before torchrun starts
+    from datapipe.errors import ConfigError
+
+    for bad in ("abc", "nan", "inf", "-5", "0"):
+        seen.clear()
+        monkeypatch.setenv("MIXLEN_DIST_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=f"MIXLEN_DIST_TIMEOUT='{bad}': expected a number"):
+            launch(["train", "x.toml"], 2)
+        assert not seen
+    monkeypatch.setenv("MIXLEN_DIST_TIMEOUT", "2.5")
+    assert launch(["train", "x.toml"], 2) == 0 and seen
 
 
 @pytest.mark.slow

@@ -121,6 +121,31 @@ def test_a_declared_context_shorter_than_the_samples_is_refused(dataset, tmp_pat
     assert f"{longest:,} tokens" in err, err
 
 
+def test_a_held_out_dataset_of_another_tokenizer_is_refused_by_key(dataset, tmp_path, capsys):
+    """`data.val_path` tokenized with a BPE beside a byte-level training set: its ids beyond the
+    model's vocabulary ended the run with an IndexError at the first evaluation; a model that
+    covers both would have measured another encoding's loss."""
+    from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+
+    src = tmp_path / "v.jsonl"
+    src.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x\n" * 20}) + "\n"
+                           for i in range(8)))  # fmt: skip
+    val = tmp_path / "val"
+    bpe = str(ROOT / "tests" / "assets" / "bpe-stdlib.json")
+    vocab = preprocess(PreprocessConfig([str(src)], str(val), tokenizer=bpe, progress=False))
+    vocab = vocab.manifest["vocab_size"]
+    cfg = tmp_path / "v.toml"
+    c = train_config(dataset, str(tmp_path / "run"), parallel={"policy": "single",
+                                                               "capacity": 4096})  # fmt: skip
+    cfg.write_text(to_toml(c))
+    base = ["train", str(cfg), "--set", f"data.val_path={json.dumps(str(val))}"]
+    err = cli_error(base, capsys)
+    assert f"model: vocab_size 258 < the dataset's {vocab} ({val}/manifest.json vocab_size)" in err
+    err = cli_error([*base, "--set", f"model.vocab_size={vocab}"], capsys)
+    assert f"data.val_path: tokenized differently from data.path (vocab_size {vocab} vs 258;" in err
+    assert "tokenizer {'kind': 'hf'" in err and "'kind': 'bytes'" in err, err
+
+
 def test_calibrate_refuses_more_processes_than_the_cores_can_time(tmp_path, capsys):
     """`--nproc 1000` on 2 cores started spawning 1,000 torch processes."""
     cores = len(os.sched_getaffinity(0))

@@ -97,19 +97,23 @@ def test_round_trip_all_formats(corpus: dict, fmt: str) -> None:
     assert not list(corpus["tmp"].glob(".out-*")), "no temporary directory left behind"
 
 
-@pytest.mark.parametrize("fmt", ["mds", "wds", "parquet"])
+@pytest.mark.parametrize("fmt", ["mds", "wds", "parquet", "wds-masked"])
 def test_shard_size_bounds_every_shard_of_several_samples(tmp_path: Path, fmt: str) -> None:
     """--shard-size bounds each shard file that holds more than one sample; a tar's end of
     archive and record padding come on top (up to 11 KiB: 1,024 bytes padded to a 10 KiB
     record), its members (a header, the .npy header, the padding to 512 bytes) are counted."""
     src = tmp_path / "in.jsonl"
     rng = np.random.default_rng(1)
-    src.write_text("".join(json.dumps({"text": "x" * int(n)}) + "\n"
-                           for n in rng.integers(100, 900, 300)))  # fmt: skip
+    masked = fmt.endswith("-masked")  # prompt-completion rows: a loss mask, the tar's spans member
+    fmt = fmt.removesuffix("-masked")
+    row = (lambda n: {"prompt": "q" * (n // 3), "completion": "a" * n}) if masked else (
+        lambda n: {"text": "x" * n})  # fmt: skip
+    src.write_text("".join(json.dumps(row(int(n))) + "\n" for n in rng.integers(100, 900, 300)))
     limit = 20_480
     out = tmp_path / fmt
-    preprocess(PreprocessConfig([str(src)], str(out), format=fmt, shard_bytes=limit,
-                                progress=False))  # fmt: skip
+    res = preprocess(PreprocessConfig([str(src)], str(out), format=fmt, shard_bytes=limit,
+                                      progress=False))  # fmt: skip
+    assert bool(res.manifest.get("loss_mask")) == masked
     idx = read_index(str(out))
     per_shard = np.bincount(idx.shard)
     sizes = [os.path.getsize(out / s["name"]) for s in idx.manifest["shards"]]

@@ -257,6 +257,15 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
     again = run_training(config(part, {"stop_after": 4}, checkpoint={"resume": step3}))
     assert again["losses"] == straight["losses"][3:4]
     assert sorted(os.listdir(os.path.join(part, "ckpt"))) == ["step-00000003", "step-00000004"]
+    # a resume that lengthens the run: its first step already takes the new schedule's rate
+    from trainer.trainer import lr_lambda
+
+    longer = config(part, {"steps": 9, "stop_after": 5}, checkpoint={"resume": step3})
+    run_training(longer)
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, open(os.path.join(part, "metrics.jsonl")))}
+    lam = lr_lambda(longer.train)
+    assert [lrs[4], lrs[5]] == pytest.approx([longer.train.lr * lam(k) for k in (3, 4)], rel=1e-12)
+    assert lrs[4] != pytest.approx(recs[3]["lr"])  # not the 6-step schedule's
 
 
 # --- multi-process -------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
 def check_outside(args: argparse.Namespace, flags: tuple[str, ...], folders: list[str]) -> None:
     """ConfigError naming the flag for an output file inside a dataset folder the command reads
     (it would overwrite or add to the dataset)."""
+    from datapipe.files import is_inside
     from datapipe.index import is_remote
 
     roots = [os.path.realpath(f) for f in folders if not is_remote(f)]
@@ -56,7 +57,7 @@ def check_outside(args: argparse.Namespace, flags: tuple[str, ...], folders: lis
         path = getattr(args, flag[2:].replace("-", "_"), None)
         real = os.path.realpath(path) if path else None
         for root in roots if real else ():
-            if os.path.commonpath([real, root]) == root:
+            if is_inside(real, root):
                 raise ConfigError(
                     f"{flag} {path}: inside the dataset folder {root}, which this command reads; "
                     "write it elsewhere"

@@ -36,6 +36,9 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
+    from trainer.parallel.runtime import dist_timeout
+
+    dist_timeout()  # a bad MIXLEN_DIST_TIMEOUT: one message here, not one per rank
     if not torch.cuda.is_available():
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; torchrun passes the env on
     cmd = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]

@@ -4,7 +4,7 @@ The script reads the JSON in `#plan-data` and draws, into SVG: per policy of the
 timeline with one row per rank (integer axis), a rectangle per micro-batch a rank runs (local ones
 blue, ring groups coloured by size and linked across their members), its exposed communication
 and offload as hatched/purple ends, offload ratios as labels, idle time as the grey remainder up to
-the step time; and the length histogram. `#step=N` or `#step=all` in the URL selects the step.
+the makespan; and the length histogram. `#step=N` or `#step=all` in the URL selects the step.
 """
 
 PAGE = r"""<!doctype html>
@@ -170,7 +170,7 @@ function drawTimeline(parent, tl, stepIdx) {
     svgEl("text", {"class": "time-tick", "x": X(t), "y": top + H + 15, "text-anchor": "middle"}, svg, fmtS(t));
   }
   svgEl("text", {"class": "axis-title", "x": left + W / 2, "y": top + H + 30, "text-anchor": "middle"}, svg,
-    "estimated time (s); dashed: lower bound, red: step time");
+    "estimated time (s); dashed: lower bound, red: makespan");
   svgEl("text", {"class": "axis-title", "x": 10, "y": top + H / 2, "transform": "rotate(-90 10 " + (top + H / 2) + ")",
     "text-anchor": "middle"}, svg, "rank");
 }

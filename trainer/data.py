@@ -269,7 +269,7 @@ class TrainData:
         self.fetcher = cfg.fetch.build(cfg.path, cfg.cache_dir, names)
         stack.callback(self.fetcher.close)
         self.fingerprint = dataset_fingerprint(self.fetcher.index.manifest)
-        self._check_vocab(cfg, vocab_size, names)
+        self._check_vocab(self.fetcher, cfg.path, vocab_size)
         all_lengths = np.asarray(self.fetcher.lengths, dtype=np.int64)
         all_ids = np.arange(all_lengths.shape[0], dtype=np.int64)
         # held-out split: another dataset, or a hash-based fraction of this one
@@ -281,6 +281,8 @@ class TrainData:
                 cfg.val_path, cfg.cache_dir, names.using(path=names("val_path"))
             )
             stack.callback(self.val_fetcher.close)
+            self._check_vocab(self.val_fetcher, cfg.val_path, vocab_size)
+            _check_same_tokenizer(self.fetcher, self.val_fetcher, names)
             self.val_ids = np.arange(len(self.val_fetcher.lengths), dtype=np.int64)
         elif cfg.val_fraction > 0:
             held = held_out_mask(all_ids, cfg.stream.seed, cfg.val_fraction)
@@ -393,17 +395,19 @@ class TrainData:
                 parts[src.name] = val
         return MixValidation(parts) if parts else None
 
-    def _check_vocab(self, cfg: DataConfig, vocab_size: int, names: Names) -> None:
-        manifest_vocab = int(self.fetcher.index.manifest.get("vocab_size") or 0)
+    @staticmethod
+    def _check_vocab(fetcher: Fetcher, path: str, vocab_size: int) -> None:
+        """ConfigError when the model has no embedding for some of the dataset's token ids."""
+        manifest_vocab = int(fetcher.index.manifest.get("vocab_size") or 0)
         if vocab_size < manifest_vocab:
             raise ConfigError(
                 f"model: vocab_size {vocab_size} < the dataset's {manifest_vocab} "
-                f"({cfg.path}/manifest.json vocab_size): the model has no embedding for some of "
+                f"({path}/manifest.json vocab_size): the model has no embedding for some of "
                 "its token ids"
             )
         if not manifest_vocab:  # the fetch refuses token ids the model has no embedding for
-            self.fetcher.vocab_size = vocab_size
-            self.fetcher.vocab_source = "the model's vocab_size"
+            fetcher.vocab_size = vocab_size
+            fetcher.vocab_source = "the model's vocab_size"
 
     def plans(self) -> Iterator[tuple[GlobalBatch, StepPlan, dict[str, Any]]]:
         """Endless (batch, plan, stream state after it) per step, from lengths alone."""
@@ -452,3 +456,18 @@ class TrainData:
         for (batch, plan, state), fetched in prefetch:
             lt = self.loss_tokens(batch)
             yield Step(batch, plan, state, fetched, prefetch.last_wait_s, lt)
+
+
+def _check_same_tokenizer(train: Fetcher, val: Fetcher, names: Names) -> None:
+    """ConfigError naming data.val_path when it was tokenized otherwise than data.path (its loss
+    would measure another encoding)."""
+    from datapipe.mix.sources import tokenizer_identity
+
+    a, b = tokenizer_identity(train.index.manifest), tokenizer_identity(val.index.manifest)
+    differ = [k for k in a if a[k] != b[k]]
+    if differ:
+        what = "; ".join(f"{k} {b[k]!r} vs {a[k]!r}" for k in differ)
+        raise ConfigError(
+            f"{names('val_path')}: tokenized differently from {names('path')} ({what} in their "
+            "manifest.json); preprocess both with the same --tokenizer"
+        )

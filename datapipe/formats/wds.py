@@ -75,6 +75,8 @@ class Writer(OwnShardWriter):
             self._tar.write({"__key__": f"s{sample_id:010d}_c{j:06d}", MEMBER: data})
             total += 512 + _blocks(len(data))
         if spans is not None:  # kept for the shard's spans member (4 bytes a value and a row)
+            if not self._spans:  # the member's own header, .npy header, last offset, padding
+                total += 512 + NPY_HEADER + 4 + 511
             self._spans.extend(spans)
             total += sum(4 * len(s) + 4 for s in spans)
         return total

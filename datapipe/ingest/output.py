@@ -23,13 +23,9 @@ import shutil
 from pathlib import Path
 
 from datapipe.errors import InputError
-from datapipe.files import pid_alive
+from datapipe.files import is_inside, pid_alive
 
 __all__ = ["OutputLock", "check_out_path", "clean_stale", "commit", "partial_dir"]
-
-
-def _inside(child: str, parent: str) -> bool:
-    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
 def check_out_path(
@@ -50,7 +46,7 @@ def check_out_path(
         raise InputError(f"{flag} {out_arg}: {anc} is a file, not a directory")
     real_out = os.path.realpath(out)
     cwd = os.path.realpath(os.getcwd())
-    if _inside(cwd, real_out):
+    if is_inside(cwd, real_out):
         where = "is" if cwd == real_out else "holds"
         raise InputError(
             f"{flag} {out_arg}: {where} the current directory ({cwd}); choose an output "
@@ -58,12 +54,12 @@ def check_out_path(
         )
     for item in inputs:
         real_in = os.path.realpath(item)
-        if os.path.isdir(real_in) and _inside(real_out, real_in):
+        if os.path.isdir(real_in) and is_inside(real_out, real_in):
             where = "is" if real_out == real_in else "is inside"
             raise InputError(
                 f"{flag} {out_arg}: {where} the {noun} {item}; choose an output outside it ({why})"
             )
-        if _inside(real_in, real_out):
+        if is_inside(real_in, real_out):
             raise InputError(
                 f"{flag} {out_arg}: holds the {noun} {item}; choose an output that holds no "
                 f"{noun} ({why})"

@@ -67,7 +67,9 @@ def check_local_folder(path: str, key: str) -> None:
     raise ConfigError(f"{key}: dataset directory {path!r} not found{where}")
 
 
-def _tokenizer_identity(manifest: dict) -> dict:
+def tokenizer_identity(manifest: dict) -> dict:
+    """What makes two datasets' token ids mean the same: the tokenizer (not its file's path)
+    and the ids and vocabulary recorded beside it."""
     tok = dict(manifest.get("tokenizer") or {})
     tok.pop("path", None)  # the same tokenizer file may sit elsewhere
     ident = {k: manifest.get(k) for k in TOKENIZER_KEYS}
@@ -111,7 +113,7 @@ def load_sources(
                     f"{src_b} {b.config.path!r} ({b.name}) (fingerprint {a.fingerprint}); "
                     "give it once, with the weight you want"
                 )
-            ia, ib = _tokenizer_identity(a.manifest), _tokenizer_identity(b.manifest)
+            ia, ib = tokenizer_identity(a.manifest), tokenizer_identity(b.manifest)
             differ = [k for k in ia if ia[k] != ib[k]]
             if differ:
                 what = "; ".join(f"{k} {ia[k]!r} vs {ib[k]!r}" for k in differ)

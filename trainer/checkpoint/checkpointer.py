@@ -102,8 +102,12 @@ def load_checkpoint(
             scheduler.get_last_lr()
         except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
             raise MixlenError(f"{path}/{RUN_FILE}: field scheduler is not usable ({exc})") from None
-        # the optimizer's learning rate is the schedule's, not the one it was built with
-        for g, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        # the optimizer's learning rate is this run's schedule at the saved step (a resume may
+        # change train.steps, which re-spans the decay: the saved last LR is the old schedule's)
+        lrs = [base * lam(scheduler.last_epoch) for base, lam in zip(
+            scheduler.base_lrs, scheduler.lr_lambdas)]  # fmt: skip
+        scheduler._last_lr = lrs
+        for g, lr in zip(scheduler.optimizer.param_groups, lrs):
             g["lr"] = lr
     own = os.path.join(path, rng_file(comm.rank))
     # a rank the saved run did not have (more ranks now) takes rank 0's generators

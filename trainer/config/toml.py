@@ -4,6 +4,7 @@ validated trainer.config.job.TrainerConfig, and write one back."""
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from typing import Any
 
@@ -71,8 +72,12 @@ def load_config(
         given = {o.partition("=")[0].strip() for o in overrides or []}
         if key in given or msg.startswith("--set"):
             raise ConfigError(msg if msg.startswith("--set") else f"--set {msg}") from None
-        if path is not None:
-            raise ConfigError(f"{path}: {msg}") from None
+        # a message about several keys (`a and b: give one`): name each source of its values
+        named = sorted(k for k in given if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg))
+        where = [str(path)] if path is not None else []
+        where += [f"--set {', '.join(named)}"] if named else []
+        if where:
+            raise ConfigError(f"{' and '.join(where)}: {msg}") from None
         raise
 
 

@@ -233,7 +233,7 @@ def preflight(opts: EvalOptions, nproc: int, tp: int, device: str = "auto") -> N
             planner.check_fits(lengths[lengths > 0], f"{path}: the evaluated samples")
             if opts.passkey:
                 tok = _tokenizer(opts, _folder_tokenizer(opts.model), fetcher.index.manifest)
-                check_lengths(tok, passkey_lengths, what)
+                check_lengths(tok, passkey_lengths, list(opts.passkey_depths), what=what)
 
 
 def _inspect_model(

@@ -70,11 +70,25 @@ def _too_short(length: int, tokens: int, what: str) -> ConfigError:
     )
 
 
-def check_lengths(tok: Tokenizer, lengths: list[int], what: str = "--passkey-lengths") -> None:
-    """ConfigError naming `what` for a length shorter than the case without filler."""
-    tokens = _case(tok, 0, 0.0, "12345", 0).tokens.size
-    if any(n < tokens for n in lengths):
-        raise _too_short(min(lengths), tokens, what)
+def _keys(lengths: list[int], depths: list[float], seed: int) -> list[tuple[int, float, str]]:
+    """(length, depth, key) of every case: a random five-digit key each, in that order."""
+    rng = np.random.default_rng(seed)
+    return [(n, d, str(int(rng.integers(10_000, 100_000)))) for n in lengths for d in depths]
+
+
+def check_lengths(
+    tok: Tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    seed: int = 0,
+    what: str = "--passkey-lengths",
+) -> None:
+    """ConfigError naming `what` for a length shorter than its cases without filler (with the
+    keys `make_cases` draws: a key's digits may take more tokens than another's)."""
+    for n, depth, key in _keys(lengths, depths, seed):
+        tokens = _case(tok, 0, depth, key, 0).tokens.size
+        if n < tokens:
+            raise _too_short(n, tokens, what)
 
 
 def make_cases(
@@ -87,19 +101,16 @@ def make_cases(
     """A case per (length, depth): filler lines as many as keep the case within `length`
     tokens, a random five-digit key each (numpy generator seeded with `seed`); ConfigError
     naming `what` where even the case without filler is longer."""
-    rng = np.random.default_rng(seed)
     unit = max(_plain(tok, FILLER * 8).size - _plain(tok, "").size, 1) / 8
     base = _case(tok, 0, 0.0, "12345", 0).tokens.size
     out = []
-    for length in lengths:
+    for length, depth, key in _keys(lengths, depths, seed):
         units = max(int((length - base) / unit), 1)
-        for depth in depths:
-            key = str(int(rng.integers(10_000, 100_000)))
+        case = _case(tok, units, depth, key, length)
+        while case.tokens.size > length and units > 0:  # the estimate overshot: trim
+            units = max(units - max(int((case.tokens.size - length) / unit), 1), 0)
             case = _case(tok, units, depth, key, length)
-            while case.tokens.size > length and units > 0:  # the estimate overshot: trim
-                units = max(units - max(int((case.tokens.size - length) / unit), 1), 0)
-                case = _case(tok, units, depth, key, length)
-            if case.tokens.size > length:
-                raise _too_short(length, case.tokens.size, what)
-            out.append(case)
+        if case.tokens.size > length:
+            raise _too_short(length, case.tokens.size, what)
+        out.append(case)
     return out

@@ -33,6 +33,7 @@ from trainer.parallel.comm import Communicator, SoloComm, TorchComm
 
 __all__ = [
     "TIMEOUT_ENV",
+    "dist_timeout",
     "IslandGroups",
     "Runtime",
     "is_peer_failure",
@@ -163,6 +164,19 @@ def _mesh_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+def dist_timeout() -> datetime.timedelta:
+    """How long a collective may wait: MIXLEN_DIST_TIMEOUT seconds (default 600); ConfigError
+    naming the variable unless it is a finite number > 0."""
+    raw = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e9:  # NaN fails too
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0 (e.g. 600)")
+    return datetime.timedelta(seconds=seconds)
+
+
 def setup_runtime(device: str = "auto", islands: int = 1, tp: int = 1) -> Runtime:
     """Join the process group named by torchrun's environment (or run as one process) and create
     the island groups of `islands` islands of ranks of `tp` processes."""
@@ -187,7 +201,7 @@ def setup_runtime(device: str = "auto", islands: int = 1, tp: int = 1) -> Runtim
         keep_freed_memory()  # as `mixlen calibrate` times: no page faults step after step
     owns = False
     if world > 1 and not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
+        timeout = dist_timeout()
         # torchrun's agent may hand every restart the same store: without a prefix per restart
         # a rank that starts early reads the dead ranks' addresses and fails to connect
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))

@@ -50,7 +50,7 @@ from datapipe.ingest.worker import BLOCK_COUNT_KEYS
 from datapipe.progress import input_sizes, progress
 
 TASK_BYTES = 64 << 20  # most input bytes per tokenize task
-MIN_TASKS = 64  # at least this many tasks when the inputs allow it (not per worker: the
+MIN_TASKS = 64  # about this many tasks for inputs under 64 x TASK_BYTES (not per worker: the
 # groups, so the shards, must not depend on --workers)
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
 SPILL_DIR = ".spill"
@@ -71,8 +71,8 @@ class Job:
 
 
 def task_groups(files: list[Path]) -> list[list[str]]:
-    """Consecutive input files cut into groups of about equal bytes (at most TASK_BYTES each,
-    at least MIN_TASKS groups when there are enough files)."""
+    """Consecutive input files cut into groups: a group closes once it holds 1/MIN_TASKS of the
+    input bytes (at most TASK_BYTES), so about MIN_TASKS groups of files of similar sizes."""
     sizes = input_sizes(files)
     total = sum(sizes.values())
     target = max(1, min(TASK_BYTES, total // MIN_TASKS))
