@@ -56,7 +56,7 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
     try:
         manifest = read_manifest(root)
     except InputError as exc:
-        rep.problems.append(_own(exc))
+        rep.problems.append(exc.message)
         return rep
     rep.fingerprint = dataset_fingerprint(manifest)
     rep.fingerprint_recorded = FINGERPRINT_KEY in manifest
@@ -65,7 +65,7 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
     try:
         index = read_index(root)
     except InputError as exc:
-        rep.problems.append(_own(exc))
+        rep.problems.append(exc.message)
         index = None
     # every shard's bytes against the manifest
     sound: list[int] = []
@@ -77,7 +77,7 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
             try:
                 check_shard_file(path, entry)
             except InputError as exc:
-                rep.problems.append(_own(exc))
+                rep.problems.append(exc.message)
                 continue
             if not entry.get("xxh3_64"):
                 rep.problems.append(f"{path}: manifest.json records no xxh3_64 checksum for it")
@@ -93,11 +93,6 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
     return rep
 
 
-def _own(exc: InputError) -> str:
-    """A check's message as verify reports it: without its advice (to run verify)."""
-    return exc.message
-
-
 def _check_rows(rep: VerifyReport, index, sound: list[int], bar) -> None:
     """Read every row of the sound shards through the format's reader; compare token counts with
     the index and ids with the vocabulary."""
@@ -107,7 +102,7 @@ def _check_rows(rep: VerifyReport, index, sound: list[int], bar) -> None:
     try:
         reader = open_reader(rep.root, None, manifest)
     except InputError as exc:
-        rep.problems.append(_own(exc))
+        rep.problems.append(exc.message)
         return
     reader.verify = False  # the checksums were checked above (sizes are checked again)
     want = expected_row_lengths(index.num_tokens, index.num_rows, int(manifest["chunk_tokens"]))
@@ -119,7 +114,7 @@ def _check_rows(rep: VerifyReport, index, sound: list[int], bar) -> None:
             try:
                 problem = _check_shard_rows(reader, int(starts[i]), int(starts[i + 1]), want, vocab)
             except InputError as exc:  # names the shard already (a reader's error)
-                problem = _own(exc).removeprefix(f"{path}: ")
+                problem = exc.message.removeprefix(f"{path}: ")
             if problem:
                 rep.problems.append(f"{path}: {problem}")
             else:

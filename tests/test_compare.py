@@ -314,6 +314,15 @@ def test_a_resumed_comparison_keeps_the_order_and_each_policy_is_described_as_it
         cmp.before_step(step, batch, cmp.planners["run"].plan(batch.lengths, batch.sample_ids))
         cmp.after_step(step, None)
     assert [r["other_first"] for r in cmp.rows] == [False, True, False]
+    every2 = _comparison(interval=2)  # comparisons counted, not steps: steps 2, 4, 6 are 1, 2, 3
+    every2._pass = cmp._pass
+    for step in (2, 4, 6):
+        lengths = rng.integers(10, 200, size=12).astype(np.int64)
+        batch = GlobalBatch(step, 0, np.arange(12, dtype=np.int64), lengths)
+        plan = every2.planners["run"].plan(batch.lengths, batch.sample_ids)
+        every2.before_step(step, batch, plan)
+        every2.after_step(step, None)
+    assert [r["other_first"] for r in every2.rows] == [True, False, True]
     swapped = [
         {**r, "policy": r["other_policy"], "other_policy": r["policy"], "meta": r["other_meta"],
          "other_meta": r["meta"], "local_samples": r["other_local_samples"],

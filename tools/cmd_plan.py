@@ -185,20 +185,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("a dataset directory (DIR), several (DIR@WEIGHT ...), or --mix FILE.toml")
     if is_mixture_args(args.dir, args.mix):
         mixture = plan_mixture(args, names)
-        check_outside(args, OUTPUTS, [s.local for s in mixture.loaded])
+        folders = [s.local for s in mixture.loaded]
         lengths, batches, longest = mixture.lengths, mixture.batches, mixture.longest
         vocab = max(int(s.manifest.get("vocab_size") or 0) for s in mixture.loaded)
     else:
         (path,) = args.dir
         args.seed = 0 if args.seed is None else args.seed
         vocab = int(read_manifest(path).get("vocab_size") or 0)
-        check_outside(args, OUTPUTS, [path])
+        folders = [path]
         lengths = read_lengths(path)
         stream = StreamConfig(seed=args.seed).build(
             lengths, args.global_batch_tokens, names=names.using(path="DIR")
         )
         batches = [next(stream) for _ in range(args.steps)]
         longest = int(max(lengths.max(initial=0), 1))
+    check_outside(args, OUTPUTS, folders)  # before any planning
     max_ctx = longest if args.max_context is None else args.max_context
     base = PlannerConfig(capacity=args.capacity, max_context=max_ctx)
     variants = policy_variants(args.policy, args.offload, args.widen)

@@ -461,12 +461,10 @@ class TrainData:
 def _check_same_tokenizer(train: Fetcher, val: Fetcher, names: Names) -> None:
     """ConfigError naming data.val_path when it was tokenized otherwise than data.path (its loss
     would measure another encoding)."""
-    from datapipe.mix.sources import tokenizer_identity
+    from datapipe.mix.sources import tokenizer_differences
 
-    a, b = tokenizer_identity(train.index.manifest), tokenizer_identity(val.index.manifest)
-    differ = [k for k in a if a[k] != b[k]]
-    if differ:
-        what = "; ".join(f"{k} {b[k]!r} vs {a[k]!r}" for k in differ)
+    what = tokenizer_differences(val.index.manifest, train.index.manifest)
+    if what:
         raise ConfigError(
             f"{names('val_path')}: tokenized differently from {names('path')} ({what} in their "
             "manifest.json); preprocess both with the same --tokenizer"

@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from datapipe.errors import VERIFY_ADVICE, InputError, MixlenError
-from datapipe.index import download
+from datapipe.index import LOSS_MASK_KEY, download
 from datapipe.integrity import check_shard_file, checksum_file
 
 TOKENS = "tokens"  # the token column (MDS, parquet) and member name (webdataset `tokens.npy`)
@@ -236,6 +236,11 @@ class RowReader:
         self.stats = ReadStats()
         self.verify = True
         self._verified: set[int] = set()
+
+    @property
+    def masked(self) -> bool:
+        """Does the dataset have a loss mask (manifest.json's loss_mask)?"""
+        return bool(self.manifest.get(LOSS_MASK_KEY))
 
     def check_present(self) -> None:
         """A local dataset's shards all exist with the manifest's sizes (a stat each, no read)."""

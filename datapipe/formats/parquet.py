@@ -142,8 +142,7 @@ class Reader(RowReader):
 
             path = self.shard_path(shard)
             pf = pq.ParquetFile(path)
-            masks = bool(self.manifest.get("loss_mask"))
-            check_schema(path, pf.schema_arrow, shard_schema(self.dtype, masks))
+            check_schema(path, pf.schema_arrow, shard_schema(self.dtype, self.masked))
             md = pf.metadata
             want = int(self.shard_starts[shard + 1] - self.shard_starts[shard])
             if md.num_rows != want:

@@ -149,7 +149,7 @@ class Reader(RowReader):
             self.stats.index_bytes += 512 * (len(offs) + len(spans_at))
             fd = os.open(path, os.O_RDONLY)
             try:
-                if self.manifest.get("loss_mask"):
+                if self.masked:
                     self._spans[shard] = self._read_spans(fd, path, offs, spans_at, want)
             except BaseException:
                 os.close(fd)

@@ -67,7 +67,14 @@ def check_local_folder(path: str, key: str) -> None:
     raise ConfigError(f"{key}: dataset directory {path!r} not found{where}")
 
 
-def tokenizer_identity(manifest: dict) -> dict:
+def tokenizer_differences(a: dict, b: dict) -> str:
+    """How two manifests' tokenizations differ (`key a vs b; ...`), '' when their ids mean the
+    same."""
+    ia, ib = _tokenizer_identity(a), _tokenizer_identity(b)
+    return "; ".join(f"{k} {ia[k]!r} vs {ib[k]!r}" for k in ia if ia[k] != ib[k])
+
+
+def _tokenizer_identity(manifest: dict) -> dict:
     """What makes two datasets' token ids mean the same: the tokenizer (not its file's path)
     and the ids and vocabulary recorded beside it."""
     tok = dict(manifest.get("tokenizer") or {})
@@ -113,10 +120,8 @@ def load_sources(
                     f"{src_b} {b.config.path!r} ({b.name}) (fingerprint {a.fingerprint}); "
                     "give it once, with the weight you want"
                 )
-            ia, ib = tokenizer_identity(a.manifest), tokenizer_identity(b.manifest)
-            differ = [k for k in ia if ia[k] != ib[k]]
-            if differ:
-                what = "; ".join(f"{k} {ia[k]!r} vs {ib[k]!r}" for k in differ)
+            what = tokenizer_differences(a.manifest, b.manifest)
+            if what:
                 raise ConfigError(
                     f"{path_key(src_a)}: {a.name} was tokenized differently from {src_b} {b.name} "
                     f"({what} in their manifest.json); every source of a mixture must share one "

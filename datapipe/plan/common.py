@@ -136,16 +136,19 @@ def plan_lower_bound_ns(cost: CostModel, lengths: np.ndarray, num_ranks: int, ca
 
 
 def too_long(
-    config: PlanSetup, lengths: np.ndarray, sample_ids: np.ndarray, limit: int, what: str
+    config: PlanSetup,
+    lengths: np.ndarray,
+    sample_ids: np.ndarray,
+    limit: int,
+    what: str,
+    room: str | None = None,
 ) -> None:
     """MixlenError naming the longest sample above `limit` (none: return), and the settings (as
     the user wrote them) that would make room."""
     bad = np.flatnonzero(lengths > limit)
     if bad.size:
         i = int(bad[np.argmax(lengths[bad])])
-        if what == config.key("max_context"):  # the static mesh's context: that setting alone
-            room = f"raise {what}, or cap sample length at preprocess time"
-        else:
+        if room is None:  # the group a sample needs: more ranks, capacity or offload
             room = (
                 f"raise {config.key('num_ranks')} or {config.key('capacity')}, enable "
                 f"{config.key('offload')}, or cap sample length at preprocess time"

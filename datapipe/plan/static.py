@@ -44,7 +44,9 @@ def plan(
     longest = int(lengths.max()) if lengths.size else 0
     max_ctx = config.max_context if config.max_context is not None else max(longest, 1)
     if longest > max_ctx:
-        too_long(config, lengths, sample_ids, max_ctx, config.key("max_context"))
+        key = config.key("max_context")  # the static mesh's context: that setting alone
+        too_long(config, lengths, sample_ids, max_ctx, key, f"raise {key}, or cap sample length "
+                 "at preprocess time")  # fmt: skip
     cp = static_cp_degree(config.num_ranks, config.capacity, max_ctx)
     return plan_mesh(config, cost, lengths, sample_ids, cp, max_ctx)
 

@@ -224,14 +224,14 @@ def preflight(opts: EvalOptions, nproc: int, tp: int, device: str = "auto") -> N
             opts.passkey_lengths or [], context, world, cap, opts.passkey_beyond_context
         )
         passkey_lengths, what = _passkey_lengths(opts, context, world * cap)
-    for _, path in opts.sources or [("", opts.data)]:
+    for k, (_, path) in enumerate(opts.sources or [("", opts.data)]):
         with ExitStack() as stack:
             fetcher = FetchConfig().build(path)
             stack.callback(fetcher.close)
             _check_vocab(shape, fetcher, path)
             _, lengths = _evaluated(opts, run, np.asarray(fetcher.lengths, np.int64), path)
             planner.check_fits(lengths[lengths > 0], f"{path}: the evaluated samples")
-            if opts.passkey:
+            if opts.passkey and k == 0:  # the first dataset's, as run_eval takes it
                 tok = _tokenizer(opts, _folder_tokenizer(opts.model), fetcher.index.manifest)
                 check_lengths(tok, passkey_lengths, list(opts.passkey_depths), what=what)
 
