@@ -4,6 +4,7 @@ simulate` end to end (JSON shape, dump format checked against the planner and th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,8 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
     assert "assumptions:" in text and "hdp+offload" in text and "hdp+widen" not in text
     # --no-widen: train with widen = false runs plain hdp; with offload, the row with it
     assert "runs hdp (hdp+offload with [parallel] offload)\n" in text
+    # its page written into the dataset it reads: refused before drawing anything
+    inside = str(root / "sim.html")
+    assert main(["simulate", "--lengths", str(root), "--html", inside]) == 2
+    assert f"--html {inside}: inside the dataset folder " in capsys.readouterr().err
+    assert not os.path.exists(inside)
