@@ -55,8 +55,23 @@ def batch(group: int) -> tuple[torch.Tensor, ...]:
     return ids, pos, cu, labels
 
 
-def main(rank: int, world: int, port: int, out_dir: str) -> None:
+def main(rank: int, world: int, port: int, out_dir: str, data: str, pretrained: str) -> None:
+    """Every 4-process check of tests/test_tensor_parallel.py in one spawn (one set of processes
+    and one process group, ~10 s of start-up each): `reports` into out_dir/tp, `exactness` into
+    out_dir/exact, `train_runs` into out_dir/train."""
     init_local_gloo(rank, world, port, timeout_s=60)
+    try:
+        reports(rank, os.path.join(out_dir, "tp"))
+        exactness(rank, world, os.path.join(out_dir, "exact"))
+        train_runs(rank, data, os.path.join(out_dir, "train"), pretrained)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def reports(rank: int, out_dir: str) -> None:
+    """Each of CASES against the plain decoder, the bf16 errors, offload and selective
+    checkpointing at tp: out_dir/rank{rank}.json."""
     from torch.distributed.tensor import DTensor
 
     from trainer.parallel.tensor import full_state_dict, parallelize, tp_mesh
@@ -107,7 +122,6 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def bf16_errors(cfg: ModelConfig, mesh: object, group: int) -> dict[str, dict[str, float]]:
@@ -233,7 +247,7 @@ EXEC_CASES += [("hdp", 1, 1.0), ("static", 2, 0.5)]
 EXEC_LENGTHS = [103, 60, 20, 17, 30, 9, 25, 12, 5, 40, 3]
 
 
-def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def exactness(rank: int, world: int, out_dir: str) -> None:
     """4 processes as 2 HDP ranks x tp 2 (TP members adjacent): the exactness scenario of
     tests/_train_worker.py in float64 under each (policy, ZeRO level) of EXEC_CASES; rank 0 saves
     the whole gradients, loss curves and norms."""
@@ -242,7 +256,6 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from trainer.parallel.comm import TorchComm
 
-    init_local_gloo(rank, world, port, timeout_s=60)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     hdp = TorchComm(mesh.get_group("dp"))  # the ranks of this TP index
     tp = {"mesh": mesh["tp"], "comm": TorchComm(mesh.get_group("tp"))}
@@ -268,7 +281,6 @@ def exactness_main(rank: int, world: int, port: int, out_dir: str) -> None:
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "tp_exactness.pt"))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 # the islands' scenarios at tp 2 (tests/_co2_worker.py's, and global-norm clipping)
@@ -391,7 +403,7 @@ def evaluations(rt: object, data: str, ckpt: str, pretrained: str) -> dict:
     }
 
 
-def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretrained: str) -> None:
+def train_runs(rank: int, data: str, out_dir: str, pretrained: str) -> None:
     """4 processes, `parallel.tp = 2` (2 HDP ranks): hdp for 6 steps comparing with static every
     2nd step; 3 steps then resume to 6; the step-3 checkpoint resumed at tp 1 (4 HDP ranks); 3
     steps at tp 1 resumed at tp 2; static with full activation checkpointing for 3 steps; one
@@ -403,71 +415,61 @@ def train_main(rank: int, world: int, port: int, data: str, out_dir: str, pretra
     from trainer.parallel.runtime import setup_runtime
     from trainer.train import run_training
 
-    init_local_gloo(rank, world, port, timeout_s=60)
-    try:
-        rt, tp = setup_runtime("cpu", tp=2), {"tp": 2}
-        torch.set_num_threads(1)
-        straight = run_training(
-            train_config(
-                data,
-                os.path.join(out_dir, "straight"),
-                parallel=tp,
-                metrics={"compare": "static", "compare_interval": 2},
-            ),
-            rt,
-        )
-        part = os.path.join(out_dir, "part")
-        first = run_training(train_config(data, part, parallel=tp, train={"stop_after": 3}), rt)
-        second = run_training(
-            train_config(data, part, parallel=tp, checkpoint={"resume": True}), rt
-        )
-        # the same 4 processes as 4 HDP ranks at tp 1: the tp 2 checkpoint of step 3 continues
-        # there, and a tp 1 checkpoint of step 3 continues at tp 2
-        rt1 = setup_runtime("cpu", tp=1)
-        step3 = os.path.join(part, "ckpt", "step-00000003")
-        to_tp1 = os.path.join(out_dir, "to_tp1")
-        at_tp1 = run_training(
-            train_config(data, to_tp1, checkpoint={"resume": step3, "interval": 0}), rt1
-        )
-        to_tp2 = os.path.join(out_dir, "to_tp2")
-        first_tp1 = run_training(train_config(data, to_tp2, train={"stop_after": 3}), rt1)
-        at_tp2 = run_training(
-            train_config(data, to_tp2, parallel=tp, checkpoint={"resume": True}), rt
-        )
-        static = run_training(
-            train_config(
-                data,
-                os.path.join(out_dir, "static"),
-                train={"steps": 3, "activation_checkpoint": "full"},
-                parallel={"policy": "static", **tp},
-                checkpoint={"dir": None},
-            ),
-            rt,
-        )
-        pre = train_config(
-            data, os.path.join(out_dir, "pre"), parallel=tp, checkpoint={"dir": None}
-        )
-        pre.model = ModelSection(pretrained=pretrained)
-        pre.train.steps = 1
-        with counting_reads() as read:
-            pre_run = run_training(pre, rt)
-        out = {
-            **evaluations(rt, data, os.path.join(out_dir, "straight", "ckpt"), pretrained),
-            "pretrained": pre_run["losses"],
-            "pretrained_read": read,
-            "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
-            "straight": straight["losses"],
-            "val": straight["val_losses"],
-            "first": first["losses"],
-            "second": second["losses"],
-            "second_start": second["start_step"],
-            "at_tp1": [at_tp1["start_step"], at_tp1["losses"]],
-            "first_tp1": first_tp1["losses"],
-            "at_tp2": [at_tp2["start_step"], at_tp2["losses"]],
-            "static": static["losses"],
-        }
-        with open(os.path.join(out_dir, f"losses{rank}.json"), "w") as f:
-            json.dump(out, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    rt, tp = setup_runtime("cpu", tp=2), {"tp": 2}
+    torch.set_num_threads(1)
+    straight = run_training(
+        train_config(
+            data,
+            os.path.join(out_dir, "straight"),
+            parallel=tp,
+            metrics={"compare": "static", "compare_interval": 2},
+        ),
+        rt,
+    )
+    part = os.path.join(out_dir, "part")
+    first = run_training(train_config(data, part, parallel=tp, train={"stop_after": 3}), rt)
+    second = run_training(train_config(data, part, parallel=tp, checkpoint={"resume": True}), rt)
+    # the same 4 processes as 4 HDP ranks at tp 1: the tp 2 checkpoint of step 3 continues
+    # there, and a tp 1 checkpoint of step 3 continues at tp 2
+    rt1 = setup_runtime("cpu", tp=1)
+    step3 = os.path.join(part, "ckpt", "step-00000003")
+    to_tp1 = os.path.join(out_dir, "to_tp1")
+    at_tp1 = run_training(
+        train_config(data, to_tp1, checkpoint={"resume": step3, "interval": 0}), rt1
+    )
+    to_tp2 = os.path.join(out_dir, "to_tp2")
+    first_tp1 = run_training(train_config(data, to_tp2, train={"stop_after": 3}), rt1)
+    at_tp2 = run_training(train_config(data, to_tp2, parallel=tp, checkpoint={"resume": True}), rt)
+    static = run_training(
+        train_config(
+            data,
+            os.path.join(out_dir, "static"),
+            train={"steps": 3, "activation_checkpoint": "full"},
+            parallel={"policy": "static", **tp},
+            checkpoint={"dir": None},
+        ),
+        rt,
+    )
+    pre = train_config(data, os.path.join(out_dir, "pre"), parallel=tp, checkpoint={"dir": None})
+    pre.model = ModelSection(pretrained=pretrained)
+    pre.train.steps = 1
+    with counting_reads() as read:
+        pre_run = run_training(pre, rt)
+    out = {
+        **evaluations(rt, data, os.path.join(out_dir, "straight", "ckpt"), pretrained),
+        "pretrained": pre_run["losses"],
+        "pretrained_read": read,
+        "world": [rt.world, rt.tp, rt.tp_rank, rt.global_rank, rt.global_world],
+        "straight": straight["losses"],
+        "val": straight["val_losses"],
+        "first": first["losses"],
+        "second": second["losses"],
+        "second_start": second["start_step"],
+        "at_tp1": [at_tp1["start_step"], at_tp1["losses"]],
+        "first_tp1": first_tp1["losses"],
+        "at_tp2": [at_tp2["start_step"], at_tp2["losses"]],
+        "static": static["losses"],
+    }
+    with open(os.path.join(out_dir, f"losses{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()

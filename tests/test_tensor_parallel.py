@@ -18,14 +18,46 @@ from trainer.parallel.comm import free_port, spawn
 WORLD = 4
 
 
+# a test's limit covers the one spawn of every 4-process check (the first test to use it)
+TIMEOUT = 480
+
+
 @pytest.fixture(scope="module")
-def tp_reports(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp")
-    spawn(_tp_worker.main, WORLD, (WORLD, free_port(), str(out)), timeout=150)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def tp_all(tmp_path_factory) -> dict:
+    """The one spawn of tests/_tp_worker.py main: its three parts' folders, and the training
+    part's dataset, the reference trainer's run of its config and the Hugging Face Llama folder
+    it started from."""
+    import torch
+    from _train_worker import make_dataset, train_config
+    from test_reference_trainer import reference_run
+
+    out = tmp_path_factory.mktemp("tp_all")
+    tmp = out / "train"
+    for name in ("tp", "exact", "train"):
+        (out / name).mkdir()
+    torch.set_num_threads(1)
+    data = make_dataset(str(tmp / "ds"))
+    ref = reference_run(train_config(data, str(tmp / "ref")))
+    hf = hf_model(
+        "llama-llama3",
+        vocab_size=300,
+        bos_token_id=256,
+        eos_token_id=257,
+        max_position_embeddings=1024,
+    )
+    folder = save(hf, str(tmp / "llama"))
+    spawn(
+        _tp_worker.main, WORLD, (WORLD, free_port(), str(out), data, folder), timeout=TIMEOUT - 40
+    )
+    return {"out": out, "tmp": tmp, "data": data, "ref": ref, "hf": hf, "folder": folder}
 
 
-@pytest.mark.timeout(180)
+@pytest.fixture(scope="module")
+def tp_reports(tp_all) -> list[dict]:
+    return [json.loads((tp_all["out"] / "tp" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case", [c[0] for c in _tp_worker.CASES])
 def test_tp_decoder_equals_plain_decoder_float64(tp_reports, case) -> None:
     """Loss, labelled count, every parameter's gradient and the logits of each TP group equal
@@ -57,7 +89,7 @@ BF16_RATIO = 2.0  # logits and gradients, each micro-batch
 BF16_LOSS_RATIO = 3.0  # the loss, against the plain decoder's largest over the micro-batches
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case", [c[0] for c in _tp_worker.CASES])
 def test_tp_decoder_bfloat16_is_as_close_as_the_plain_decoder(tp_reports, case) -> None:
     """In bfloat16 the TP decoder is as close to the float64 reference as the plain decoder in
@@ -74,7 +106,7 @@ def test_tp_decoder_bfloat16_is_as_close_as_the_plain_decoder(tp_reports, case) 
     assert max(e["tp"]["loss"] for e in errs) <= BF16_LOSS_RATIO * plain_loss, errs
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case", [c[0] for c in _tp_worker.CASES])
 def test_tp_params_is_what_a_process_holds(tp_reports, case) -> None:
     tp, kw = next((tp, kw) for name, tp, kw in _tp_worker.CASES if name == case)
@@ -83,7 +115,7 @@ def test_tp_params_is_what_a_process_holds(tp_reports, case) -> None:
     assert cfg.tp_params(1) == cfg.num_params() > cfg.tp_params(tp)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("tp", [4, 2])
 def test_tp_offload_moves_the_local_activations(tp_reports, tp) -> None:
     """Activation offload at tp > 1: the manager sees every storage each block saves (the local
@@ -98,6 +130,7 @@ def test_tp_offload_moves_the_local_activations(tp_reports, tp) -> None:
         assert r["grad_err"] < 1e-10, (rank, r)
 
 
+@pytest.mark.timeout(TIMEOUT)
 def test_selective_checkpointing_at_tp2_runs_no_matmul_or_all_reduce_again(tp_reports) -> None:
     """Selective checkpointing of DTensor blocks (tp 2): gradients equal the plain decoder's, and
     the backward runs the matmuls and all-reduces of no checkpointing (full runs more)."""
@@ -157,7 +190,7 @@ def test_tp_problem_kv_heads() -> None:
         bad.tp_params(2)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TIMEOUT)
 def test_executor_tp2_hdp2_equals_reference_trainer_float64(tp_exactness) -> None:
     """4 gloo processes as 2 HDP ranks x tp 2: hdp (a ring of 2 beside local work) and static (a
     CP-2 mesh) at ZeRO 0, and hdp at ZeRO 1 and 2, with offload forced (hdp ZeRO 1 ratio 1,
@@ -195,15 +228,13 @@ def test_executor_tp2_hdp2_equals_reference_trainer_float64(tp_exactness) -> Non
 
 
 @pytest.fixture(scope="module")
-def tp_exactness(tmp_path_factory) -> dict:
+def tp_exactness(tp_all) -> dict:
     import torch
 
-    out = tmp_path_factory.mktemp("exact")
-    spawn(_tp_worker.exactness_main, WORLD, (WORLD, free_port(), str(out)), timeout=220)
-    return torch.load(out / "tp_exactness.pt", weights_only=False)
+    return torch.load(tp_all["out"] / "exact" / "tp_exactness.pt", weights_only=False)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", _tp_worker.ISLAND_CASES)
 def test_islands_at_tp2_equal_plain_references_float64(tp_exactness, name) -> None:
     """2 islands x 1 HDP rank x tp 2 (4 processes): co2 (overlap, adaptive penalty, value
@@ -228,31 +259,14 @@ def test_islands_at_tp2_equal_plain_references_float64(tp_exactness, name) -> No
 
 
 @pytest.fixture(scope="module")
-def tp_train(tmp_path_factory) -> dict:
-    """The tp 2 training worker's runs (tests/_tp_worker.py train_main) beside the reference
+def tp_train(tp_all) -> dict:
+    """The tp 2 training part's runs (tests/_tp_worker.py train_runs) beside the reference
     trainer's run of the same config and the Hugging Face Llama folder it started from."""
-    import torch
-    from _train_worker import make_dataset, train_config
-    from test_reference_trainer import reference_run
-
-    tmp = tmp_path_factory.mktemp("tp_train")
-    torch.set_num_threads(1)
-    data = make_dataset(str(tmp / "ds"))
-    ref = reference_run(train_config(data, str(tmp / "ref")))
-    hf = hf_model(
-        "llama-llama3",
-        vocab_size=300,
-        bos_token_id=256,
-        eos_token_id=257,
-        max_position_embeddings=1024,
-    )
-    folder = save(hf, str(tmp / "llama"))
-    spawn(_tp_worker.train_main, WORLD, (WORLD, free_port(), data, str(tmp), folder), timeout=280)
-    runs = [json.loads((tmp / f"losses{r}.json").read_text()) for r in range(WORLD)]
-    return {"tmp": tmp, "data": data, "ref": ref, "hf": hf, "folder": folder, "runs": runs}
+    runs = [json.loads((tp_all["tmp"] / f"losses{r}.json").read_text()) for r in range(WORLD)]
+    return {**tp_all, "runs": runs}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TIMEOUT)
 def test_train_tp2_four_processes_equals_reference(tp_train) -> None:
     """`parallel.tp = 2` on 4 gloo processes (2 HDP ranks): the hdp loss curve and validation
     losses equal the reference trainer's (float32), comparing with static on the way changes
@@ -294,7 +308,7 @@ def test_train_tp2_four_processes_equals_reference(tp_train) -> None:
     assert err < 1e-5, err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TIMEOUT)
 def test_tp2_eval_and_export_equal_one_process(tp_train, capsys) -> None:
     """`mixlen eval --nproc 4 --tp 2` of the tp 2 checkpoint and of the Hugging Face folder
     equal the one-process evaluations, each process reading only its shards; the checkpoint
@@ -337,7 +351,7 @@ def test_tp2_eval_and_export_equal_one_process(tp_train, capsys) -> None:
     assert (got_hf.logits[0] - want).norm() <= 1e-5 * want.norm()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TIMEOUT)
 def test_tp2_pretrained_reads_only_its_slices(tp_train) -> None:
     """A Hugging Face Llama (tied embeddings, GQA) at tp 2 gives transformers' loss of the first
     batch; each process read only its shards' slices of the safetensors tensors (training and
