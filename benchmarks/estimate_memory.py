@@ -96,12 +96,19 @@ def planned(model: str, tokens: int, checkpoint: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3.2-1b", choices=sorted(MODEL_CONFIGS))
-    p.add_argument("--tokens", default="8192,32768,65536,131072")
+    p.add_argument(
+        "--tokens",
+        default="8192,32768,65536,131072",
+        help="at least two distinct lengths, comma-separated (the longest document is read off "
+        "the line through the two longest)",
+    )
     p.add_argument(
         "--device-mib", type=int, default=H200_BYTES >> 20, help="an H200's, as torch reports it"
     )
     args = p.parse_args()
-    lengths = [int(t) for t in args.tokens.split(",")]
+    lengths = sorted({int(t) for t in args.tokens.split(",")})
+    if len(lengths) < 2 or lengths[0] < 1:
+        p.error(f"--tokens {args.tokens}: expected at least two distinct positive lengths")
     state = preset_memory(args.model, 1)["zero0"]["total"]
     rows = []
     for checkpoint in CHECKPOINTS:

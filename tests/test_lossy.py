@@ -251,7 +251,7 @@ def test_a_tokenizer_error_is_a_bad_document(tmp_path: Path) -> None:
 @given(text=st.lists(st.sampled_from([*"abcAz \n\t é", "<s>", "</s>"]), max_size=60).map("".join))
 @example(text="ab ab  c\n a z</s> b")
 def test_long_texts_encode_in_pieces_to_the_same_ids(tmp_path_factory, case, text) -> None:
-    """`tokenizers` holds 170-190 bytes per character while it encodes: a long text is encoded in
+    """`tokenizers` holds 160-175 bytes per character while it encodes: a long text is encoded in
     pieces (cut before a space between two non-spaces) where that gives the library's own ids
     for the whole text (the reference), never otherwise (Metaspace prepends at each piece)."""
     tok = HFTokenizer(_write(tmp_path_factory.mktemp("t"), CASES[case]))

@@ -14,7 +14,9 @@ from datapipe.index import write_index
 from datapipe.plan import cost as C
 from datapipe.plan import simulate as S
 from datapipe.plan.check import check_plan
+from datapipe.plan.memory import format_preset_memory, model_state_bytes, preset_memory
 from datapipe.plan.planner import PlannerConfig
+from datapipe.shapes import MODEL_CONFIGS
 from datapipe.stream import StreamConfig
 from tools.cli import main
 
@@ -365,3 +367,25 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
     assert main(["simulate", "--lengths", str(root), "--html", inside]) == 2
     assert f"--html {inside}: inside the dataset folder " in capsys.readouterr().err
     assert not os.path.exists(inside)
+
+
+def test_llama3_70b_published_size_and_tp8_share() -> None:
+    cfg = MODEL_CONFIGS["llama3-70b"]
+    assert cfg.num_params() == 70_553_706_496  # Meta's published count
+    # by hand, one process of 8: vocabulary rows of embedding and output, 1/8 of every layer's
+    # matrices (8 K/V heads: one per process), norms whole
+    d, v, ffn, layers = 8192, 128256, 28672, 80
+    per_layer = d * d // 8 * 2 + d * 1024 // 8 * 2 + 3 * d * ffn // 8 + 2 * d
+    assert cfg.tp_params(8) == layers * per_layer + 2 * v * d // 8 + d == 8_820_367_360
+
+
+def test_tp_model_state_table_llama3_70b_tp8_zero1_16_ranks() -> None:
+    n = 8_820_367_360
+    got = preset_memory("llama3-70b@h100", 16, "bfloat16", tp=8)["zero1"]
+    want = model_state_bytes(n, 16, 1, "bfloat16").as_dict()
+    assert got == want
+    own = -(-n // 16 // 64) * 64  # rank 0's slice (aligned to 64 elements)
+    assert got["weights"] >= 2 * n and got["moments"] == 2 * own * 4
+    assert got["total"] < 80e9 < preset_memory("llama3-70b", 16, "bfloat16", tp=1)["zero1"]["total"]
+    table = format_preset_memory("llama3-70b", 16, tp=8)
+    assert "tp 8" in table and "zero 1:" in table and "(fits an 80 GB H100)" in table

@@ -1,5 +1,6 @@
-"""Tensor parallelism of the decoder (trainer.parallel.tensor) against the plain decoder, and the
-per-process parameter count and model-state table (`--tp`) against hand arithmetic."""
+"""Tensor parallelism of the decoder (trainer.parallel.tensor) against the plain decoder, and
+the per-process parameter count against hand arithmetic (Llama-3-70B's at tp 8, and its
+model-state table: tests/test_simulate.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import _tp_worker
 import pytest
 from _hf_reference import hf_model, save
 
-from datapipe.plan.memory import format_preset_memory, model_state_bytes, preset_memory
-from datapipe.shapes import MODEL_CONFIGS
 from tools.cli import main as cli_main
 from trainer.parallel.comm import free_port, spawn
 
@@ -38,13 +37,8 @@ def tp_all(tmp_path_factory) -> dict:
     torch.set_num_threads(1)
     data = make_dataset(str(tmp / "ds"))
     ref = reference_run(train_config(data, str(tmp / "ref")))
-    hf = hf_model(
-        "llama-llama3",
-        vocab_size=300,
-        bos_token_id=256,
-        eos_token_id=257,
-        max_position_embeddings=1024,
-    )
+    hf = hf_model("llama-llama3", vocab_size=300, bos_token_id=256, eos_token_id=257,
+                  max_position_embeddings=1024)  # fmt: skip
     folder = save(hf, str(tmp / "llama"))
     spawn(
         _tp_worker.main, WORLD, (WORLD, free_port(), str(out), data, folder), timeout=TIMEOUT - 40
@@ -144,28 +138,6 @@ def test_selective_checkpointing_at_tp2_runs_no_matmul_or_all_reduce_again(tp_re
         assert (
             r["full"]["mm"] > r["none"]["mm"] and r["full"]["all_reduce"] > r["none"]["all_reduce"]
         )
-
-
-def test_llama3_70b_published_size_and_tp8_share() -> None:
-    cfg = MODEL_CONFIGS["llama3-70b"]
-    assert cfg.num_params() == 70_553_706_496  # Meta's published count
-    # by hand, one process of 8: vocabulary rows of embedding and output, 1/8 of every layer's
-    # matrices (8 K/V heads: one per process), norms whole
-    d, v, ffn, layers = 8192, 128256, 28672, 80
-    per_layer = d * d // 8 * 2 + d * 1024 // 8 * 2 + 3 * d * ffn // 8 + 2 * d
-    assert cfg.tp_params(8) == layers * per_layer + 2 * v * d // 8 + d == 8_820_367_360
-
-
-def test_tp_model_state_table_llama3_70b_tp8_zero1_16_ranks() -> None:
-    n = 8_820_367_360
-    got = preset_memory("llama3-70b@h100", 16, "bfloat16", tp=8)["zero1"]
-    want = model_state_bytes(n, 16, 1, "bfloat16").as_dict()
-    assert got == want
-    own = -(-n // 16 // 64) * 64  # rank 0's slice (aligned to 64 elements)
-    assert got["weights"] >= 2 * n and got["moments"] == 2 * own * 4
-    assert got["total"] < 80e9 < preset_memory("llama3-70b", 16, "bfloat16", tp=1)["zero1"]["total"]
-    table = format_preset_memory("llama3-70b", 16, tp=8)
-    assert "tp 8" in table and "zero 1:" in table and "(fits an 80 GB H100)" in table
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,7 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         help="largest document read whole (default 256MiB); a longer text file is split into "
         "pieces of at most SIZE, truncated or dropped (--long-docs), a longer JSON line is bad; "
         "peak memory is about --workers x 5 x SIZE + --shard-size over start-up with the bytes "
-        "tokenizer; a tokenizer.json that cannot be given a document in pieces takes 170-190x SIZE "
+        "tokenizer; a tokenizer.json that cannot be given a document in pieces takes 160-175x SIZE "
         "(docs/preprocess.md)",
     )
     p.add_argument(

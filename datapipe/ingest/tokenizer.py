@@ -26,7 +26,7 @@ _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
 # from_pretrained lets special_tokens_map.json override tokenizer_config.json)
 _SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 TOKENIZER_FILE_LIMIT = 1 << 30  # tokenizer.json: refused above this size (large vocabularies)
-# `tokenizers` holds 170-190 bytes per character of text while it encodes (offsets, alignments,
+# `tokenizers` holds 160-175 bytes per character of text while it encodes (offsets, alignments,
 # token strings): a longer text is encoded in pieces of about this many characters where that
 # gives the same ids (`pieces_safe`), so a document of --max-doc-bytes needs ~2x its size
 PIECE_CHARS = 1 << 16
