@@ -204,6 +204,24 @@ def test_dispatch_by_device_and_dtype(monkeypatch) -> None:
         dispatch.get("flash3")
 
 
+def test_flash_runs_from_ampere_on(monkeypatch) -> None:
+    """torch's flash kernel needs compute capability 8.0 (Ampere, an A100) or newer: a T4 (7.5)
+    gets the memory-efficient kernel, an A100 and an H100 (9.0) the flash one."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    for capability, want in (
+        ((7, 5), "cuda_efficient"),
+        ((8, 0), "cuda_flash"),
+        ((9, 0), "cuda_flash"),
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        dispatch._flash_runs_on.cache_clear()
+        try:
+            assert dispatch.default_backend(cuda, torch.bfloat16, 64) == want, capability
+        finally:
+            dispatch._flash_runs_on.cache_clear()
+
+
 def test_kernel_limits_are_refused_naming_the_setting() -> None:
     q, k, v, _ = qkv(4, 4, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="train.dtype"):

@@ -6,6 +6,7 @@ functions evaluated in float64."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -315,14 +316,14 @@ def test_rope_settings_are_validated_with_the_key_named():
 
 
 def _transformers_rope(
-    settings: dict | None, seq_len: int | None = None
+    settings: dict | None, seq_len: int | None = None, max_positions: int = ORIGINAL
 ) -> tuple[torch.Tensor, float]:
     """transformers' own RoPE parameter function for `settings`, evaluated in float64."""
     config = LlamaConfig(
         hidden_size=64,
         num_attention_heads=4,
         rope_theta=500.0,
-        max_position_embeddings=ORIGINAL,
+        max_position_embeddings=max_positions,
         rope_scaling=settings,
     )
     kind = "default" if settings is None else settings["rope_type"]
@@ -362,6 +363,20 @@ def test_frequencies_equal_transformers_in_float64(settings):
         got = dynamic_inv_freq(16, 500.0, scaling, lengths)
         for row, n in zip(got, lengths.tolist()):
             torch.testing.assert_close(row, _transformers_rope(settings, n)[0], rtol=1e-13, atol=0)
+
+
+def test_yarn_over_a_long_original_context_equals_transformers():
+    """Qwen-style YaRN (factor 4 over an original context of 32768, max_position_embeddings 4x
+    that): the correction range ends past head_dim / 2 - 1, where transformers clamps it to
+    head_dim - 1, not earlier."""
+    omp = 32768
+    settings = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": omp}
+    want, want_af = _transformers_rope(settings, max_positions=4 * omp)
+    high = 16 * math.log(omp / (2 * math.pi)) / (2 * math.log(500.0))  # beta_slow 1
+    assert 16 // 2 - 1 < math.ceil(high) < 16 - 1
+    scaling = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=omp)
+    torch.testing.assert_close(inv_freq(16, 500.0, scaling), want, rtol=1e-14, atol=0)
+    assert attention_factor(scaling) == pytest.approx(want_af, rel=1e-15)
 
 
 @pytest.mark.parametrize(

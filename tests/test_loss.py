@@ -124,8 +124,10 @@ def test_the_model_loss_equals_its_logits_cross_entropy(tied) -> None:
 
 def test_vocabulary_parallel_through_two_threaded_processes() -> None:
     """Each of 2 processes holds half the vocabulary rows: the loss equals the whole one on
-    both, dL/dh is whole on both, and each process's dL/dW is its rows of the whole one."""
+    both, dL/dh is whole on both, and each process's dL/dW is its rows of the whole one. Labels
+    at both edges of each half (19 | 20: a label one past a process's rows is not its own)."""
     h, w, labels, weights = inputs(t=19, v=40, seed=4)
+    labels[:4] = torch.tensor([19, 20, 0, 39])
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights), h, w)
 
     def member(comm):

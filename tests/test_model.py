@@ -154,6 +154,25 @@ def test_meta_build_then_materialise():
     assert torch.equal(model.layers[0].ffn_norm.weight, torch.ones(128))
 
 
+def test_init_weights_scale_the_residual_projections():
+    """GPT-2's init: every matrix Normal(0, init_std), the residual output projections (wo, w2)
+    Normal(0, init_std / sqrt(2 * n_layers)), norms 1 (sample moments of each matrix, 6%)."""
+    model = build(get_config("debug", n_layers=3, init_std=0.05), device="meta")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=1)
+    seen = set()
+    for name, p in model.named_parameters():
+        w = p.detach().double()
+        if name.endswith("norm.weight"):
+            assert torch.equal(w, torch.ones_like(w)), name
+            continue
+        want = 0.05 / (6**0.5 if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+        assert abs(float(w.mean())) < 0.06 * want, name
+        assert abs(float(w.std()) / want - 1.0) < 0.06, (name, float(w.std()), want)
+        seen.add(name.split(".")[-2])
+    assert {"wo", "w2", "wq", "w1", "tok_embeddings"} <= seen
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="n_kv_heads"):
         get_config("debug", n_kv_heads=3)

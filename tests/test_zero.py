@@ -207,6 +207,44 @@ def test_bfloat16_levels_agree():
             torch.testing.assert_close(got, base, rtol=1e-6, atol=1e-6)
 
 
+def test_bfloat16_master_weights_are_restored():
+    """bfloat16 compute: the float32 master slice is state (the bf16 weights only its rounding).
+    2 steps, the optimizer's state loaded into a fresh one whose master holds the initial
+    weights, 2 more steps: the weights equal 4 uninterrupted steps' (zero 1 on 2 ranks)."""
+
+    def bf16_zero(comm, net):
+        master = fresh_net().to(torch.float32)  # the initial weights
+        return _zero(net, comm, 1, master_params=list(master.parameters()))
+
+    def weights(net):
+        return torch.cat([p.detach().float().reshape(-1) for p in net.parameters()])
+
+    def straight(comm):
+        net = fresh_net().to(torch.bfloat16)
+        return weights(run_zero(comm, 1, True, 0.0, range(4), net, bf16_zero(comm, net))["net"])
+
+    def resumed(comm):
+        net = fresh_net().to(torch.bfloat16)
+        first = run_zero(comm, 1, True, 0.0, range(2), net, bf16_zero(comm, net))
+        sd, net_state = detached(first["zero"].state_dict()), _copy_state(first["net"])
+        first["zero"].remove_hooks()
+        net2 = fresh_net().to(torch.bfloat16)
+        net2.load_state_dict(net_state)
+        zero = bf16_zero(comm, net2)
+        zero.load_state_dict(sd)
+        return weights(run_zero(comm, 1, True, 0.0, range(2, 4), net2, zero)["net"])
+
+    want = run_threads(2, straight, timeout=30)
+    got = run_threads(2, resumed, timeout=30)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not torch.equal(want[0], weights(fresh_net().to(torch.bfloat16)))
+
+
+def _copy_state(net) -> dict:
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
 # --- checkpoints: resharding through DCP ---------------------------------------------------------
 
 
