@@ -245,6 +245,35 @@ def _copy_state(net) -> dict:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
+@pytest.mark.parametrize("clip", [0.5, 50.0])
+def test_clipping_only_scales_down(clip):
+    """grad_clip against torch's clip_grad_norm_ + AdamW (which never scale a gradient up), a
+    clip below and one above the gradient's norm; eps 1 so that AdamW's step depends on the
+    gradient's scale (a scaled-up gradient would show)."""
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(7, 3, generator=gen, dtype=torch.float64)
+    g = torch.randn(7, 3, generator=gen, dtype=torch.float64)
+    assert 0.5 < float(g.norm()) < 50.0
+
+    def ours(comm):
+        p = torch.nn.Parameter(w0.clone())
+        zero = ZeroOptimizer([p], comm, level=0, lr=0.1, eps=1.0, weight_decay=0.0, grad_clip=clip)
+        zero.begin_step()
+        p.grad = g.clone()
+        zero.accumulate_grads()
+        zero.finish_backward()
+        norm = zero.step()
+        return p.detach().clone(), norm
+
+    ((got, norm),) = run_threads(1, ours, timeout=30)
+    ref = torch.nn.Parameter(w0.clone())
+    ref.grad = g.clone()
+    want_norm = float(torch.nn.utils.clip_grad_norm_([ref], clip))
+    torch.optim.AdamW([ref], lr=0.1, eps=1.0, weight_decay=0.0).step()
+    assert norm == pytest.approx(want_norm, rel=1e-12)
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-12, atol=1e-14)
+
+
 # --- checkpoints: resharding through DCP ---------------------------------------------------------
 
 
