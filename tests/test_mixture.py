@@ -455,3 +455,30 @@ def test_resume_checks_order_and_fingerprints_and_takes_a_data_path_run_into_sta
         mix.stream.load_state_dict(state)
         b = next(mix.stream)
         assert b.step == 3 and b.lengths.max() <= 64 and mix.stream.epoch[0] == one.stream.epoch + 1
+
+
+def test_tokenizer_identity_ignores_where_the_tokenizer_file_sits() -> None:
+    """Two datasets tokenized by the same tokenizer file (same sha256) copied to two folders
+    mix; another file, or other ids, is a difference naming the key and both values."""
+    from datapipe.mix.sources import tokenizer_differences
+
+    tok = {"kind": "hf", "path": "/data/a/tokenizer.json", "sha256": "ab12"}
+    a = {"vocab_size": 4096, "bos_id": 1, "eos_id": 2, "dtype": "uint16", "tokenizer": tok}
+    b = {**a, "tokenizer": {**tok, "path": "/elsewhere/tokenizer.json"}}
+    assert tokenizer_differences(a, b) == ""
+    c = {**b, "tokenizer": {**tok, "sha256": "cd34"}, "eos_id": 3}
+    what = tokenizer_differences(a, c)
+    assert what.startswith("eos_id 2 vs 3; tokenizer {") and "'ab12'" in what and "'cd34'" in what
+
+
+def test_mix_sources_leave_out_empty_and_held_out_samples() -> None:
+    """A source's training ids: its samples with tokens, less the held-out ones (zero-length
+    samples carry no tokens and are left out of a mixture)."""
+    from datapipe.mix.config import SourceConfig
+    from datapipe.mix.sources import LoadedSource, mix_sources
+
+    lengths = np.array([3, 0, 5, 0, 7, 2], np.int64)
+    src = LoadedSource(SourceConfig(path="d"), "d", "d", None, {}, lengths, "f", "data.path")
+    held = np.array([False, False, False, True, True, False])
+    assert mix_sources([src])[0].ids.tolist() == [0, 2, 4, 5]
+    assert mix_sources([src], [held])[0].ids.tolist() == [0, 2, 5]

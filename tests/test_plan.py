@@ -254,3 +254,22 @@ def test_a_batch_past_four_thirds_of_the_optimum() -> None:
     w = plan("hdp", lengths, 4, 4096, cost, widen=True)
     check_plan(w)
     assert w.makespan_ns < opt
+
+
+def test_digest_covers_every_decision_field() -> None:
+    """Changing any field but the timings and meta changes the digest (the per-step agreement
+    check compares digests: a field left out would let ranks run different plans unnoticed)."""
+    p = good_plan()
+    timings = {"mb_time_ns", "rank_time_ns", "makespan_ns", "lower_bound_ns", "meta"}
+    for f in dataclasses.fields(StepPlan):
+        if f.name in timings:
+            continue
+        q = StepPlan.from_json(p.to_json())
+        v = getattr(q, f.name)
+        if isinstance(v, np.ndarray):
+            v = v.copy()
+            v[-1] += 1
+        else:
+            v = v + ("x" if isinstance(v, str) else 1)
+        setattr(q, f.name, v)
+        assert q.digest() != p.digest(), f.name

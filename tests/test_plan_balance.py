@@ -398,6 +398,8 @@ def spread_samples_ref(w, s, cap: int, cd: tuple, load) -> tuple[list, list]:
         [(0, 0.0, (), ()), (1000, 0.0, (), ()), (500, 3.7, (), ()), (300, 0.0, (50, 120), (2, 5.5))]
     ),
 )
+# a rank's newest micro-batch full, two older ones with room: the fullest takes the sample
+@example(1, 10, [(40, 5), (30, 8), (20, 9), (10, 2)], [0] * 12, (0, 0.0, (), ()))
 @settings(deadline=None, max_examples=200)
 def test_spread_samples_matches_reference(n, cap, samples, base, cd) -> None:
     """The kernel against the plain-Python reference, with and without a size table."""

@@ -369,7 +369,7 @@ rng = np.random.default_rng(11)
 L = np.minimum(rng.lognormal(5, 1.5, 500).astype(np.int64), 2000)
 out = {}
 for pol in ("hdp", "naive-hdp", "static"):
-    out[pol] = PlannerConfig(policy=pol, capacity=256).build(C.preset("llama-7b"), 24).plan(L).digest().hex()
+    out[pol] = PlannerConfig(policy=pol, capacity=256, widen=False).build(C.preset("llama-7b"), 24).plan(L).digest().hex()
 out["hdp+widen"] = PlannerConfig(capacity=256, widen=True).build(C.preset("debug"), 24).plan(L).digest().hex()
 print(json.dumps(out))
 """

@@ -19,6 +19,7 @@ from datapipe.fetch import FetchConfig
 from datapipe.index import LossColumns, read_index
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.mix.fetch import MixtureFetcher
+from datapipe.pack_kernel import mark_trained
 from datapipe.plan.loss import IGNORE_INDEX, LossMask, spans_of_mask
 from datapipe.plan.zigzag import member_ranges
 
@@ -368,3 +369,26 @@ def test_wds_members_np_load_reads_when_not_cut_directly(wds_dataset, tmp_path):
     assert counts.tolist() == [len(ref[r][2]) for r in rows]
     np.testing.assert_array_equal(spans, np.concatenate([ref[r][3] for r in rows]))
     assert span_counts.tolist() == [len(ref[r][3]) for r in rows]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(0, 16), max_size=6)), max_size=6)
+)
+def test_mark_trained_marks_each_rows_spans_within_that_row(rows):
+    """pack_kernel.mark_trained against plain Python: row r's spans mark its own tokens only; a
+    span reaching past its row (a corrupt shard) is cut at the row's end, so it cannot mark the
+    next row's tokens (the label check then sees the shard disagree with the index)."""
+    lens = [n for n, _ in rows]
+    spans = [sorted(v)[: len(v) // 2 * 2] for _, v in rows]
+    row_off = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64)
+    span_off = np.concatenate([[0], np.cumsum([len(v) for v in spans], dtype=np.int64)])
+    flat = np.array([x for v in spans for x in v], dtype=np.uint32)
+    trained = np.zeros(int(row_off[-1]), np.uint8)
+    mark_trained(row_off, span_off.astype(np.int64), flat, trained)
+    want = [0] * int(row_off[-1])
+    for r, v in enumerate(spans):
+        for s, e in zip(v[0::2], v[1::2]):
+            for t in range(s, min(e, lens[r])):
+                want[int(row_off[r]) + t] = 1
+    assert trained.tolist() == want

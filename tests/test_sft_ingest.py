@@ -15,7 +15,14 @@ import pytest
 from test_sft_chat import CONVERSATIONS, FORMATS, make_folder, reference_tokenizer
 
 from datapipe.errors import InputError
-from datapipe.index import read_index, read_loss_tokens
+from datapipe.index import (
+    INDEX_FILE,
+    LossColumns,
+    read_index,
+    read_loss_columns,
+    read_loss_tokens,
+    write_index,
+)
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 
 FORMAT_NAMES = ("mds", "wds", "parquet")
@@ -419,3 +426,26 @@ def test_a_tokenizer_file_gives_the_template_its_own_eos(tmp_path) -> None:
     trained = ids[mask.astype(bool)].tolist()
     answer = ref("Hello there", add_special_tokens=False).input_ids
     assert trained[-1] == tok.eos_id and trained[:-1] == answer
+
+
+def test_index_mask_columns_checked(tmp_path) -> None:
+    """A masked index's columns as read_index checks them, by hand: spans that touch ([0, 2) then
+    [2, 4)) are disjoint and pass, with loss_tokens the trained tokens after the first; a span
+    that overlaps the one before, one past its sample, or a wrong loss_tokens is refused naming
+    the row."""
+    lengths = np.array([6, 5], np.int64)
+
+    def read(values: list, loss: list, offsets=(0, 4, 6)):
+        cols = LossColumns(np.array(loss), np.array(offsets, np.int64), np.array(values))
+        path = tmp_path / INDEX_FILE
+        write_index(str(path), lengths, np.zeros(2), np.array([0, 1]), np.ones(2), ["a", "b"], cols)
+        return read_loss_columns(tmp_path, {}, lengths)
+
+    assert read([0, 2, 2, 4, 1, 5], [3, 4]).loss_tokens.tolist() == [3, 4]  # tokens 1-3; 1-4
+    for values, loss, match in (
+        ([0, 3, 2, 4, 1, 5], [3, 4], r"row 0: trained span \[2, 4\) .* overlaps"),
+        ([0, 2, 2, 4, 1, 6], [3, 5], r"row 1: trained span \[1, 6\) .* outside its 5 tokens"),
+        ([0, 2, 2, 4, 1, 5], [3, 3], "row 1: loss_tokens is 3, its trained_spans give 4"),
+    ):
+        with pytest.raises(InputError, match=match):
+            read(values, loss)
