@@ -316,12 +316,15 @@ def _mask_problem(
     return None
 
 
-def read_loss_tokens(path: str | os.PathLike) -> np.ndarray | None:
-    """Each sample's labelled positions of a masked dataset (None: it has no mask)."""
-    manifest = read_manifest(path)
+def read_loss_tokens(
+    path: str | os.PathLike, manifest: dict | None = None, lengths: np.ndarray | None = None
+) -> np.ndarray | None:
+    """Each sample's labelled positions of a masked dataset (None: it has no mask); `manifest`
+    and `lengths`, where the caller has read them already, are not read again."""
+    manifest = read_manifest(path) if manifest is None else manifest
     if not manifest.get(LOSS_MASK_KEY):
         return None
-    lengths = read_lengths(path)
+    lengths = read_lengths(path) if lengths is None else lengths
     return read_loss_columns(path, manifest, lengths).loss_tokens
 
 

@@ -90,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
     if is_mixture_args(args.dir, args.mix):
         return _run_mixture(args)
     (path,) = args.dir
-    read_manifest(path)
+    manifest = read_manifest(path)
     check_outside(args, ("--plot",), [path])
     lengths = read_lengths(path)
-    prof = length_profile(lengths, args.capacity, read_loss_tokens(path))
+    prof = length_profile(lengths, args.capacity, read_loss_tokens(path, manifest, lengths))
     if args.plot:
         from datapipe.profile import plot_profile
 

@@ -222,7 +222,7 @@ def mixture_profile(loaded: list[LoadedSource], capacity: int | None = None) -> 
     """Each source's length profile, its weight (normalised), its natural share of all tokens,
     and for each `length_boost` threshold its share of tokens in samples at or above it: in the
     index, and expected once boosted."""
-    from datapipe.index import LOSS_MASK_KEY, read_loss_columns
+    from datapipe.index import read_loss_tokens
     from datapipe.profile import length_profile
 
     total_w = math.fsum(s.config.weight for s in loaded)
@@ -231,10 +231,9 @@ def mixture_profile(loaded: list[LoadedSource], capacity: int | None = None) -> 
     for src in loaded:
         kept = src.lengths > 0
         lens = src.lengths[kept]
-        trained = None  # a source with a loss mask: its trained tokens, from its loaded index
-        if src.manifest.get(LOSS_MASK_KEY):
-            trained = read_loss_columns(src.local, src.manifest, src.lengths).loss_tokens[kept]
-        prof = length_profile(lens, capacity, trained)
+        # a source with a loss mask: its trained tokens, from the index already loaded
+        trained = read_loss_tokens(src.local, src.manifest, src.lengths)
+        prof = length_profile(lens, capacity, None if trained is None else trained[kept])
         prof.update(
             name=src.name,
             path=src.config.path,
