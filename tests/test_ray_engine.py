@@ -38,9 +38,12 @@ def ray_session():
     from datapipe.ingest.engines import ray as ray_engine
 
     tmp = tempfile.mkdtemp(prefix="mxray", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", ray_engine.FAIL_HOOK_ENV)}
+    hooks = ("RAY_TMPDIR", ray_engine.FAIL_HOOK_ENV, ray_engine.KILL_HOOK_ENV)
+    saved = {k: os.environ.get(k) for k in hooks}
     os.environ["RAY_TMPDIR"] = tmp
-    os.environ[ray_engine.FAIL_HOOK_ENV] = FAIL_MARK  # workers inherit it at start
+    os.environ[ray_engine.FAIL_HOOK_ENV] = FAIL_MARK  # workers inherit these at start
+    os.environ[ray_engine.KILL_HOOK_ENV] = os.path.join(tmp, "kill")  # armed by a test only
+    os.makedirs(os.path.join(tmp, "kill"))
     try:
         with ray_engine.ray_runtime(2):
             import ray
@@ -129,6 +132,35 @@ def test_ray_dataset_equals_local(ray_session, corpus: dict, fmt: str, monkeypat
         assert [s["raw_data"]["basename"] for s in idx["shards"]] == [
             s["name"] for s in b.manifest["shards"]
         ]
+
+
+def test_a_worker_killed_while_writing_is_retried_to_the_same_bytes(
+    ray_session, corpus: dict, monkeypatch
+) -> None:
+    """A worker process that dies in a write task, its shards written but not its index: Ray
+    runs the task again in a new worker, which finds the dead one's files in its part folder.
+    The dataset equals an undisturbed run's, file for file."""
+    from datapipe.ingest.engines import ray as ray_engine
+
+    monkeypatch.setattr(ray_engine, "TASK_BYTES", 600)
+    kill = Path(os.environ[ray_engine.KILL_HOOK_ENV])
+    outs = []
+    for name in ("calm", "killed"):
+        if name == "killed":
+            (kill / "ARM").touch()
+        out = corpus["tmp"] / f"ray-{name}"
+        preprocess(PreprocessConfig(corpus["inputs"], str(out), engine="ray", workers=2,
+                                    progress=False, shard_bytes=1500, max_len=200))  # fmt: skip
+        outs.append(out)
+    assert (kill / "FIRED").exists() and not (kill / "ARM").exists(), "the kill did not happen"
+    (kill / "FIRED").unlink()
+    calm, killed = (read_index(str(o)) for o in outs)
+    assert calm.manifest["engine"]["tasks"] > 2
+    assert calm.manifest["shards"] == killed.manifest["shards"]
+    for name in ["index.parquet", "index.json"] + [s["name"] for s in calm.manifest["shards"]]:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    assert sorted(p.name for p in outs[1].rglob("*")) == sorted(p.name for p in outs[0].rglob("*"))
+    assert verify_dataset(str(outs[1]), progress=False).ok
 
 
 def test_failed_task_names_the_input_and_leaves_no_dataset(ray_session, corpus: dict) -> None:

@@ -16,7 +16,9 @@ The driver merges: MDS `index.json` files with mosaicml-streaming's `merge_index
 explicit sorted list of parts, index parts concatenated in input order with shard numbers offset.
 Shard boundaries differ from the local engine's; sample ids, tokens, sources and the index do
 not. A task's failure comes back as data naming the input file, and the run fails before anything
-is renamed into place. On a cluster (`--ray-address`), inputs, the tokenizer file and `--out`'s
+is renamed into place. A task whose worker process dies is run again by Ray in another worker:
+every task can be (stage 1 rewrites its spill; stage 2 starts its part folder afresh, or finds it
+complete when only the spill's removal was cut short). On a cluster (`--ray-address`), inputs, the tokenizer file and `--out`'s
 parent directory must be on a filesystem every node sees.
 """
 
@@ -53,6 +55,9 @@ TASK_BYTES = 64 << 20  # most input bytes per tokenize task
 MIN_TASKS = 64  # about this many tasks for inputs under 64 x TASK_BYTES (not per worker: the
 # groups, so the shards, must not depend on --workers)
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
+# test-only: a folder; the first write task to find ARM there renames it FIRED and kills its
+# worker process once its shards are written (Ray retries the task in a new worker)
+KILL_HOOK_ENV = "MIXLEN_TEST_RAY_KILL_IN"
 SPILL_DIR = ".spill"
 
 
@@ -163,6 +168,15 @@ def tokenize_task(job: Job, row: dict) -> dict:
     return out
 
 
+def _planted_kill() -> None:
+    """Test-only (KILL_HOOK_ENV): this worker process dies, once per arming."""
+    folder = os.environ.get(KILL_HOOK_ENV)
+    if folder:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(os.path.join(folder, "ARM"), os.path.join(folder, "FIRED"))
+            os._exit(1)
+
+
 def part_dir(idx: int) -> str:
     """A part's folder name (a direct child of the output: merge_index keeps one level)."""
     return f"part-{idx:05d}"
@@ -176,20 +190,26 @@ def write_task(job: Job, row: dict) -> dict:
     idx, first_id = int(row["idx"]), int(row["first_id"])
     writer = None
     try:
+        part = os.path.join(job.root, part_dir(idx))
+        done = os.path.join(part, "shards.json")  # written last, by rename
+        if os.path.exists(done):  # an earlier attempt finished; its worker died after
+            return {"idx": idx, "error": ""}
+        # Ray runs a task again when its worker dies: start from no files, not a dead attempt's
+        shutil.rmtree(part, ignore_errors=True)
+        os.makedirs(part)
         base = _spill_base(job.root, idx)
         lengths = np.load(base + ".len.npy", allow_pickle=False)
         with open(base + ".src.json") as f:
             names = json.load(f)
         tokens = np.fromfile(base + ".bin", dtype=job.dtype)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        part = os.path.join(job.root, part_dir(idx))
-        os.makedirs(part, exist_ok=True)
         writer = build_writer(
             job.format, part, np.dtype(job.dtype), job.chunk_tokens, job.shard_bytes
         )
         for i in range(len(lengths)):
             writer.write(first_id + i, tokens[offsets[i] : offsets[i + 1]])
         shards = writer.finish()
+        _planted_kill()
         num_rows = np.maximum(1, -(-lengths // job.chunk_tokens))
         write_index(
             os.path.join(part, INDEX_FILE),
@@ -199,8 +219,9 @@ def write_task(job: Job, row: dict) -> dict:
             num_rows,
             names,
         )
-        with open(os.path.join(part, "shards.json"), "w") as f:
+        with open(done + ".tmp", "w") as f:
             json.dump([s.to_dict() for s in shards], f)
+        os.replace(done + ".tmp", done)  # the part is complete; its spill goes
         for suffix in (".bin", ".len.npy", ".src.json"):
             os.remove(base + suffix)
     except Exception as exc:
