@@ -132,4 +132,13 @@ def test_train_nproc_2_in_a_project_with_its_own_tools_package(tmp_path) -> None
     recs = [json.loads(x) for x in open(run / "metrics.jsonl")]
     assert [r["step"] for r in recs] == [1, 2]
     assert all(len(r["compute_time_s_per_rank"]) == 2 for r in recs)
+    # each rank's planned time beside its measured one: the step's planned imbalance is theirs,
+    # and balance.md's planned column their sum over the steps
+    planned = [r["planned_time_s_per_rank"] for r in recs]
+    assert all(len(p) == 2 and min(p) > 0 for p in planned)
+    for r, p in zip(recs, planned):
+        assert r["imbalance_planned"] == pytest.approx(max(p) / (sum(p) / 2), rel=1e-12)
+    rows = [x.split("|") for x in (run / "balance.md").read_text().splitlines()]
+    table = [float(x[4]) for x in rows if len(x) > 5 and x[1].strip() in ("0", "1")]
+    assert table == pytest.approx([sum(p[i] for p in planned) for i in (0, 1)], abs=1.1e-3)
     assert "metrics:" in proc.stderr  # rank 0's summary, logged (trainer.logs: stderr)

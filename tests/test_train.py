@@ -226,12 +226,13 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
             "tokens_per_s",
             "data_wait_s",
             "compute_time_s_per_rank",
+            "planned_time_s_per_rank",
             "comm_time_s",
             "imbalance_measured",
             "imbalance_planned",
         ):
             assert key in r
-        assert len(r["compute_time_s_per_rank"]) == 1
+        assert len(r["compute_time_s_per_rank"]) == len(r["planned_time_s_per_rank"]) == 1
     assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
     # the absolute check: the reference trainer on the same batches
     ref = reference_run(config(str(tmp_path / "unused")))

@@ -99,6 +99,7 @@ def step_record(
         "tokens_per_s": res.tokens / step_s if step_s > 0 else 0.0,
         "data_wait_s": data_wait_s,
         "compute_time_s_per_rank": res.compute_s,
+        "planned_time_s_per_rank": planned,
         "comm_time_s": res.rank_comm_s,
         "ring_wait_s_per_rank": res.ring_wait_s,
         "ring_bytes_per_rank": res.p2p_bytes,
