@@ -137,30 +137,60 @@ def test_ray_dataset_equals_local(ray_session, corpus: dict, fmt: str, monkeypat
 def test_a_worker_killed_while_writing_is_retried_to_the_same_bytes(
     ray_session, corpus: dict, monkeypatch
 ) -> None:
-    """A worker process that dies in a write task, its shards written but not its index: Ray
-    runs the task again in a new worker, which finds the dead one's files in its part folder.
-    The dataset equals an undisturbed run's, file for file."""
+    """A worker process that dies in a write task, its shards written but not its index, or its
+    part complete and its spill removed before the task returned: Ray runs the task again in a
+    new worker, which finds the dead one's files. The dataset equals an undisturbed run's, file
+    for file."""
     from datapipe.ingest.engines import ray as ray_engine
 
     monkeypatch.setattr(ray_engine, "TASK_BYTES", 600)
     kill = Path(os.environ[ray_engine.KILL_HOOK_ENV])
-    outs = []
-    for name in ("calm", "killed"):
-        if name == "killed":
-            (kill / "ARM").touch()
-        out = corpus["tmp"] / f"ray-{name}"
+    runs = {}
+    for point in ("", "shards", "done"):  # "": nothing killed
+        if point:
+            (kill / "ARM").write_text(point)
+        out = corpus["tmp"] / f"ray-killed-{point or 'none'}"
         preprocess(PreprocessConfig(corpus["inputs"], str(out), engine="ray", workers=2,
                                     progress=False, shard_bytes=1500, max_len=200))  # fmt: skip
-        outs.append(out)
-    assert (kill / "FIRED").exists() and not (kill / "ARM").exists(), "the kill did not happen"
-    (kill / "FIRED").unlink()
-    calm, killed = (read_index(str(o)) for o in outs)
-    assert calm.manifest["engine"]["tasks"] > 2
-    assert calm.manifest["shards"] == killed.manifest["shards"]
-    for name in ["index.parquet", "index.json"] + [s["name"] for s in calm.manifest["shards"]]:
-        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
-    assert sorted(p.name for p in outs[1].rglob("*")) == sorted(p.name for p in outs[0].rglob("*"))
-    assert verify_dataset(str(outs[1]), progress=False).ok
+        if point:
+            assert (kill / "FIRED").exists() and not (kill / "ARM").exists(), "no kill"
+            (kill / "FIRED").unlink()
+        runs[point] = (out, read_index(str(out)))
+    calm, ref = runs.pop("")
+    assert ref.manifest["engine"]["tasks"] > 2
+    files = sorted(p.relative_to(calm) for p in calm.rglob("*"))
+    for point, (out, got) in runs.items():
+        assert got.manifest["shards"] == ref.manifest["shards"], point
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == files, point
+        for name in ["index.parquet", "index.json"] + [s["name"] for s in ref.manifest["shards"]]:
+            assert (calm / name).read_bytes() == (out / name).read_bytes(), (point, name)
+        assert verify_dataset(str(out), progress=False).ok
+
+
+def test_an_input_that_kills_every_worker_fails_the_run(ray_session, corpus: dict) -> None:
+    """An input whose task's worker dies on every try (the kernel's OOM killer, a crash in a
+    native library): the run fails after a few tries, naming the input, instead of Ray's
+    retrying for ever; nothing is left behind."""
+    from datapipe.ingest.engines import ray as ray_engine
+
+    bad = Path(corpus["inputs"][0]).with_name("deadly.jsonl")
+    bad.write_text(json.dumps({"text": "kills its reader"}) + "\n")
+    always = Path(os.environ[ray_engine.KILL_HOOK_ENV]) / "ALWAYS"
+    always.write_text(bad.name)
+    out = corpus["tmp"] / "ray-deadly"
+    cfg = PreprocessConfig(
+        [*corpus["inputs"], str(bad)], str(out), engine="ray", workers=2, progress=False
+    )
+    try:
+        with pytest.raises(MixlenError) as exc:
+            preprocess(cfg)
+    finally:
+        always.unlink()
+        bad.unlink()
+    assert str(exc.value).startswith(f"--engine ray: {bad}: the worker process of its tokenize")
+    assert f"died on each of {ray_engine.TASK_TRIES} tries" in str(exc.value)
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".ray-deadly")]
 
 
 def test_failed_task_names_the_input_and_leaves_no_dataset(ray_session, corpus: dict) -> None:

@@ -15,10 +15,11 @@ into groups of consecutive files:
 The driver merges: MDS `index.json` files with mosaicml-streaming's `merge_index` over the
 explicit sorted list of parts, index parts concatenated in input order with shard numbers offset.
 Shard boundaries differ from the local engine's; sample ids, tokens, sources and the index do
-not. A task's failure comes back as data naming the input file, and the run fails before anything
-is renamed into place. A task whose worker process dies is run again by Ray in another worker:
-every task can be (stage 1 rewrites its spill; stage 2 starts its part folder afresh, or finds it
-complete when only the spill's removal was cut short). On a cluster (`--ray-address`), inputs, the tokenizer file and `--out`'s
+not (the parts' layout and merge: ray_parts.py). A task's failure comes back as data naming the
+input file, and the run fails before anything is renamed into place. A task whose worker process
+dies is run again by Ray in another worker, up to TASK_TRIES times; every task can be (stage 1
+rewrites its spill; stage 2 starts its part folder afresh, or finds it complete when only its
+return was cut short). On a cluster (`--ray-address`), inputs, the tokenizer file and `--out`'s
 parent directory must be on a filesystem every node sees.
 """
 
@@ -38,16 +39,15 @@ import numpy as np
 
 from datapipe.errors import InputError, MixlenError
 from datapipe.formats import build_writer
-from datapipe.formats.base import ShardInfo
 from datapipe.index import INDEX_FILE
 from datapipe.ingest import sources, worker
 from datapipe.ingest.engines.base import (
     NOTE_COUNTS,
     EngineResult,
     EngineRun,
-    Written,
     write_metadata,
 )
+from datapipe.ingest.engines.ray_parts import merge_parts, part_dir
 from datapipe.ingest.worker import BLOCK_COUNT_KEYS
 from datapipe.progress import input_sizes, progress
 
@@ -56,9 +56,13 @@ MIN_TASKS = 64  # about this many tasks for inputs under 64 x TASK_BYTES (not pe
 # groups, so the shards, must not depend on --workers)
 FAIL_HOOK_ENV = "MIXLEN_TEST_RAY_FAIL_ON"  # test-only: a task raises on a file containing this
 # test-only: a folder; the first write task to find ARM there renames it FIRED and kills its
-# worker process once its shards are written (Ray retries the task in a new worker)
+# worker process at the point ARM names: "shards" (its shards written, not its index) or "done"
+# (its part complete and its spill removed, the task not returned); Ray retries the task in a
+# new worker. A file ALWAYS there holding a name: a tokenize task kills its worker on every
+# input of that name
 KILL_HOOK_ENV = "MIXLEN_TEST_RAY_KILL_IN"
 SPILL_DIR = ".spill"
+TASK_TRIES = 4  # runs of a task whose worker process dies, before the run fails
 
 
 @dataclass(frozen=True)
@@ -102,19 +106,37 @@ def _spill_base(root: str, idx: int) -> str:
     return os.path.join(root, SPILL_DIR, f"{idx:05d}")
 
 
-def _tokenize_group(job: Job, paths: list[str], spill, out: dict, where: list[str]) -> None:
+class _Trace:
+    """Where a task is, noted in the spill folder before it is read: each try of the task (a
+    byte in `.tries`) and the input being read (`at`, also in `.at`), so that the driver can
+    name the input of a task whose worker died on every try without a word (the OOM killer)."""
+
+    def __init__(self, base: str, stage: str, at: str) -> None:
+        self.path = f"{base}.{stage}"
+        with open(self.path + ".tries", "ab") as f:
+            f.write(b".")
+        self.set(at)
+
+    def set(self, at: str) -> None:
+        self.at = at
+        with open(self.path + ".at", "w") as f:
+            f.write(at)
+
+
+def _tokenize_group(job: Job, paths: list[str], spill, out: dict, trace: _Trace) -> None:
     """Tokenize the files in order, spilling tokens to `spill` and collecting into `out`;
-    `where[0]` follows the input being read (for a failure's message)."""
+    `trace` follows the input being read (for a failure's message)."""
     fail_on = os.environ.get(FAIL_HOOK_ENV)
     notes: list[tuple[str, str, str]] = []
     note_counts: dict[str, int] = {}
     counts = dict.fromkeys(BLOCK_COUNT_KEYS, 0)
     for block in sources.iter_blocks([Path(p) for p in paths], job.settings):
-        where[0] = block.where()
+        trace.set(block.where())
         files = block.items if block.kind == "text" else [block.path]
+        _planted_kill(files)
         hit = [f for f in files if fail_on and fail_on in f]
         if hit:
-            where[0] = hit[0]
+            trace.set(hit[0])
             raise RuntimeError(f"planted failure ({FAIL_HOOK_ENV})")
         res = worker.process_block(block)
         for kind, at, reason in res.notes:
@@ -149,13 +171,14 @@ def tokenize_task(job: Job, row: dict) -> dict:
     idx, paths = int(row["idx"]), [str(p) for p in row["paths"]]
     out: dict = {"idx": idx, "error": "", "kind": "", "samples": 0, "nbytes": 0}
     out.update(notes="[]", note_counts="{}", counts="{}", lengths=[], names=[])
-    where = [paths[0]]
+    base = _spill_base(job.root, idx)
+    trace = None
     try:
+        trace = _Trace(base, "tokenize", paths[0])
         if worker._WORKER.get("settings") != job.settings:
             worker.init_worker(job.settings)
-        base = _spill_base(job.root, idx)
         with open(base + ".bin.tmp", "wb") as spill:
-            _tokenize_group(job, paths, spill, out, where)
+            _tokenize_group(job, paths, spill, out, trace)
         if not out["error"]:
             os.replace(base + ".bin.tmp", base + ".bin")
             np.save(base + ".len.npy", np.asarray(out["lengths"], np.int64))
@@ -163,23 +186,39 @@ def tokenize_task(job: Job, row: dict) -> dict:
                 json.dump(out["names"], f)
             out["samples"] = len(out["lengths"])
     except Exception as exc:  # named by input file; the driver turns it into the run's error
-        out.update(error=f"{where[0]}: {type(exc).__name__}: {exc}", kind="task")
+        at = trace.at if trace is not None else paths[0]
+        out.update(error=f"{at}: {type(exc).__name__}: {exc}", kind="task")
     del out["lengths"], out["names"]
     return out
 
 
-def _planted_kill() -> None:
-    """Test-only (KILL_HOOK_ENV): this worker process dies, once per arming."""
+def _planted_kill(files: list[str] | None = None, point: str = "") -> None:
+    """Test-only (KILL_HOOK_ENV): this worker process dies: in a write task at `point` once per
+    arming (ARM holds the point), in a tokenize task (`files`) whenever one of them has ALWAYS's
+    name."""
     folder = os.environ.get(KILL_HOOK_ENV)
-    if folder:
+    if not folder:
+        return
+    if files is None:
+        arm = os.path.join(folder, "ARM")
         with contextlib.suppress(FileNotFoundError):
-            os.rename(os.path.join(folder, "ARM"), os.path.join(folder, "FIRED"))
+            with open(arm) as f:
+                armed = f.read().strip() == point
+            if armed:
+                os.rename(arm, os.path.join(folder, "FIRED"))  # one worker wins
+                os._exit(1)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        with open(os.path.join(folder, "ALWAYS")) as f:
+            name = f.read().strip()
+        if name and any(os.path.basename(p) == name for p in files):
             os._exit(1)
 
 
-def part_dir(idx: int) -> str:
-    """A part's folder name (a direct child of the output: merge_index keeps one level)."""
-    return f"part-{idx:05d}"
+def group_name(paths: list[str]) -> str:
+    """A task's inputs in a message: its first file and how many follow."""
+    more = len(paths) - 1
+    return paths[0] + (f" (or one of the {more} files after it)" if more else "")
 
 
 def write_task(job: Job, row: dict) -> dict:
@@ -194,10 +233,11 @@ def write_task(job: Job, row: dict) -> dict:
         done = os.path.join(part, "shards.json")  # written last, by rename
         if os.path.exists(done):  # an earlier attempt finished; its worker died after
             return {"idx": idx, "error": ""}
+        base = _spill_base(job.root, idx)
+        _Trace(base, "write", row["inputs"])
         # Ray runs a task again when its worker dies: start from no files, not a dead attempt's
         shutil.rmtree(part, ignore_errors=True)
         os.makedirs(part)
-        base = _spill_base(job.root, idx)
         lengths = np.load(base + ".len.npy", allow_pickle=False)
         with open(base + ".src.json") as f:
             names = json.load(f)
@@ -209,7 +249,7 @@ def write_task(job: Job, row: dict) -> dict:
         for i in range(len(lengths)):
             writer.write(first_id + i, tokens[offsets[i] : offsets[i + 1]])
         shards = writer.finish()
-        _planted_kill()
+        _planted_kill(point="shards")
         num_rows = np.maximum(1, -(-lengths // job.chunk_tokens))
         write_index(
             os.path.join(part, INDEX_FILE),
@@ -224,6 +264,7 @@ def write_task(job: Job, row: dict) -> dict:
         os.replace(done + ".tmp", done)  # the part is complete; its spill goes
         for suffix in (".bin", ".len.npy", ".src.json"):
             os.remove(base + suffix)
+        _planted_kill(point="done")
     except Exception as exc:
         if writer is not None:
             writer.abort()  # release open files; the driver's failure removes the directory
@@ -305,12 +346,19 @@ def _quiet_ray_data() -> None:
     logging.getLogger("ray.data").setLevel(logging.ERROR)
 
 
-def _run_tasks(fn: Callable[[dict], dict], items: list[dict], bar) -> list[dict]:
-    """One Ray Data task per item; results sorted by "idx" (tasks finish in any order)."""
+def _run_tasks(
+    fn: Callable[[dict], dict], items: list[dict], bar, root: str, stage: str
+) -> list[dict]:
+    """One Ray Data task per item; results sorted by "idx" (tasks finish in any order). A task
+    whose worker died on every try fails the run naming its input (`_Trace` in `root`)."""
     import ray.data
     import ray.exceptions
 
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).map(fn)
+    # Ray Data runs a task again for ever when its worker dies; an input that kills every worker
+    # that reads it (the kernel's OOM killer) would hang the run: a few tries, then the error
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
+        fn, max_retries=TASK_TRIES - 1
+    )
     out = []
     try:
         for row in ds.iter_rows():
@@ -318,10 +366,27 @@ def _run_tasks(fn: Callable[[dict], dict], items: list[dict], bar) -> list[dict]
             bar.update(bar_step(items, row))
     except ray.exceptions.RayError as exc:  # a worker died, a node left: not an input's fault
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-        raise MixlenError(
-            f"--engine ray: Ray failed ({type(exc).__name__}: {lines[-1] if lines else exc})"
-        ) from None
+        why = f"{type(exc).__name__}: {lines[-1] if lines else exc}"
+        dead = _dead_task(root, len(items), stage)
+        if dead:
+            raise MixlenError(
+                f"--engine ray: {dead}: the worker process of its {stage} task died on each of "
+                f"{TASK_TRIES} tries (killed by the system: out of memory?). Ray: {why}"
+            ) from None
+        raise MixlenError(f"--engine ray: Ray failed ({why})") from None
     return sorted(out, key=lambda r: r["idx"])
+
+
+def _dead_task(root: str, tasks: int, stage: str) -> str:
+    """The input a `stage` task was reading when its worker died for the last of TASK_TRIES
+    tries ("" if no task was tried that often)."""
+    for idx in range(tasks):
+        path = f"{_spill_base(root, idx)}.{stage}"
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path + ".tries") >= TASK_TRIES:
+                with open(path + ".at") as f:
+                    return f.read()
+    return ""
 
 
 def bar_step(items: list[dict], row: dict) -> int:
@@ -357,7 +422,7 @@ def write_dataset(run: EngineRun) -> EngineResult:
         with progress(
             sum(sizes.values()), "tokenize (ray)", "B", cfg.progress, unit_scale=True
         ) as bar:
-            tok = _run_tasks(partial(tokenize_task, job), items, bar)
+            tok = _run_tasks(partial(tokenize_task, job), items, bar, root, "tokenize")
         for r in tok:  # in input order, as the local engine notes them
             if r["kind"] == "note":
                 raise InputError(r["error"])
@@ -374,69 +439,18 @@ def write_dataset(run: EngineRun) -> EngineResult:
             raise tally.no_samples()
         first = np.concatenate([[0], np.cumsum([r["samples"] for r in tok])]).astype(np.int64)
         # stage 2: write the parts with global sample ids
-        parts = [{"idx": r["idx"], "first_id": int(first[k])} for k, r in enumerate(tok)]
+        parts = [
+            {"idx": r["idx"], "first_id": int(first[k]), "inputs": group_name(groups[r["idx"]])}
+            for k, r in enumerate(tok)
+        ]
         with progress(len(parts), "write (ray)", "part", cfg.progress) as bar:
-            wrote = _run_tasks(partial(write_task, job), parts, bar)
+            wrote = _run_tasks(partial(write_task, job), parts, bar, root, "write")
     for r in wrote:
         if r["error"]:
-            paths = ", ".join(groups[r["idx"]])
+            paths = group_name(groups[r["idx"]])
             raise MixlenError(f"--engine ray: the write task for {paths} failed: {r['error']}")
     written = merge_parts(cfg.format, root, len(groups))
     written.engine = {"name": "ray", "address": cfg.ray_address, "tasks": len(groups)}
     shutil.rmtree(os.path.join(root, SPILL_DIR), ignore_errors=True)
     nbytes = sum(r["nbytes"] for r in tok)
     return EngineResult(write_metadata(run, written), nbytes)
-
-
-def merge_parts(fmt: str, root: str, num_parts: int) -> Written:
-    """Merge part-00000 .. part-{num_parts-1} into one dataset's shard list and index columns
-    (MDS: also one index.json through merge_index); removes the parts' own index files."""
-    import pyarrow.parquet as pq
-
-    shards: list[ShardInfo] = []
-    cols: dict[str, list] = {"num_tokens": [], "shard": [], "first_row": [], "source": []}
-    first_sample = 0
-    for i in range(num_parts):
-        part = os.path.join(root, part_dir(i))
-        with open(os.path.join(part, "shards.json")) as f:
-            part_shards = [ShardInfo(**s) for s in json.load(f)]
-        table = pq.read_table(os.path.join(part, INDEX_FILE))
-        cols["num_tokens"].append(table.column("num_tokens").to_numpy())
-        cols["shard"].append(table.column("shard").to_numpy() + len(shards))
-        cols["first_row"].append(table.column("first_row").to_numpy())
-        cols["source"].extend(table.column("source").to_pylist())
-        for s in part_shards:
-            s.name = f"{part_dir(i)}/{s.name}"
-            s.first_sample = first_sample
-            first_sample += s.samples
-        shards.extend(part_shards)
-    if fmt == "mds":
-        _merge_mds_index(root, num_parts)
-    for i in range(num_parts):
-        for name in (INDEX_FILE, "shards.json", "index.json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(root, part_dir(i), name))
-    return Written(
-        np.concatenate(cols["num_tokens"]).astype(np.int64),
-        np.concatenate(cols["shard"]).astype(np.int32),
-        np.concatenate(cols["first_row"]).astype(np.int64),
-        cols["source"],
-        shards,
-        {},
-    )
-
-
-def _merge_mds_index(root: str, num_parts: int) -> None:
-    """One index.json from the parts' (mosaicml-streaming's merge_index, explicit sorted list)."""
-    from streaming.base.util import merge_index
-
-    names = ("", "streaming.base.storage.upload", "streaming.base.util")
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:  # it announces its temporary folder on the root logger
-        lg.setLevel(logging.ERROR)
-    try:
-        merge_index([os.path.join(root, part_dir(i), "index.json") for i in range(num_parts)], root)
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
