@@ -253,8 +253,11 @@ def test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused(
             with pytest.raises(ConfigError, match=f"{key}, but the checkpoint resumed .*step-0+2"):
                 check(resumed)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a finished job restarted: no step
+    report = (tmp_path / "m" / "balance.md").read_text()
+    assert report.startswith("balance report: policy single, 2 steps")
     out = run_training(config({"resume": True}))
     assert out["start_step"] == 2 and out["losses"] == []
+    assert (tmp_path / "m" / "balance.md").read_text() == report  # the run's report stays
     with pytest.raises(ConfigError, match="train.stop_after = 1 ends the run checkpointed, but "
                        "checkpoint.dir is not set"):  # fmt: skip
         config({"dir": None}, stop_after=1).validate()

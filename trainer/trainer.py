@@ -404,11 +404,14 @@ class Trainer:
             "wall_s": time.perf_counter() - self.t_start,
         }
         if self.rt.global_rank == 0:
+            log = get_logger()
+            if not self.balance.steps:  # a restart of a job that had ended: its report stays
+                log.info(f"no step left to run (the run ended at step {self.start_step})")
+                return summary
             report = self.balance.render(label)
             if self.compare is not None:
                 report += "\n" + self.compare.render()
             write_text_atomic(summary["balance_report"], report)
-            log = get_logger()
             log.info(report.rstrip("\n"))
             log.info(f"metrics:        {summary['metrics']}")
             log.info(f"balance report: {summary['balance_report']}")
