@@ -251,9 +251,11 @@ def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys, monkeypatch) -> 
     assert len(got["passkey"]) == 4 and {p["depth"] for p in got["passkey"]} == {0.0, 1.0}
     assert json.loads((out / "eval.json").read_text())["loss"] == got["loss"]
     assert (out / "passkey.png").stat().st_size > 1000
-    assert cli_main([*args[:3], "--no-passkey"]) == 0
+    assert cli_main([*args[:5], "--no-passkey"]) == 0  # the same --out: no stale heatmap left
     text = capsys.readouterr().out
     assert "| positions | loss | perplexity | tokens |" in text and "passkey" not in text
+    assert "passkey" not in json.loads((out / "eval.json").read_text())
+    assert not (out / "passkey.png").exists()
     assert cli_main([*args[:3], "--no-passkey", "--json"]) == 0
     bare = json.loads(capsys.readouterr().out)
     assert "passkey" not in bare and bare["by_position"] == got["by_position"]
