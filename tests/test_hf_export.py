@@ -239,6 +239,35 @@ def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path
     assert "tok.json" in files and (tmp_path / "o2" / "tok.json").read_text() == "{}"
 
 
+def test_a_killed_exports_leftovers_are_cleaned_by_the_next(tmp_path, caplog) -> None:
+    """An export killed with no cleanup (SIGKILL, SIGTERM) leaves its temporary folder, and
+    perhaps the old folder it had moved aside: the next export into that folder removes the
+    first and puts the second back (before its own existence check), once their process is
+    gone; a live process's are left alone."""
+    import subprocess
+    import sys
+
+    src = save(hf_model("llama-tied"), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    weights = dict(load(src).named_parameters())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(dead.stdout)
+    out = tmp_path / "out"
+    (tmp_path / f".out.partial-{pid}").mkdir()  # a dead export's half-written folder
+    (tmp_path / f".out.partial-{pid}" / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    (tmp_path / f".out.old-{pid}").mkdir()  # the folder it had moved aside, not yet replaced
+    (tmp_path / f".out.old-{pid}" / "keep.txt").write_text("old")
+    (tmp_path / f".out.partial-{os.getppid()}").mkdir()  # a live process's: not touched
+    with pytest.raises(InputError, match="out: already exists"):
+        export_hf(weights, pre.shape, pre.family, str(out))
+    assert os.listdir(out) == ["keep.txt"] and "restored" in caplog.text
+    assert sorted(os.listdir(tmp_path)) == [f".out.partial-{os.getppid()}", "out", "src"]
+    export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [f".out.partial-{os.getppid()}", "out", "src"]
+
+
 class _Rank:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size

@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from datapipe.errors import ConfigError, InputError
+from datapipe.ingest.output import clean_stale, partial_dir
 from datapipe.shapes import ModelConfig
 from trainer.checkpoint.files import fsync_dir
+from trainer.logs import get_logger
 from trainer.model.families import Family, family_of
 from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, non_finite
 from trainer.model.transformer import parameter_shapes
@@ -123,13 +125,14 @@ def _write_weights(
 
 
 def _install(tmp: str, out_dir: str, overwrite: bool) -> None:
-    """Rename the finished `tmp` to `out_dir` (an old `out_dir` moved aside first)."""
+    """Rename the finished `tmp` to `out_dir` (an old `out_dir` moved aside first, under a name
+    the next export puts back if this process dies before the rename: `clean_stale`)."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     old = None
     if os.path.lexists(out_dir):
         if not overwrite:
             raise InputError(f"{out_dir}: already exists (overwrite it explicitly)")
-        old = f"{out_dir}.old-{uuid.uuid4().hex[:8]}"
+        old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     fsync_dir(parent)
@@ -163,6 +166,9 @@ def export_hf(
     Raises InputError (destination exists, a tokenizer file missing), ConfigError (no declared
     context), ValueError (weights not of the shape)."""
     out_dir = os.path.normpath(os.fspath(out_dir))
+    # an export killed before (SIGKILL, SIGTERM: no cleanup ran) left its temporary folder, or
+    # the old folder moved aside: removed, or put back, when its process is gone
+    clean_stale(Path(os.path.abspath(out_dir)), get_logger().warning)
     fam = family_of(family) if isinstance(family, str) else family
     names = _hf_tensors(weights, shape, fam)
     context = max_position_embeddings or shape.max_position_embeddings
@@ -180,7 +186,8 @@ def export_hf(
     config = fam.config_json(shape, context, str(stored).removeprefix("torch."), base_config)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = str(partial_dir(Path(os.path.abspath(out_dir))))
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an export that raised
     os.mkdir(tmp)
     try:
         files = _write_weights(tmp, weights, names, dtype, shard_bytes)
