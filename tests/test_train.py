@@ -216,6 +216,11 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
     second = run_training(config(part, checkpoint={"resume": True}))
     assert len(straight["losses"]) == 6 and second["start_step"] == 3
     assert first["losses"] + second["losses"] == straight["losses"]
+    # the resumed run is the first one: its records and checkpoints carry one run id
+    parted = [json.loads(x) for x in open(second["metrics"])]
+    assert [r["step"] for r in parted] == [1, 2, 3, 4, 5, 6]
+    saved = json.loads((tmp_path / "b" / "ckpt" / "step-00000006" / "run.json").read_text())
+    assert {r["run"] for r in parted} == {saved["run_id"]} and len(saved["run_id"]) == 12
     recs = [json.loads(x) for x in open(straight["metrics"])]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     for r in recs:

@@ -288,18 +288,55 @@ class BalanceSummary:
         return lines
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Drop records of steps after `step` from a metrics.jsonl (rewritten via a temp file)."""
-    keep = []
+def _records(path: str) -> list[tuple[str, dict]]:
+    """A metrics.jsonl's lines and records (a line cut short by a kill is skipped)."""
+    out = []
     with open(path) as f:
         for line in f:
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
+            except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
-                keep.append(line if line.endswith("\n") else line + "\n")
+            if isinstance(rec, dict):
+                out.append((line if line.endswith("\n") else line + "\n", rec))
+    return out
+
+
+def _truncate_after(path: str, step: int, run_id: str = "") -> None:
+    """Drop records of steps after `step` (and of another run) from a metrics.jsonl (rewritten
+    via a temp file)."""
+    keep = [
+        line
+        for line, rec in _records(path)
+        if int(rec.get("step", 0)) <= step and rec.get("run", run_id) == run_id
+    ]
     write_text_atomic(path, "".join(keep))
+
+
+def _claim(path: str, run_id: str, resumed: bool, say: Any) -> None:
+    """Make `path` this run's metrics.jsonl. Another run's records (any, for a fresh run) are
+    renamed `metrics-RUN.jsonl` (`metrics-earlier.jsonl` when they name no one run), never
+    written over; a resumed run's own file, moved aside so by a run since, is put back."""
+    folder = os.path.dirname(path)
+    if os.path.exists(path) and os.path.getsize(path):
+        runs = {str(rec.get("run", "")) for _, rec in _records(path)}
+        if not (resumed and runs <= {"", run_id}):  # records without "run": before runs had one
+            others = sorted(runs - {"", run_id})
+            aside = _free_name(folder, f"metrics-{others[0] if len(others) == 1 else 'earlier'}")
+            os.rename(path, aside)
+            say(f"{path} held another run's metrics: moved to {os.path.basename(aside)}")
+    mine = os.path.join(folder, f"metrics-{run_id}.jsonl")
+    if resumed and run_id and not os.path.exists(path) and os.path.exists(mine):
+        os.rename(mine, path)
+        say(f"{path}: this run's metrics put back from {os.path.basename(mine)}")
+
+
+def _free_name(folder: str, stem: str) -> str:
+    """`stem.jsonl` in `folder`, or `stem.N.jsonl` for the first N not taken."""
+    name, n = os.path.join(folder, stem + ".jsonl"), 1
+    while os.path.lexists(name):
+        name, n = os.path.join(folder, f"{stem}.{n}.jsonl"), n + 1
+    return name
 
 
 @dataclass
@@ -316,6 +353,9 @@ class MetricsWriter:
     # None: a fresh run (metrics.jsonl starts empty); k: resumed after step k (records of later
     # steps, left by the interrupted run, are dropped so the file reads as one run)
     resume_step: int | None = None
+    # the run's identity (trainer.checkpoint's run_id), in every record: another run's
+    # metrics.jsonl in this directory is moved aside, never written over or continued
+    run_id: str = ""
 
     def __post_init__(self) -> None:
         self._jsonl = None
@@ -325,8 +365,9 @@ class MetricsWriter:
             return
         os.makedirs(self.out_dir, exist_ok=True)
         self.path = os.path.join(self.out_dir, "metrics.jsonl")
+        _claim(self.path, self.run_id, self.resume_step is not None, get_logger().warning)
         if self.resume_step is not None and os.path.exists(self.path):
-            _truncate_after(self.path, self.resume_step)
+            _truncate_after(self.path, self.resume_step, self.run_id)
         self._jsonl = open(self.path, "w" if self.resume_step is None else "a", buffering=1)
         if self.tensorboard:
             try:
@@ -364,7 +405,9 @@ class MetricsWriter:
         if not self.active:
             return
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(
+            json.dumps({**record, "run": self.run_id} if self.run_id else record) + "\n"
+        )
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":

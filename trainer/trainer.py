@@ -257,6 +257,7 @@ class Trainer:
             progress=cfg.metrics.progress,
             console_interval=cfg.metrics.console_interval,
             resume_step=self.start_step if self.checkpointer.resumed else None,
+            run_id=self.checkpointer.run_id,
         )
         self._stack.callback(self.metrics.close)
         if rt.global_rank == 0:

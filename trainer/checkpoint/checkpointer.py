@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -273,6 +274,9 @@ class Checkpointer:
         self.device = torch.device(device)
         self.hooks = hooks
         self.resumed = False  # set by resume(): this run continues a checkpoint
+        # the run's identity, kept by its checkpoints and its metrics records (a resume takes the
+        # checkpoint's; "" for one saved before runs had it): rank 0's is the one saved
+        self.run_id = uuid.uuid4().hex[:12]
         self._run_dict = run.to_dict()
         self.ours: list[int] = []  # steps of the checkpoints this run resumed from or saved
         self.fingerprint: str | None = None  # the dataset's, recorded and checked on resume
@@ -395,6 +399,7 @@ class Checkpointer:
         # islands take one batch each per step, so one island's position is every island's
         stream.load_state_dict({**stream_state, "island": stream.island})
         self.resumed = True
+        self.run_id = run.get("run_id", "") if isinstance(run.get("run_id", ""), str) else ""
         step = int(run["step"])
         self.ours.append(step)
         world = int(run.get("world", self.comm.size))
@@ -414,6 +419,7 @@ class Checkpointer:
         hooks = self.hooks
         run = {
             "format": CHECKPOINT_FORMAT,
+            "run_id": self.run_id,
             "config": json.loads(json.dumps(self._run_dict)),
             "stream": stream_state,
             "dataset_fingerprint": self.fingerprint,
