@@ -10,6 +10,7 @@ and profiling start fast.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -362,7 +363,8 @@ def resolve_dataset(
 
     A remote dataset's two metadata files are downloaded into its folder under ``cache_dir``, one
     per URI (default: under the temp directory), so datasets that share a cache never read each
-    other's files; its shards are fetched later, on demand, by the fetch. `key` names the setting
+    other's files; its shards are fetched later, on demand, by the fetch. manifest.json is
+    fetched on every open: a dataset written anew at the URI empties the folder first. `key` names the setting
     in errors.
     """
     path = str(path)
@@ -372,11 +374,21 @@ def resolve_dataset(
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: dataset directory {path!r} not found")
         return path, None
+    from datapipe.store import refresh_cache
+
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)
-    for name in METADATA_FILES:
+    lock = os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.lock")
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the host's ranks and workers open it one at a time
         try:
-            download(path.rstrip("/") + "/" + name, os.path.join(local, name))
+            # manifest.json anew every time (a dataset deleted and written again at this URI
+            # must not be read from an old copy); index.parquet and shards while they are current
+            refresh_cache(
+                path.rstrip("/") + "/" + MANIFEST_FILE, os.path.join(local, MANIFEST_FILE)
+            )
+            for name in METADATA_FILES:
+                download(path.rstrip("/") + "/" + name, os.path.join(local, name))
         except StoreError as exc:
             raise StoreError(f"{key}: {exc}", exc.kind) from None
     return local, path

@@ -192,6 +192,43 @@ def download(remote_file: str, local_file: str, timeout: float = 60.0) -> None:
     )
 
 
+def refresh_cache(remote_file: str, local_file: str) -> bool:
+    """Fetch `remote_file` again on every open, over a cached copy `local_file`: when they differ
+    (the dataset at that URI was deleted and written anew), every other file in the cached
+    copy's folder is stale and removed. True when it was. A store that cannot be reached leaves
+    a cached copy in use (logged); with none, or refused, StoreError. Callers hold the folder's
+    lock (ranks of one host share it)."""
+    import filecmp
+    import logging
+    import shutil
+
+    folder = os.path.dirname(local_file)
+    fresh = os.path.join(folder, f".{os.path.basename(local_file)}.{os.getpid()}")
+    if os.path.exists(fresh):
+        os.remove(fresh)
+    try:
+        download(remote_file, fresh)
+    except StoreError as exc:
+        if exc.transient and os.path.exists(local_file):
+            logging.getLogger("mixlen").warning(f"{exc}: reading the cached copy in {folder}")
+            return False
+        raise
+    stale = os.path.exists(local_file) and not filecmp.cmp(local_file, fresh, shallow=False)
+    if stale:
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if path != fresh and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path != fresh:
+                os.remove(path)
+        logging.getLogger("mixlen").warning(
+            f"{remote_file} differs from the copy cached in {folder} (the dataset was written "
+            "anew): the cached files were removed"
+        )
+    os.replace(fresh, local_file)
+    return stale
+
+
 def exists(remote_file: str) -> bool:
     """Whether `remote_file` exists (downloaded into a temporary file to find out)."""
     with tempfile.TemporaryDirectory(prefix="mixlen-probe-") as tmp:

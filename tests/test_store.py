@@ -19,7 +19,7 @@ from readback import read_rows, samples_from_rows
 
 from datapipe.errors import InputError, StoreError
 from datapipe.fetch import FetchConfig
-from datapipe.index import read_index, uri_key
+from datapipe.index import read_index, resolve_dataset, uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.settings import Names
 from datapipe.stream import StreamConfig
@@ -145,7 +145,8 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
         ref = next(local_stream)
         np.testing.assert_array_equal(b.sample_ids, ref.sample_ids)
         np.testing.assert_array_equal(b.lengths, ref.lengths)
-    assert os.listdir(cache) == [uri_key(uri)], "a folder per dataset"
+    listed = [n for n in os.listdir(cache) if not n.startswith(".")]  # and its lock file
+    assert listed == [uri_key(uri)], "a folder per dataset"
     folder = cache / uri_key(uri)
     assert sorted(os.listdir(folder)) == ["index.parquet", "manifest.json"], "metadata first"
     # fetch: every sample of those batches, through the download cache, equals the local tokens
@@ -216,6 +217,41 @@ def test_two_remote_datasets_share_a_cache_folder(s3, tmp_path) -> None:
         folder = os.path.join(cache, uri_key(uri))
         shards = sorted(f for f in os.listdir(folder) if f.startswith("shard."))
         os.truncate(os.path.join(folder, shards[0]), 10)
+
+
+def test_a_dataset_written_anew_at_its_uri_is_not_read_from_the_old_cache(s3, tmp_path) -> None:
+    """The prefix deleted and another dataset written there (what the refusal to replace a
+    dataset in a store advises): a reader with the old dataset's cache reads the new one, every
+    sample, not the cached manifest, index and shards; with the store unreachable, a cached
+    dataset is still read (a warning); the same cache, unchanged, keeps its shards."""
+    from _train_worker import make_dataset
+
+    uri, cache = f"s3://{s3['bucket']}/anew/ds", str(tmp_path / "cache")
+    folder = os.path.join(cache, uri_key(uri))
+    for k, n_docs in enumerate((30, 12)):
+        local = make_dataset(str(tmp_path / f"v{k}"), n_docs=n_docs, seed=k + 5)
+        if k:  # the old dataset's objects deleted, then the new one written
+            listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix="anew/")
+            for o in listed["Contents"]:
+                s3["client"].delete_object(Bucket=s3["bucket"], Key=o["Key"])
+        assert cli_main(["preprocess", str(tmp_path / f"v{k}.jsonl"), "--out", uri,
+                         "--chunk-tokens", "128", "--quiet"]) == 0  # fmt: skip
+        ref = samples_from_rows(read_rows(local, read_index(local).manifest))
+        for _ in range(2):  # the second time: the shards already cached are kept
+            before = sorted(f for f in os.listdir(folder)) if os.path.isdir(folder) else []
+            with FetchConfig().build(uri, cache) as fetcher:
+                assert len(fetcher.lengths) == len(ref)
+                for sid, n in enumerate(fetcher.lengths.tolist()):
+                    mb = fetcher.fetch(np.array([[sid, 0, n]]))
+                    np.testing.assert_array_equal(mb.input_ids, ref[sid])
+        assert set(before) <= set(os.listdir(folder)) and any(
+            f.startswith("shard.") for f in before
+        )
+    s3["server"].stop()
+    try:
+        assert len(read_index(resolve_dataset(uri, cache)[0]).num_tokens) == len(ref)
+    finally:
+        s3["server"].start()
 
 
 def test_resume_after_server_restart_mid_epoch(s3, corpus, tmp_path, monkeypatch) -> None:
