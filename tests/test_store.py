@@ -25,6 +25,8 @@ from datapipe.settings import Names
 from datapipe.stream import StreamConfig
 from tools.cli import main as cli_main
 
+ROOT = Path(__file__).resolve().parent.parent
+
 moto_server = pytest.importorskip(
     "moto.server", reason="moto[s3] is a test-only dependency (.[dev])"
 )
@@ -163,6 +165,65 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
     # a dataset is never replaced in a store
     with pytest.raises(InputError, match="already holds a dataset"):
         preprocess(PreprocessConfig(corpus["inputs"], uri, overwrite=True, progress=False))
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path) -> None:
+    """SIGTERM while the dataset is being uploaded (the store down, the upload retrying): exit
+    130, the staging copy removed. A copy a killed upload left (SIGKILL: no cleanup runs) is
+    removed by the next upload on this host once its process is gone; another host's, or a
+    running process's, is left alone."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from datapipe.ingest.upload import STAGE_PREFIX
+
+    staging = tmp_path / "staging"
+    marker = tmp_path / "paused"
+    env = dict(os.environ, MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD=str(marker), PYTHONPATH=str(ROOT),
+               MIXLEN_STORE_RETRIES="30")  # fmt: skip
+    cmd = [sys.executable, "-m", "tools.cli", "preprocess", *corpus["inputs"], "--out",
+           f"s3://{s3['bucket']}/term/ds", "--staging", str(staging), "--shard-size", "2000",
+           "--chunk-tokens", "64", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the bucket checked, one shard written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        s3["server"].stop()
+        marker.unlink()
+        while not list(staging.glob("*/dataset/manifest.json")):  # staged: the upload is on
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        s3["server"].start()
+    assert proc.returncode == 130 and "interrupted" in err.decode(), err.decode()[-2000:]
+    assert list(staging.iterdir()) == []
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    left = {  # name: kept by the next upload
+        f"{STAGE_PREFIX}{host}-{int(dead.stdout)}": False,
+        f"{STAGE_PREFIX}{host}-{os.getppid()}": True,  # running
+        f"{STAGE_PREFIX}otherhost-{int(dead.stdout)}": True,  # its pid means nothing here
+    }
+    for name in left:
+        (staging / name / "dataset").mkdir(parents=True)
+        (staging / name / "dataset" / "shard.00000.mds").write_bytes(b"x" * 100)
+    args = ["--chunk-tokens", "64", "--quiet", "--staging", str(staging)]
+    assert cli_main(["preprocess", *corpus["inputs"], "--out", f"s3://{s3['bucket']}/k/ds",
+                     *args]) == 0  # fmt: skip
+    assert sorted(p.name for p in staging.iterdir()) == sorted(n for n, k in left.items() if k)
 
 
 def test_train_from_s3_equals_local(s3, tmp_path) -> None:

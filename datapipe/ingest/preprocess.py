@@ -52,7 +52,7 @@ class PreprocessResult:
         return self.reported["bad"]
 
 
-class _SigtermAsInterrupt:
+class SigtermAsInterrupt:
     """Turn SIGTERM into KeyboardInterrupt so the temporary directory is cleaned up."""
 
     def __enter__(self) -> None:
@@ -132,7 +132,7 @@ def preprocess(
         t0 = time.perf_counter()
         run.root, run.pause_marker = str(tmp), os.environ.get(PAUSE_HOOK_ENV)
         try:
-            with _SigtermAsInterrupt():
+            with SigtermAsInterrupt():
                 result = ENGINES[cfg.engine](run)
             commit(tmp, out, cfg.out, cfg.overwrite)
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing

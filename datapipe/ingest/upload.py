@@ -7,6 +7,10 @@ Before any tokenizing, the uploader checks that the bucket exists and the creden
 prefix that already holds a manifest is refused: mixlen never replaces objects under a dataset
 someone may be reading (readers cache a remote dataset's files by URI, which is sound only if
 what is at a URI never changes). A failed upload leaves no manifest, so no dataset.
+
+The staging directory is `mixlen-stage-HOST-PID` under `--staging` (default: the temp directory),
+removed at the end, on an error, Ctrl-C or SIGTERM; one a killed run left (SIGKILL, the OOM
+killer) is removed by the next upload on the same host that finds its process gone.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from datapipe.errors import InputError
+from datapipe.files import pid_alive
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
 from datapipe.progress import progress
 from datapipe.store import exists, open_uploader, upload_files
@@ -34,12 +40,41 @@ def dataset_files(root: str, manifest: dict) -> list[str]:
     return [*names, INDEX_FILE, MANIFEST_FILE]
 
 
+STAGE_PREFIX = "mixlen-stage-"
+
+
+def _stage_name(pid: int) -> str:
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+    return f"{STAGE_PREFIX}{host}-{pid}"
+
+
+def remove_dead_stages(parent: str, warn: Callable[[str], None]) -> None:
+    """Remove the staging directories in `parent` of this host's uploads that were killed."""
+    mine = _stage_name(0)[:-1]  # "mixlen-stage-HOST-"
+    for name in os.listdir(parent):
+        pid = name.removeprefix(mine)
+        if name.startswith(mine) and pid.isdigit() and int(pid) != os.getpid():
+            if not pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                warn(f"removed {os.path.join(parent, name)}, a killed upload's staging copy")
+
+
 def preprocess_to_store(cfg, preprocess: Callable, warn: Callable[[str], None]):
     """Run `preprocess` into a staging directory, then upload the dataset to `cfg.out`."""
+    from datapipe.ingest.preprocess import SigtermAsInterrupt
+
+    with SigtermAsInterrupt():  # the staging copy is removed on SIGTERM too
+        return _stage_and_upload(cfg, preprocess, warn)
+
+
+def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
     uri = cfg.out.rstrip("/")
-    if cfg.staging:
-        os.makedirs(cfg.staging, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix="mixlen-stage-", dir=cfg.staging)
+    parent = cfg.staging or tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    remove_dead_stages(parent, warn)
+    stage = os.path.join(parent, _stage_name(os.getpid()))
+    shutil.rmtree(stage, ignore_errors=True)  # this process's own, from an upload that raised
+    os.mkdir(stage)
     try:
         uploader = open_uploader(uri, os.path.join(stage, "dataset"))  # bucket + credentials
         if exists(f"{uri}/{MANIFEST_FILE}"):
