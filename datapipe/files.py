@@ -8,6 +8,7 @@ else is refused with an InputError naming the file before a byte is read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -140,6 +141,30 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def host_tag() -> str:
+    """This host's name as a file name's part (pids mean something on their own host only)."""
+    import socket
+
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+
+
+def remove_dead_pid_dirs(parent: str, prefix: str) -> list[str]:
+    """Remove the folders in `parent` named `prefix` + PID (+ "-..."), for a PID that is not
+    running; `prefix` names this host (host_tag), so another host's are never touched. Returns
+    the paths removed."""
+    import shutil
+
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(parent):
+            pid = name.removeprefix(prefix).split("-", 1)[0]
+            if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():
+                if not pid_alive(int(pid)):
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                    removed.append(os.path.join(parent, name))
+    return removed
 
 
 def pid_alive(pid: int) -> bool:

@@ -293,10 +293,22 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
 def test_streaming_dataset_access_leaves_no_shm_or_filelocks(
     datasets, tmp_path, monkeypatch
 ) -> None:
+    import subprocess
+    import sys
+
     import datapipe.index as stream_mod
+    from datapipe.files import host_tag
 
     root, lengths = datasets["mds"]
     before = _leftovers()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    # a remote dataset's reader copies shards into its own folder, removed by close(): a killed
+    # reader's is removed by the next one on its host; a live one's, or another host's, stays
+    left = {f"mds-{host_tag()}-{dead}-0a1b2c3d": False, f"mds-{host_tag()}-{os.getppid()}-0": True,
+            f"mds-otherhost-{dead}-0a1b2c3d": True}  # fmt: skip
+    for name in left:
+        (tmp_path / "cTrue" / name).mkdir(parents=True)
     for remote in (False, True):
         if remote:
             monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(root))
@@ -306,6 +318,8 @@ def test_streaming_dataset_access_leaves_no_shm_or_filelocks(
             assert mb.num_tokens == int(lengths[7])
             assert _leftovers() != before or not os.path.isdir("/dev/shm")  # it did use shm
     assert _leftovers() == before
+    kept = sorted(n for n in os.listdir(tmp_path / "cTrue") if n.startswith("mds-"))
+    assert kept == sorted(n for n, k in left.items() if k)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int64])

@@ -22,7 +22,12 @@ from collections.abc import Callable
 import numpy as np
 
 from datapipe.errors import InputError, MixlenError
-from datapipe.files import METADATA_FILE_LIMIT, read_bounded_bytes
+from datapipe.files import (
+    METADATA_FILE_LIMIT,
+    host_tag,
+    read_bounded_bytes,
+    remove_dead_pid_dirs,
+)
 from datapipe.formats.base import (
     READ_ERRORS,
     SPAN_DTYPE,
@@ -294,7 +299,9 @@ class DatasetReader(RowReader):
             ds_local, ds_remote = local, None
         else:  # a unique local directory per dataset object: no sharing of cache state
             base = cache_dir or tempfile.gettempdir()
-            ds_local = os.path.join(base, f"mds-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            mine = f"mds-{host_tag()}-"
+            remove_dead_pid_dirs(base, mine)  # a killed reader's: close() never ran
+            ds_local = os.path.join(base, f"{mine}{os.getpid()}-{uuid.uuid4().hex[:8]}")
             ds_remote = remote
         self._own_local = ds_local if remote is not None else None
         self.ds = StreamingDataset(remote=ds_remote, local=ds_local, batch_size=1, shuffle=False)

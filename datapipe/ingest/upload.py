@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from datapipe.errors import InputError
-from datapipe.files import pid_alive
+from datapipe.files import host_tag, remove_dead_pid_dirs
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
 from datapipe.progress import progress
 from datapipe.store import exists, open_uploader, upload_files
@@ -43,20 +42,10 @@ def dataset_files(root: str, manifest: dict) -> list[str]:
 STAGE_PREFIX = "mixlen-stage-"
 
 
-def _stage_name(pid: int) -> str:
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
-    return f"{STAGE_PREFIX}{host}-{pid}"
-
-
 def remove_dead_stages(parent: str, warn: Callable[[str], None]) -> None:
     """Remove the staging directories in `parent` of this host's uploads that were killed."""
-    mine = _stage_name(0)[:-1]  # "mixlen-stage-HOST-"
-    for name in os.listdir(parent):
-        pid = name.removeprefix(mine)
-        if name.startswith(mine) and pid.isdigit() and int(pid) != os.getpid():
-            if not pid_alive(int(pid)):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-                warn(f"removed {os.path.join(parent, name)}, a killed upload's staging copy")
+    for path in remove_dead_pid_dirs(parent, f"{STAGE_PREFIX}{host_tag()}-"):
+        warn(f"removed {path}, a killed upload's staging copy")
 
 
 def preprocess_to_store(cfg, preprocess: Callable, warn: Callable[[str], None]):
@@ -72,7 +61,7 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
     parent = cfg.staging or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     remove_dead_stages(parent, warn)
-    stage = os.path.join(parent, _stage_name(os.getpid()))
+    stage = os.path.join(parent, f"{STAGE_PREFIX}{host_tag()}-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)  # this process's own, from an upload that raised
     os.mkdir(stage)
     try:
