@@ -267,6 +267,35 @@ def open_uploader(uri: str, local: str):
         raise StoreError(f"{uri}: bucket {bucket!r} does not exist (404)", "no_bucket") from None
 
 
+def abort_multipart_uploads(uri: str, warn: Callable[[str], None]) -> int:
+    """Abort the unfinished multipart uploads under the s3:// prefix `uri` (a killed upload's:
+    the store keeps and bills their parts, and no later upload of the same key removes them);
+    other schemes: nothing. Returns how many."""
+    if scheme(uri) != "s3":
+        return 0
+    import boto3
+
+    parsed = urllib.parse.urlparse(uri)
+    bucket, prefix = parsed.netloc, parsed.path.lstrip("/").rstrip("/") + "/"
+    client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+
+    def abort_all() -> int:
+        n = 0
+        pages = client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=bucket, Prefix=prefix
+        )
+        for page in pages:
+            for up in page.get("Uploads", []):
+                client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                n += 1
+        return n
+
+    n = with_retries(uri, "write", abort_all)
+    if n:
+        warn(f"{uri}: aborted {n} unfinished multipart upload(s) a killed upload had left")
+    return n
+
+
 def upload_files(uploader, uri: str, names: list[str], bar=None) -> None:
     """Upload `names` (paths relative to the uploader's local directory) in this order."""
     for name in names:

@@ -213,8 +213,8 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     left = {  # name: kept by the next upload
-        f"{STAGE_PREFIX}{host}-{int(dead.stdout)}": False,
-        f"{STAGE_PREFIX}{host}-{os.getppid()}": True,  # running
+        f"{STAGE_PREFIX}{host}-{int(dead.stdout)}-0a1b2c3d": False,
+        f"{STAGE_PREFIX}{host}-{os.getppid()}-0a1b2c3d": True,  # running
         f"{STAGE_PREFIX}otherhost-{int(dead.stdout)}": True,  # its pid means nothing here
     }
     for name in left:
@@ -224,6 +224,37 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
     assert cli_main(["preprocess", *corpus["inputs"], "--out", f"s3://{s3['bucket']}/k/ds",
                      *args]) == 0  # fmt: skip
     assert sorted(p.name for p in staging.iterdir()) == sorted(n for n, k in left.items() if k)
+
+
+def test_leftover_parts_are_aborted_and_a_dataset_made_meanwhile_is_kept(s3, corpus) -> None:
+    """A killed upload's unfinished multipart upload under the prefix (its parts stay, billed)
+    is aborted by the next upload there. A dataset another job finished at the prefix while this
+    one tokenized is refused before anything is uploaded (before: replaced without a word)."""
+    from datapipe.ingest.upload import preprocess_to_store
+
+    client, bucket = s3["client"], s3["bucket"]
+    part = client.create_multipart_upload(Bucket=bucket, Key="mp/ds/shard.00000.mds")
+    client.upload_part(Bucket=bucket, Key="mp/ds/shard.00000.mds", PartNumber=1,
+                       UploadId=part["UploadId"], Body=b"x" * 1024)  # fmt: skip
+    client.create_multipart_upload(Bucket=bucket, Key="mp/other/shard.00000.mds")  # not ours
+    warned: list[str] = []
+    cfg = PreprocessConfig(corpus["inputs"], f"s3://{bucket}/mp/ds", progress=False)
+    preprocess(cfg, warn=warned.append)
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix="mp/").get("Uploads", [])
+    assert [u["Key"] for u in left] == ["mp/other/shard.00000.mds"]
+    assert any("aborted 1 unfinished multipart upload" in w for w in warned), warned
+    uri = f"s3://{bucket}/race/ds"
+
+    def meanwhile(local_cfg, warn):  # another job's dataset lands while this one tokenizes
+        res = preprocess(local_cfg, warn)
+        preprocess(PreprocessConfig(corpus["inputs"][:1], uri, progress=False))
+        return res
+
+    with pytest.raises(InputError, match="was written there while this run tokenized"):
+        preprocess_to_store(PreprocessConfig(corpus["inputs"], uri, progress=False), meanwhile,
+                            print)  # fmt: skip
+    kept = json.loads(client.get_object(Bucket=bucket, Key="race/ds/manifest.json")["Body"].read())
+    assert kept["args"]["inputs"] == corpus["inputs"][:1], "the other job's dataset stays"
 
 
 def test_train_from_s3_equals_local(s3, tmp_path) -> None:

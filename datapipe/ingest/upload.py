@@ -8,7 +8,7 @@ prefix that already holds a manifest is refused: mixlen never replaces objects u
 someone may be reading (readers cache a remote dataset's files by URI, which is sound only if
 what is at a URI never changes). A failed upload leaves no manifest, so no dataset.
 
-The staging directory is `mixlen-stage-HOST-PID` under `--staging` (default: the temp directory),
+The staging directory is `mixlen-stage-HOST-PID-*` under `--staging` (default: the temp directory),
 removed at the end, on an error, Ctrl-C or SIGTERM; one a killed run left (SIGKILL, the OOM
 killer) is removed by the next upload on the same host that finds its process gone.
 """
@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -27,7 +28,7 @@ from datapipe.errors import InputError
 from datapipe.files import host_tag, remove_dead_pid_dirs
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
 from datapipe.progress import progress
-from datapipe.store import exists, open_uploader, upload_files
+from datapipe.store import abort_multipart_uploads, exists, open_uploader, upload_files
 
 
 def dataset_files(root: str, manifest: dict) -> list[str]:
@@ -56,22 +57,27 @@ def preprocess_to_store(cfg, preprocess: Callable, warn: Callable[[str], None]):
         return _stage_and_upload(cfg, preprocess, warn)
 
 
+def _refuse_a_dataset(out: str, meanwhile: str = "") -> None:
+    """InputError when the prefix holds a dataset (checked first, and again before uploading:
+    another job may have finished one there while this one tokenized)."""
+    if exists(f"{out.rstrip('/')}/{MANIFEST_FILE}"):
+        raise InputError(
+            f"--out {out}: already holds a dataset ({MANIFEST_FILE}); {meanwhile}mixlen does not "
+            "replace a dataset in an object store (readers may be using it; --overwrite is "
+            "for local directories): choose another prefix, or delete the old one first"
+        )
+
+
 def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
     uri = cfg.out.rstrip("/")
     parent = cfg.staging or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     remove_dead_stages(parent, warn)
-    stage = os.path.join(parent, f"{STAGE_PREFIX}{host_tag()}-{os.getpid()}")
-    shutil.rmtree(stage, ignore_errors=True)  # this process's own, from an upload that raised
+    stage = os.path.join(parent, f"{STAGE_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(stage)
     try:
         uploader = open_uploader(uri, os.path.join(stage, "dataset"))  # bucket + credentials
-        if exists(f"{uri}/{MANIFEST_FILE}"):
-            raise InputError(
-                f"--out {cfg.out}: already holds a dataset ({MANIFEST_FILE}); mixlen does not "
-                "replace a dataset in an object store (readers may be using it; --overwrite is "
-                "for local directories): choose another prefix, or delete the old one first"
-            )
+        _refuse_a_dataset(cfg.out)
         t0 = time.perf_counter()
         # (the uploader made the empty local directory: the local run replaces it)
         res = preprocess(replace(cfg, out=os.path.join(stage, "dataset"), overwrite=True), warn)
@@ -84,6 +90,8 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         os.replace(tmp, os.path.join(root, MANIFEST_FILE))
         names = dataset_files(root, manifest)
         total = sum(os.path.getsize(os.path.join(root, n)) for n in names)
+        _refuse_a_dataset(cfg.out, "was written there while this run tokenized; ")
+        abort_multipart_uploads(uri, warn)  # a killed upload's parts, still billed
         with progress(total, "upload", "B", cfg.progress, unit_scale=True) as bar:
             upload_files(uploader, uri, names, bar)
         res.out = uri
