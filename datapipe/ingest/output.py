@@ -13,6 +13,8 @@ time, and the final rename.
   moved aside and deleted only once the new one is in place.
 - `clean_stale`: temporaries of killed runs are removed; an old output a killed run had moved
   aside but not yet replaced is put back.
+- `SigtermAsInterrupt`: SIGTERM (a scheduler's stop) raises KeyboardInterrupt, so that the
+  cleanup Ctrl-C runs also runs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 from datapipe.errors import InputError
 from datapipe.files import is_inside, pid_alive
 
-__all__ = ["OutputLock", "check_out_path", "clean_stale", "commit", "partial_dir"]
+__all__ = [
+    "OutputLock",
+    "SigtermAsInterrupt",
+    "check_out_path",
+    "clean_stale",
+    "commit",
+    "partial_dir",
+]
 
 
 def check_out_path(
@@ -161,3 +172,20 @@ def commit(tmp: Path, out: Path, out_arg: str, overwrite: bool) -> None:
     os.rename(out, aside)
     os.rename(tmp, out)
     _remove(aside)
+
+
+class SigtermAsInterrupt:
+    """Turn SIGTERM into KeyboardInterrupt so the temporary directory is cleaned up."""
+
+    def __enter__(self) -> None:
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)

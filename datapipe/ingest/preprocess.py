@@ -11,9 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +24,14 @@ from datapipe.ingest.config import PreprocessConfig
 from datapipe.ingest.engines import ENGINES
 from datapipe.ingest.engines.base import EngineRun, Tally
 from datapipe.ingest.inputs import scan_inputs
-from datapipe.ingest.output import OutputLock, check_out_path, clean_stale, commit, partial_dir
+from datapipe.ingest.output import (
+    OutputLock,
+    SigtermAsInterrupt,
+    check_out_path,
+    clean_stale,
+    commit,
+    partial_dir,
+)
 from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import TokenizerSpec
 
@@ -50,23 +55,6 @@ class PreprocessResult:
     def bad_examples(self) -> list[tuple[str, str]]:
         """The first bad inputs named (at most --max-reported)."""
         return self.reported["bad"]
-
-
-class SigtermAsInterrupt:
-    """Turn SIGTERM into KeyboardInterrupt so the temporary directory is cleaned up."""
-
-    def __enter__(self) -> None:
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._raise)
-
-    @staticmethod
-    def _raise(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
 
 
 def _prepare(cfg: PreprocessConfig, warn: Callable[[str], None]) -> EngineRun:

@@ -27,6 +27,7 @@ from dataclasses import replace
 from datapipe.errors import InputError
 from datapipe.files import host_tag, remove_dead_pid_dirs
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
+from datapipe.ingest.output import SigtermAsInterrupt
 from datapipe.progress import progress
 from datapipe.store import abort_multipart_uploads, exists, open_uploader, upload_files
 
@@ -51,8 +52,6 @@ def remove_dead_stages(parent: str, warn: Callable[[str], None]) -> None:
 
 def preprocess_to_store(cfg, preprocess: Callable, warn: Callable[[str], None]):
     """Run `preprocess` into a staging directory, then upload the dataset to `cfg.out`."""
-    from datapipe.ingest.preprocess import SigtermAsInterrupt
-
     with SigtermAsInterrupt():  # the staging copy is removed on SIGTERM too
         return _stage_and_upload(cfg, preprocess, warn)
 
