@@ -348,12 +348,12 @@ def default_cache_dir(remote: str) -> str:
     return os.path.join(tempfile.gettempdir(), "mixlen-cache", uri_key(remote))
 
 
-def download(remote_file: str, local_file: str) -> None:
-    """Fetch one file with mosaicml-streaming's downloader (no-op when already cached); errors
-    and retries as in datapipe.store."""
+def download(remote_file: str, local_file: str, replace: bool = False) -> None:
+    """Fetch one file with mosaicml-streaming's downloader (no-op when already cached, unless
+    `replace`); errors and retries as in datapipe.store."""
     from datapipe.store import download as store_download
 
-    store_download(remote_file, local_file)
+    store_download(remote_file, local_file, replace=replace)
 
 
 def resolve_dataset(
@@ -374,7 +374,7 @@ def resolve_dataset(
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: dataset directory {path!r} not found")
         return path, None
-    from datapipe.store import refresh_cache
+    from datapipe.store import refresh_cache, remove_dead_parts
 
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)
@@ -387,6 +387,7 @@ def resolve_dataset(
             refresh_cache(
                 path.rstrip("/") + "/" + MANIFEST_FILE, os.path.join(local, MANIFEST_FILE)
             )
+            remove_dead_parts(local)  # what downloads of killed readers left
             for name in METADATA_FILES:
                 download(path.rstrip("/") + "/" + name, os.path.join(local, name))
         except StoreError as exc:

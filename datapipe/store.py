@@ -13,6 +13,7 @@ the library reads them (`S3_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCES
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -21,6 +22,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from datapipe.errors import StoreError
+from datapipe.files import host_tag, pid_alive
 
 RETRIES_ENV = "MIXLEN_STORE_RETRIES"
 DEFAULT_RETRIES = 5
@@ -179,17 +181,44 @@ def with_retries(uri: str, doing: str, fn: Callable[[], object]) -> object:
     raise AssertionError("unreachable")
 
 
-def download(remote_file: str, local_file: str, timeout: float = 60.0) -> None:
-    """Fetch one file with mosaicml-streaming's downloader into `local_file` (no-op when there)."""
+def download(
+    remote_file: str, local_file: str, timeout: float = 60.0, replace: bool = False
+) -> None:
+    """Fetch one file with mosaicml-streaming's downloader into `local_file` (no-op when there,
+    unless `replace`), through `local_file` + PART_TAG + HOST-PID, renamed into place in one
+    step: other processes never find `local_file` missing or partial, and a download killed
+    part-way leaves a file named by its process, which `remove_dead_parts` removes."""
     from streaming.base.storage import CloudDownloader  # lazy: only remote datasets need it
 
-    if os.path.exists(local_file):
+    if os.path.exists(local_file) and not replace:
         return
-    with_retries(
-        remote_file,
-        "read",
-        lambda: CloudDownloader.direct_download(remote_file, local_file, timeout),
-    )
+    part = f"{local_file}{PART_TAG}{host_tag()}-{os.getpid()}"
+    try:
+        with_retries(
+            remote_file,
+            "read",
+            lambda: CloudDownloader.direct_download(remote_file, part, timeout),
+        )
+        os.replace(part, local_file)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
+
+
+PART_TAG = ".part-"
+
+
+def remove_dead_parts(folder: str) -> int:
+    """Remove the files in `folder` that downloads of this host's dead processes left (the
+    SDK's own temporary names, beside or after `download`'s, included). Returns how many."""
+    tag, n = f"{PART_TAG}{host_tag()}-", 0
+    for name in os.listdir(folder):
+        pid = name.partition(tag)[2].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+                n += 1
+    return n
 
 
 def refresh_cache(remote_file: str, local_file: str) -> bool:

@@ -287,6 +287,27 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
         got = [s["name"] for s in manifest["shards"] if (folder / s["name"]).exists()]
         assert 1 <= len(got) < len(manifest["shards"])
     assert _leftovers() == before
+    files = os.listdir(folder)  # metadata (MDS: index.json too) and the shards it read
+    assert {"manifest.json", "index.parquet", *got} <= set(files) and not [
+        f for f in files if ".part" in f
+    ]
+    # downloads killed part-way (a dead process's part file, and the SDK's own temporary name
+    # after it) are removed by the next reader of the host; a live process's stay
+    import subprocess
+    import sys
+
+    from datapipe.files import host_tag
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    name = manifest["shards"][-1]["name"]
+    left = {f"{name}.part-{host_tag()}-{dead}": False, f"{name}.part-{host_tag()}-{dead}.aB3dE6gH":
+            False, f"{name}.part-{host_tag()}-{os.getppid()}": True}  # fmt: skip
+    for n in left:
+        (folder / n).write_bytes(b"x" * 10)
+    with FetchConfig().build(str(root), str(cache)):
+        pass
+    assert sorted(os.listdir(folder)) == sorted([*files, *(n for n, k in left.items() if k)])
 
 
 @pytest.mark.serial  # compares /dev/shm and /tmp before and after

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,16 +264,9 @@ class RowReader:
         except InputError:
             if not cached:
                 raise
-            # a damaged copy in the cache (the store's may be sound): fetched once more under a
-            # name of this process's, then put in its place in one step (other processes reading
-            # the same cache never find the file missing)
-            fresh = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
-            try:
-                download(url, fresh)
-                os.replace(fresh, path)
-            finally:
-                if os.path.exists(fresh):
-                    os.remove(fresh)
+            # a damaged copy in the cache (the store's may be sound): fetched once more, put in
+            # its place in one step (other processes reading the same cache never find it missing)
+            download(url, path, replace=True)
             self.verify_shard(shard, path)
         return path
 
