@@ -364,8 +364,8 @@ def resolve_dataset(
     A remote dataset's two metadata files are downloaded into its folder under ``cache_dir``, one
     per URI (default: under the temp directory), so datasets that share a cache never read each
     other's files; its shards are fetched later, on demand, by the fetch. manifest.json is
-    fetched on every open: a dataset written anew at the URI empties the folder first. `key` names the setting
-    in errors.
+    fetched on every open: a dataset written anew at the URI empties the folder first. `key`
+    names the setting in errors.
     """
     path = str(path)
     if not is_remote(path):
@@ -374,6 +374,9 @@ def resolve_dataset(
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: dataset directory {path!r} not found")
         return path, None
+    # the downloader's seconds of imports before the lock, not one rank of the host after another
+    from streaming.base.storage import CloudDownloader  # noqa: F401
+
     from datapipe.store import refresh_cache, remove_dead_parts
 
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
@@ -392,4 +395,9 @@ def resolve_dataset(
                 download(path.rstrip("/") + "/" + name, os.path.join(local, name))
         except StoreError as exc:
             raise StoreError(f"{key}: {exc}", exc.kind) from None
+        except OSError as exc:  # a full disk, a read-only cache: the store is not at fault
+            raise InputError(
+                f"{key}: cannot write the dataset's cache in {local} ({exc.strerror or exc}); "
+                "free space there or set data.cache_dir to another disk"
+            ) from None
     return local, path

@@ -19,6 +19,7 @@ import re
 import tempfile
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable
 
 from datapipe.errors import StoreError
@@ -185,14 +186,16 @@ def download(
     remote_file: str, local_file: str, timeout: float = 60.0, replace: bool = False
 ) -> None:
     """Fetch one file with mosaicml-streaming's downloader into `local_file` (no-op when there,
-    unless `replace`), through `local_file` + PART_TAG + HOST-PID, renamed into place in one
+    unless `replace`), through `local_file` + PART_TAG + HOST-PID-*, renamed into place in one
     step: other processes never find `local_file` missing or partial, and a download killed
     part-way leaves a file named by its process, which `remove_dead_parts` removes."""
     from streaming.base.storage import CloudDownloader  # lazy: only remote datasets need it
 
     if os.path.exists(local_file) and not replace:
         return
-    part = f"{local_file}{PART_TAG}{host_tag()}-{os.getpid()}"
+    # a name of this download's own: ranks (and threads) that fetch one file at once never
+    # write into, rename or remove each other's copy (the SDKs' own temporary names may be fixed)
+    part = f"{local_file}{PART_TAG}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         with_retries(
             remote_file,
@@ -213,7 +216,7 @@ def remove_dead_parts(folder: str) -> int:
     SDK's own temporary names, beside or after `download`'s, included). Returns how many."""
     tag, n = f"{PART_TAG}{host_tag()}-", 0
     for name in os.listdir(folder):
-        pid = name.partition(tag)[2].split(".", 1)[0]
+        pid = name.partition(tag)[2].split("-", 1)[0].split(".", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(folder, name))
@@ -224,9 +227,9 @@ def remove_dead_parts(folder: str) -> int:
 def refresh_cache(remote_file: str, local_file: str) -> bool:
     """Fetch `remote_file` again on every open, over a cached copy `local_file`: when they differ
     (the dataset at that URI was deleted and written anew), every other file in the cached
-    copy's folder is stale and removed. True when it was. A store that cannot be reached leaves
-    a cached copy in use (logged); with none, or refused, StoreError. Callers hold the folder's
-    lock (ranks of one host share it)."""
+    copy's folder is stale and removed. True when it was. A store that cannot be reached, or a
+    full disk under the cache, leaves a cached copy in use (logged); with none, StoreError or
+    OSError. Callers hold the folder's lock (ranks of one host share it)."""
     import filecmp
     import logging
     import shutil
@@ -237,9 +240,13 @@ def refresh_cache(remote_file: str, local_file: str) -> bool:
         os.remove(fresh)
     try:
         download(remote_file, fresh)
-    except StoreError as exc:
-        if exc.transient and os.path.exists(local_file):
-            logging.getLogger("mixlen").warning(f"{exc}: reading the cached copy in {folder}")
+    except (StoreError, OSError) as exc:
+        if os.path.exists(fresh):
+            os.remove(fresh)
+        usable = exc.transient if isinstance(exc, StoreError) else True
+        if usable and os.path.exists(local_file):
+            why = exc if isinstance(exc, StoreError) else f"{fresh}: {exc.strerror or exc}"
+            logging.getLogger("mixlen").warning(f"{why}: reading the cached copy in {folder}")
             return False
         raise
     stale = os.path.exists(local_file) and not filecmp.cmp(local_file, fresh, shallow=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from datapipe.errors import InputError
 from datapipe.fetch import FetchConfig, Prefetcher
 from datapipe.index import uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
@@ -301,13 +302,29 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout)  # fmt: skip
     name = manifest["shards"][-1]["name"]
-    left = {f"{name}.part-{host_tag()}-{dead}": False, f"{name}.part-{host_tag()}-{dead}.aB3dE6gH":
-            False, f"{name}.part-{host_tag()}-{os.getppid()}": True}  # fmt: skip
+    tag = f"{name}.part-{host_tag()}"
+    left = {f"{tag}-{dead}-0a1b2c3d": False, f"{tag}-{dead}-0a1b2c3d.aB3dE6gH": False,
+            f"{tag}-{os.getppid()}-0a1b2c3d": True}  # fmt: skip
     for n in left:
         (folder / n).write_bytes(b"x" * 10)
     with FetchConfig().build(str(root), str(cache)):
         pass
     assert sorted(os.listdir(folder)) == sorted([*files, *(n for n, k in left.items() if k)])
+    # a full disk under the cache: a cached dataset is still opened; an uncached one is refused
+    # naming the cache folder (before: an OSError traceback at every open)
+    import errno
+
+    import datapipe.store
+
+    def full(remote: str, local: str, *a, replace: bool = False, **k) -> None:
+        if not os.path.exists(local) or replace:  # what is cached needs no writing
+            raise OSError(errno.ENOSPC, "No space left on device", local)
+
+    monkeypatch.setattr(datapipe.store, "download", full)
+    with FetchConfig().build(str(root), str(cache)) as fetcher:
+        assert len(fetcher.lengths) == len(lengths)
+    with pytest.raises(InputError, match=r"path: cannot write the dataset's cache in .*other"):
+        FetchConfig().build(str(root), str(tmp_path / "empty"))
 
 
 @pytest.mark.serial  # compares /dev/shm and /tmp before and after
@@ -381,3 +398,45 @@ def test_rows_disagreeing_with_index_are_reported(datasets) -> None:
         fetcher.lengths[s] += 1  # the index now disagrees with the stored last row
         with pytest.raises(InputError, match=f"sample {s}"):
             fetcher.fetch(np.array([[s, 0, int(lengths[s])]], np.int64))
+
+
+@pytest.mark.serial  # forks
+def test_ranks_fetching_one_uncached_remote_dataset_at_once(tmp_path, monkeypatch) -> None:
+    """Four processes of one host open a 'remote' dataset through one cold cache and read every
+    shard at the same moment (a job's ranks at its first step): each reads the right tokens; none
+    finds another's half-written copy (before: 'checksum differs', 'truncated', or a missing
+    '.tmp' in 3 of 4 ranks: the downloaders of oci, azure, dbfs, sftp and local paths write to
+    a fixed `NAME.tmp`)."""
+    import multiprocessing as mp
+
+    import streaming.base.storage  # noqa: F401 (imported once, not by each forked rank)
+
+    import datapipe.index as stream_mod
+
+    texts = ["x" * 400_000 + str(i) for i in range(6)]  # 6 shards of 400 KB: a long copy each
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    root = tmp_path / "remote"
+    preprocess(PreprocessConfig([str(src)], str(root), format="parquet", chunk_tokens=1 << 16,
+                                shard_bytes=1 << 18, progress=False))  # fmt: skip
+    monkeypatch.setattr(stream_mod, "is_remote", lambda p: str(p) == str(root))
+    cache, ctx = str(tmp_path / "cache"), mp.get_context("fork")
+    barrier, out = ctx.Barrier(4), ctx.Queue()
+
+    def rank(i: int) -> None:
+        try:
+            with FetchConfig().build(str(root), cache) as fetcher:
+                barrier.wait(30)
+                got = [fetcher.fetch(np.array([[s, 0, n]])).input_ids[1:-1]
+                       for s, n in enumerate(fetcher.lengths.tolist())]  # fmt: skip
+                out.put((i, [bytes(g.astype(np.uint8)).decode() == t for g, t in zip(got, texts)]))
+        except Exception as exc:  # reported, not raised in the child
+            out.put((i, f"{type(exc).__name__}: {exc}"))
+
+    procs = [ctx.Process(target=rank, args=(i,)) for i in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert results == {i: [True] * len(texts) for i in range(4)}, results
