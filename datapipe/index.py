@@ -374,10 +374,9 @@ def resolve_dataset(
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: dataset directory {path!r} not found")
         return path, None
-    # the downloader's seconds of imports before the lock, not one rank of the host after another
-    from streaming.base.storage import CloudDownloader  # noqa: F401
+    from datapipe.store import import_downloader, refresh_cache, remove_dead_parts
 
-    from datapipe.store import refresh_cache, remove_dead_parts
+    import_downloader()  # its seconds of imports before the lock, not one rank after another
 
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)

@@ -182,6 +182,11 @@ def with_retries(uri: str, doing: str, fn: Callable[[], object]) -> object:
     raise AssertionError("unreachable")
 
 
+def import_downloader() -> None:
+    """Import mosaicml-streaming's downloader (seconds, the first time in a process)."""
+    from streaming.base.storage import CloudDownloader  # noqa: F401
+
+
 def download(
     remote_file: str, local_file: str, timeout: float = 60.0, replace: bool = False
 ) -> None:

@@ -58,7 +58,7 @@ def test_another_runs_metrics_are_moved_aside_and_a_resume_takes_back_its_own(tm
     ]  # fmt: skip
     assert _steps(tmp_path, "metrics-B.jsonl") == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "metrics-B.jsonl", "metrics.jsonl"
+        ".metrics.lock", "metrics-B.jsonl", "metrics.jsonl"
     ]  # fmt: skip
     _run(tmp_path, range(1, 3), None, "C")  # a third run: A's file aside beside B's
     assert _steps(tmp_path, "metrics-A.jsonl") == [1, 2, 3, 4, 5, 6]
@@ -75,3 +75,43 @@ def test_another_runs_metrics_are_moved_aside_and_a_resume_takes_back_its_own(tm
     _run(old, range(1, 2), None, "G")
     assert _steps(old, "metrics-E.jsonl") == [1] and _steps(old, "metrics-F.jsonl") == [1]
     assert _steps(old, "metrics-E.1.jsonl") == [1, 2]
+
+
+def test_two_runs_at_once_in_one_folder_and_a_full_disk(tmp_path, caplog) -> None:
+    """A second run writing into a metrics.dir while another run writes there is refused naming
+    the folder and the first (before: both wrote one metrics.jsonl, torn lines, exit 0); once the
+    first closes, the folder is free. A full disk under metrics.jsonl stops the metrics, logged
+    once as an error, and never the run (before: an OSError ended training before the checkpoint
+    that was due, and close() raised it again)."""
+    import errno
+
+    import pytest
+
+    from datapipe.errors import ConfigError
+
+    def writer(run_id: str) -> MetricsWriter:
+        return MetricsWriter(str(tmp_path), 10, progress=False, console_interval=1000,
+                             stream=io.StringIO(), run_id=run_id)  # fmt: skip
+
+    first = writer("A")
+    with pytest.raises(ConfigError, match=f"metrics.dir {tmp_path}: another run \\(pid \\d+ on"):
+        writer("B")
+    first.log({"step": 1, "loss": 1.0})
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    first._jsonl.close()
+    first._jsonl = Full()
+    for k in (2, 3):
+        first.log({"step": k, "loss": float(k)})  # no exception
+    first.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "metrics.jsonl: cannot write (No space left on device)" in errors[0]
+    assert _steps(tmp_path) == [1]
+    second = writer("B")  # free again
+    second.close()

@@ -19,6 +19,7 @@ validation figures, and global rank 0's own `comm_time_s`, `allreduce_bytes`,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from datapipe.errors import ConfigError
 from datapipe.files import write_text_atomic
 from datapipe.settings import setting
 from trainer.logs import get_logger
@@ -331,6 +333,28 @@ def _claim(path: str, run_id: str, resumed: bool, say: Any) -> None:
         say(f"{path}: this run's metrics put back from {os.path.basename(mine)}")
 
 
+def _lock_folder(folder: str) -> int:
+    """An exclusive lock on `folder`/.metrics.lock, held until closed (the kernel drops it when a
+    process dies); ConfigError naming the folder and the holder when another run has it."""
+    import fcntl
+    import socket
+
+    path = os.path.join(folder, ".metrics.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 128, 0).decode("utf-8", "replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"metrics.dir {folder}: another run ({holder}) is writing its metrics there; give "
+            "this run its own metrics.dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
 def _free_name(folder: str, stem: str) -> str:
     """`stem.jsonl` in `folder`, or `stem.N.jsonl` for the first N not taken."""
     name, n = os.path.join(folder, stem + ".jsonl"), 1
@@ -361,9 +385,11 @@ class MetricsWriter:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._lock: int | None = None
         if not self.active:
             return
         os.makedirs(self.out_dir, exist_ok=True)
+        self._lock = _lock_folder(self.out_dir)  # one run at a time writes here
         self.path = os.path.join(self.out_dir, "metrics.jsonl")
         _claim(self.path, self.run_id, self.resume_step is not None, get_logger().warning)
         if self.resume_step is not None and os.path.exists(self.path):
@@ -404,14 +430,19 @@ class MetricsWriter:
         """Append a step record (needs `step`); scalars also go to TensorBoard."""
         if not self.active:
             return
-        assert self._jsonl is not None
-        self._jsonl.write(
-            json.dumps({**record, "run": self.run_id} if self.run_id else record) + "\n"
-        )
+        if self._jsonl is not None:
+            line = json.dumps({**record, "run": self.run_id} if self.run_id else record) + "\n"
+            try:
+                self._jsonl.write(line)
+            except OSError as exc:  # a full disk: the metrics stop, the run (and its saves) not
+                self._give_up("_jsonl", self.path, exc)
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k, v, record["step"])
+            try:
+                for k, v in record.items():
+                    if isinstance(v, (int, float)) and k != "step":
+                        self._tb.add_scalar(k, v, record["step"])
+            except OSError as exc:
+                self._give_up("_tb", os.path.join(self.out_dir, "tb"), exc)
         if "loss" in record:
             if self._bar is not None:
                 self._bar.update(1)
@@ -424,13 +455,31 @@ class MetricsWriter:
                 f"({record['val_tokens']} tokens)"
             )
 
+    def _give_up(self, attr: str, path: str, exc: OSError) -> None:
+        """Stop writing one output after a write failed (logged once, as an error)."""
+        get_logger().error(
+            f"{path}: cannot write ({exc.strerror or exc}); no more metrics are recorded there "
+            "this run, and training goes on (checkpoints are written elsewhere, or fail loudly)"
+        )
+        out = getattr(self, attr)
+        setattr(self, attr, None)
+        with contextlib.suppress(OSError):
+            out.close()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for attr in ("_jsonl", "_tb"):
+            out = getattr(self, attr)
+            if out is not None:
+                try:
+                    out.close()
+                except OSError as exc:  # its last records could not be written
+                    self._give_up(attr, os.path.join(self.out_dir, attr.strip("_")), exc)
+                setattr(self, attr, None)
+        if self._lock is not None:
+            os.close(self._lock)  # released; the file stays (unlinking it would race a taker)
+            self._lock = None
 
 
 def _console_line(r: dict[str, Any]) -> str:

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from datapipe.errors import ConfigError
+from datapipe.errors import ConfigError, PeerError
 from datapipe.files import write_text_atomic
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import seed_all
+from trainer.checkpoint.save import any_rank
 from trainer.checkpoint.state import ModelState
 from trainer.compare import PolicyComparison
 from trainer.config.job import TrainConfig, TrainerConfig
@@ -249,19 +250,29 @@ class Trainer:
     def _build_reports(self) -> None:
         """Metrics (the run's rank 0 writes), the balance summary, the policy comparison."""
         cfg, rt = self.cfg, self.rt
-        self.metrics = MetricsWriter(
-            cfg.metrics.dir,
-            cfg.train.steps,
-            active=rt.global_rank == 0,
-            tensorboard=cfg.metrics.tensorboard,
-            progress=cfg.metrics.progress,
-            console_interval=cfg.metrics.console_interval,
-            resume_step=self.start_step if self.checkpointer.resumed else None,
-            run_id=self.checkpointer.run_id,
-        )
-        self._stack.callback(self.metrics.close)
-        if rt.global_rank == 0:
-            write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
+        err: Exception | None = None
+        try:  # rank 0's files: another run's lock, a full disk stop every rank, at once
+            self.metrics = MetricsWriter(
+                cfg.metrics.dir,
+                cfg.train.steps,
+                active=rt.global_rank == 0,
+                tensorboard=cfg.metrics.tensorboard,
+                progress=cfg.metrics.progress,
+                console_interval=cfg.metrics.console_interval,
+                resume_step=self.start_step if self.checkpointer.resumed else None,
+                run_id=self.checkpointer.run_id,
+            )
+            self._stack.callback(self.metrics.close)
+            if rt.global_rank == 0:
+                write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
+        except (ConfigError, OSError) as exc:
+            err = exc
+        if any_rank(rt.run_comm, err is not None, rt.device):
+            if isinstance(err, OSError):
+                raise ConfigError(f"metrics.dir {cfg.metrics.dir}: cannot write ({err})") from None
+            if err is not None:
+                raise err
+            raise PeerError(f"metrics.dir {cfg.metrics.dir}: refused (reported by rank 0)")
         self.metrics.set_start(self.start_step)
         self.balance = BalanceSummary(islands=rt.islands, start_step=self.start_step)
         if self.activations is not None:
