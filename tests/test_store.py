@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from readback import read_rows, samples_from_rows
 
-from datapipe.errors import InputError, StoreError
+from datapipe.errors import InputError, MixlenError, StoreError
 from datapipe.fetch import FetchConfig
 from datapipe.index import read_index, resolve_dataset, uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
@@ -254,6 +254,14 @@ def test_leftover_parts_are_aborted_and_a_dataset_made_meanwhile_is_kept(s3, cor
         preprocess_to_store(PreprocessConfig(corpus["inputs"], uri, progress=False), meanwhile,
                             print)  # fmt: skip
     kept = json.loads(client.get_object(Bucket=bucket, Key="race/ds/manifest.json")["Body"].read())
+    assert kept["args"]["inputs"] == corpus["inputs"][:1], "the other job's dataset stays"
+
+    def disk_full(local_cfg, warn):  # the local run's own message names its --out: the staging
+        raise MixlenError(f"--out {local_cfg.out}: writing failed (disk full or file size limit)")
+
+    cfg = PreprocessConfig(corpus["inputs"], f"s3://{bucket}/full/ds", progress=False)
+    with pytest.raises(MixlenError, match=r"^--staging \S+ \(the local copy of --out s3://"):
+        preprocess_to_store(cfg, disk_full, print)
     assert kept["args"]["inputs"] == corpus["inputs"][:1], "the other job's dataset stays"
 
 

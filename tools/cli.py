@@ -7,11 +7,15 @@ only when its subcommand runs, so `mixlen profile` never pays for torch or the s
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from collections.abc import Callable
 
 from datapipe.errors import MixlenError, PeerError
+
+# a full disk, a quota, a file size limit, a read-only file system: the user's to fix, named
+DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -107,6 +111,12 @@ def run_command(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         print(f"mixlen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        where = f" {exc.filename}:" if exc.filename else ""
+        print(f"mixlen {args.command}: error: cannot write{where} {exc.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"mixlen {args.command}: interrupted", file=sys.stderr)

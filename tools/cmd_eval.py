@@ -224,12 +224,12 @@ def run(args: argparse.Namespace) -> int:
 
         os.makedirs(args.out, exist_ok=True)
         text = json.dumps(finite_json(result), indent=1, allow_nan=False)
-        write_text_atomic(os.path.join(args.out, "eval.json"), text)
         png = os.path.join(args.out, "passkey.png")
+        if os.path.lexists(png):  # an earlier evaluation's plot never sits beside this eval.json
+            os.remove(png)
         if result.get("passkey"):
             plot_passkey(result["passkey"], png)
-        elif os.path.lexists(png):  # an earlier evaluation's plot beside this one's eval.json
-            os.remove(png)
+        write_text_atomic(os.path.join(args.out, "eval.json"), text)
     if args.json:
         print(json.dumps(finite_json(result), allow_nan=False))
     else:

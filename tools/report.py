@@ -112,7 +112,11 @@ def plot_ranks(
     data = buf.getvalue()
     if path:
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:  # a full disk: the old plot stays, no half-written one beside it
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return data

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-from datapipe.errors import InputError
+from datapipe.errors import InputError, MixlenError
 from datapipe.files import host_tag, remove_dead_pid_dirs
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
 from datapipe.ingest.output import SigtermAsInterrupt
@@ -79,7 +79,14 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         _refuse_a_dataset(cfg.out)
         t0 = time.perf_counter()
         # (the uploader made the empty local directory: the local run replaces it)
-        res = preprocess(replace(cfg, out=os.path.join(stage, "dataset"), overwrite=True), warn)
+        staged = os.path.join(stage, "dataset")
+        try:
+            res = preprocess(replace(cfg, out=staged, overwrite=True), warn)
+        except MixlenError as exc:  # a full disk under the staging copy: name the user's flag
+            if f"--out {staged}" not in str(exc):
+                raise
+            where = f"--staging {parent} (the local copy of --out {cfg.out} before its upload)"
+            raise type(exc)(str(exc).replace(f"--out {staged}", where)) from None
         root = res.out
         manifest = res.manifest
         manifest["args"]["out"] = cfg.out  # where the dataset lives, not the staging directory

@@ -114,6 +114,10 @@ def plot_passkey(cases: list[dict[str, Any]], path: str) -> None:
     ax.set_title("passkey retrieval (green: answered; number: answer loss)", fontsize=9)
     fig.tight_layout()
     tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:  # a full disk: no half-written plot left
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
