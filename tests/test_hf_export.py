@@ -19,7 +19,7 @@ from _hf_reference import CASES, ORIGINAL, assert_close_per_doc, hf_model, packe
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from datapipe.errors import InputError
+from datapipe.errors import InputError, MixlenError
 from trainer.checkpoint.files import write_checksums
 from trainer.checkpoint.state import ModelState
 from trainer.checkpoint.weights import read_model_weights
@@ -216,6 +216,14 @@ def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path
     with pytest.raises(OSError, match="No space"):
         export_hf(weights, pre.shape, pre.family, str(out), shard_bytes=30_000, overwrite=True)
     assert os.listdir(out) == ["keep.txt"]  # untouched
+
+    def full_disk(*args, **kwargs):  # what safetensors raises when its write fails
+        raise safetensors.SafetensorError("Error while serializing: I/O error: File too large")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(MixlenError, match=r"\.out\.partial-\d+: cannot write model.safetensors"):
+        export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
+    assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["out", "src"]
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]

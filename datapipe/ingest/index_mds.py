@@ -118,21 +118,26 @@ def index_mds(
             f"{', '.join(TOKEN_DTYPES)} (rewrite the column in one of them)"
         )
     num_tokens = np.asarray(lengths, dtype=np.int64)
-    tmp_index = os.path.join(root, INDEX_FILE + ".tmp")
-    write_index(
-        tmp_index,
-        num_tokens,
-        np.asarray(shard_of, dtype=np.int32),
-        np.asarray(row_in_shard, dtype=np.int64),
-        np.ones(len(lengths), dtype=np.int32),
-        ["" for _ in lengths],
-    )
-    manifest = _manifest(num_tokens, shards, dtype, max_token, tokens_field, tmp_index)
-    tmp_manifest = os.path.join(root, MANIFEST_FILE + ".tmp")
-    with open(tmp_manifest, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp_index, os.path.join(root, INDEX_FILE))
-    os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
+    tmp_index = os.path.join(root, f"{INDEX_FILE}.tmp-{os.getpid()}")
+    tmp_manifest = os.path.join(root, f"{MANIFEST_FILE}.tmp-{os.getpid()}")
+    try:
+        write_index(
+            tmp_index,
+            num_tokens,
+            np.asarray(shard_of, dtype=np.int32),
+            np.asarray(row_in_shard, dtype=np.int64),
+            np.ones(len(lengths), dtype=np.int32),
+            ["" for _ in lengths],
+        )
+        manifest = _manifest(num_tokens, shards, dtype, max_token, tokens_field, tmp_index)
+        with open(tmp_manifest, "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(tmp_index, os.path.join(root, INDEX_FILE))
+        os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
+    finally:  # a full disk: the old files stay, no temporaries beside them
+        for tmp in (tmp_index, tmp_manifest):
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return manifest
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from datapipe.errors import ConfigError, InputError
+from datapipe.errors import ConfigError, InputError, MixlenError
 from datapipe.ingest.output import clean_stale, partial_dir
 from datapipe.shapes import ModelConfig
 from trainer.checkpoint.files import fsync_dir
@@ -113,7 +113,12 @@ def _write_weights(
     weight_map = {}
     for file, shard in zip(files, shards):
         tensors = {names[m]: _own(weights[m], dtypes[m], names[m]) for m in shard}
-        save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        try:
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        except Exception as exc:  # safetensors' own error type for a failed write (a full disk)
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise MixlenError(f"{tmp}: cannot write {file} ({exc})") from None
         fsync_dir(os.path.join(tmp, file))
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
