@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from datapipe.errors import InputError, MixlenError, StoreError
 from datapipe.fetch import FetchConfig
 from datapipe.index import read_index, resolve_dataset, uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+from datapipe.ingest.upload import STAGE_PREFIX
 from datapipe.settings import Names
 from datapipe.stream import StreamConfig
 from tools.cli import main as cli_main
@@ -173,14 +179,6 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
     130, the staging copy removed. A copy a killed upload left (SIGKILL: no cleanup runs) is
     removed by the next upload on this host once its process is gone; another host's, or a
     running process's, is left alone."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    from datapipe.ingest.upload import STAGE_PREFIX
-
     staging = tmp_path / "staging"
     marker = tmp_path / "paused"
     env = dict(os.environ, MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD=str(marker), PYTHONPATH=str(ROOT),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 
@@ -118,6 +119,20 @@ def index_mds(
             f"{', '.join(TOKEN_DTYPES)} (rewrite the column in one of them)"
         )
     num_tokens = np.asarray(lengths, dtype=np.int64)
+    manifest_of = partial(_manifest, num_tokens, shards, dtype, max_token, tokens_field)
+    return _write_index(root, num_tokens, shard_of, row_in_shard, manifest_of)
+
+
+def _write_index(
+    root: str,
+    num_tokens: np.ndarray,
+    shard_of: list[int],
+    row_in_shard: list[int],
+    manifest_of: Callable[[str], dict],
+) -> dict:
+    """index.parquet and manifest.json (`manifest_of(index path)`) under temporary names, then
+    renamed over the old ones; a failed write (a full disk) leaves the old ones and no
+    temporaries."""
     tmp_index = os.path.join(root, f"{INDEX_FILE}.tmp-{os.getpid()}")
     tmp_manifest = os.path.join(root, f"{MANIFEST_FILE}.tmp-{os.getpid()}")
     try:
@@ -126,15 +141,15 @@ def index_mds(
             num_tokens,
             np.asarray(shard_of, dtype=np.int32),
             np.asarray(row_in_shard, dtype=np.int64),
-            np.ones(len(lengths), dtype=np.int32),
-            ["" for _ in lengths],
+            np.ones(len(num_tokens), dtype=np.int32),
+            ["" for _ in range(len(num_tokens))],
         )
-        manifest = _manifest(num_tokens, shards, dtype, max_token, tokens_field, tmp_index)
+        manifest = manifest_of(tmp_index)
         with open(tmp_manifest, "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(tmp_index, os.path.join(root, INDEX_FILE))
         os.replace(tmp_manifest, os.path.join(root, MANIFEST_FILE))
-    finally:  # a full disk: the old files stay, no temporaries beside them
+    finally:
         for tmp in (tmp_index, tmp_manifest):
             if os.path.exists(tmp):
                 os.remove(tmp)
