@@ -144,10 +144,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def host_tag() -> str:
-    """This host's name as a file name's part (pids mean something on their own host only)."""
+    """This host's name and PID namespace as a file name's part: a pid means something only there
+    (containers of one node may share its name but not their pids)."""
     import socket
 
-    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+    try:
+        return f"{host}_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
 
 
 def remove_dead_pid_dirs(parent: str, prefix: str) -> list[str]:
@@ -163,7 +168,8 @@ def remove_dead_pid_dirs(parent: str, prefix: str) -> list[str]:
             if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():
                 if not pid_alive(int(pid)):
                     shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-                    removed.append(os.path.join(parent, name))
+                    if not os.path.lexists(os.path.join(parent, name)):  # not another user's
+                        removed.append(os.path.join(parent, name))
     return removed
 
 

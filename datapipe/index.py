@@ -10,12 +10,14 @@ and profiling start fast.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -356,6 +358,28 @@ def download(remote_file: str, local_file: str, replace: bool = False) -> None:
     store_download(remote_file, local_file, replace=replace)
 
 
+@contextlib.contextmanager
+def _folder_lock(path: str) -> Iterator[None]:
+    """An exclusive flock on `path` for the block; none (the block runs unguarded) where the
+    cache is read-only, another user's, or on a file system without locks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            yield
+            return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: some network file systems
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
 def resolve_dataset(
     path: str, cache_dir: str | None = None, key: str = "path"
 ) -> tuple[str, str | None]:
@@ -381,8 +405,7 @@ def resolve_dataset(
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)
     lock = os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.lock")
-    with open(lock, "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # the host's ranks and workers open it one at a time
+    with _folder_lock(lock):  # the host's ranks and workers open it one at a time
         try:
             # manifest.json anew every time (a dataset deleted and written again at this URI
             # must not be read from an old copy); index.parquet and shards while they are current

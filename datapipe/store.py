@@ -220,21 +220,23 @@ def remove_dead_parts(folder: str) -> int:
     """Remove the files in `folder` that downloads of this host's dead processes left (the
     SDK's own temporary names, beside or after `download`'s, included). Returns how many."""
     tag, n = f"{PART_TAG}{host_tag()}-", 0
-    for name in os.listdir(folder):
-        pid = name.partition(tag)[2].split("-", 1)[0].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, name))
-                n += 1
+    for parent, _, names in os.walk(folder):  # shards may sit in subfolders (part-NNNNN/)
+        for name in names:
+            pid = name.partition(tag)[2].split("-", 1)[0].split(".", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove
+                    os.remove(os.path.join(parent, name))
+                    n += 1
     return n
 
 
 def refresh_cache(remote_file: str, local_file: str) -> bool:
     """Fetch `remote_file` again on every open, over a cached copy `local_file`: when they differ
     (the dataset at that URI was deleted and written anew), every other file in the cached
-    copy's folder is stale and removed. True when it was. A store that cannot be reached, or a
-    full disk under the cache, leaves a cached copy in use (logged); with none, StoreError or
-    OSError. Callers hold the folder's lock (ranks of one host share it)."""
+    copy's folder is stale and removed. True when it was. A store that refuses or cannot be
+    reached (no credentials on this node, an outage), or a full or read-only disk under the
+    cache, leaves a cached copy in use (logged); with none, StoreError or OSError. Callers hold
+    the folder's lock where the file system has locks (ranks of one host share it)."""
     import filecmp
     import logging
     import shutil
@@ -248,20 +250,22 @@ def refresh_cache(remote_file: str, local_file: str) -> bool:
     except (StoreError, OSError) as exc:
         if os.path.exists(fresh):
             os.remove(fresh)
-        usable = exc.transient if isinstance(exc, StoreError) else True
-        if usable and os.path.exists(local_file):
+        if os.path.exists(local_file):  # unreachable, no credentials here, a full disk
             why = exc if isinstance(exc, StoreError) else f"{fresh}: {exc.strerror or exc}"
             logging.getLogger("mixlen").warning(f"{why}: reading the cached copy in {folder}")
             return False
         raise
     stale = os.path.exists(local_file) and not filecmp.cmp(local_file, fresh, shallow=False)
-    if stale:
+    if stale:  # the cached manifest goes last (replaced below): a cut-short cleanup is redone
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
-            if path != fresh and os.path.isdir(path) and not os.path.islink(path):
+            if path in (fresh, local_file):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
-            elif path != fresh:
-                os.remove(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         logging.getLogger("mixlen").warning(
             f"{remote_file} differs from the copy cached in {folder} (the dataset was written "
             "anew): the cached files were removed"
@@ -308,10 +312,11 @@ def open_uploader(uri: str, local: str):
         raise StoreError(f"{uri}: bucket {bucket!r} does not exist (404)", "no_bucket") from None
 
 
-def abort_multipart_uploads(uri: str, warn: Callable[[str], None]) -> int:
-    """Abort the unfinished multipart uploads under the s3:// prefix `uri` (a killed upload's:
-    the store keeps and bills their parts, and no later upload of the same key removes them);
-    other schemes: nothing. Returns how many."""
+def abort_multipart_uploads(uri: str, warn: Callable[[str], None], before: float) -> int:
+    """Abort the unfinished multipart uploads under the s3:// prefix `uri` begun before the time
+    `before` (a killed upload's: the store keeps and bills their parts, and no later upload of
+    the same key removes them); other schemes: nothing. Best effort: credentials that may not
+    list or abort them get a warning, never a failed upload. Returns how many."""
     if scheme(uri) != "s3":
         return 0
     import boto3
@@ -327,11 +332,17 @@ def abort_multipart_uploads(uri: str, warn: Callable[[str], None]) -> int:
         )
         for page in pages:
             for up in page.get("Uploads", []):
+                if up["Initiated"].timestamp() >= before:  # another job's, still running
+                    continue
                 client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
                 n += 1
         return n
 
-    n = with_retries(uri, "write", abort_all)
+    try:
+        n = int(with_retries(uri, "write", abort_all))  # type: ignore[call-overload]
+    except StoreError as exc:
+        warn(f"{exc}: unfinished multipart uploads under it (a killed upload's) were not checked")
+        return 0
     if n:
         warn(f"{uri}: aborted {n} unfinished multipart upload(s) a killed upload had left")
     return n

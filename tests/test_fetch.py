@@ -307,8 +307,12 @@ def test_remote_dataset_downloads_through_streaming_into_cache(
             f"{tag}-{os.getppid()}-0a1b2c3d": True}  # fmt: skip
     for n in left:
         (folder / n).write_bytes(b"x" * 10)
+    (folder / "part-00000").mkdir()  # the Ray engine's shards sit in part folders
+    (folder / "part-00000" / f"{tag}-{dead}-0a1b2c3d").write_bytes(b"x")
     with FetchConfig().build(str(root), str(cache)):
         pass
+    assert os.listdir(folder / "part-00000") == []
+    (folder / "part-00000").rmdir()
     assert sorted(os.listdir(folder)) == sorted([*files, *(n for n, k in left.items() if k)])
     # a full disk under the cache: a cached dataset is still opened; an uncached one is refused
     # naming the cache folder (before: an OSError traceback at every open)

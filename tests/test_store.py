@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from readback import read_rows, samples_from_rows
 
 from datapipe.errors import InputError, MixlenError, StoreError
 from datapipe.fetch import FetchConfig
+from datapipe.files import host_tag
 from datapipe.index import read_index, resolve_dataset, uri_key
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.ingest.upload import STAGE_PREFIX
@@ -207,7 +207,7 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
         s3["server"].start()
     assert proc.returncode == 130 and "interrupted" in err.decode(), err.decode()[-2000:]
     assert list(staging.iterdir()) == []
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+    host = host_tag()  # the host and PID namespace
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     left = {  # name: kept by the next upload

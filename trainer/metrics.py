@@ -350,6 +350,8 @@ def _lock_folder(folder: str) -> int:
             f"metrics.dir {folder}: another run ({holder}) is writing its metrics there; give "
             "this run its own metrics.dir"
         ) from None
+    except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: a file system without locks, unguarded
+        return fd
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
     return fd
@@ -391,10 +393,15 @@ class MetricsWriter:
         os.makedirs(self.out_dir, exist_ok=True)
         self._lock = _lock_folder(self.out_dir)  # one run at a time writes here
         self.path = os.path.join(self.out_dir, "metrics.jsonl")
-        _claim(self.path, self.run_id, self.resume_step is not None, get_logger().warning)
-        if self.resume_step is not None and os.path.exists(self.path):
-            _truncate_after(self.path, self.resume_step, self.run_id)
-        self._jsonl = open(self.path, "w" if self.resume_step is None else "a", buffering=1)
+        try:
+            _claim(self.path, self.run_id, self.resume_step is not None, get_logger().warning)
+            if self.resume_step is not None and os.path.exists(self.path):
+                _truncate_after(self.path, self.resume_step, self.run_id)
+            self._jsonl = open(self.path, "w" if self.resume_step is None else "a", buffering=1)
+        except BaseException:  # the lock is released: the caller never closes a failed writer
+            os.close(self._lock)
+            self._lock = None
+            raise
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -265,7 +265,7 @@ class Trainer:
             self._stack.callback(self.metrics.close)
             if rt.global_rank == 0:
                 write_text_atomic(os.path.join(cfg.metrics.dir, "config.toml"), to_toml(cfg))
-        except (ConfigError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank, never left waiting
             err = exc
         if any_rank(rt.run_comm, err is not None, rt.device):
             if isinstance(err, OSError):

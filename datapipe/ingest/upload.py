@@ -68,12 +68,12 @@ def _refuse_a_dataset(out: str, meanwhile: str = "") -> None:
 
 
 def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
-    uri = cfg.out.rstrip("/")
+    uri, started = cfg.out.rstrip("/"), time.time()
     parent = cfg.staging or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     remove_dead_stages(parent, warn)
     stage = os.path.join(parent, f"{STAGE_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(stage)
+    os.mkdir(stage, 0o700)  # the tokenized corpus: this user's only, as mkdtemp made it
     try:
         uploader = open_uploader(uri, os.path.join(stage, "dataset"))  # bucket + credentials
         _refuse_a_dataset(cfg.out)
@@ -97,7 +97,7 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         names = dataset_files(root, manifest)
         total = sum(os.path.getsize(os.path.join(root, n)) for n in names)
         _refuse_a_dataset(cfg.out, "was written there while this run tokenized; ")
-        abort_multipart_uploads(uri, warn)  # a killed upload's parts, still billed
+        abort_multipart_uploads(uri, warn, started)  # a killed upload's parts, still billed
         with progress(total, "upload", "B", cfg.progress, unit_scale=True) as bar:
             upload_files(uploader, uri, names, bar)
         res.out = uri
