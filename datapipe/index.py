@@ -405,21 +405,23 @@ def resolve_dataset(
     local = os.path.join(cache_dir, uri_key(path)) if cache_dir else default_cache_dir(path)
     os.makedirs(local, exist_ok=True)
     lock = os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.lock")
-    with _folder_lock(lock):  # the host's ranks and workers open it one at a time
-        try:
-            # manifest.json anew every time (a dataset deleted and written again at this URI
-            # must not be read from an old copy); index.parquet and shards while they are current
-            refresh_cache(
-                path.rstrip("/") + "/" + MANIFEST_FILE, os.path.join(local, MANIFEST_FILE)
-            )
+    try:
+        # manifest.json anew every time (a dataset deleted and written again at this URI must
+        # not be read from an old copy); index.parquet and shards while they are current
+        refresh_cache(
+            path.rstrip("/") + "/" + MANIFEST_FILE,
+            os.path.join(local, MANIFEST_FILE),
+            lambda: _folder_lock(lock),
+        )
+        with _folder_lock(lock):  # the host's ranks and workers, one at a time
             remove_dead_parts(local)  # what downloads of killed readers left
             for name in METADATA_FILES:
                 download(path.rstrip("/") + "/" + name, os.path.join(local, name))
-        except StoreError as exc:
-            raise StoreError(f"{key}: {exc}", exc.kind) from None
-        except OSError as exc:  # a full disk, a read-only cache: the store is not at fault
-            raise InputError(
-                f"{key}: cannot write the dataset's cache in {local} ({exc.strerror or exc}); "
-                "free space there or set data.cache_dir to another disk"
-            ) from None
+    except StoreError as exc:
+        raise StoreError(f"{key}: {exc}", exc.kind) from None
+    except OSError as exc:  # a full disk, a read-only cache: the store is not at fault
+        raise InputError(
+            f"{key}: cannot write the dataset's cache in {local} ({exc.strerror or exc}); "
+            "free space there or set data.cache_dir to another disk"
+        ) from None
     return local, path

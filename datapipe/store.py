@@ -21,6 +21,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from datapipe.errors import StoreError
 from datapipe.files import host_tag, pid_alive
@@ -164,9 +165,12 @@ def _attempts() -> int:
     return max(1, int(raw)) if raw.isdigit() else DEFAULT_RETRIES
 
 
-def with_retries(uri: str, doing: str, fn: Callable[[], object]) -> object:
-    """Run `fn`; a store error becomes a StoreError, retried with backoff while transient."""
-    attempts = _attempts()
+def with_retries(
+    uri: str, doing: str, fn: Callable[[], object], attempts: int | None = None
+) -> object:
+    """Run `fn`; a store error becomes a StoreError, retried with backoff while transient (at
+    most `attempts` tries; default MIXLEN_STORE_RETRIES)."""
+    attempts = attempts or _attempts()
     for attempt in range(attempts):
         try:
             return fn()
@@ -188,7 +192,11 @@ def import_downloader() -> None:
 
 
 def download(
-    remote_file: str, local_file: str, timeout: float = 60.0, replace: bool = False
+    remote_file: str,
+    local_file: str,
+    timeout: float = 60.0,
+    replace: bool = False,
+    attempts: int | None = None,
 ) -> None:
     """Fetch one file with mosaicml-streaming's downloader into `local_file` (no-op when there,
     unless `replace`), through `local_file` + PART_TAG + HOST-PID-*, renamed into place in one
@@ -206,6 +214,7 @@ def download(
             remote_file,
             "read",
             lambda: CloudDownloader.direct_download(remote_file, part, timeout),
+            attempts,
         )
         os.replace(part, local_file)
     finally:
@@ -230,47 +239,51 @@ def remove_dead_parts(folder: str) -> int:
     return n
 
 
-def refresh_cache(remote_file: str, local_file: str) -> bool:
+def refresh_cache(
+    remote_file: str, local_file: str, lock: Callable[[], AbstractContextManager]
+) -> bool:
     """Fetch `remote_file` again on every open, over a cached copy `local_file`: when they differ
     (the dataset at that URI was deleted and written anew), every other file in the cached
     copy's folder is stale and removed. True when it was. A store that refuses or cannot be
     reached (no credentials on this node, an outage), or a full or read-only disk under the
-    cache, leaves a cached copy in use (logged); with none, StoreError or OSError. Callers hold
-    the folder's lock where the file system has locks (ranks of one host share it)."""
+    cache, leaves a cached copy in use (logged); with none, StoreError or OSError. The store is
+    asked outside `lock` (the folder's, shared by the host's ranks), once where a copy is cached:
+    an outage costs each rank one try at the same time, not retries one rank after another."""
     import filecmp
     import logging
     import shutil
 
     folder = os.path.dirname(local_file)
-    fresh = os.path.join(folder, f".{os.path.basename(local_file)}.{os.getpid()}")
-    if os.path.exists(fresh):
-        os.remove(fresh)
+    mine = f".{os.path.basename(local_file)}."  # the fresh copies of the host's processes
+    fresh = os.path.join(folder, f"{mine}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    cached = os.path.exists(local_file)
     try:
-        download(remote_file, fresh)
+        download(remote_file, fresh, attempts=1 if cached else None)
     except (StoreError, OSError) as exc:
         if os.path.exists(fresh):
             os.remove(fresh)
-        if os.path.exists(local_file):  # unreachable, no credentials here, a full disk
+        if cached:  # unreachable, no credentials here, a full disk
             why = exc if isinstance(exc, StoreError) else f"{fresh}: {exc.strerror or exc}"
             logging.getLogger("mixlen").warning(f"{why}: reading the cached copy in {folder}")
             return False
         raise
-    stale = os.path.exists(local_file) and not filecmp.cmp(local_file, fresh, shallow=False)
-    if stale:  # the cached manifest goes last (replaced below): a cut-short cleanup is redone
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if path in (fresh, local_file):
-                continue
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-        logging.getLogger("mixlen").warning(
-            f"{remote_file} differs from the copy cached in {folder} (the dataset was written "
-            "anew): the cached files were removed"
-        )
-    os.replace(fresh, local_file)
+    with lock():
+        stale = os.path.exists(local_file) and not filecmp.cmp(local_file, fresh, shallow=False)
+        if stale:  # the cached manifest goes last (replaced below): a cut-short cleanup is redone
+            for name in os.listdir(folder):
+                path = os.path.join(folder, name)
+                if path == local_file or name.startswith(mine):
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+            logging.getLogger("mixlen").warning(
+                f"{remote_file} differs from the copy cached in {folder} (the dataset was "
+                "written anew): the cached files were removed"
+            )
+        os.replace(fresh, local_file)
     return stale
 
 
