@@ -155,6 +155,22 @@ def host_tag() -> str:
         return host
 
 
+def dead_pid_paths(parent: str, tag: str, anywhere: bool = False) -> list[str]:
+    """The paths in `parent` whose name holds `tag` + PID (at its start, or `anywhere` in it),
+    the PID ending the name or followed by "-" or ".", for a PID not running on this host (this
+    process's own is running)."""
+    import re
+
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(parent):
+            head, found, rest = name.partition(tag)
+            pid = re.match(r"\d+(?=$|[-.])", rest) if found and (anywhere or not head) else None
+            if pid and not pid_alive(int(pid.group())):
+                out.append(os.path.join(parent, name))
+    return out
+
+
 def remove_dead_pid_dirs(parent: str, prefix: str) -> list[str]:
     """Remove the folders in `parent` named `prefix` + PID (+ "-..."), for a PID that is not
     running; `prefix` names this host (host_tag), so another host's are never touched. Returns
@@ -162,14 +178,10 @@ def remove_dead_pid_dirs(parent: str, prefix: str) -> list[str]:
     import shutil
 
     removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(parent):
-            pid = name.removeprefix(prefix).split("-", 1)[0]
-            if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():
-                if not pid_alive(int(pid)):
-                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-                    if not os.path.lexists(os.path.join(parent, name)):  # not another user's
-                        removed.append(os.path.join(parent, name))
+    for path in dead_pid_paths(parent, prefix):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):  # not another user's
+            removed.append(path)
     return removed
 
 

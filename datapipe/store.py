@@ -24,7 +24,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from datapipe.errors import StoreError
-from datapipe.files import host_tag, pid_alive
+from datapipe.files import dead_pid_paths, host_tag
 
 RETRIES_ENV = "MIXLEN_STORE_RETRIES"
 DEFAULT_RETRIES = 5
@@ -229,13 +229,11 @@ def remove_dead_parts(folder: str) -> int:
     """Remove the files in `folder` that downloads of this host's dead processes left (the
     SDK's own temporary names, beside or after `download`'s, included). Returns how many."""
     tag, n = f"{PART_TAG}{host_tag()}-", 0
-    for parent, _, names in os.walk(folder):  # shards may sit in subfolders (part-NNNNN/)
-        for name in names:
-            pid = name.partition(tag)[2].split("-", 1)[0].split(".", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-                with contextlib.suppress(OSError):  # gone already, or not ours to remove
-                    os.remove(os.path.join(parent, name))
-                    n += 1
+    for parent, _, _ in os.walk(folder):  # shards may sit in subfolders (part-NNNNN/)
+        for path in dead_pid_paths(parent, tag, anywhere=True):
+            with contextlib.suppress(OSError):  # gone already, or not ours to remove
+                os.remove(path)
+                n += 1
     return n
 
 

@@ -304,33 +304,31 @@ def _records(path: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _truncate_after(path: str, step: int, run_id: str = "") -> None:
-    """Drop records of steps after `step` (and of another run) from a metrics.jsonl (rewritten
-    via a temp file)."""
-    keep = [
-        line
-        for line, rec in _records(path)
-        if int(rec.get("step", 0)) <= step and rec.get("run", run_id) == run_id
-    ]
-    write_text_atomic(path, "".join(keep))
-
-
-def _claim(path: str, run_id: str, resumed: bool, say: Any) -> None:
-    """Make `path` this run's metrics.jsonl. Another run's records (any, for a fresh run) are
-    renamed `metrics-RUN.jsonl` (`metrics-earlier.jsonl` when they name no one run), never
-    written over; a resumed run's own file, moved aside so by a run since, is put back."""
+def _claim(path: str, run_id: str, resume_step: int | None, say: Any) -> None:
+    """Make `path` this run's metrics.jsonl (read once). Another run's records (any, for a fresh
+    run) are renamed `metrics-RUN.jsonl` (`metrics-earlier.jsonl` when they name no one run),
+    never written over; a resumed run's own file, moved aside so by a run since, is put back,
+    and its records after `resume_step` (left by the interrupted run) are dropped."""
     folder = os.path.dirname(path)
-    if os.path.exists(path) and os.path.getsize(path):
-        runs = {str(rec.get("run", "")) for _, rec in _records(path)}
-        if not (resumed and runs <= {"", run_id}):  # records without "run": before runs had one
-            others = sorted(runs - {"", run_id})
-            aside = _free_name(folder, f"metrics-{others[0] if len(others) == 1 else 'earlier'}")
-            os.rename(path, aside)
-            say(f"{path} held another run's metrics: moved to {os.path.basename(aside)}")
+    records = _records(path) if os.path.exists(path) and os.path.getsize(path) else []
+    runs = {str(rec.get("run", "")) for _, rec in records}
+    resumed = resume_step is not None
+    if os.path.exists(path) and os.path.getsize(path) and not (resumed and runs <= {"", run_id}):
+        # (records without "run": written before runs had one)
+        others = sorted(runs - {"", run_id})
+        aside = _free_name(folder, f"metrics-{others[0] if len(others) == 1 else 'earlier'}")
+        os.rename(path, aside)
+        say(f"{path} held another run's metrics: moved to {os.path.basename(aside)}")
+        records = []
     mine = os.path.join(folder, f"metrics-{run_id}.jsonl")
     if resumed and run_id and not os.path.exists(path) and os.path.exists(mine):
         os.rename(mine, path)
         say(f"{path}: this run's metrics put back from {os.path.basename(mine)}")
+        records = _records(path)
+    if resumed and os.path.exists(path):  # rewritten via a temp file
+        keep = [line for line, rec in records if int(rec.get("step", 0)) <= resume_step
+                and rec.get("run", run_id) == run_id]  # fmt: skip
+        write_text_atomic(path, "".join(keep))
 
 
 def _lock_folder(folder: str) -> int:
@@ -394,9 +392,7 @@ class MetricsWriter:
         self._lock = _lock_folder(self.out_dir)  # one run at a time writes here
         self.path = os.path.join(self.out_dir, "metrics.jsonl")
         try:
-            _claim(self.path, self.run_id, self.resume_step is not None, get_logger().warning)
-            if self.resume_step is not None and os.path.exists(self.path):
-                _truncate_after(self.path, self.resume_step, self.run_id)
+            _claim(self.path, self.run_id, self.resume_step, get_logger().warning)
             self._jsonl = open(self.path, "w" if self.resume_step is None else "a", buffering=1)
         except BaseException:  # the lock is released: the caller never closes a failed writer
             os.close(self._lock)

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from datapipe.errors import InputError
-from datapipe.files import is_inside, pid_alive
+from datapipe.files import dead_pid_paths, is_inside
 
 __all__ = [
     "OutputLock",
@@ -82,16 +82,8 @@ def partial_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial-{os.getpid()}"
 
 
-def _dead_runs(parent: Path, pattern: str) -> list[Path]:
-    out = []
-    for p in parent.glob(pattern):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            out.append(p)
-    return out
+def _dead_runs(parent: Path, prefix: str) -> list[Path]:
+    return [Path(p) for p in dead_pid_paths(str(parent), prefix)]
 
 
 def _remove(path: Path) -> None:
@@ -104,9 +96,9 @@ def _remove(path: Path) -> None:
 def clean_stale(out: Path, warn) -> None:
     """Remove killed runs' temporaries; put back an old output a killed run had moved aside
     (call with the lock held)."""
-    for p in _dead_runs(out.parent, f".{out.name}.partial-*"):
+    for p in _dead_runs(out.parent, f".{out.name}.partial-"):
         shutil.rmtree(p, ignore_errors=True)
-    for p in _dead_runs(out.parent, f".{out.name}.old-*"):
+    for p in _dead_runs(out.parent, f".{out.name}.old-"):
         if not out.exists() and not out.is_symlink():
             os.rename(p, out)
             warn(f"restored {out} from {p.name} (a killed run had moved it aside)")
