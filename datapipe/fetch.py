@@ -37,6 +37,7 @@ from datapipe.errors import VERIFY_ADVICE, InputError
 from datapipe.formats import open_reader
 from datapipe.formats.base import RowReader
 from datapipe.index import DatasetIndex, read_index, resolve_dataset
+from datapipe.inuse import ReadersLock
 from datapipe.pack_kernel import first_mislabelled, mark_trained, pack_kernel
 from datapipe.plan.loss import IGNORE_INDEX
 from datapipe.settings import Names, check, setting
@@ -190,15 +191,23 @@ class FetchConfig:
         names = names or Names()
         check(self, names)
         local, remote = resolve_dataset(path, cache_dir, names("path"))
-        index = read_index(local)
-        reader = open_reader(local, remote, index.manifest, cache_dir, self.mds_access)
+        in_use = ReadersLock(local) if remote is None else None  # --overwrite waits for us
+        try:
+            index = read_index(local)
+            reader = open_reader(local, remote, index.manifest, cache_dir, self.mds_access)
+        except BaseException:
+            if in_use is not None:
+                in_use.close()
+            raise
         try:
             reader.verify = self.verify
             reader.check_present()  # a missing or truncated local shard stops us here
         except BaseException:
             reader.close()
+            if in_use is not None:
+                in_use.close()
             raise
-        return Fetcher(self, index, reader)
+        return Fetcher(self, index, reader, in_use)
 
 
 @dataclass
@@ -208,6 +217,7 @@ class Fetcher:
     config: FetchConfig
     index: DatasetIndex
     reader: RowReader
+    in_use: ReadersLock | None = None  # a local dataset's readers lock (datapipe.inuse)
     lengths: np.ndarray = field(init=False)
     global_first_row: np.ndarray = field(init=False)
     chunk: int = field(init=False)
@@ -347,6 +357,8 @@ class Fetcher:
 
     def close(self) -> None:
         self.reader.close()
+        if self.in_use is not None:
+            self.in_use.close()
 
     def __enter__(self) -> Fetcher:
         return self

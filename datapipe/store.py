@@ -80,7 +80,7 @@ def upload_schemes() -> list[str]:
     return sorted({k.split(":")[0] for k in UPLOADERS})
 
 
-def _code(exc: BaseException) -> str:
+def error_code(exc: BaseException) -> str:
     """The store's error code: botocore's Error.Code, a code in the message, or the class name."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -103,7 +103,7 @@ def store_error(uri: str, exc: BaseException, doing: str) -> StoreError | None:
     `exc` is not a store error (a local file problem, a bug)."""
     if isinstance(exc, StoreError):
         return exc
-    code = _code(exc)
+    code = error_code(exc)
     names = {type(c).__name__ for c in _chain(exc)}
     bucket = urllib.parse.urlparse(uri).netloc
     creds = {

@@ -7,7 +7,6 @@ mid-epoch; a missing bucket and wrong credentials give mixlen's own errors."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -33,33 +32,10 @@ from tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
-moto_server = pytest.importorskip(
-    "moto.server", reason="moto[s3] is a test-only dependency (.[dev])"
-)
+pytest.importorskip("moto.server", reason="moto[s3] is a test-only dependency (.[dev])")
+from _s3 import KEY, SECRET, Server, s3_env  # noqa: E402
+
 pytestmark = pytest.mark.timeout(180)
-
-KEY, SECRET = "mixlen-test-key", "mixlen-test-secret"
-
-
-class Server:
-    """moto's S3 server in a thread of this process; its buckets and objects live in this
-    process, so they survive a stop/start on the same port."""
-
-    def __init__(self) -> None:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self._srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._srv.start()
-        self.host, self.port = self._srv.get_host_and_port()
-        self.url = f"http://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self._srv.stop()
-
-    def start(self) -> None:
-        self._srv = moto_server.ThreadedMotoServer(
-            ip_address="127.0.0.1", port=self.port, verbose=False
-        )
-        self._srv.start()
 
 
 @pytest.fixture(scope="module")
@@ -73,36 +49,7 @@ def server():
 
 @pytest.fixture
 def s3(server, monkeypatch, tmp_path):
-    """Environment pointing boto3 (and so mosaicml-streaming) at the server, nothing else."""
-    for k, v in {
-        "S3_ENDPOINT_URL": server.url,
-        "AWS_ACCESS_KEY_ID": KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "MIXLEN_STORE_RETRIES": "1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    client = _client(server.url, KEY, SECRET)
-    bucket = f"b{tmp_path.name[-12:].lower().replace('_', '-')}".strip("-")
-    client.create_bucket(Bucket=bucket)
-    return {"client": client, "bucket": bucket, "server": server}
-
-
-def _client(url: str, key: str, secret: str):
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=url,
-        aws_access_key_id=key,
-        aws_secret_access_key=secret,
-        region_name="us-east-1",
-    )
+    return s3_env(server, monkeypatch, tmp_path)
 
 
 def _upload(corpus: dict, uri: str, spy: list | None = None, monkeypatch=None) -> Path:
@@ -226,8 +173,9 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
 
 def test_leftover_parts_are_aborted_and_a_dataset_made_meanwhile_is_kept(s3, corpus) -> None:
     """A killed upload's unfinished multipart upload under the prefix (its parts stay, billed)
-    is aborted by the next upload there. A dataset another job finished at the prefix while this
-    one tokenized is refused before anything is uploaded (before: replaced without a word)."""
+    is aborted by the next upload there. A dataset another tool (which makes no claim on the
+    prefix) copied there while this one tokenized is refused before anything is uploaded
+    (before: replaced without a word)."""
     from datapipe.ingest.upload import preprocess_to_store
 
     client, bucket = s3["client"], s3["bucket"]
@@ -243,9 +191,12 @@ def test_leftover_parts_are_aborted_and_a_dataset_made_meanwhile_is_kept(s3, cor
     assert any("aborted 1 unfinished multipart upload" in w for w in warned), warned
     uri = f"s3://{bucket}/race/ds"
 
-    def meanwhile(local_cfg, warn):  # another job's dataset lands while this one tokenizes
-        res = preprocess(local_cfg, warn)
-        preprocess(PreprocessConfig(corpus["inputs"][:1], uri, progress=False))
+    def meanwhile(local_cfg, warn):  # a dataset copied there by another tool (no claim) lands
+        res = preprocess(local_cfg, warn)  # while this one tokenizes
+        other = corpus["tmp"] / "other"
+        preprocess(PreprocessConfig(corpus["inputs"][:1], str(other), progress=False))
+        for f in sorted(other.iterdir(), key=lambda f: f.name == "manifest.json"):
+            client.upload_file(str(f), bucket, f"race/ds/{f.name}")
         return res
 
     with pytest.raises(InputError, match="was written there while this run tokenized"):

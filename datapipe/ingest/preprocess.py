@@ -34,6 +34,7 @@ from datapipe.ingest.output import (
 )
 from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import TokenizerSpec
+from datapipe.inuse import no_readers
 
 __all__ = ["PAUSE_HOOK_ENV", "PreprocessConfig", "PreprocessResult", "preprocess"]
 
@@ -107,6 +108,8 @@ def preprocess(
     check_out_path(out, cfg.out, cfg.inputs)
     if out.exists() and not cfg.overwrite:
         raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
+    with no_readers(str(out), cfg.out):  # a dataset being read: refused before any work
+        pass
     run = _prepare(cfg, warn)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +125,8 @@ def preprocess(
         try:
             with SigtermAsInterrupt():
                 result = ENGINES[cfg.engine](run)
-            commit(tmp, out, cfg.out, cfg.overwrite)
+            with no_readers(str(out), cfg.out):  # and again for the swap itself
+                commit(tmp, out, cfg.out, cfg.overwrite)
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing
             shutil.rmtree(tmp, ignore_errors=True)
             full = " (disk full or file size limit)" if exc.errno in _FULL_ERRNOS else ""

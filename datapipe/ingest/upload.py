@@ -6,7 +6,9 @@ manifest) never sees a half-uploaded dataset.
 Before any tokenizing, the uploader checks that the bucket exists and the credentials work, and a
 prefix that already holds a manifest is refused: mixlen never replaces objects under a dataset
 someone may be reading (readers cache a remote dataset's files by URI, which is sound only if
-what is at a URI never changes). A failed upload leaves no manifest, so no dataset.
+what is at a URI never changes). A failed upload leaves no manifest, so no dataset. On s3:// the
+prefix is then claimed for this job (datapipe.ingest.claim), so two uploads to one prefix at once
+cannot interleave their shards.
 
 The staging directory is `mixlen-stage-HOST-PID-*` under `--staging` (default: the temp directory),
 removed at the end, on an error, Ctrl-C or SIGTERM; one a killed run left (SIGKILL, the OOM
@@ -27,6 +29,7 @@ from dataclasses import replace
 from datapipe.errors import InputError, MixlenError
 from datapipe.files import host_tag, remove_dead_pid_dirs
 from datapipe.index import INDEX_FILE, MANIFEST_FILE
+from datapipe.ingest.claim import PrefixClaim, claim_prefix
 from datapipe.ingest.output import SigtermAsInterrupt
 from datapipe.progress import progress
 from datapipe.store import abort_multipart_uploads, exists, open_uploader, upload_files
@@ -74,9 +77,11 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
     remove_dead_stages(parent, warn)
     stage = os.path.join(parent, f"{STAGE_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(stage, 0o700)  # the tokenized corpus: this user's only, as mkdtemp made it
+    claim: PrefixClaim | None = None
     try:
         uploader = open_uploader(uri, os.path.join(stage, "dataset"))  # bucket + credentials
         _refuse_a_dataset(cfg.out)
+        claim = claim_prefix(uri, warn)  # one upload per prefix at a time (s3://)
         t0 = time.perf_counter()
         # (the uploader made the empty local directory: the local run replaces it)
         staged = os.path.join(stage, "dataset")
@@ -99,9 +104,14 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         _refuse_a_dataset(cfg.out, "was written there while this run tokenized; ")
         abort_multipart_uploads(uri, warn, started)  # a killed upload's parts, still billed
         with progress(total, "upload", "B", cfg.progress, unit_scale=True) as bar:
-            upload_files(uploader, uri, names, bar)
+            upload_files(uploader, uri, names[:-1], bar)
+            if claim is not None:
+                claim.check()  # still ours: then the manifest makes it a dataset
+            upload_files(uploader, uri, names[-1:], bar)
         res.out = uri
         res.seconds = time.perf_counter() - t0
         return res
     finally:
+        if claim is not None:
+            claim.release(warn)
         shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,185 @@
+"""One upload per s3:// prefix at a time, against moto's S3 server on 127.0.0.1: the claim object
+`.mixlen-upload.json` (a conditional put) refuses a second upload to a prefix one is writing,
+names the job that holds it, is taken over from a killed job of this host, is checked before the
+manifest goes up, and is gone once the upload ends, well or badly. The reference is the store's
+own listing and objects, and a local run of the same inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from datapipe.errors import InputError
+from datapipe.files import host_tag
+from datapipe.ingest.claim import CLAIM_FILE, PrefixClaim
+from datapipe.ingest.preprocess import PreprocessConfig, preprocess
+from datapipe.ingest.upload import preprocess_to_store
+
+pytest.importorskip("moto.server", reason="moto[s3] is a test-only dependency (.[dev])")
+from _s3 import Server, s3_env  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def s3(server, monkeypatch, tmp_path):
+    return s3_env(server, monkeypatch, tmp_path)
+
+
+def _keys(s3: dict, prefix: str) -> list[str]:
+    listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=prefix)
+    return sorted(o["Key"].removeprefix(prefix) for o in listed.get("Contents", []))
+
+
+def _manifest(s3: dict, key: str) -> dict:
+    return json.loads(s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read())
+
+
+def _put_claim(s3: dict, prefix: str, body: dict) -> None:
+    s3["client"].put_object(Bucket=s3["bucket"], Key=prefix + CLAIM_FILE, Body=json.dumps(body))
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    return int(done.stdout)
+
+
+def test_a_second_upload_to_a_prefix_being_written_is_refused(s3, corpus) -> None:
+    """Job B starts while job A tokenizes for the same prefix. Before the claim, B uploaded its
+    dataset, and two jobs uploading at once interleaved their shards under one manifest; now B
+    is refused naming A, and A's dataset is whole: its files are a local run's bytes."""
+    uri = f"s3://{s3['bucket']}/two/ds"
+    refused: list[str] = []
+
+    def with_a_second_job(local_cfg, warn):
+        res = preprocess(local_cfg, warn)
+        with pytest.raises(InputError) as err:
+            preprocess(PreprocessConfig(corpus["inputs"][:1], uri, progress=False))
+        refused.append(str(err.value))
+        return res
+
+    warned: list[str] = []
+    cfg = PreprocessConfig(corpus["inputs"], uri, progress=False)
+    preprocess_to_store(cfg, with_a_second_job, warned.append)
+    assert len(refused) == 1
+    msg = refused[0]
+    assert msg.startswith(f"--out {uri}: another mixlen preprocess is uploading to this prefix")
+    assert f"host {host_tag()}, pid {os.getpid()}, started 20" in msg, msg
+    assert f"delete {uri}/{CLAIM_FILE}" in msg
+    local = corpus["tmp"] / "local"
+    preprocess(PreprocessConfig(corpus["inputs"], str(local), progress=False))
+    keys = _keys(s3, "two/ds/")
+    assert CLAIM_FILE not in keys, "the claim is deleted once the manifest is up"
+    assert keys == sorted(p.name for p in local.iterdir())
+    for name in keys:
+        if name != "manifest.json":  # (it names the store URI as --out)
+            body = s3["client"].get_object(Bucket=s3["bucket"], Key=f"two/ds/{name}")["Body"]
+            assert body.read() == (local / name).read_bytes(), name
+    assert _manifest(s3, "two/ds/manifest.json")["args"]["inputs"] == corpus["inputs"]
+    assert warned == []
+
+
+def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(s3, corpus) -> None:
+    """A claim left by a killed upload of this host (its pid gone) is taken over, with a
+    warning. Another host's claim cannot be checked: refused, nothing uploaded, until it is
+    deleted; a live process's claim of this host is refused too."""
+    bucket = s3["bucket"]
+    dead = {"id": "x", "host": host_tag(), "pid": _dead_pid(), "started": "2026-01-01T00:00:00"}
+    _put_claim(s3, "dead/ds/", dead)
+    warned: list[str] = []
+    preprocess(PreprocessConfig(corpus["inputs"], f"s3://{bucket}/dead/ds", progress=False),
+               warn=warned.append)  # fmt: skip
+    assert any("took over the claim of a killed upload" in w for w in warned), warned
+    assert "manifest.json" in _keys(s3, "dead/ds/") and CLAIM_FILE not in _keys(s3, "dead/ds/")
+
+    for prefix, holder in {
+        "far/ds/": {"id": "y", "host": "otherhost_1", "pid": 1, "started": "2026-01-01T00:00:00"},
+        "live/ds/": {"id": "z", "host": host_tag(), "pid": os.getppid(), "started": "t"},
+    }.items():
+        _put_claim(s3, prefix, holder)
+        uri = f"s3://{bucket}/{prefix.rstrip('/')}"
+        with pytest.raises(InputError, match=f"host {holder['host']}, pid {holder['pid']}"):
+            preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False))
+        assert _keys(s3, prefix) == [CLAIM_FILE], "nothing uploaded, the claim kept"
+        assert (
+            json.loads(
+                s3["client"].get_object(Bucket=bucket, Key=prefix + CLAIM_FILE)["Body"].read()
+            )
+            == holder
+        )
+    s3["client"].delete_object(Bucket=bucket, Key="far/ds/" + CLAIM_FILE)  # as the message says
+    preprocess(PreprocessConfig(corpus["inputs"], f"s3://{bucket}/far/ds", progress=False))
+    assert "manifest.json" in _keys(s3, "far/ds/")
+
+
+def test_a_claim_lost_mid_upload_stops_before_the_manifest(s3, corpus, monkeypatch) -> None:
+    """The claim is taken by another job (deleted by hand and re-made) while this one uploads
+    its shards: the manifest is not uploaded, so no dataset appears, and the other job's claim
+    stays. A failed upload deletes its own claim."""
+    from streaming.base.storage import upload as up
+
+    bucket, uri = s3["bucket"], f"s3://{s3['bucket']}/lost/ds"
+    other = {"id": "other", "host": "h", "pid": 2, "started": "t"}
+    orig = up.S3Uploader.upload_file
+
+    def upload_file(self, name):
+        if name.startswith("shard.00000"):
+            _put_claim(s3, "lost/ds/", other)
+        return orig(self, name)
+
+    monkeypatch.setattr(up.S3Uploader, "upload_file", upload_file)
+    with pytest.raises(InputError, match="claim on the prefix was taken over while it uploaded"):
+        preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False))
+    keys = _keys(s3, "lost/ds/")
+    assert "manifest.json" not in keys and keys.count(CLAIM_FILE) == 1
+    assert _manifest(s3, "lost/ds/" + CLAIM_FILE) == other, "another job's claim is not deleted"
+    monkeypatch.setattr(up.S3Uploader, "upload_file", orig)
+
+    def fails(local_cfg, warn):
+        raise InputError("a bad input")
+
+    with pytest.raises(InputError, match="a bad input"):
+        preprocess_to_store(PreprocessConfig(corpus["inputs"], f"s3://{bucket}/bad/ds"), fails,
+                            print)  # fmt: skip
+    assert _keys(s3, "bad/ds/") == [], "the failed job's claim is deleted"
+
+
+def test_a_store_that_ignores_conditional_puts_is_caught(s3, monkeypatch) -> None:
+    """Some S3-compatible stores ignore If-None-Match: the second claim then overwrites the
+    first, and reading it back shows which job the store kept. The first job's check before its
+    manifest fails; the second holds the prefix."""
+    uri = f"s3://{s3['bucket']}/noif/ds"
+    first, second = PrefixClaim(uri), PrefixClaim(uri)
+    first.acquire(print)
+    with pytest.raises(InputError, match="another mixlen preprocess is uploading"):
+        second.acquire(print)  # a store that honours the condition refuses the second
+    real_put = second.client.put_object
+
+    def ignoring(**kw):
+        kw.pop("IfNoneMatch", None)
+        return real_put(**kw)
+
+    monkeypatch.setattr(second.client, "put_object", ignoring)
+    second.acquire(print)
+    with pytest.raises(InputError, match="was taken over while it uploaded"):
+        first.check()
+    second.check()
+    first.release(print)  # not its claim any more: left alone
+    assert _manifest(s3, "noif/ds/" + CLAIM_FILE)["id"] == second.body["id"]
+    second.release(print)
+    assert _keys(s3, "noif/ds/") == []
