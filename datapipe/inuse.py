@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import weakref
 from collections.abc import Iterator
 
 from datapipe.errors import InputError
@@ -23,11 +24,17 @@ from datapipe.errors import InputError
 READERS_FILE = ".readers.lock"
 
 
+class DatasetInUse(InputError):
+    """`--overwrite` of a dataset that is being read."""
+
+
 class ReadersLock:
-    """This process's shared lock on a local dataset folder (`close` releases it)."""
+    """This process's shared lock on a local dataset folder: `close` releases it, and so does
+    the garbage collector for a reader dropped unclosed."""
 
     def __init__(self, root: str) -> None:
         self.fd: int | None = None
+        self._closer: weakref.finalize | None = None
         path = os.path.join(root, READERS_FILE)
         for _ in range(5):  # a writer may replace the dataset while we wait for the lock
             fd = _open(path, os.O_RDONLY)
@@ -40,20 +47,26 @@ class ReadersLock:
                 return
             if _same_file(path, fd):
                 self.fd = fd
+                self._closer = weakref.finalize(self, os.close, fd)
                 return
             os.close(fd)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self._closer is not None:
+            self._closer()  # closes the fd once
+        self.fd = self._closer = None
+
+    def __getstate__(self) -> dict:  # a copy in another process holds nothing
+        return {"fd": None, "_closer": None}
 
 
 def _open(path: str, mode: int) -> int | None:
+    """`path` opened with `mode`, made if missing (0644); else read-only where it exists (a
+    folder or file of another user's); else None (unguarded)."""
     try:
         return os.open(path, mode | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
-        try:  # a folder this user cannot write: its lock file, if the owner's run made one
+        try:
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
@@ -67,7 +80,8 @@ def _same_file(path: str, fd: int) -> bool:
 
 
 def _holders(fd: int) -> list[str]:
-    """Process ids holding a lock on `fd`'s file (Linux's /proc/locks; else empty)."""
+    """Process ids holding a flock on `fd`'s file (Linux's /proc/locks; else empty; NFS lists
+    its emulated flocks as POSIX locks, so none there)."""
     st = os.fstat(fd)
     ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     pids = []
@@ -77,29 +91,38 @@ def _holders(fd: int) -> list[str]:
                 parts = line.split()
                 if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == ident:
                     pids.append(parts[4])
-    return sorted(set(pids) - {str(os.getpid())}, key=int)
+    return sorted(set(pids), key=int)
 
 
 @contextlib.contextmanager
-def no_readers(out: str, out_arg: str) -> Iterator[None]:
+def no_readers(out: str, out_arg: str, make: bool = True) -> Iterator[None]:
     """Hold the lock of the dataset at `out` alone while the body runs (replacing it), or raise
-    InputError naming `--out` and the processes reading it. A folder without the lock file (no
-    mixlen reader ever opened it) or a file system without `flock`: the body runs unguarded."""
+    DatasetInUse naming `--out` and the processes reading it. The lock file is made if missing
+    (`make`), so that a reader opening the dataset meanwhile waits; without it (`make` False:
+    a check that must not touch the folder), or on a file system without `flock`, the body
+    runs unguarded."""
+    if not os.path.isdir(out):
+        yield
+        return
+    # made if missing, so that a reader opening it now waits for us; read-write where we may
+    # (NFS's emulated flock takes an exclusive lock on a writable descriptor only)
     path = os.path.join(out, READERS_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+    fd = _open(path, os.O_RDWR) if make or os.path.exists(path) else None
+    if fd is None:
         yield
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pids = _holders(fd)
-            who = f" (pid {', '.join(pids)})" if pids else ""
-            raise InputError(
+            pids, mine = _holders(fd), str(os.getpid())
+            parts = [f"pid {', '.join(p for p in pids if p != mine)}"] if set(pids) - {mine} else []
+            if mine in pids:
+                parts.append(f"this process, pid {mine}: a reader of it not closed?")
+            who = f" ({'; '.join(parts)})" if parts else ""
+            raise DatasetInUse(
                 f"--out {out_arg}: the dataset there is being read{who}, by a training or "
-                "another mixlen command; --overwrite would delete its shards under it: wait for "
+                "another mixlen reader; --overwrite would delete its shards under it: wait for "
                 "it to finish, or write to another --out"
             ) from None
         except OSError:  # no flock here

@@ -359,9 +359,14 @@ def abort_multipart_uploads(uri: str, warn: Callable[[str], None], before: float
     return n
 
 
-def upload_files(uploader, uri: str, names: list[str], bar=None) -> None:
-    """Upload `names` (paths relative to the uploader's local directory) in this order."""
+def upload_files(
+    uploader, uri: str, names: list[str], bar=None, before_each: Callable[[], None] | None = None
+) -> None:
+    """Upload `names` (paths relative to the uploader's local directory) in this order, calling
+    `before_each` (which may raise) before each."""
     for name in names:
+        if before_each is not None:
+            before_each()
         target = uri.rstrip("/") + "/" + name
         with_retries(target, "write", lambda n=name: uploader.upload_file(n))
         if bar is not None:

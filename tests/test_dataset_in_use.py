@@ -5,6 +5,7 @@ before and after, and the tokens a fresh fetcher reads."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -45,6 +46,10 @@ def _first_tokens(root: Path) -> list[int]:
         return fetcher.fetch(np.array([[0, 0, int(fetcher.lengths[0])]])).input_ids.tolist()
 
 
+def _never(run) -> None:
+    raise AssertionError("tokenizing began")
+
+
 def _reader(root: str, ready) -> None:  # a forked process holding a fetcher open, till killed
     with FetchConfig().build(root):
         ready.set()
@@ -66,9 +71,14 @@ def test_overwrite_of_a_dataset_being_read_is_refused(tmp_path: Path) -> None:
     proc.start()
     try:
         assert ready.wait(60)
-        with pytest.raises(InputError, match=rf"^--out {out}: the dataset there is being read "
-                                             rf"\(pid {proc.pid}\)"):  # fmt: skip
-            preprocess(_cfg(new, out))
+        engine = preprocess_mod.ENGINES["local"]
+        preprocess_mod.ENGINES["local"] = _never
+        try:
+            with pytest.raises(InputError, match=rf"^--out {out}: the dataset there is being read "
+                                                 rf"\(pid {proc.pid}\), by"):  # fmt: skip
+                preprocess(_cfg(new, out))  # before any tokenizing
+        finally:
+            preprocess_mod.ENGINES["local"] = engine
         assert _files(out) == before
     finally:
         os.kill(proc.pid, signal.SIGKILL)
@@ -83,8 +93,9 @@ def test_overwrite_of_a_dataset_being_read_is_refused(tmp_path: Path) -> None:
 
 def test_a_reader_that_opens_during_the_run_stops_the_swap(tmp_path: Path, monkeypatch) -> None:
     """A reader opens the dataset after the first check, while the run tokenizes: the swap is
-    refused, the old dataset stays byte for byte and no temporary is left. A closed reader
-    leaves no lock behind."""
+    refused, naming this very process, the old dataset stays byte for byte, and the run's
+    finished dataset is kept beside it as `DIR.new-PID` (a fresh run's tokens). A reader
+    closed, or dropped unclosed, leaves no lock behind."""
     out = tmp_path / "ds"
     preprocess(_cfg(_corpus(tmp_path, "old"), out))
     before = _files(out)
@@ -98,12 +109,23 @@ def test_a_reader_that_opens_during_the_run_stops_the_swap(tmp_path: Path, monke
 
     monkeypatch.setitem(preprocess_mod.ENGINES, "local", engine_then_a_reader)
     new = _corpus(tmp_path, "new")
-    with pytest.raises(InputError, match="is being read"):
+    me = os.getpid()
+    kept = tmp_path / f"ds.new-{me}"
+    with pytest.raises(InputError, match=rf"being read \(this process, pid {me}: a reader of it "
+                       rf"not closed\?\).*This run's dataset is complete in {kept}: put it "):  # fmt: skip
         preprocess(_cfg(new, out))
     assert _files(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "src-new", "src-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", kept.name, "src-new", "src-old"]
     opened[0].close()
     monkeypatch.setitem(preprocess_mod.ENGINES, "local", engine)
+    fresh = tmp_path / "fresh"
+    preprocess(_cfg(new, fresh))
+    assert _files(kept) == {k: v for k, v in _files(fresh).items() if k != "manifest.json"} | {
+        "manifest.json": (kept / "manifest.json").read_bytes()}  # fmt: skip
+    assert _first_tokens(kept) == _first_tokens(fresh)
+    dropped = FetchConfig().build(str(out))  # never closed
+    del dropped
+    gc.collect()
     preprocess(_cfg(new, out))
     assert _files(out) != before
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from datapipe.errors import InputError, MixlenError
+from datapipe.files import host_tag
 from trainer.checkpoint.files import write_checksums
 from trainer.checkpoint.state import ModelState
 from trainer.checkpoint.weights import read_model_weights
@@ -221,7 +222,9 @@ def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path
         raise safetensors.SafetensorError("Error while serializing: I/O error: File too large")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(MixlenError, match=r"\.out\.partial-\d+: cannot write model.safetensors"):
+    with pytest.raises(
+        MixlenError, match=r"\.out\.partial-\S+-\d+: cannot write model.safetensors"
+    ):
         export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
     assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["out", "src"]
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
@@ -251,7 +254,7 @@ def test_a_killed_exports_leftovers_are_cleaned_by_the_next(tmp_path, caplog) ->
     """An export killed with no cleanup (SIGKILL, SIGTERM) leaves its temporary folder, and
     perhaps the old folder it had moved aside: the next export into that folder removes the
     first and puts the second back (before its own existence check), once their process is
-    gone; a live process's are left alone."""
+    gone; a live process's and another host's are left alone."""
     import subprocess
     import sys
 
@@ -260,20 +263,23 @@ def test_a_killed_exports_leftovers_are_cleaned_by_the_next(tmp_path, caplog) ->
     weights = dict(load(src).named_parameters())
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    pid = int(dead.stdout)
+    pid, me = int(dead.stdout), f"{host_tag()}-"
     out = tmp_path / "out"
-    (tmp_path / f".out.partial-{pid}").mkdir()  # a dead export's half-written folder
-    (tmp_path / f".out.partial-{pid}" / "model-00001-of-00002.safetensors").write_bytes(b"x")
-    (tmp_path / f".out.old-{pid}").mkdir()  # the folder it had moved aside, not yet replaced
-    (tmp_path / f".out.old-{pid}" / "keep.txt").write_text("old")
-    (tmp_path / f".out.partial-{os.getppid()}").mkdir()  # a live process's: not touched
+    (tmp_path / f".out.partial-{me}{pid}").mkdir()  # a dead export's half-written folder
+    (tmp_path / f".out.partial-{me}{pid}" / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    (tmp_path / f".out.old-{me}{pid}").mkdir()  # the folder it had moved aside, not yet replaced
+    (tmp_path / f".out.old-{me}{pid}" / "keep.txt").write_text("old")
+    kept = [f".out.partial-otherhost_1-{pid}",  # another host's: its pid means nothing here
+            f".out.partial-{me}{os.getppid()}"]  # a live process's  # fmt: skip
+    for name in kept:
+        (tmp_path / name).mkdir()
     with pytest.raises(InputError, match="out: already exists"):
         export_hf(weights, pre.shape, pre.family, str(out))
     assert os.listdir(out) == ["keep.txt"] and "restored" in caplog.text
-    assert sorted(os.listdir(tmp_path)) == [f".out.partial-{os.getppid()}", "out", "src"]
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "out", "src"])
     export_hf(weights, pre.shape, pre.family, str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    assert sorted(os.listdir(tmp_path)) == [f".out.partial-{os.getppid()}", "out", "src"]
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "out", "src"])
 
 
 class _Rank:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,25 +96,29 @@ def test_a_second_upload_to_a_prefix_being_written_is_refused(s3, corpus) -> Non
 
 
 def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(s3, corpus) -> None:
-    """A claim left by a killed upload of this host (its pid gone) is taken over, with a
-    warning. Another host's claim cannot be checked: refused, nothing uploaded, until it is
-    deleted; a live process's claim of this host is refused too."""
+    """A claim left by a killed upload of this host (its pid gone) is taken over at once, with
+    a warning. Another host's recent claim cannot be checked: refused naming it, nothing
+    uploaded, until it is deleted (or expires: below); a live process's claim of this host, or
+    one whose pid is not a number, is refused too."""
     bucket = s3["bucket"]
     dead = {"id": "x", "host": host_tag(), "pid": _dead_pid(), "started": "2026-01-01T00:00:00"}
     _put_claim(s3, "dead/ds/", dead)
     warned: list[str] = []
     preprocess(PreprocessConfig(corpus["inputs"], f"s3://{bucket}/dead/ds", progress=False),
                warn=warned.append)  # fmt: skip
-    assert any("took over the claim of a killed upload" in w for w in warned), warned
+    assert any("took over the claim of a dead upload" in w and "its process is gone" in w
+               for w in warned), warned  # fmt: skip
     assert "manifest.json" in _keys(s3, "dead/ds/") and CLAIM_FILE not in _keys(s3, "dead/ds/")
 
     for prefix, holder in {
         "far/ds/": {"id": "y", "host": "otherhost_1", "pid": 1, "started": "2026-01-01T00:00:00"},
         "live/ds/": {"id": "z", "host": host_tag(), "pid": os.getppid(), "started": "t"},
+        "odd/ds/": {"id": "w", "host": host_tag(), "pid": "123x", "started": "t"},  # not a pid
     }.items():
         _put_claim(s3, prefix, holder)
         uri = f"s3://{bucket}/{prefix.rstrip('/')}"
-        with pytest.raises(InputError, match=f"host {holder['host']}, pid {holder['pid']}"):
+        with pytest.raises(InputError, match=f"host {holder['host']}, pid {holder['pid']}, "
+                           "started .*, renewed [01] s ago"):  # fmt: skip
             preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False))
         assert _keys(s3, prefix) == [CLAIM_FILE], "nothing uploaded, the claim kept"
         assert (
@@ -159,27 +164,85 @@ def test_a_claim_lost_mid_upload_stops_before_the_manifest(s3, corpus, monkeypat
     assert _keys(s3, "bad/ds/") == [], "the failed job's claim is deleted"
 
 
-def test_a_store_that_ignores_conditional_puts_is_caught(s3, monkeypatch) -> None:
-    """Some S3-compatible stores ignore If-None-Match: the second claim then overwrites the
-    first, and reading it back shows which job the store kept. The first job's check before its
-    manifest fails; the second holds the prefix."""
-    uri = f"s3://{s3['bucket']}/noif/ds"
-    first, second = PrefixClaim(uri), PrefixClaim(uri)
-    first.acquire(print)
-    with pytest.raises(InputError, match="another mixlen preprocess is uploading"):
-        second.acquire(print)  # a store that honours the condition refuses the second
-    real_put = second.client.put_object
+def _patched_puts(monkeypatch, change) -> None:
+    """boto3 clients made from now on pass each PutObject's parameters through `change`."""
+    import boto3
 
-    def ignoring(**kw):
-        kw.pop("IfNoneMatch", None)
-        return real_put(**kw)
+    real = boto3.client
 
-    monkeypatch.setattr(second.client, "put_object", ignoring)
-    second.acquire(print)
+    def client(*args, **kw):
+        made = real(*args, **kw)
+        made.meta.events.register(
+            "before-parameter-build.s3.PutObject", lambda params, **_: change(params)
+        )
+        return made
+
+    monkeypatch.setattr(boto3, "client", client)
+
+
+@pytest.mark.parametrize("store", ["ignores", "refuses"])
+def test_a_store_without_conditional_writes_uploads_unclaimed(
+    s3, corpus, monkeypatch, store
+) -> None:
+    """A store that ignores If-None-Match (it accepts the probe, a second claim over the first)
+    or answers NotImplemented: the upload goes on without a claim, with a warning, and leaves
+    no claim object behind."""
+    from botocore.exceptions import ClientError
+
+    def change(params: dict) -> None:
+        conditional = "IfNoneMatch" in params or "IfMatch" in params
+        if store == "ignores":
+            params.pop("IfNoneMatch", None)
+            params.pop("IfMatch", None)
+        elif conditional:
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no"}}, "PutObject")
+
+    _patched_puts(monkeypatch, change)
+    warned: list[str] = []
+    uri = f"s3://{s3['bucket']}/{store}/ds"
+    preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False), warn=warned.append)
+    assert [w for w in warned if "has no conditional writes" in w] == [
+        f"{uri}/{CLAIM_FILE}: the store has no conditional writes ("
+        + (
+            "it accepted a second claim over the first"
+            if store == "ignores"
+            else "it refused a conditional put"
+        )
+        + "): this upload is not guarded against another one to the same prefix at the same moment"
+    ]
+    keys = _keys(s3, f"{store}/ds/")
+    assert "manifest.json" in keys and CLAIM_FILE not in keys
+
+
+def test_a_claim_is_renewed_and_expires(s3, corpus, monkeypatch) -> None:
+    """The claim is renewed by a background put on its ETag (its LastModified moves on); a
+    renewal that finds it taken marks the claim lost, which the next file's check reports. A
+    claim of another host not renewed for STALE_S seconds (by the store's clock) is a dead job's:
+    taken over, with a warning."""
+    from datapipe.ingest import claim as claim_mod
+
+    monkeypatch.setattr(claim_mod, "RENEW_S", 0.3)
+    uri = f"s3://{s3['bucket']}/lease/ds"
+    mine = PrefixClaim(uri)
+    assert mine.acquire(print)
+    key = "lease/ds/" + CLAIM_FILE
+    first = s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"]
+    time.sleep(2.2)  # (LastModified has whole seconds)
+    assert s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"] > first
+    mine.check_renewals()
+    _put_claim(s3, "lease/ds/", {"id": "other", "host": "h", "pid": 3, "started": "t"})
+    deadline = time.monotonic() + 10
+    while not mine.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
     with pytest.raises(InputError, match="was taken over while it uploaded"):
-        first.check()
-    second.check()
-    first.release(print)  # not its claim any more: left alone
-    assert _manifest(s3, "noif/ds/" + CLAIM_FILE)["id"] == second.body["id"]
-    second.release(print)
-    assert _keys(s3, "noif/ds/") == []
+        mine.check_renewals()
+    mine.release(print)
+    assert _manifest(s3, key)["id"] == "other", "another job's claim is never deleted"
+
+    monkeypatch.setattr(claim_mod, "STALE_S", 1.0)
+    time.sleep(2.1)
+    warned: list[str] = []
+    preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False), warn=warned.append)
+    assert any(w.startswith(f"{uri}/{CLAIM_FILE}: took over the claim of a dead upload (host h, "
+                            "pid 3, started t: not renewed for ") for w in warned), warned  # fmt: skip
+    assert CLAIM_FILE not in _keys(s3, "lease/ds/")

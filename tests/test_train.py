@@ -451,21 +451,26 @@ def test_cosine_schedule_reaches_its_floor_on_the_last_step(steps, warmup, floor
 
 def test_tensorboard_events_read_back(tmp_path):
     """`metrics.tensorboard = true` writes every scalar of every step record as an event that
-    TensorBoard's own reader returns (tensorboard is in the dev and `tb` extras)."""
+    TensorBoard's own reader returns (tensorboard is in the dev and `tb` extras); each run has
+    its own TensorBoard run, `tb/RUN_ID` (before: a second run in the folder drew over the
+    first's curves)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from trainer.metrics import MetricsWriter
 
-    w = MetricsWriter(str(tmp_path / "m"), 3, tensorboard=True, progress=False)
     line = dict(lr=1e-3, tokens_per_s=1.0, step_time_s=1.0, data_wait_s=0.0, comm_time_s=0.0)
     line.update(imbalance_measured=1.0, imbalance_planned=1.0)
-    recs = [{"step": s, "loss": 3.0 / s, "tokens": 100 * s, "note": "x", **line} for s in (1, 2, 3)]
-    for r in recs:
-        w.log(r)
-    w.close()
-    acc = EventAccumulator(str(tmp_path / "m" / "tb"))
-    acc.Reload()
-    assert set(acc.Tags()["scalars"]) == {"loss", "tokens", *line}  # every number, no string
-    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
-    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in recs]
-    assert [e.value for e in acc.Scalars("tokens")] == [100.0, 200.0, 300.0]
+    runs = {"first": (1, 2, 3), "second": (1, 2)}
+    for run, steps in runs.items():
+        w = MetricsWriter(str(tmp_path / "m"), 3, tensorboard=True, progress=False, run_id=run)
+        for s in steps:
+            w.log({"step": s, "loss": len(run) / s, "tokens": 100 * s, "note": "x", **line})
+        w.close()
+    assert sorted(os.listdir(tmp_path / "m" / "tb")) == sorted(runs)
+    for run, steps in runs.items():
+        acc = EventAccumulator(str(tmp_path / "m" / "tb" / run))
+        acc.Reload()
+        assert set(acc.Tags()["scalars"]) == {"loss", "tokens", *line}  # every number, no string
+        loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+        assert loss == [(s, pytest.approx(len(run) / s, rel=1e-6)) for s in steps]
+        assert [e.value for e in acc.Scalars("tokens")] == [100.0 * s for s in steps]

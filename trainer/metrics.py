@@ -408,7 +408,8 @@ class MetricsWriter:
                 )
             else:
                 purge = None if self.resume_step is None else self.resume_step + 1
-                self._tb = SummaryWriter(log_dir=os.path.join(self.out_dir, "tb"), purge_step=purge)
+                tb = os.path.join(self.out_dir, "tb", self.run_id)  # a TensorBoard run per run
+                self._tb = SummaryWriter(log_dir=tb, purge_step=purge)
         if self.progress:  # a bar on a terminal only (datapipe.progress)
             from datapipe.progress import progress
 
@@ -445,7 +446,7 @@ class MetricsWriter:
                     if isinstance(v, (int, float)) and k != "step":
                         self._tb.add_scalar(k, v, record["step"])
             except OSError as exc:
-                self._give_up("_tb", os.path.join(self.out_dir, "tb"), exc)
+                self._give_up("_tb", os.path.join(self.out_dir, "tb", self.run_id), exc)
         if "loss" in record:
             if self._bar is not None:
                 self._bar.update(1)

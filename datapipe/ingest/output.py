@@ -77,9 +77,9 @@ def check_out_path(
             )
 
 
-def partial_dir(out: Path) -> Path:
-    """This process's temporary directory for `out`."""
-    return out.parent / f".{out.name}.partial-{os.getpid()}"
+def partial_dir(out: Path, tag: str = "") -> Path:
+    """This process's temporary directory for `out` (`tag`: before the pid, e.g. the host)."""
+    return out.parent / f".{out.name}.partial-{tag}{os.getpid()}"
 
 
 def _dead_runs(parent: Path, prefix: str) -> list[Path]:
@@ -93,12 +93,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def clean_stale(out: Path, warn) -> None:
+def clean_stale(out: Path, warn, tag: str = "") -> None:
     """Remove killed runs' temporaries; put back an old output a killed run had moved aside
-    (call with the lock held)."""
-    for p in _dead_runs(out.parent, f".{out.name}.partial-"):
+    (call with the lock held, or with `tag` naming this host: see partial_dir)."""
+    for p in _dead_runs(out.parent, f".{out.name}.partial-{tag}"):
         shutil.rmtree(p, ignore_errors=True)
-    for p in _dead_runs(out.parent, f".{out.name}.old-"):
+    for p in _dead_runs(out.parent, f".{out.name}.old-{tag}"):
         if not out.exists() and not out.is_symlink():
             os.rename(p, out)
             warn(f"restored {out} from {p.name} (a killed run had moved it aside)")

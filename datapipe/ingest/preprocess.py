@@ -34,7 +34,7 @@ from datapipe.ingest.output import (
 )
 from datapipe.ingest.sources import TokenizeSettings
 from datapipe.ingest.tokenizer import TokenizerSpec
-from datapipe.inuse import no_readers
+from datapipe.inuse import DatasetInUse, no_readers
 
 __all__ = ["PAUSE_HOOK_ENV", "PreprocessConfig", "PreprocessResult", "preprocess"]
 
@@ -108,8 +108,8 @@ def preprocess(
     check_out_path(out, cfg.out, cfg.inputs)
     if out.exists() and not cfg.overwrite:
         raise InputError(f"{cfg.out}: already exists; pass --overwrite to replace it")
-    with no_readers(str(out), cfg.out):  # a dataset being read: refused before any work
-        pass
+    with no_readers(str(out), cfg.out, make=False):  # a dataset being read: refused before
+        pass  # any work
     run = _prepare(cfg, warn)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +125,17 @@ def preprocess(
         try:
             with SigtermAsInterrupt():
                 result = ENGINES[cfg.engine](run)
-            with no_readers(str(out), cfg.out):  # and again for the swap itself
-                commit(tmp, out, cfg.out, cfg.overwrite)
+            try:
+                # and again for the swap itself (a folder it will not replace stays untouched)
+                with no_readers(str(out), cfg.out, make=cfg.overwrite):
+                    commit(tmp, out, cfg.out, cfg.overwrite)
+            except DatasetInUse as exc:  # a reader came meanwhile: keep the finished work
+                kept = out.parent / f"{out.name}.new-{os.getpid()}"
+                os.rename(tmp, kept)
+                raise DatasetInUse(
+                    f"{exc}. This run's dataset is complete in {kept}: put it in place "
+                    f"of {cfg.out} once the readers are done"
+                ) from None
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing
             shutil.rmtree(tmp, ignore_errors=True)
             full = " (disk full or file size limit)" if exc.errno in _FULL_ERRNOS else ""

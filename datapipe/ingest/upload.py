@@ -104,7 +104,10 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         _refuse_a_dataset(cfg.out, "was written there while this run tokenized; ")
         abort_multipart_uploads(uri, warn, started)  # a killed upload's parts, still billed
         with progress(total, "upload", "B", cfg.progress, unit_scale=True) as bar:
-            upload_files(uploader, uri, names[:-1], bar)
+            if claim is not None:
+                claim.check()
+            before = claim.check_renewals if claim is not None else None
+            upload_files(uploader, uri, names[:-1], bar, before)
             if claim is not None:
                 claim.check()  # still ours: then the manifest makes it a dataset
             upload_files(uploader, uri, names[-1:], bar)
@@ -112,6 +115,8 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         res.seconds = time.perf_counter() - t0
         return res
     finally:
-        if claim is not None:
-            claim.release(warn)
-        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            if claim is not None:
+                claim.release(warn)
+        finally:  # (even if a second Ctrl-C cuts the release short)
+            shutil.rmtree(stage, ignore_errors=True)

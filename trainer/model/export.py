@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from datapipe.errors import ConfigError, InputError, MixlenError
+from datapipe.files import host_tag
 from datapipe.ingest.output import clean_stale, partial_dir
 from datapipe.shapes import ModelConfig
 from trainer.checkpoint.files import fsync_dir
@@ -129,6 +130,12 @@ def _write_weights(
     return files
 
 
+def _host_part() -> str:
+    """The host's part of the temporaries' names: exports run without a lock, so two hosts
+    exporting beside each other on a shared file system must never take the other's for dead."""
+    return f"{host_tag()}-"
+
+
 def _install(tmp: str, out_dir: str, overwrite: bool) -> None:
     """Rename the finished `tmp` to `out_dir` (an old `out_dir` moved aside first, under a name
     the next export puts back if this process dies before the rename: `clean_stale`)."""
@@ -137,7 +144,7 @@ def _install(tmp: str, out_dir: str, overwrite: bool) -> None:
     if os.path.lexists(out_dir):
         if not overwrite:
             raise InputError(f"{out_dir}: already exists (overwrite it explicitly)")
-        old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{os.getpid()}")
+        old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{_host_part()}{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     fsync_dir(parent)
@@ -173,7 +180,7 @@ def export_hf(
     out_dir = os.path.normpath(os.fspath(out_dir))
     # an export killed before (SIGKILL, SIGTERM: no cleanup ran) left its temporary folder, or
     # the old folder moved aside: removed, or put back, when its process is gone
-    clean_stale(Path(os.path.abspath(out_dir)), get_logger().warning)
+    clean_stale(Path(os.path.abspath(out_dir)), get_logger().warning, _host_part())
     fam = family_of(family) if isinstance(family, str) else family
     names = _hf_tensors(weights, shape, fam)
     context = max_position_embeddings or shape.max_position_embeddings
@@ -191,7 +198,7 @@ def export_hf(
     config = fam.config_json(shape, context, str(stored).removeprefix("torch."), base_config)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = str(partial_dir(Path(os.path.abspath(out_dir))))
+    tmp = str(partial_dir(Path(os.path.abspath(out_dir)), _host_part()))
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an export that raised
     os.mkdir(tmp)
     try:
