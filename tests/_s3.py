@@ -1,12 +1,13 @@
 """moto's S3 server for the store tests: on 127.0.0.1 at a free port, started and stopped by the
-test module, with credentials set in the environment by the test."""
+test module, with credentials set in the environment by the test. Its fixtures `server` and `s3`
+reach every test module as a plugin (tests/conftest.py); moto is imported only when one is used."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from moto import server as moto_server
+import pytest
 
 KEY, SECRET = "mixlen-test-key", "mixlen-test-secret"
 
@@ -16,6 +17,8 @@ class Server:
     process, so they survive a stop/start on the same port."""
 
     def __init__(self) -> None:
+        from moto import server as moto_server
+
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         self._srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._srv.start()
@@ -26,6 +29,8 @@ class Server:
         self._srv.stop()
 
     def start(self) -> None:
+        from moto import server as moto_server
+
         self._srv = moto_server.ThreadedMotoServer(
             ip_address="127.0.0.1", port=self.port, verbose=False
         )
@@ -64,3 +69,19 @@ def s3_client(url: str, key: str, secret: str):
         aws_secret_access_key=secret,
         region_name="us-east-1",
     )
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The server, one per test module that uses it."""
+    srv = Server()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def s3(server, monkeypatch, tmp_path) -> dict:
+    """A new bucket on the module's server, the environment pointing at it (s3_env)."""
+    return s3_env(server, monkeypatch, tmp_path)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ("_s3",)  # the `server` and `s3` fixtures of the object-store tests
 _STREAMING_LEFTOVER = re.compile(r"^\d{6}_")
 _LEFTOVERS_AT_START = pytest.StashKey[tuple[set[str], set[str]]]()
 _SESSION_LOCK = pytest.StashKey["_SessionLock"]()

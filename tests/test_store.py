@@ -33,23 +33,9 @@ from tools.cli import main as cli_main
 ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("moto.server", reason="moto[s3] is a test-only dependency (.[dev])")
-from _s3 import KEY, SECRET, Server, s3_env  # noqa: E402
+from _s3 import KEY, SECRET  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def s3(server, monkeypatch, tmp_path):
-    return s3_env(server, monkeypatch, tmp_path)
 
 
 def _upload(corpus: dict, uri: str, spy: list | None = None, monkeypatch=None) -> Path:

@@ -21,23 +21,8 @@ from datapipe.ingest.preprocess import PreprocessConfig, preprocess
 from datapipe.ingest.upload import preprocess_to_store
 
 pytest.importorskip("moto.server", reason="moto[s3] is a test-only dependency (.[dev])")
-from _s3 import Server, s3_env  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def s3(server, monkeypatch, tmp_path):
-    return s3_env(server, monkeypatch, tmp_path)
 
 
 def _keys(s3: dict, prefix: str) -> list[str]:
@@ -180,20 +165,21 @@ def _patched_puts(monkeypatch, change) -> None:
     monkeypatch.setattr(boto3, "client", client)
 
 
-@pytest.mark.parametrize("store", ["ignores", "refuses"])
+@pytest.mark.parametrize("store", ["ignores", "refuses", "ignores-if-match"])
 def test_a_store_without_conditional_writes_uploads_unclaimed(
     s3, corpus, monkeypatch, store
 ) -> None:
-    """A store that ignores If-None-Match (it accepts the probe, a second claim over the first)
-    or answers NotImplemented: the upload goes on without a claim, with a warning, and leaves
-    no claim object behind."""
+    """A store that ignores If-None-Match (it accepts the probe, a second claim over the first),
+    that ignores If-Match (a put on another ETag), or that answers NotImplemented: the upload
+    goes on without a claim, with a warning, and leaves no claim object behind."""
     from botocore.exceptions import ClientError
 
     def change(params: dict) -> None:
         conditional = "IfNoneMatch" in params or "IfMatch" in params
-        if store == "ignores":
-            params.pop("IfNoneMatch", None)
+        if store.startswith("ignores"):
             params.pop("IfMatch", None)
+            if store == "ignores":
+                params.pop("IfNoneMatch", None)
         elif conditional:
             raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no"}}, "PutObject")
 
@@ -203,11 +189,11 @@ def test_a_store_without_conditional_writes_uploads_unclaimed(
     preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False), warn=warned.append)
     assert [w for w in warned if "has no conditional writes" in w] == [
         f"{uri}/{CLAIM_FILE}: the store has no conditional writes ("
-        + (
-            "it accepted a second claim over the first"
-            if store == "ignores"
-            else "it refused a conditional put"
-        )
+        + {
+            "ignores": "it accepted a second claim over the first",
+            "refuses": "it refused a conditional put",
+            "ignores-if-match": "it accepted a put on another ETag",
+        }[store]
         + "): this upload is not guarded against another one to the same prefix at the same moment"
     ]
     keys = _keys(s3, f"{store}/ds/")
@@ -229,7 +215,14 @@ def test_a_claim_is_renewed_and_expires(s3, corpus, monkeypatch) -> None:
     first = s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"]
     time.sleep(2.2)  # (LastModified has whole seconds)
     assert s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"] > first
+    # the claim rewritten with its own id (as a resent renewal may leave it, another ETag):
+    # the renewal refused on its ETag finds it still ours and goes on
+    body = dict(mine.body)
+    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=json.dumps(body, indent=2))
+    time.sleep(1.0)
+    assert not mine.lost
     mine.check_renewals()
+    mine.check()
     _put_claim(s3, "lease/ds/", {"id": "other", "host": "h", "pid": 3, "started": "t"})
     deadline = time.monotonic() + 10
     while not mine.lost and time.monotonic() < deadline:
@@ -246,3 +239,18 @@ def test_a_claim_is_renewed_and_expires(s3, corpus, monkeypatch) -> None:
     assert any(w.startswith(f"{uri}/{CLAIM_FILE}: took over the claim of a dead upload (host h, "
                             "pid 3, started t: not renewed for ") for w in warned), warned  # fmt: skip
     assert CLAIM_FILE not in _keys(s3, "lease/ds/")
+
+
+def test_an_interrupted_claim_is_released(s3, corpus, monkeypatch) -> None:
+    """Ctrl-C (or a store error) between the claim's put and its confirmation: the claim is
+    deleted on the way out, so a rerun is not refused for STALE_S seconds."""
+
+    def interrupted(self, warn):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PrefixClaim, "_confirm", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess(
+            PreprocessConfig(corpus["inputs"], f"s3://{s3['bucket']}/int/ds", progress=False)
+        )
+    assert _keys(s3, "int/ds/") == []

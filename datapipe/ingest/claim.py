@@ -73,13 +73,15 @@ class PrefixClaim:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def _put(self, **condition: str) -> str:
-        """Conditional put of the claim: "ok", "taken" (another one is there), "gone" (no object
-        for an If-Match) or "unsupported" (the store has no conditional writes)."""
+    def _put(self, quick: bool = False, **condition: str) -> str:
+        """Conditional put of the claim: "ok", "taken" (another one is there, or another ETag),
+        "gone" (no object for an If-Match) or "unsupported" (no conditional writes). `quick`:
+        one try on the quick client (the renewals: the next one tries again)."""
+        client = self.quick if quick else self.client
 
         def put() -> str:
             try:
-                got = self.client.put_object(
+                got = client.put_object(
                     Bucket=self.bucket,
                     Key=self.key,
                     Body=json.dumps(self.body).encode(),
@@ -95,15 +97,15 @@ class PrefixClaim:
                     if code in codes:
                         return said
                 raise
-            self.etag = got.get("ETag", "")
+            self.etag, self.held = got.get("ETag", ""), True  # ours: released from now on
             return "ok"
 
-        return str(with_retries(self.url, "write", put))
+        return str(with_retries(self.url, "write", put, 1 if quick else None))
 
-    def _read(self, client=None) -> tuple[dict, str, float] | None:
+    def _read(self, quick: bool = False) -> tuple[dict, str, float] | None:
         """The claim in the store, its ETag and its age by the store's clock (seconds since it
         was written or renewed), or None when there is none."""
-        client = client or self.client
+        client = self.quick if quick else self.client
 
         def get() -> tuple[dict, str, float] | None:
             try:
@@ -117,12 +119,11 @@ class PrefixClaim:
                 body = json.loads(got["Body"].read())
             except ValueError:
                 body = {}
-            date = got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-            now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+            now = _store_time(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
             age = max(0.0, now - got["LastModified"].timestamp())
             return (body if isinstance(body, dict) else {}), got["ETag"], age
 
-        return with_retries(self.url, "read", get, 1 if client is self.quick else None)  # type: ignore[return-value]
+        return with_retries(self.url, "read", get, 1 if quick else None)  # type: ignore[return-value]
 
     def acquire(self, warn: Callable[[str], None]) -> bool:
         """Claim the prefix (True), find the store cannot hold a claim (False, warned), or raise
@@ -142,22 +143,34 @@ class PrefixClaim:
             why = _dead(other, age)
             if why is None:
                 raise InputError(self._held_by(other, age))
-            if self._put(IfMatch=etag) == "ok":
+            said = self._put(IfMatch=etag)
+            if said == "unsupported":
+                return self._unsupported(warn, "it refused a conditional put")
+            if said == "ok":
                 warn(f"{self.url}: took over the claim of a dead upload ({_who(other)}: {why})")
                 return self._confirm(warn)
         raise InputError(f"{self.url}: other uploads keep claiming this prefix; try again")
 
     def _confirm(self, warn: Callable[[str], None]) -> bool:
-        """Read the claim back, check that the store refuses a second claim, start renewing."""
+        """Read the claim back; check that the store honours the conditions (a second claim
+        refused, a renewal on our ETag taken and one on another refused); start renewing."""
         seen = self._read()
         if seen is None or seen[0].get("id") != self.body["id"]:
+            self.held = False  # (not ours to delete)
             other, age = (seen[0], seen[2]) if seen else ({}, 0.0)
             raise InputError(self._held_by(other, age, "; it replaced this job's"))
-        etag = self.etag
-        if self._put(IfNoneMatch="*") != "taken":  # a store that ignores the condition
-            self._delete(warn)
-            return self._unsupported(warn, "it accepted a second claim over the first")
-        self.etag, self.held = etag, True
+        probes = (
+            ({"IfNoneMatch": "*"}, "taken", "it accepted a second claim over the first"),
+            ({"IfMatch": '"0"'}, "taken", "it accepted a put on another ETag"),
+            ({"IfMatch": seen[1]}, "ok", "it refused a put on the claim's own ETag"),
+        )
+        for condition, want, why in probes:
+            said = self._put(**condition)
+            if said != want:
+                self._delete(warn)
+                return self._unsupported(
+                    warn, "it refused a conditional put" if said == "unsupported" else why
+                )
         self._renewer = threading.Thread(target=self._renew, name="mixlen-claim", daemon=True)
         self._renewer.start()
         return True
@@ -170,20 +183,28 @@ class PrefixClaim:
         return False
 
     def _renew(self) -> None:
+        """Renew the claim every RENEW_S seconds until released; a claim found to be another
+        job's marks it lost (a refused renewal whose claim is still ours, as a resent request
+        may be, only takes the stored ETag)."""
         while not self._stop.wait(RENEW_S):
             try:
-                said = self._put(IfMatch=self.etag)
+                said = self._put(quick=True, IfMatch=self.etag)
+                if said == "ok":
+                    continue
+                seen = self._read(quick=True)
             except StoreError:  # the store unreachable for now: the next renewal tries again
                 continue
-            if said != "ok":
-                self.lost = True
-                return
+            if seen is not None and seen[0].get("id") == self.body["id"]:
+                self.etag = seen[1]
+                continue
+            self.lost = True
+            return
 
     def check(self) -> None:
         """InputError unless the claim is still this job's (before the first file and the
         manifest; cheaply, from the renewals' view, before each other file)."""
         seen = self._read()
-        if self.lost or seen is None or seen[0].get("id") != self.body["id"]:
+        if seen is None or seen[0].get("id") != self.body["id"]:
             self.lost = True
             taken = seen is not None and seen[0].get("id") != self.body["id"]
             gone = "was taken over" if taken else "was lost"
@@ -207,12 +228,12 @@ class PrefixClaim:
         if self._renewer is not None:
             self._renewer.join(5)
         if self.held:
-            self.held = False
             self._delete(warn)
 
     def _delete(self, warn: Callable[[str], None]) -> None:
+        self.held = False
         try:
-            seen = self._read(self.quick)
+            seen = self._read(quick=True)
             if seen is not None and seen[0].get("id") == self.body["id"]:
                 with_retries(
                     self.url,
@@ -251,10 +272,26 @@ def _dead(other: dict, age: float) -> str | None:
     return None
 
 
+def _store_time(date: str | None) -> float:
+    """The store's clock from its Date header (this machine's where it has none, or a bad one)."""
+    try:
+        when = email.utils.parsedate_to_datetime(date or "")
+    except (TypeError, ValueError):
+        return time.time()
+    if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
 def claim_prefix(uri: str, warn: Callable[[str], None]) -> PrefixClaim | None:
     """Claim an s3:// prefix for this upload (other schemes, or a store without conditional
-    writes: None, no claim)."""
+    writes: None, no claim). A claim made by a failed acquire is released."""
     if scheme(uri) != "s3":
         return None
     claim = PrefixClaim(uri)
-    return claim if claim.acquire(warn) else None
+    try:
+        held = claim.acquire(warn)
+    except BaseException:
+        claim.release(warn)
+        raise
+    return claim if held else None

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,8 @@ def preprocess(
                     commit(tmp, out, cfg.out, cfg.overwrite)
             except DatasetInUse as exc:  # a reader came meanwhile: keep the finished work
                 kept = out.parent / f"{out.name}.new-{os.getpid()}"
+                if kept.exists():  # (a pid reused since an earlier such run)
+                    kept = kept.with_name(f"{kept.name}-{uuid.uuid4().hex[:8]}")
                 os.rename(tmp, kept)
                 raise DatasetInUse(
                     f"{exc}. This run's dataset is complete in {kept}: put it in place "
