@@ -361,7 +361,7 @@ def test_simulate_cli_dataset(dataset, capsys) -> None:
     text = capsys.readouterr().out
     assert "assumptions:" in text and "hdp+offload" in text and "hdp+widen" not in text
     # --no-widen: train with widen = false runs plain hdp; with offload, the row with it
-    assert "runs hdp (hdp+offload with [parallel] offload)\n" in text
+    assert "runs hdp (hdp+offload with [offload] enabled = true)\n" in text
     # its page written into the dataset it reads: refused before drawing anything
     inside = str(root / "sim.html")
     assert main(["simulate", "--lengths", str(root), "--html", inside]) == 2

@@ -51,7 +51,8 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
     pytest.importorskip("xdist")
     suite = tmp_path / "suite"
     suite.mkdir()
-    (suite / "conftest.py").write_text((HERE / "conftest.py").read_text())
+    for name in ("conftest.py", "_s3.py"):  # (the conftest loads _s3's fixtures as a plugin)
+        (suite / name).write_text((HERE / name).read_text())
     (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: s\n    serial: s\n")
     for name in "abcd":
         (suite / f"test_{name}.py").write_text(TEST_FILE.replace("{name}", name))

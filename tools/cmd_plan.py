@@ -115,11 +115,11 @@ def legend(widen: bool | None, offload: bool | None) -> str:
     wide = widens_by_default() if widen is None else widen
     train = Variant("hdp", bool(offload), wide).label
     if offload is None:
-        train += f" ({Variant('hdp', True, wide).label} with [parallel] offload)"
+        train += f" ({Variant('hdp', True, wide).label} with [offload] enabled = true)"
     return (
         "rows: hdp = ByteScale's smallest-group rule ([parallel] widen = false, --no-widen); "
         "+widen = widen = true (mixlen train's default); +offload = planned with Eq. 3 "
-        f"([parallel] offload); `mixlen train` with policy hdp and these options runs {train}"
+        f"([offload] enabled = true); `mixlen train` with policy hdp and these options runs {train}"
     )
 
 
