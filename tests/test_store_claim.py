@@ -213,32 +213,37 @@ def test_a_claim_is_renewed_and_expires(s3, corpus, monkeypatch) -> None:
     assert mine.acquire(print)
     key = "lease/ds/" + CLAIM_FILE
     first = s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"]
-    time.sleep(2.2)  # (LastModified has whole seconds)
-    assert s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"] > first
+    _until(lambda: s3["client"].head_object(Bucket=s3["bucket"], Key=key)["LastModified"] > first)
     # the claim rewritten with its own id (as a resent renewal may leave it, another ETag):
-    # the renewal refused on its ETag finds it still ours and goes on
-    body = dict(mine.body)
-    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=json.dumps(body, indent=2))
-    time.sleep(1.0)
+    # the renewal refused on its ETag finds it still ours, takes that ETag and goes on
+    body = json.dumps(mine.body, indent=2)
+    etag = s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=body)["ETag"]
+    _until(lambda: mine.etag == etag)
     assert not mine.lost
     mine.check_renewals()
     mine.check()
     _put_claim(s3, "lease/ds/", {"id": "other", "host": "h", "pid": 3, "started": "t"})
-    deadline = time.monotonic() + 10
-    while not mine.lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: mine.lost)
     with pytest.raises(InputError, match="was taken over while it uploaded"):
         mine.check_renewals()
     mine.release(print)
     assert _manifest(s3, key)["id"] == "other", "another job's claim is never deleted"
 
-    monkeypatch.setattr(claim_mod, "STALE_S", 1.0)
-    time.sleep(2.1)
+    monkeypatch.setattr(claim_mod, "STALE_S", 0.5)
+    time.sleep(1.1)  # a whole second on the store's clock (Date and LastModified have seconds)
     warned: list[str] = []
     preprocess(PreprocessConfig(corpus["inputs"], uri, progress=False), warn=warned.append)
     assert any(w.startswith(f"{uri}/{CLAIM_FILE}: took over the claim of a dead upload (host h, "
                             "pid 3, started t: not renewed for ") for w in warned), warned  # fmt: skip
     assert CLAIM_FILE not in _keys(s3, "lease/ds/")
+
+
+def _until(done, timeout: float = 10.0) -> None:
+    """Wait until `done()` (polled), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_an_interrupted_claim_is_released(s3, corpus, monkeypatch) -> None:
