@@ -267,6 +267,34 @@ def test_mixlen_eval_on_a_checkpoint(trained, tmp_path, capsys, monkeypatch) -> 
         assert "--passkey-lengths: 100 tokens is shorter than a passkey case" in err
 
 
+def test_eval_of_an_exported_folder_scores_the_runs_held_out_samples(
+    trained, tmp_path, capsys
+) -> None:
+    """`mixlen export` writes the run's held-out split (data.val_fraction 0.1, seed 0) into the
+    folder's mixlen.json, so `mixlen eval FOLDER` scores the samples the run held out: the same
+    loss as the checkpoint's (before: a folder fell back to a 0.01 fraction, a set that includes
+    samples a run with a smaller fraction trained on). A bad mixlen.json is refused by name."""
+    from tools.cli import main as cli_main
+
+    data, ckpt, summary = trained
+    hf = tmp_path / "hf"
+    assert cli_main(["export", ckpt, "--hf", str(hf)]) == 0
+    capsys.readouterr()
+    assert json.loads((hf / "mixlen.json").read_text()) == {
+        "data": {"val_fraction": 0.1, "seed": 0}}  # fmt: skip
+    assert cli_main(["eval", str(hf), data, "--no-passkey", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["loss"] == pytest.approx(summary["val_losses"][-1][1], rel=1e-6)
+    assert cli_main(["eval", str(hf), data, "--no-passkey", "--json", "--val-fraction", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > got["tokens"], "the flag wins"
+    (hf / "mixlen.json").write_text('{"data": {"val_fraction": 2, "seed": 0}}')
+    assert cli_main(["eval", str(hf), data, "--no-passkey"]) == 2
+    assert (
+        "mixlen.json: data.val_fraction must be a number in [0, 1), got 2"
+        in capsys.readouterr().err
+    )
+
+
 def max_tokens_reference(lengths: list[int], n: int) -> list[int]:
     """The lengths `--max-tokens n` evaluates, by walking the samples: a sample of L tokens
     predicts L - 1; take whole samples while their predictions fit, then the first k tokens of

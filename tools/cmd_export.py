@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from datapipe.errors import ConfigError, InputError
 from datapipe.plan.setup import MAX_CONTEXT
@@ -70,6 +71,13 @@ def _dataset_manifest(run: dict) -> dict:
         return read_manifest(path) if path else {}
     except (InputError, OSError):
         return {}
+
+
+def _run_settings(run: dict) -> dict[str, dict[str, Any]]:
+    """mixlen.json: the run's held-out split (data.val_fraction and seed), so that mixlen eval of
+    the folder scores the samples the run held out, not a default fraction's."""
+    data = run.get("data", {})
+    return {"data": {"val_fraction": data.get("val_fraction"), "seed": data.get("seed")}}
 
 
 def _token_ids(run: dict) -> dict[str, int | None]:
@@ -162,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         base_config=pre.config if pre is not None else _token_ids(run_cfg),
         shard_bytes=args.shard_size,
         overwrite=args.overwrite,
+        run_settings=_run_settings(run_cfg),
     )
     print(f"wrote {args.hf}: {', '.join(sorted(files))} (from {ckpt.step})")
     return 0

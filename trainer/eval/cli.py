@@ -64,7 +64,8 @@ class EvalOptions:
 
 class LoadedModel(NamedTuple):
     """A model with its weights, its shape, its context (None: unknown), its tokenizer when it
-    has one, and the settings of the run that trained it (a mixlen checkpoint's; else empty)."""
+    has one, and the settings of the run that trained it (a mixlen checkpoint's; a folder's
+    mixlen.json, the held-out split of the run mixlen export wrote it from; else empty)."""
 
     model: nn.Module
     shape: ModelConfig
@@ -93,7 +94,8 @@ def load_model(
         model = build(pre.shape, "meta", dtype)
         model = (shard(model) if shard else model).to_empty(device=device)
         load_pretrained_weights(model, pre)
-        return LoadedModel(model, pre.shape, _context(pre.shape), _folder_tokenizer(path), {})
+        tok = _folder_tokenizer(path)
+        return LoadedModel(model, pre.shape, _context(pre.shape), tok, _folder_run(path))
     from trainer.checkpoint.weights import check_weights, read_checkpoint
     from trainer.config.job import TrainerConfig
 
@@ -154,6 +156,34 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int, path: str = "") -> np.ndarra
             f"samples of {path or opts.data}; give a larger --val-fraction, or --split all"
         )
     return held
+
+
+def _folder_run(path: str) -> dict[str, dict[str, Any]]:
+    """The held-out split mixlen export recorded in a folder's mixlen.json (its run's
+    data.val_fraction and seed); empty for a folder without one."""
+    import json
+
+    from datapipe.files import read_bounded_text
+    from trainer.model.pretrained import RUN_FILE
+
+    where = os.path.join(path, RUN_FILE)
+    if not os.path.exists(where):
+        return {}
+    try:
+        data = json.loads(read_bounded_text(where, 1 << 20, RUN_FILE))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    data = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise InputError(
+            f"{where}: not a JSON object with a 'data' object (mixlen export writes it)"
+        )
+    frac, seed = data.get("val_fraction"), data.get("seed")
+    if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac < 1:
+        raise InputError(f"{where}: data.val_fraction must be a number in [0, 1), got {frac!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f"{where}: data.seed must be an integer >= 0, got {seed!r}")
+    return {"data": {"val_fraction": float(frac), "seed": seed}}
 
 
 def _folder_tokenizer(path: str) -> Tokenizer | None:

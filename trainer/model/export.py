@@ -27,7 +27,7 @@ from datapipe.shapes import ModelConfig
 from trainer.checkpoint.files import fsync_dir
 from trainer.logs import get_logger
 from trainer.model.families import Family, family_of
-from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, non_finite
+from trainer.model.pretrained import CONFIG_FILE, INDEX_FILE, RUN_FILE, SINGLE_FILE, non_finite
 from trainer.model.transformer import parameter_shapes
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "plan_shards"]
@@ -166,6 +166,7 @@ def export_hf(
     base_config: Mapping[str, Any] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
+    run_settings: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Write `weights` (mixlen parameter names, whole tensors) of `shape` as a `family` (a Family
     or an architecture name) save_pretrained folder `out_dir`; returns the file names written.
@@ -173,7 +174,8 @@ def export_hf(
     `dtype`: the stored dtype (default: each tensor's own); `max_position_embeddings`: the
     declared context (default: the shape's; dynamic NTK writes its original context, where
     transformers starts stretching); `base_config`: the source config.json, whose token ids
-    (bos, eos, pad) are carried over; `tokenizer_files`: copied into the folder, each a path
+    (bos, eos, pad) are carried over; `run_settings`: written as mixlen.json (the exported
+    run's held-out split, for mixlen eval); `tokenizer_files`: copied into the folder, each a path
     (under its own name) or (path, name in the folder).
     Raises InputError (destination exists, a tokenizer file missing), ConfigError (no declared
     context), ValueError (weights not of the shape)."""
@@ -205,6 +207,9 @@ def export_hf(
         files = _write_weights(tmp, weights, names, dtype, shard_bytes)
         _write_json(os.path.join(tmp, CONFIG_FILE), config)
         files.append(CONFIG_FILE)
+        if run_settings is not None:
+            _write_json(os.path.join(tmp, RUN_FILE), dict(run_settings))
+            files.append(RUN_FILE)
         for src, name in copies:
             dst = os.path.join(tmp, name)
             shutil.copyfile(src, dst)

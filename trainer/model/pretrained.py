@@ -53,6 +53,8 @@ __all__ = [
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# what mixlen export adds: the held-out split of the run it exports, which mixlen eval reads
+RUN_FILE = "mixlen.json"
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 _ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 # [model] keys that replace the pretrained values instead of contradicting them
