@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import weakref
 from collections.abc import Iterator
 
@@ -62,14 +63,20 @@ class ReadersLock:
 
 def _open(path: str, mode: int) -> int | None:
     """`path` opened with `mode`, made if missing (0644); else read-only where it exists (a
-    folder or file of another user's); else None (unguarded)."""
+    folder or file of another user's); else None (unguarded). Never through a symlink, never
+    blocking (a FIFO), and only a regular file is kept."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, mode | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, mode | os.O_CREAT | flags, 0o644)
     except OSError:
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | flags)
         except OSError:
             return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _same_file(path: str, fd: int) -> bool:

@@ -154,3 +154,21 @@ def test_a_reader_waiting_on_the_swap_reads_the_new_dataset(tmp_path: Path) -> N
     got[0].close()
     with no_readers(str(old), "ds"):
         pass
+
+
+@pytest.mark.timeout(30)
+def test_a_lock_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -> None:
+    """A FIFO, a folder or a symlink named `.readers.lock` (never made by mixlen): the reader
+    neither blocks on the FIFO nor follows the link (nothing made at its target); the dataset is
+    read and overwritten unguarded."""
+    target = tmp_path / "elsewhere"
+    for kind in ("fifo", "dir", "symlink"):
+        root = tmp_path / kind
+        root.mkdir()
+        lock = root / READERS_FILE
+        {"fifo": os.mkfifo, "dir": os.mkdir, "symlink": lambda p: os.symlink(target, p)}[kind](lock)
+        reader = ReadersLock(str(root))
+        assert reader.fd is None, kind
+        with no_readers(str(root), kind):
+            pass
+        assert not target.exists()

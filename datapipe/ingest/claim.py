@@ -115,8 +115,8 @@ class PrefixClaim:
                 if err is not None and err.kind == "not_found":
                     return None
                 raise
-            try:
-                body = json.loads(got["Body"].read())
+            try:  # (a claim is a few hundred bytes: anything else is not one)
+                body = json.loads(got["Body"].read(1 << 16))
             except ValueError:
                 body = {}
             now = _store_time(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
