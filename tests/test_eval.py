@@ -287,12 +287,14 @@ def test_eval_of_an_exported_folder_scores_the_runs_held_out_samples(
     assert got["loss"] == pytest.approx(summary["val_losses"][-1][1], rel=1e-6)
     assert cli_main(["eval", str(hf), data, "--no-passkey", "--json", "--val-fraction", "0.5"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] > got["tokens"], "the flag wins"
-    (hf / "mixlen.json").write_text('{"data": {"val_fraction": 2, "seed": 0}}')
-    assert cli_main(["eval", str(hf), data, "--no-passkey"]) == 2
-    assert (
-        "mixlen.json: data.val_fraction must be a number in [0, 1), got 2"
-        in capsys.readouterr().err
-    )
+    for bad, said in (  # checked as [data]'s own settings: their bounds, their messages
+        ('{"val_fraction": 2, "seed": 0}', "data.val_fraction: must be in [0, 1), got 2.0"),
+        ('{"val_fraction": 0.1, "seed": 18446744073709551616}', "data.seed: must be <="),
+        ('{"val_fraction": 0.1, "sed": 0}', "data.sed: unknown key"),
+    ):
+        (hf / "mixlen.json").write_text(f'{{"data": {bad}}}')
+        assert cli_main(["eval", str(hf), data, "--no-passkey"]) == 2
+        assert f"mixlen.json: {said}" in capsys.readouterr().err
 
 
 def max_tokens_reference(lengths: list[int], n: int) -> list[int]:

@@ -160,10 +160,12 @@ def _eval_ids(opts: EvalOptions, run: dict, n: int, path: str = "") -> np.ndarra
 
 def _folder_run(path: str) -> dict[str, dict[str, Any]]:
     """The held-out split mixlen export recorded in a folder's mixlen.json (its run's
-    data.val_fraction and seed); empty for a folder without one."""
+    data.val_fraction and seed, checked as [data]'s own settings); empty without one."""
     import json
 
     from datapipe.files import read_bounded_text
+    from datapipe.settings import check
+    from trainer.data import DataConfig
     from trainer.model.pretrained import RUN_FILE
 
     where = os.path.join(path, RUN_FILE)
@@ -178,12 +180,10 @@ def _folder_run(path: str) -> dict[str, dict[str, Any]]:
         raise InputError(
             f"{where}: not a JSON object with a 'data' object (mixlen export writes it)"
         )
-    frac, seed = data.get("val_fraction"), data.get("seed")
-    if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac < 1:
-        raise InputError(f"{where}: data.val_fraction must be a number in [0, 1), got {frac!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise InputError(f"{where}: data.seed must be an integer >= 0, got {seed!r}")
-    return {"data": {"val_fraction": float(frac), "seed": seed}}
+    names = Names(f"{where}: data")
+    cfg = from_mapping(DataConfig, {**data, "path": path}, names)
+    check(cfg, names)
+    return {"data": {"val_fraction": cfg.val_fraction, "seed": cfg.stream.seed}}
 
 
 def _folder_tokenizer(path: str) -> Tokenizer | None:
