@@ -194,3 +194,34 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def open_lock_file(path: str, mode: int = os.O_RDONLY) -> int | None:
+    """A lock file opened with `mode`, made if missing (0644); else read-only where it exists
+    (a folder or file of another user's, a read-only file system); else None (the caller goes
+    unguarded). Never through a symlink, never blocking (a FIFO), and only a regular file."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, mode | os.O_CREAT | flags, 0o644)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except OSError:
+            return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def take_flock(fd: int, holder: str) -> str | None:
+    """Take an exclusive flock on `fd` without waiting and write `holder` (who has it) into the
+    file: None; or, when another process has it, what that one wrote ("?" if nothing). OSError
+    where the file system has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 128, 0).decode("utf-8", "replace").strip() or "?"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
+    return None

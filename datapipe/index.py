@@ -25,7 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datapipe.errors import VERIFY_ADVICE, ConfigError, InputError, StoreError
-from datapipe.files import CONFIG_FILE_LIMIT, not_regular_reason, read_bounded_bytes
+from datapipe.files import (
+    CONFIG_FILE_LIMIT,
+    not_regular_reason,
+    open_lock_file,
+    read_bounded_bytes,
+)
 from datapipe.integrity import (
     FINGERPRINT_KEY,
     INDEX_CHECKSUM_KEY,
@@ -361,15 +366,11 @@ def download(remote_file: str, local_file: str, replace: bool = False) -> None:
 @contextlib.contextmanager
 def _folder_lock(path: str) -> Iterator[None]:
     """An exclusive flock on `path` for the block; none (the block runs unguarded) where the
-    cache is read-only, another user's, or on a file system without locks."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            yield
-            return
+    lock file cannot be opened (files.open_lock_file) or the file system has no locks."""
+    fd = open_lock_file(path)
+    if fd is None:
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

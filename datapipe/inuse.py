@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import stat
 import weakref
 from collections.abc import Iterator
 
 from datapipe.errors import InputError
+from datapipe.files import open_lock_file
 
 READERS_FILE = ".readers.lock"
 
@@ -38,7 +38,7 @@ class ReadersLock:
         self._closer: weakref.finalize | None = None
         path = os.path.join(root, READERS_FILE)
         for _ in range(5):  # a writer may replace the dataset while we wait for the lock
-            fd = _open(path, os.O_RDONLY)
+            fd = open_lock_file(path)
             if fd is None:
                 return
             try:
@@ -59,24 +59,6 @@ class ReadersLock:
 
     def __getstate__(self) -> dict:  # a copy in another process holds nothing
         return {"fd": None, "_closer": None}
-
-
-def _open(path: str, mode: int) -> int | None:
-    """`path` opened with `mode`, made if missing (0644); else read-only where it exists (a
-    folder or file of another user's); else None (unguarded). Never through a symlink, never
-    blocking (a FIFO), and only a regular file is kept."""
-    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        fd = os.open(path, mode | os.O_CREAT | flags, 0o644)
-    except OSError:
-        try:
-            fd = os.open(path, os.O_RDONLY | flags)
-        except OSError:
-            return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -114,7 +96,7 @@ def no_readers(out: str, out_arg: str, make: bool = True) -> Iterator[None]:
     # made if missing, so that a reader opening it now waits for us; read-write where we may
     # (NFS's emulated flock takes an exclusive lock on a writable descriptor only)
     path = os.path.join(out, READERS_FILE)
-    fd = _open(path, os.O_RDWR) if make or os.path.exists(path) else None
+    fd = open_lock_file(path, os.O_RDWR) if make or os.path.exists(path) else None
     if fd is None:
         yield
         return

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from datapipe.errors import ConfigError
-from datapipe.files import write_text_atomic
+from datapipe.files import take_flock, write_text_atomic
 from datapipe.settings import setting
 from trainer.logs import get_logger
 
@@ -310,10 +310,11 @@ def _claim(path: str, run_id: str, resume_step: int | None, say: Any) -> None:
     never written over; a resumed run's own file, moved aside so by a run since, is put back,
     and its records after `resume_step` (left by the interrupted run) are dropped."""
     folder = os.path.dirname(path)
-    records = _records(path) if os.path.exists(path) and os.path.getsize(path) else []
+    present = os.path.exists(path) and os.path.getsize(path) > 0
+    records = _records(path) if present else []
     runs = {str(rec.get("run", "")) for _, rec in records}
     resumed = resume_step is not None
-    if os.path.exists(path) and os.path.getsize(path) and not (resumed and runs <= {"", run_id}):
+    if present and not (resumed and runs <= {"", run_id}):
         # (records without "run": written before runs had one)
         others = sorted(runs - {"", run_id})
         aside = _free_name(folder, f"metrics-{others[0] if len(others) == 1 else 'earlier'}")
@@ -334,24 +335,19 @@ def _claim(path: str, run_id: str, resume_step: int | None, say: Any) -> None:
 def _lock_folder(folder: str) -> int:
     """An exclusive lock on `folder`/.metrics.lock, held until closed (the kernel drops it when a
     process dies); ConfigError naming the folder and the holder when another run has it."""
-    import fcntl
     import socket
 
-    path = os.path.join(folder, ".metrics.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(os.path.join(folder, ".metrics.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 128, 0).decode("utf-8", "replace").strip() or "?"
+        holder = take_flock(fd, f"pid {os.getpid()} on {socket.gethostname()}")
+    except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: a file system without locks, unguarded
+        return fd
+    if holder is not None:
         os.close(fd)
         raise ConfigError(
             f"metrics.dir {folder}: another run ({holder}) is writing its metrics there; give "
             "this run its own metrics.dir"
-        ) from None
-    except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: a file system without locks, unguarded
-        return fd
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        )
     return fd
 
 

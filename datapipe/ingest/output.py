@@ -19,7 +19,6 @@ time, and the final rename.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ import threading
 from pathlib import Path
 
 from datapipe.errors import InputError
-from datapipe.files import dead_pid_paths, is_inside
+from datapipe.files import dead_pid_paths, is_inside, take_flock
 
 __all__ = [
     "OutputLock",
@@ -117,15 +116,13 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            holder = take_flock(fd, str(os.getpid()))
+            if holder is not None:
                 os.close(fd)
                 raise InputError(
                     f"--out {self.out_arg}: another mixlen preprocess (pid {holder}) is writing "
                     "it; wait for it to finish or choose another --out"
-                ) from None
+                )
             # the holder before us may have unlinked the file after we opened it: retry then
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -134,8 +131,6 @@ class OutputLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
         return self
 
