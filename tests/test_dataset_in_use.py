@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 import time
@@ -116,7 +117,14 @@ def test_a_reader_that_opens_during_the_run_stops_the_swap(tmp_path: Path, monke
         preprocess(_cfg(new, out))
     assert _files(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", kept.name, "src-new", "src-old"]
-    opened[0].close()
+    first = _files(kept)
+    opened.pop().close()  # the next run starts; its engine opens a reader again
+    with pytest.raises(InputError, match=rf"complete in {kept}-[0-9a-f]{{8}}: "):
+        preprocess(_cfg(new, out))  # the same pid again: a name of its own, the first kept
+    assert _files(kept) == first and len(list(tmp_path.glob(f"{kept.name}-*"))) == 1
+    shutil.rmtree(next(tmp_path.glob(f"{kept.name}-*")))
+    for reader in opened:
+        reader.close()
     monkeypatch.setitem(preprocess_mod.ENGINES, "local", engine)
     fresh = tmp_path / "fresh"
     preprocess(_cfg(new, fresh))

@@ -96,7 +96,8 @@ def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(s3, corpus) -> None:
     assert "manifest.json" in _keys(s3, "dead/ds/") and CLAIM_FILE not in _keys(s3, "dead/ds/")
 
     for prefix, holder in {
-        "far/ds/": {"id": "y", "host": "otherhost_1", "pid": 1, "started": "2026-01-01T00:00:00"},
+        # another host's pid, dead here: means nothing here, so not taken over
+        "far/ds/": {"id": "y", "host": "otherhost_1", "pid": dead["pid"], "started": "t0"},
         "live/ds/": {"id": "z", "host": host_tag(), "pid": os.getppid(), "started": "t"},
         "odd/ds/": {"id": "w", "host": host_tag(), "pid": "123x", "started": "t"},  # not a pid
     }.items():
