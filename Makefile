@@ -107,11 +107,11 @@ demo-sft: install
 # the suite on TEST_WORKERS pytest-xdist workers, one test file at a time each (module fixtures
 # such as spawned ranks or a Ray runtime are set up once), in tests/conftest.py's order (files
 # with slow tests first) rather than xdist's (most tests first); `serial` tests run alone. The
-# numba kernels are compiled once first (datapipe.plan.warm), not by each spawned rank at once.
+# numba kernels are compiled once (datapipe.plan.warm, started by the controller while the workers
+# collect; no test starts before it ends), not by each spawned rank at once.
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m datapipe.plan.warm
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 		--no-loadscope-reorder --durations=20 tests
 

@@ -22,6 +22,7 @@ pytest_plugins = ("_s3",)  # the `server` and `s3` fixtures of the object-store 
 _STREAMING_LEFTOVER = re.compile(r"^\d{6}_")
 _LEFTOVERS_AT_START = pytest.StashKey[tuple[set[str], set[str]]]()
 _SESSION_LOCK = pytest.StashKey["_SessionLock"]()
+_WARM = pytest.StashKey["_Warm"]()
 
 
 def _leftovers() -> tuple[set[str], set[str]]:
@@ -69,10 +70,55 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_SESSION_LOCK] = _SessionLock(config.workerinput["testrunuid"])
         return
     config.stash[_LEFTOVERS_AT_START] = _leftovers()
-    if getattr(config.option, "numprocesses", None) and not config.option.testrunuid:
-        import uuid
+    if getattr(config.option, "numprocesses", None):
+        if not config.option.testrunuid:
+            import uuid
 
-        config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files, removed at the end
+            config.option.testrunuid = uuid.uuid4().hex  # the workers' files, removed at the end
+        config.stash[_WARM] = _Warm(config.option.testrunuid)
+
+
+def _run_file(uid: str, ext: str) -> str:
+    """One of a pytest-xdist run's shared files (the workers' lock, the warm-up's status)."""
+    return os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}{ext}")
+
+
+class _Warm:
+    """`python -m datapipe.plan.warm` (every numba kernel compiled once, so that spawned ranks
+    find them cached) run by pytest-xdist's controller while the workers collect, instead of
+    before pytest starts (~20 s of compiling on a fresh checkout beside ~10 s of collecting);
+    its exit status goes to the run's `.warm` file, which each worker waits for before its
+    first test (`wait`)."""
+
+    def __init__(self, uid: str) -> None:
+        import subprocess
+        import threading
+
+        self.path = _run_file(uid, ".warm")
+        self.proc = subprocess.Popen([sys.executable, "-m", "datapipe.plan.warm"], cwd=ROOT)
+        self.thread = threading.Thread(target=self._report, daemon=True)
+        self.thread.start()
+
+    def _report(self) -> None:
+        code = self.proc.wait()
+        with open(self.path + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(self.path + ".tmp", self.path)
+
+    def failed(self) -> int:
+        """The warm-up's exit status, once it has ended (0: the kernels compiled)."""
+        self.thread.join()
+        return self.proc.returncode
+
+    @staticmethod
+    def wait(uid: str, timeout_s: float = 600.0) -> None:
+        """On a worker: until the controller's warm-up has ended (or timeout_s: the tests then
+        compile what they need themselves)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(_run_file(uid, ".warm")) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 class _SessionLock:
@@ -82,9 +128,8 @@ class _SessionLock:
     from before it waits until it is done, lets no new test start meanwhile."""
 
     def __init__(self, uid: str) -> None:
-        base = os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}")
-        self.gate = open(base + ".gate", "a+")  # noqa: SIM115 (held for the session)
-        self.lock = open(base + ".lock", "a+")  # noqa: SIM115
+        self.gate = open(_run_file(uid, ".gate"), "a+")  # noqa: SIM115 (held for the session)
+        self.lock = open(_run_file(uid, ".lock"), "a+")  # noqa: SIM115
 
     def close(self) -> None:
         self.gate.close()
@@ -156,14 +201,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Spawned ranks (trainer.parallel.comm.spawn) fork from a server that imported
     SPAWN_PRELOAD once. On a pytest-xdist worker it starts now if a slow (multi-process) test is
-    collected, its imports running beside the first tests; elsewhere at the first spawn."""
-    if "torch" not in sys.modules:  # nothing collected uses torch: no rank will be spawned
-        return
-    from trainer.parallel.comm import set_spawn_preload, start_spawn_server
+    collected, its imports running beside the first tests; elsewhere at the first spawn. A
+    worker then waits for the controller's numba warm-up (`_Warm`) to end."""
+    worker = _xdist_worker(session.config)
+    if "torch" in sys.modules:  # else nothing collected uses torch: no rank will be spawned
+        from trainer.parallel.comm import set_spawn_preload, start_spawn_server
 
-    set_spawn_preload(SPAWN_PRELOAD)
-    if _xdist_worker(session.config) and any(i.get_closest_marker("slow") for i in session.items):
-        start_spawn_server()
+        set_spawn_preload(SPAWN_PRELOAD)
+        if worker and any(i.get_closest_marker("slow") for i in session.items):
+            start_spawn_server()
+    if worker:
+        _Warm.wait(session.config.workerinput["testrunuid"])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The run fails if the controller's numba warm-up did."""
+    warm = session.config.stash.get(_WARM, None)
+    if warm is not None and warm.failed():
+        print(f"\npython -m datapipe.plan.warm failed (exit code {warm.failed()})", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -181,9 +237,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     shm0, tmp0 = config.stash[_LEFTOVERS_AT_START]
     uid = getattr(config.option, "testrunuid", None)  # pytest-xdist's controller
-    for ext in (".gate", ".lock") if uid else ():
+    for ext in (".gate", ".lock", ".warm") if uid else ():
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}{ext}"))
+            os.unlink(_run_file(uid, ext))
     if "streaming" in sys.modules:  # dead processes' segments only, never a live job's
         from datapipe.formats.mds import clean_stale_streaming
 

@@ -9,7 +9,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from _co2_worker import ISLANDS, RANKS, SCENARIOS, STEPS, main, reference, run_mode
+from _co2_worker import (
+    GLOO_SCENARIOS,
+    ISLANDS,
+    RANKS,
+    SCENARIOS,
+    STEPS,
+    main,
+    reference,
+    run_mode,
+)
 from _train_worker import make_dataset
 
 from datapipe.plan.memory import model_state_bytes, outer_state_bytes
@@ -180,13 +189,15 @@ def test_model_state_prefixes_islands_and_shares_outer_state():
 @pytest.mark.timeout(480)
 def test_islands_gloo_processes(dataset, tmp_path):
     """2 islands x 2 gloo processes (island, gradient and cross-island groups from the runtime):
-    the scenarios above against their references; the Trainer with co2 (one warm-up round) stopped
-    mid-round (step 3) or at a round boundary with a round in flight (step 4) and resumed equals the straight run
-    bitwise (loss curve and final weights, checked on every rank), every island ends at the same
-    anchor; diloco and sync runs; metrics report rounds and memory per the formulas."""
+    one scenario above of each communication pattern (GLOO_SCENARIOS) against its reference; the
+    Trainer with co2 (one warm-up round) stopped mid-round (step 3) or at a round boundary with a
+    round in flight (step 4) and resumed equals the straight run bitwise (loss curve and final
+    weights, checked on every rank), every island ends at the same anchor; diloco and sync runs;
+    metrics report rounds and memory per the formulas."""
     spawn(main, ISLANDS * RANKS, (ISLANDS * RANKS, free_port(), dataset, str(tmp_path)), 460)
     res = json.loads((tmp_path / "co2.json").read_text())
-    for name, *_ in SCENARIOS:
+    assert set(GLOO_SCENARIOS) <= {name for name, *_ in SCENARIOS}
+    for name in GLOO_SCENARIOS:
         r = res[name]
         check(name, r["losses"], r["weights_err"], {"losses": r["want_losses"]})
         assert r["groups"] == [1, 2]

@@ -266,7 +266,7 @@ def batches(draw: st.DrawFn) -> tuple[int, int, C.CostModel, np.ndarray]:
 
 
 @given(batches())
-@settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
 def test_balance_in_every_regime(case) -> None:
     """Every policy: the plan's invariants, and no idle rank when the step holds at least one
     sample per rank. hdp (and hdp+widen): the bound is the reference's, and the makespan is

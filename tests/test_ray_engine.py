@@ -218,13 +218,16 @@ def test_strict_bad_record_first_in_input_order(ray_session, corpus: dict) -> No
     out = corpus["tmp"] / "ray-strict"
     with pytest.raises(InputError, match=rf"{src / 'f1.jsonl'}:3: invalid JSON"):
         preprocess(
-            PreprocessConfig([str(src)], str(out), engine="ray", strict=True, progress=False)
+            PreprocessConfig(
+                [str(src)], str(out), engine="ray", strict=True, format="parquet", progress=False
+            )
         )
     assert not out.exists()
     # without --strict both are skipped, counted and reported in input order, like the local engine
     warned: list[str] = []
     res = preprocess(
-        PreprocessConfig([str(src)], str(out), engine="ray", progress=False), warn=warned.append
+        PreprocessConfig([str(src)], str(out), engine="ray", format="parquet", progress=False),
+        warn=warned.append,
     )
     assert res.manifest["counts"]["bad"] == 2 and res.manifest["num_samples"] == 18
     assert [w.split(":")[0] for w in warned] == [
@@ -279,8 +282,10 @@ def test_ray_counts_like_local(ray_session, tmp_path: Path, monkeypatch) -> None
     manifests, indexes = {}, {}
     for engine in ("local", "ray"):
         out = tmp_path / engine
+        # parquet: a Ray worker started for MDS would import the streaming library (~6 s of CPU)
         cfg = PreprocessConfig([str(src)], str(out), engine=engine, workers=2, min_tokens=4,
-                               max_doc_bytes=300, tokenizer=str(tok), progress=False)  # fmt: skip
+                               max_doc_bytes=300, tokenizer=str(tok), format="parquet",
+                               progress=False)  # fmt: skip
         manifests[engine] = preprocess(cfg, warn=lambda msg: None).manifest
         indexes[engine] = read_index(str(out), with_source=True)
     a, b = manifests["local"], manifests["ray"]

@@ -71,5 +71,5 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
         if name.startswith("serial"):
             beside = [r[0] for r in runs if r[0] != name and r[1] < end and r[2] > start]
             assert not beside, (name, beside)
-    for ext in (".gate", ".lock"):  # the run's lock files, removed by the controller
+    for ext in (".gate", ".lock", ".warm"):  # the run's files, removed by the controller
         assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"pytest-mixlen-{uid}{ext}"))
