@@ -132,8 +132,8 @@ DRY = Sizes(
         "0",
     ),  # fmt: skip
     warmup=1,
-    iters=2,
-    step_iters=2,
+    iters=1,
+    step_iters=1,
     budget_scale=0.0,
     length_divisor=64,
 )

@@ -270,10 +270,10 @@ def test_reference_denominator_is_labelled_positions():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_exactness_gloo_4_processes(tmp_path):
-    """4 gloo processes: hdp and static in float64 and float32 against the reference trainer,
-    hdp in bfloat16 (compute) against `single` in bfloat16 within BF16_GRAD_RTOL; hdp on a 4-layer
-    model with activation offload r = 0, 0.5, 1 bitwise the plain executor's, checkpointing within
-    1e-12, and plans made with offload against the reference trainer."""
+    """4 gloo processes: hdp and static in float64 against the reference trainer (float32 on
+    threads above), hdp in bfloat16 (compute) against `single` in bfloat16 within BF16_GRAD_RTOL;
+    hdp on a 4-layer model with activation offload r = 0, 0.5, 1 bitwise the plain executor's,
+    checkpointing within 1e-12, and plans made with offload against the reference trainer."""
     spawn(exactness_main, WORLD, (WORLD, free_port(), str(tmp_path)), timeout=290)
     results = torch.load(tmp_path / "exactness.pt", weights_only=False)
     for policy, dtype in GLOO_CASES:
