@@ -105,7 +105,7 @@ class _Warm:
             f.write(str(code))
         os.replace(self.path + ".tmp", self.path)
 
-    def failed(self) -> int:
+    def exit_code(self) -> int:
         """The warm-up's exit status, once it has ended (0: the kernels compiled)."""
         self.thread.join()
         return self.proc.returncode
@@ -217,8 +217,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The run fails if the controller's numba warm-up did."""
     warm = session.config.stash.get(_WARM, None)
-    if warm is not None and warm.failed():
-        print(f"\npython -m datapipe.plan.warm failed (exit code {warm.failed()})", file=sys.stderr)
+    code = warm.exit_code() if warm is not None else 0
+    if code:
+        print(f"\npython -m datapipe.plan.warm failed (exit code {code})", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

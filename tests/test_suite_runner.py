@@ -1,7 +1,8 @@
 """How `make test` runs the suite (tests/conftest.py under pytest-xdist): a `serial` test runs
 while no other test of the run is in progress, module fixtures included, and the run's lock
 files are gone afterwards. A small suite of sleeping tests, run with this conftest on 2 workers,
-records when each test and fixture ran."""
+records when each test and fixture ran; no test starts before the controller's numba warm-up has
+ended, and a failed warm-up fails the run."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def test_alone():
 """
 
 
+WARM_FILE = """
+import json, os, sys, time
+t0 = time.time()
+time.sleep(1.0)
+with open(os.environ["RUNNER_LOG"], "a") as f:
+    f.write(json.dumps(["warm", t0, time.time(), os.getpid()]) + "\\n")
+sys.exit(3)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
@@ -54,6 +65,13 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
     for name in ("conftest.py", "_s3.py"):  # (the conftest loads _s3's fixtures as a plugin)
         (suite / name).write_text((HERE / name).read_text())
     (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: s\n    serial: s\n")
+    # the controller's numba warm-up (`python -m datapipe.plan.warm` run in the conftest's
+    # parent folder, which comes first on its path): here one that takes a second and fails
+    warm = tmp_path / "datapipe" / "plan"
+    warm.mkdir(parents=True)
+    for init in (tmp_path / "datapipe", warm):
+        (init / "__init__.py").write_text("")
+    (warm / "warm.py").write_text(WARM_FILE)
     for name in "abcd":
         (suite / f"test_{name}.py").write_text(TEST_FILE.replace("{name}", name))
     log = tmp_path / "log.jsonl"
@@ -64,8 +82,13 @@ def test_serial_tests_run_alone_under_xdist(tmp_path: Path) -> None:
         cwd=suite, env={**os.environ, "RUNNER_LOG": str(log)},
         capture_output=True, text=True, timeout=150,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # every test passed, and the run failed on the warm-up's exit code alone
+    assert proc.returncode == 1 and "16 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr
+    assert "python -m datapipe.plan.warm failed (exit code 3)" in proc.stderr, proc.stderr
     runs = [json.loads(line) for line in log.read_text().splitlines()]
+    (warmed,) = [r for r in runs if r[0] == "warm"]
+    runs.remove(warmed)
+    assert all(r[1] >= warmed[2] for r in runs), "a test started before the warm-up had ended"
     assert len(runs) == 4 * (1 + 3 + 1) and len({r[3] for r in runs}) == 2  # both workers ran
     for name, start, end, _ in runs:
         if name.startswith("serial"):
