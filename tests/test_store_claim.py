@@ -260,3 +260,39 @@ def test_an_interrupted_claim_is_released(s3, corpus, monkeypatch) -> None:
             PreprocessConfig(corpus["inputs"], f"s3://{s3['bucket']}/int/ds", progress=False)
         )
     assert _keys(s3, "int/ds/") == []
+
+
+@pytest.mark.parametrize("store", ["conditional", "no-conditional-deletes"])
+def test_a_claim_taken_over_while_it_is_released_is_left(s3, store) -> None:
+    """The release reads the claim, then deletes it on the ETag it read (`If-Match`): a claim
+    taken over between the two is left to its new holder (before, a plain delete removed it, and
+    a third upload could start beside the second). A store that answers NotImplemented to a
+    conditional delete gets a plain one: the claim is gone."""
+    from botocore.exceptions import ClientError
+
+    prefix = f"race-{store}/ds/"
+    mine = PrefixClaim(f"s3://{s3['bucket']}/{prefix}".rstrip("/"))
+    assert mine.acquire(print)
+    if store == "conditional":
+        read = mine._read
+
+        def read_then_taken(quick: bool = False):
+            seen = read(quick)  # ours; then a successor takes the claim over
+            _put_claim(s3, prefix, {"id": "next", "host": "h", "pid": 3, "started": "t"})
+            return seen
+
+        mine._read = read_then_taken  # type: ignore[method-assign]
+    else:
+
+        def refuse(params: dict, **_) -> None:
+            if "IfMatch" in params:
+                raise ClientError({"Error": {"Code": "NotImplemented"}}, "DeleteObject")
+
+        mine.quick.meta.events.register("before-parameter-build.s3.DeleteObject", refuse)
+    warned: list[str] = []
+    mine.release(warned.append)
+    assert warned == []
+    if store == "conditional":
+        assert _manifest(s3, prefix + CLAIM_FILE)["id"] == "next"
+    else:
+        assert _keys(s3, prefix) == []

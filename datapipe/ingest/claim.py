@@ -2,7 +2,8 @@
 tokenizing, with a conditional put (`If-None-Match: *`) of `.mixlen-upload.json`, which the
 store accepts for only one of two jobs starting at once. The claim names the job's host, process
 id and start time; it is a lease, renewed every RENEW_S seconds by a background thread (a put on
-its own ETag), and deleted once the manifest is uploaded or the run fails.
+its own ETag), and deleted once the manifest is uploaded or the run fails (a delete on the ETag
+read, `If-Match`, which leaves a claim taken over meanwhile to its new holder).
 
 - A claim is a dead job's, and taken over by the next upload (a put on the dead one's ETag, so
   two successors cannot both win), when its process is gone on this same host (and PID
@@ -231,20 +232,29 @@ class PrefixClaim:
             self._delete(warn)
 
     def _delete(self, warn: Callable[[str], None]) -> None:
+        """Delete the claim if the store still holds this job's: a delete on the ETag read
+        (`If-Match`), so a claim taken over between the read and the delete is left to its new
+        holder; a store without conditional deletes gets a plain one."""
         self.held = False
         try:
             seen = self._read(quick=True)
             if seen is not None and seen[0].get("id") == self.body["id"]:
-                with_retries(
-                    self.url,
-                    "write",
-                    lambda: self.quick.delete_object(Bucket=self.bucket, Key=self.key),
-                    attempts=1,
-                )
+                with_retries(self.url, "write", lambda: self._delete_on(seen[1]), attempts=1)
         except StoreError as exc:
             warn(
                 f"{exc}: the upload's claim was left; it expires {STALE_S:.0f} s after its last renewal"
             )
+
+    def _delete_on(self, etag: str) -> None:
+        try:
+            self.quick.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
+        except Exception as exc:
+            code = error_code(exc)
+            if code in _TAKEN or code in _GONE:  # replaced or deleted since it was read
+                return
+            if code not in _UNSUPPORTED:
+                raise
+            self.quick.delete_object(Bucket=self.bucket, Key=self.key)
 
     def _held_by(self, other: dict, age: float, extra: str = "") -> str:
         return (
