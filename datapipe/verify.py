@@ -20,6 +20,7 @@ import numpy as np
 from datapipe.errors import InputError
 from datapipe.index import INDEX_FILE, MANIFEST_FILE, dataset_fingerprint, read_index, read_manifest
 from datapipe.integrity import FINGERPRINT_KEY, check_shard_file, expected_row_lengths
+from datapipe.inuse import ReadersLock
 
 __all__ = ["VerifyReport", "verify_dataset"]
 
@@ -47,17 +48,29 @@ class VerifyReport:
 
 def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
     """Check the dataset in directory `root`; see the module docstring. `progress`: bars over
-    shard bytes and rows (None: only on a terminal)."""
-    from datapipe.progress import progress as progress_bar
-
+    shard bytes and rows (None: only on a terminal). Holds the dataset's readers lock
+    (datapipe.inuse) meanwhile: `preprocess --overwrite` of it is refused."""
     rep = VerifyReport(root)
     if not os.path.isdir(root):
         raise InputError(f"{root}: not a directory (mixlen verify checks a local dataset)")
+    lock = ReadersLock(root)  # `preprocess --overwrite` waits: the files checked are one dataset
+    try:
+        _verify(rep, progress)
+    finally:
+        lock.close()
+    return rep
+
+
+def _verify(rep: VerifyReport, progress: bool | None) -> None:
+    """Fill `rep` with what the checks of the module docstring find."""
+    from datapipe.progress import progress as progress_bar
+
+    root = rep.root
     try:
         manifest = read_manifest(root)
     except InputError as exc:
         rep.problems.append(exc.message)
-        return rep
+        return
     rep.fingerprint = dataset_fingerprint(manifest)
     rep.fingerprint_recorded = FINGERPRINT_KEY in manifest
     entries = manifest["shards"]
@@ -84,13 +97,12 @@ def verify_dataset(root: str, progress: bool | None = None) -> VerifyReport:
             rep.bytes += os.path.getsize(path)
             sound.append(i)
     if index is None:
-        return rep
+        return
     rep.samples = len(index)
     rep.tokens = int(index.num_tokens.sum())
     rows = int(index.num_rows.sum())
     with progress_bar(rows, "verify rows", "row", progress) as bar:
         _check_rows(rep, index, sound, bar)
-    return rep
 
 
 def _check_rows(rep: VerifyReport, index, sound: list[int], bar) -> None:

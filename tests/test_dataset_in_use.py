@@ -180,3 +180,37 @@ def test_a_lock_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) 
         with no_readers(str(root), kind):
             pass
         assert not target.exists()
+
+
+def test_verify_holds_the_lock_while_it_checks(tmp_path: Path, monkeypatch) -> None:
+    """`mixlen verify` reads the manifest, the index and every shard: an `--overwrite` meanwhile
+    would have it check two datasets' files against each other. It is refused while verify runs
+    (the dataset untouched), and goes through once verify has ended sound."""
+    from datapipe import verify as verify_mod
+
+    src, out = _corpus(tmp_path, "alpha"), tmp_path / "ds"
+    preprocess(_cfg(src, out))
+    before = _files(out)
+    checking, go_on = threading.Event(), threading.Event()
+    real = verify_mod.check_shard_file
+
+    def slow_check(path: str, entry: dict) -> None:
+        checking.set()
+        assert go_on.wait(30)
+        real(path, entry)
+
+    monkeypatch.setattr(verify_mod, "check_shard_file", slow_check)
+    reports: list = []
+    t = threading.Thread(target=lambda: reports.append(verify_mod.verify_dataset(str(out), False)))
+    t.start()
+    assert checking.wait(30)
+    monkeypatch.setattr(preprocess_mod, "_prepare", _never)
+    with pytest.raises(InputError, match="is being read"):
+        preprocess(_cfg(_corpus(tmp_path, "beta"), out))
+    go_on.set()
+    t.join(30)
+    assert reports[0].ok, reports[0].problems
+    assert _files(out) == before
+    monkeypatch.undo()
+    preprocess(_cfg(tmp_path / "src-beta", out))
+    assert _files(out) != before
