@@ -143,16 +143,25 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             os.remove(tmp)
 
 
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
 def host_tag() -> str:
-    """This host's name and PID namespace as a file name's part: a pid means something only there
-    (containers of one node may share its name but not their pids)."""
+    """This host's name, PID namespace and boot as a file name's part: a pid means something only
+    in one PID namespace of one running kernel (containers of one node may share its name but not
+    their pids; two machines may share a name, and every Linux's first PID namespace has the same
+    inode, so the kernel's boot id tells them apart)."""
     import socket
 
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
-    try:
-        return f"{host}_{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return host
+    parts = ["".join(c if c.isalnum() else "_" for c in socket.gethostname())]
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(BOOT_ID_FILE) as f:
+            boot = "".join(c for c in f.read(64) if c.isalnum())[:12]
+        if boot:
+            parts.append(boot)
+    return "_".join(parts)
 
 
 def dead_pid_paths(parent: str, tag: str, anywhere: bool = False) -> list[str]:

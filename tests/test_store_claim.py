@@ -80,11 +80,22 @@ def test_a_second_upload_to_a_prefix_being_written_is_refused(s3, corpus) -> Non
     assert warned == []
 
 
-def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(s3, corpus) -> None:
+def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(
+    s3, corpus, tmp_path, monkeypatch
+) -> None:
     """A claim left by a killed upload of this host (its pid gone) is taken over at once, with
     a warning. Another host's recent claim cannot be checked: refused naming it, nothing
-    uploaded, until it is deleted (or expires: below); a live process's claim of this host, or
-    one whose pid is not a number, is refused too."""
+    uploaded, until it is deleted (or expires: below); so is one of a machine with this host's
+    name and PID namespace (every Linux's first one has the same inode) but another boot id
+    (before, taken over as if its process were gone here); a live process's claim of this host,
+    or one whose pid is not a number, is refused too."""
+    from datapipe import files
+
+    with monkeypatch.context() as m:  # a twin: this name and namespace, another kernel's boot
+        (tmp_path / "boot_id").write_text("0c4e1a2b-9d8f-4e6a-b1c2-d3e4f5a6b7c8\n")
+        m.setattr(files, "BOOT_ID_FILE", str(tmp_path / "boot_id"))
+        twin = host_tag()
+    assert twin != host_tag() and twin.rsplit("_", 1)[0] == host_tag().rsplit("_", 1)[0]
     bucket = s3["bucket"]
     dead = {"id": "x", "host": host_tag(), "pid": _dead_pid(), "started": "2026-01-01T00:00:00"}
     _put_claim(s3, "dead/ds/", dead)
@@ -98,6 +109,7 @@ def test_a_killed_jobs_claim_is_taken_over_on_its_host_only(s3, corpus) -> None:
     for prefix, holder in {
         # another host's pid, dead here: means nothing here, so not taken over
         "far/ds/": {"id": "y", "host": "otherhost_1", "pid": dead["pid"], "started": "t0"},
+        "twin/ds/": {"id": "v", "host": twin, "pid": dead["pid"], "started": "t0"},
         "live/ds/": {"id": "z", "host": host_tag(), "pid": os.getppid(), "started": "t"},
         "odd/ds/": {"id": "w", "host": host_tag(), "pid": "123x", "started": "t"},  # not a pid
     }.items():

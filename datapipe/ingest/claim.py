@@ -6,8 +6,8 @@ its own ETag), and deleted once the manifest is uploaded or the run fails (a del
 read, `If-Match`, which leaves a claim taken over meanwhile to its new holder).
 
 - A claim is a dead job's, and taken over by the next upload (a put on the dead one's ETag, so
-  two successors cannot both win), when its process is gone on this same host (and PID
-  namespace), or when it was not renewed for STALE_S seconds by the store's own clock (a job
+  two successors cannot both win), when its process is gone on this same host (the same name,
+  PID namespace and boot: files.host_tag), or when it was not renewed for STALE_S seconds by the store's own clock (a job
   killed on another node, or in a container since restarted). A live job's is refused, naming it.
 - The claim is read back after it is made; the renewals notice a claim taken away, and it is
   checked before the first file and before the manifest goes up: a claim lost meanwhile stops
