@@ -8,7 +8,8 @@ the background prefetch does not hold up the training thread.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from datapipe.jit import njit
 
 IGNORE = -100  # datapipe.plan.loss.IGNORE_INDEX (a numba global: the kernel compiles it in)
 

@@ -46,3 +46,50 @@ def test_a_full_disk_is_named_not_a_traceback(tmp_path, capsys, monkeypatch) -> 
     assert cli_main(argv) == 2
     assert f"cannot write {png}: No space left on device" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["p.png"] and png.read_bytes() == b"old"
+
+
+_KERNELS = """
+from datapipe.jit import njit
+
+@njit(cache=True)
+def twice(x):
+    return 2 * x
+
+@njit(cache=True)
+def square(x):
+    return x * x
+"""
+
+
+def test_a_numba_cache_that_cannot_be_written_is_warned_of_once(tmp_path, capsys, monkeypatch):
+    """mixlen's numba kernels keep a cache on disk: on a full disk (or a quota, a read-only
+    folder) the first compile warned nothing and stopped the command with `cannot write No space
+    left on device` naming no file (a traceback in a rank). Now the kernels run, compiled in
+    memory, and one warning per process names the cache's folder; another OSError is raised."""
+    import importlib.util
+
+    from numba.core import caching
+
+    import datapipe.jit
+
+    path = tmp_path / "kernels_on_full_disk.py"
+    path.write_text(_KERNELS)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code = errno.ENOSPC
+
+    def full(self, key, data) -> None:
+        raise OSError(code, os.strerror(code), str(tmp_path / "__pycache__" / "x.nbi"))
+
+    monkeypatch.setattr(caching.IndexDataCacheFile, "save", full)
+    monkeypatch.setattr(datapipe.jit, "_warned", False)
+    assert mod.twice(21) == 42 and mod.square(5) == 25 and mod.twice(1.5) == 3.0
+    err = capsys.readouterr().err
+    assert err.count("warning: numba's kernel cache in ") == 1, err
+    assert f"{tmp_path / '__pycache__'} could not be written (No space left on device)" in err
+    assert not list((tmp_path / "__pycache__").glob("*.nbi"))
+    code = errno.EIO  # not the disk's room: a fault to see
+    with pytest.raises(OSError, match="Input/output error"):
+        mod.square(2.5)

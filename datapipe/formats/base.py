@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
 
 from datapipe.errors import VERIFY_ADVICE, InputError, MixlenError
 from datapipe.index import LOSS_MASK_KEY, download
 from datapipe.integrity import check_shard_file, checksum_file
+from datapipe.jit import njit
 
 TOKENS = "tokens"  # the token column (MDS, parquet) and member name (webdataset `tokens.npy`)
 # the loss mask of a row (docs/FORMAT.md): its trained tokens as flat [start, end) pairs relative

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
 
 from datapipe.formats.base import SPAN_DTYPE, TOKENS, TRAINED
+from datapipe.jit import njit
 
 Decoder = Callable[[bytes | memoryview], np.ndarray]
 

@@ -14,7 +14,6 @@ import os
 import tarfile
 
 import numpy as np
-from numba import njit
 
 from datapipe.errors import VERIFY_ADVICE, InputError
 from datapipe.formats.base import (
@@ -27,6 +26,7 @@ from datapipe.formats.base import (
     read_ranges_into,
     willneed,
 )
+from datapipe.jit import njit
 
 MEMBER = f"{TOKENS}.npy"  # member extension of a row: `s0000000012_c000003.tokens.npy`
 SPANS_MEMBER = f"{TRAINED}.npy"  # the spans' member extension

@@ -27,7 +27,8 @@ holds on every prefix of the batches. `fill_reference` is the same rule in plain
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from datapipe.jit import njit
 
 DONE = 0  # n_batches batches completed
 REFILL = 1  # source `which` consumed its order: give it its next epoch's and call again

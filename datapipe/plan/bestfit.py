@@ -11,8 +11,9 @@ which costs more than the bitset and heap work itself.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
+
+from datapipe.jit import njit
 
 
 @njit(cache=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import operator
 
 import numpy as np
-from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from datapipe.errors import MixlenError
+from datapipe.jit import njit
 from datapipe.plan.packing import as_lengths
 
 __all__ = [

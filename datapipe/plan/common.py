@@ -10,9 +10,9 @@ import dataclasses
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
 
 from datapipe.errors import MixlenError
+from datapipe.jit import njit
 from datapipe.plan.buckets import group_by_bucket_kernel
 from datapipe.plan.cost import CostModel
 from datapipe.plan.packing import bfd_kernel

@@ -93,7 +93,7 @@ class LossMask:
 def _kernel():
     """`_trained_between` compiled by numba, imported only when a mask is counted (profiling
     and planning a dataset without one never load numba)."""
-    from numba import njit
+    from datapipe.jit import njit
 
     return njit(cache=True, nogil=True)(_trained_between)
 

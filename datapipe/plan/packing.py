@@ -37,9 +37,9 @@ import operator
 import time
 
 import numpy as np
-from numba import njit
 
 from datapipe.errors import MixlenError
+from datapipe.jit import njit
 from datapipe.plan.bestfit import bfd_blocks, bfd_dense
 
 __all__ = [

@@ -8,7 +8,8 @@ process makes the same decisions.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from datapipe.jit import njit
 
 
 # --- binary min-heap over ranks keyed by (load, rank) ----------------------------------------------

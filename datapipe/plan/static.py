@@ -7,9 +7,9 @@ to DP replicas round-robin by decreasing tokens (equal micro-batch counts, token
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from datapipe.errors import MixlenError
+from datapipe.jit import njit
 from datapipe.plan.common import assemble, group_times, pack_local, plan_lower_bound_ns, too_long
 from datapipe.plan.cost import CostModel
 from datapipe.plan.setup import PlanSetup

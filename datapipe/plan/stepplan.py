@@ -23,7 +23,8 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-from numba import njit
+
+from datapipe.jit import njit
 
 PLAN_SCHEMA = "mixlen-plan/1"
 

@@ -8,8 +8,8 @@ datapipe.plan.hdp.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from datapipe.jit import njit
 from datapipe.plan.balance import Schedule, hdp_schedule
 from datapipe.plan.common import Layout, group_time_ns, group_times, local_times, pack_local
 from datapipe.plan.cost import CostModel
