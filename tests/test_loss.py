@@ -238,3 +238,45 @@ def test_bfloat16_gradients_accumulate_in_float32() -> None:
     for g, r in zip(got, want):
         err = float((g.double() - r).norm() / r.norm())
         assert err < 1e-2, err
+
+
+def test_large_logits_stay_finite() -> None:
+    """Logits in the hundreds (float32 exp overflows past 88): the loss, its gradients and
+    evaluation's per-position losses equal whole-logits cross-entropy of the same float32
+    inputs, computed in float64."""
+    from trainer.model.loss import token_losses
+
+    h, w, labels, weights = inputs(t=16, d=8, v=37, seed=4, dtype=torch.float32)
+    h = h * 30
+    assert float((h @ w.t()).abs().max()) > 200
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights.double()), h.double(),
+                 w.double())  # fmt: skip
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, weights, 5), h, w)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-4)
+    per = F.cross_entropy(h.double() @ w.double().t(), labels, ignore_index=IGNORE_INDEX,
+                          reduction="none")  # fmt: skip
+    torch.testing.assert_close(token_losses(h, w, labels, 5)[0].double(), per, rtol=1e-5, atol=1e-4)
+
+
+def test_gradient_of_the_output_layer_alone() -> None:
+    """A frozen trunk: h needs no gradient, w does; w's gradient equals the reference's."""
+    h, w, labels, weights = inputs(seed=5)
+    wr = w.clone().requires_grad_()
+    (whole_logits_loss(h, wr, labels, weights) * 1.7).backward()
+    wg = w.clone().requires_grad_()
+    (linear_cross_entropy(h, wg, labels, weights, 4) * 1.7).backward()
+    torch.testing.assert_close(wg.grad, wr.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_dw_sums_its_chunks_in_float32() -> None:
+    """1,024 chunks of one identical bfloat16 row: each chunk's share of dL/dW is the same
+    bfloat16 tensor, and their float32 sum is exactly 1,024 times it (summed in bfloat16,
+    small shares are lost once the sum has grown)."""
+    h, w, labels, _ = inputs(t=1, d=32, v=300, seed=6)
+    labels[0] = 7
+    hb, wb = h.bfloat16(), w.bfloat16()
+    one = grads(lambda a, b: linear_cross_entropy(a, b, labels, None, 1), hb, wb)[2]
+    many = grads(lambda a, b: linear_cross_entropy(a, b, labels.repeat(1024), None, 1),
+                 hb.repeat(1024, 1), wb)[2]  # fmt: skip
+    assert torch.equal(many, one * 1024)

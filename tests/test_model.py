@@ -247,3 +247,23 @@ def test_build_model_with_a_shard_step_gives_the_same_weights(dtype, loaded):
     for a, b in ((want, got), (want_master, got_master)):
         for (n, p), q in zip(a.named_parameters(), b.parameters()):
             assert p.dtype == q.dtype and torch.equal(p, q), n
+
+
+def test_rope_angles_are_exact_at_long_positions() -> None:
+    """cos/sin at positions past a million against Python's math in double precision: the
+    angles are formed in float64 before the cast (formed in float32, position x frequency
+    loses ~1e-2 there)."""
+    import math
+
+    from trainer.model.rope import Rope
+
+    cfg = get_config("debug", rope_theta=500000.0)
+    pos = [0, 1000, 123457, 1_000_003, 4_194_301]
+    cos, sin = Rope(cfg).cos_sin(torch.tensor(pos), torch.float32)
+    d = cfg.head_dim
+    inv = [cfg.rope_theta ** (-2 * i / d) for i in range(d // 2)]
+    want_cos = torch.tensor([[math.cos(p * f) for f in inv] for p in pos], dtype=F64)
+    want_sin = torch.tensor([[math.sin(p * f) for f in inv] for p in pos], dtype=F64)
+    assert cos.dtype == sin.dtype == torch.float32
+    torch.testing.assert_close(cos.double(), want_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin.double(), want_sin, rtol=0, atol=1e-6)
