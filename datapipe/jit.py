@@ -1,10 +1,21 @@
-"""numba's `njit` for mixlen's kernels, with its on-disk cache made optional: a cache that
-cannot be written (a full disk, a quota, a read-only folder) is warned of once per process and
-the kernel runs, compiled in memory as without a cache (before: the command stopped)."""
+"""numba's `njit` for mixlen's kernels, with two changes to its on-disk cache (`cache=True`):
+
+- A kernel's cache is kept for the sources of every kernel module of the package, not for its
+  own file's alone: a kernel holds the compiled code of the kernels it calls, from any file, so
+  numba's own rule ran a kernel with the old code of a callee edited in another file (a planted
+  bug went unseen by a test run on a warm cache). Editing one kernel module recompiles them all.
+- A cache that cannot be written (a full disk, a quota, a read-only folder) is warned of once
+  per process and the kernel runs, compiled in memory as without a cache (before: the command
+  stopped).
+
+Kernel modules are the package's files that import `njit` from here."""
 
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
+import os
 import sys
 from typing import Any
 
@@ -13,9 +24,52 @@ from numba.core import caching
 
 __all__ = ["njit"]
 
+IMPORT_LINE = "from datapipe.jit import njit"
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # the user's disk to fix, not a bug
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES})
 _warned = False
+
+
+@functools.cache
+def _kernel_modules(package: str) -> tuple[str, ...]:
+    """The files under `package` that import njit from here, sorted."""
+    found = []
+    for folder, _, names in os.walk(package):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(".py"):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        if IMPORT_LINE in f.read():
+                            found.append(path)
+                except (OSError, UnicodeDecodeError):
+                    continue
+    return tuple(sorted(found))
+
+
+def _kernels_digest(package: str) -> bytes:
+    """One digest of every kernel module's content (numba's own hash of each, memoized by the
+    file's mtime and size)."""
+    digest = hashlib.sha256()
+    for path in _kernel_modules(package):
+        try:
+            st = os.stat(path)
+            content = caching._hash_source_file(path, st.st_mtime, st.st_size)
+        except OSError:
+            content = b"gone"
+        digest.update(os.path.relpath(path, package).encode() + b"\0" + content)
+    return digest.digest()
+
+
+def _source_stamp(self: Any) -> Any:
+    """numba's stamp of a function's source, and for one of this package, every kernel
+    module's digest beside it."""
+    stamp = _get_source_stamp(self)
+    path = os.path.abspath(getattr(self, "_py_file", "") or "")
+    if path.startswith(_PACKAGE + os.sep):
+        return (stamp, _kernels_digest(_PACKAGE))
+    return stamp
 
 
 def _save_or_warn(self: Any, sig: Any, data: Any) -> None:
@@ -37,6 +91,9 @@ def _save_or_warn(self: Any, sig: Any, data: Any) -> None:
             )
 
 
+_Locator = caching._SourceFileBackedLocatorMixin
 _save_overload = caching.Cache.save_overload
+_get_source_stamp = _Locator.get_source_stamp
 if getattr(_save_overload, "__name__", "") != _save_or_warn.__name__:  # once per process
     caching.Cache.save_overload = _save_or_warn  # type: ignore[method-assign]
+    _Locator.get_source_stamp = _source_stamp  # type: ignore[method-assign]

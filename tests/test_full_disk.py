@@ -93,3 +93,55 @@ def test_a_numba_cache_that_cannot_be_written_is_warned_of_once(tmp_path, capsys
     code = errno.EIO  # not the disk's room: a fault to see
     with pytest.raises(OSError, match="Input/output error"):
         mod.square(2.5)
+
+
+_CALLEE = """
+from datapipe.jit import njit
+
+@njit(cache=True)
+def step(x):
+    return x + {inc}
+"""
+_CALLER = """
+from datapipe.jit import njit
+from callee import step
+
+@njit(cache=True)
+def twice_step(x):
+    return 2 * step(x)
+"""
+_RUN = """
+import sys
+import datapipe.jit
+datapipe.jit._PACKAGE = sys.argv[1]  # the temporary folder stands for the package
+sys.path.insert(0, sys.argv[1])
+from caller import twice_step
+print(twice_step(1), sum(twice_step.stats.cache_hits.values()))
+"""
+
+
+def test_a_kernel_recompiles_when_a_kernel_it_calls_changes_in_another_file(tmp_path) -> None:
+    """numba keys a kernel's cache on its own file: a caller whose file did not change kept the
+    compiled code of a callee edited in another file (a bug planted there went unseen by a test
+    run on a warm cache). The cache is now kept for every kernel module's source: the caller is
+    compiled again, and read from the cache once nothing changed."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "caller.py").write_text(_CALLER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run() -> list[str]:
+        cmd = [sys.executable, "-c", _RUN, str(tmp_path)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    (tmp_path / "callee.py").write_text(_CALLEE.format(inc=1))
+    assert run() == ["4", "0"]  # compiled
+    assert run() == ["4", "1"]  # read from the cache
+    (tmp_path / "callee.py").write_text(_CALLEE.format(inc=2))
+    assert run() == ["6", "0"]  # 2 x (1 + 2), compiled again (numba's own rule: 4, cached)
+    assert run() == ["6", "1"]

@@ -123,6 +123,28 @@ def test_planning_and_streaming_never_import_torch() -> None:
         assert not {n.split(".")[0] for n in names} & {"torch", "streaming"}, mod
 
 
+def test_kernels_take_njit_from_datapipe_jit() -> None:
+    """numba's njit (or jit) only through datapipe.jit, whose cache follows every kernel module
+    (numba's own follows a kernel's file alone); each module that jits imports it as the line
+    datapipe.jit looks for."""
+    from datapipe.jit import IMPORT_LINE
+
+    for mod, path in module_files().items():
+        text = path.read_text()
+        tree = ast.parse(text)
+        froms = {
+            (n.module, a.name)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            for a in n.names
+        }
+        if mod != "datapipe.jit":
+            assert not {("numba", "njit"), ("numba", "jit")} & froms, mod
+            assert "numba.njit" not in text and "numba.jit" not in text, mod
+        if ("datapipe.jit", "njit") in froms:
+            assert IMPORT_LINE in text, mod
+
+
 def test_sizes() -> None:
     """At most 500 lines a module and 80 a function, outside benchmarks."""
     too_long = []
