@@ -102,6 +102,8 @@ def test_exposed_comm_and_offload() -> None:
     # Offload: one copy per direction, under forward (1/3) and backward (2/3) compute.
     assert m.exposed_ns(np.array([90]), np.array([210]), z, np.array([100]))[0] == 0
     assert m.exposed_ns(np.array([90]), np.array([210]), z, np.array([150]))[0] == 50
+    # past the backward's 200 ns too: each direction shows its own excess, 150 + 50
+    assert m.exposed_ns(np.array([90]), np.array([210]), z, np.array([250]))[0] == 200
     # Ring bytes: k-1 hops of the member's K/V, 3 passes, KV heads.
     assert m.ring_bytes(np.array([1000.0]), 4)[0] == 3 * 3 * 1000 * m.kv_bytes_per_token
     assert m.ring_bytes(np.array([1000.0]), 1)[0] == 0
@@ -127,6 +129,9 @@ def test_ring_time_latency_and_links() -> None:
         assert got == pytest.approx(across, abs=1)
     assert int(m.ring_ns(np.array([n]), 1)[0]) == 0
     assert list(m.spans_nodes(np.array([1, 8, 9]))) == [False, False, True]
+    # an island of exactly one node's ranks fits in it: no group of it is timed between nodes
+    assert not m.for_island(8).spans_nodes(np.array([2, 4, 8])).any()
+    assert m.for_island(9).spans_nodes(np.array([2, 4, 8])).all()
     one = dataclasses.replace(m, ranks_per_node=0)
     assert one.spans_nodes(np.array([2])).all()  # one link class: every ring uses link_bytes_per_s
 

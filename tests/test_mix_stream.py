@@ -305,6 +305,13 @@ def test_resume_refuses_another_mixture() -> None:
         _stream(other, [1, 1], 20000).load_state_dict(state)
     with pytest.raises(ConfigError, match="seed"):
         _stream(sources, [1, 1], 20000, seed=9).load_state_dict(state)
+    # another look-ahead forms other batches from the same draws: refused, naming it
+    with pytest.raises(
+        ConfigError, match=r"lookahead=\d+ was saved, but this stream has lookahead=3"
+    ):
+        _stream(sources, [1, 1], 20000, lookahead=3).load_state_dict(state)
+    with pytest.raises(ConfigError, match="islands"):
+        _stream(sources, [1, 1], 20000, islands=2).load_state_dict(state)
 
 
 CHILD = """

@@ -338,3 +338,27 @@ def test_byte_tokenizer_offsets_equal_each_characters_utf8_width(text) -> None:
     want = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
     assert np.array_equal(starts, want) and np.array_equal(ends, want + 1)
     assert len(ids) == len(text.encode("utf-8"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 3)), min_size=1, max_size=12),
+    regions=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), max_size=4),
+)
+def test_token_mask_against_characters(spans, regions) -> None:
+    """token_mask against a per-character reference: a token is trained when one of its
+    characters is, and a token with no characters (a lone SentencePiece "▁", an added token
+    rendered empty) counts as holding the one at its start."""
+    from datapipe.ingest.rows import token_mask
+
+    starts = np.array([s for s, _ in spans], dtype=np.int64)
+    ends = starts + np.array([w for _, w in spans], dtype=np.int64)
+    trained = {c for c0, c1 in regions for c in range(c0, c1)}
+    want = [any(c in trained for c in range(s, max(e, s + 1))) for s, e in zip(starts, ends)]
+    assert token_mask(starts, ends, regions).tolist() == want
+    # a region starting at a zero-width token's offset trains it
+    assert token_mask(np.array([0, 3, 3]), np.array([3, 3, 5]), [(3, 5)]).tolist() == [
+        False,
+        True,
+        True,
+    ]
