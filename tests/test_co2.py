@@ -153,6 +153,8 @@ CONFIGS = [
        clip_value=0.15, warmup_rounds=2, warmup_outer_lr=0.9),
     oc(tau=2, outer_lr=0.6, momentum=0.3, nesterov=True, staleness_lambda=0.4,
        staleness_rule="constant", warmup_rounds=1),
+    # a norm threshold the momentum crosses both ways: rounds 3 and 4 of 5 clipped
+    oc(tau=2, outer_lr=0.7, momentum=0.8, staleness_lambda=0.5, clip="norm", clip_value=3.0),
 ]  # fmt: skip
 
 
@@ -170,6 +172,8 @@ def test_outer_update_matches_the_contract(ranks, ci):
         assert any(0 < w["clipped"] < 1 for w in want[:rounds])
     if cfg.clip == "norm":
         assert any(w["clipped"] == 1.0 for w in want[:rounds])
+        if cfg.clip_value > 1:  # and some rounds not
+            assert [w["clipped"] for w in want[:rounds]] == [0.0, 0.0, 1.0, 1.0, 0.0]
     if cfg.staleness_lambda and cfg.overlap:
         assert any(w["penalty"] > 1.01 for w in want)
     if not cfg.overlap:  # nothing is stale, so nothing is penalised whatever lambda

@@ -382,20 +382,6 @@ class HDPExecutor:
         return result
 
     @torch.no_grad()
-    def evaluate(self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]) -> tuple[float, int]:
-        """Forward only: (sum of token losses over the island, labelled positions: the labels
-        the micro-batches carry, so a loss mask's untrained positions do not count)."""
-        self.check_plan(plan, -1)
-        if self.zero is not None:
-            self.zero.wait_weights()
-        loss, _, _ = self._run_rank(plan, fetched, False)
-        n = sum(mb.num_labels for mb in fetched)
-        # float64: a label count stays exact past float32's 2^24
-        t = torch.stack([loss.reshape(()).double(), loss.new_tensor(float(n), dtype=torch.float64)])
-        self.comm.all_reduce(t)
-        return float(t[0].item()), int(round(float(t[1].item())))
-
-    @torch.no_grad()
     def token_losses(
         self, plan: StepPlan, fetched: Sequence[PackedMicroBatch]
     ) -> list[TokenLosses]:
