@@ -177,8 +177,8 @@ def test_passkey_cases_hold_their_answer(kind) -> None:
         else TokenizerSpec("hf", "tests/assets/bpe-stdlib.json")
     )
     tok = spec.build()
-    cases = make_cases(tok, [500, 1200], [0.0, 0.5, 1.0], seed=4)
-    assert len(cases) == 6 and len({c.key for c in cases}) == 6
+    cases = make_cases(tok, [500, 1200], [0.0, 0.3, 0.5, 0.7, 1.0], seed=4)
+    assert len(cases) == 10 and len({c.key for c in cases}) == 10
     for c in cases:
         assert c.tokens.size <= c.length
         answer = c.tokens[c.answer_start : c.answer_start + c.answer_len]

@@ -171,6 +171,28 @@ def test_a_tied_model_may_store_its_head(tmp_path):
     assert torch.equal(model.tok_embeddings.weight.detach(), tensors["model.embed_tokens.weight"])
 
 
+def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
+    """A header entry declaring 16 bytes more than its shape and dtype hold (the file padded, so
+    the ranges still tile the data section) is refused at inspection, naming the tensor, before
+    any rank loads it."""
+    import struct
+
+    path = copy_of(llama, tmp_path / "p")
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    header[last]["data_offsets"][1] += 16
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :] + bytes(16))
+    with pytest.raises(InputError, match=rf"model.safetensors: tensor {last}: bad header entry"):
+        inspect_pretrained(path)
+
+
 def test_index_and_file_problems_are_named(llama, tmp_path):
     path = save(hf_model("llama-tied"), str(tmp_path / "s"), max_shard_size="40KB")
     index = json.loads(open(os.path.join(path, "model.safetensors.index.json")).read())

@@ -191,6 +191,31 @@ def test_context_extension_overrides_travel_into_the_export(tmp_path):
     assert_close_per_doc(mine, hf_logits(hf, ids, LENGTHS), LENGTHS, 1e-5)
 
 
+@pytest.mark.timeout(60)
+def test_a_dynamic_ntk_extension_exports_the_context_it_scales_from(tmp_path):
+    """A Llama given dynamic NTK scaling (factor 4) and 4x its context: transformers scales past
+    config.json's max_position_embeddings, so the export writes the original context there (the
+    declared 4x would leave documents past the original unscaled), and transformers computes
+    what mixlen computes on documents past it."""
+    src = save(hf_model("llama-tied", max_position_embeddings=ORIGINAL), str(tmp_path / "src"))
+    pre = inspect_pretrained(src)
+    scaling = {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    overrides = {"rope_scaling": scaling, "max_position_embeddings": 4 * ORIGINAL}
+    shape = apply_overrides(pre.shape, overrides, src + "/config.json")
+    model = load(src, shape=shape)
+    export_hf(dict(model.named_parameters()), shape, "LlamaForCausalLM", str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["max_position_embeddings"] == ORIGINAL < max(LENGTHS)
+    hf = hf_load(str(tmp_path / "out"))
+    ids, pos, cu = packed(LENGTHS, shape.vocab_size, seed=10)
+    with torch.no_grad():
+        mine = model(ids, pos, cu)
+    order = sorted(range(len(LENGTHS)), key=lambda i: LENGTHS[i])  # see the test above
+    by_doc = torch.split(ids, LENGTHS)
+    want = dict(zip(order, (hf_logits(hf, by_doc[i], [LENGTHS[i]]) for i in order)))
+    assert_close_per_doc(mine, torch.cat([want[i] for i in range(len(LENGTHS))]), LENGTHS, 1e-5)
+
+
 def test_export_refuses_an_existing_folder_and_never_leaves_half_of_one(tmp_path, monkeypatch):
     src = save(hf_model("llama-tied"), str(tmp_path / "src"))
     pre = inspect_pretrained(src)
