@@ -156,10 +156,12 @@ def test_index_disagreeing_with_the_shards(copy, capsys) -> None:
     m = _manifest(root)
     del m["index_xxh3_64"], m["dataset_fingerprint"]  # as written before either field
     _write_manifest(root, m)
-    # one more token in the same number of rows: only the stored rows can tell
-    with FetchConfig().build(str(root)) as fetcher:
-        with pytest.raises(InputError, match=f"sample {s}, chunk \\d+\\) holds \\d+ tokens"):
-            fetcher.fetch(_whole(fetcher, s))
+    # one token more, or fewer, in the same number of rows: only the stored rows can tell
+    for more in (-1, 1):
+        write({("num_tokens", s): cols["num_tokens"][s] + more})
+        with FetchConfig().build(str(root)) as fetcher:
+            with pytest.raises(InputError, match=f"sample {s}, chunk \\d+\\) holds \\d+ tokens"):
+                fetcher.fetch(_whole(fetcher, s))
     rep = verify_dataset(str(root))
     assert len(rep.problems) == 1 and "index.parquet implies" in rep.problems[0]
     assert cli_main(["verify", str(root)]) == 1
@@ -370,6 +372,15 @@ def test_out_of_vocabulary_token_names_shard_sample_and_position(copy) -> None:
     assert "manifest.json vocab_size = 100" in msg
     rep = verify_dataset(str(root))
     assert rep.problems and "outside the vocabulary" in rep.problems[0]
+    top = int(ref[s].max())  # the boundary: an id must be below vocab_size
+    for vocab in (top, top + 1):
+        _write_manifest(root, {**m, "vocab_size": vocab})
+        with FetchConfig().build(str(root)) as fetcher:
+            if vocab == top:
+                with pytest.raises(InputError, match=f"has id {top}"):
+                    fetcher.fetch(_whole(fetcher, s))
+            else:
+                assert int(fetcher.fetch(_whole(fetcher, s)).input_ids.max()) == top
 
 
 def test_verify_lists_every_problem(copy, capsys) -> None:

@@ -370,3 +370,47 @@ def test_peak_memory_of_a_2gb_single_line_input(tmp_path: Path) -> None:
     m = read_index(str(tmp_path / "o")).manifest
     assert m["counts"]["bad"] == 1 and m["counts"]["truncated"] == 1
     assert m["num_tokens"] == (limit + 2) + len("after the long line") + 2
+
+
+def test_the_fingerprint_is_its_documented_digest() -> None:
+    """SHA-256 of "index X" and then "shard Y" per shard in storage order, 32 hex digits: the
+    index's checksum and the shards' order count, names and other fields do not."""
+    import hashlib
+
+    from datapipe.integrity import dataset_fingerprint
+
+    m = {"index_xxh3_64": "ab12", "shards": [{"name": "p", "xxh3_64": "01"}, {"name": "q"}]}
+    text = "index ab12\nshard 01\nshard -"
+    assert dataset_fingerprint(m) == hashlib.sha256(text.encode()).hexdigest()[:32]
+    other_index = {**m, "index_xxh3_64": "ab13"}
+    reordered = {**m, "shards": m["shards"][::-1]}
+    renamed = {**m, "shards": [{"name": "x", "xxh3_64": "01"}, {"name": "y", "bytes": 3}]}
+    assert dataset_fingerprint(other_index) != dataset_fingerprint(m)
+    assert dataset_fingerprint(reordered) != dataset_fingerprint(m)
+    assert dataset_fingerprint(renamed) == dataset_fingerprint(m)
+
+
+def test_row_counts_of_manifest_index_and_shards_must_agree() -> None:
+    """Two samples of 8 and 3 tokens in chunks of 4 take 3 storage rows: shards that hold more
+    (or fewer) rows, or a manifest num_rows other than its shards' sum, are each named."""
+    import numpy as np
+
+    from datapipe.errors import InputError
+    from datapipe.integrity import check_index, check_manifest
+
+    cols = {k: np.array(v, np.int64) for k, v in {"sample_id": [0, 1], "num_tokens": [8, 3],
+            "shard": [0, 0], "first_row": [0, 2], "num_rows": [2, 1]}.items()}  # fmt: skip
+
+    def manifest(*rows: int) -> dict:
+        shards = [{"name": f"s{i}", "rows": r} for i, r in enumerate(rows)]
+        return {"format": "parquet", "num_samples": 2, "chunk_tokens": 4, "shards": shards}
+
+    assert check_index(cols, manifest(3), "index.parquet") == []
+    for rows in ((3, 2), (5,)):
+        assert check_index(cols, manifest(*rows), "index.parquet") == [
+            "index.parquet: the samples take 3 storage rows, the shards in manifest.json hold 5"
+        ]
+    check_manifest({**manifest(3, 2), "num_rows": 5}, "manifest.json")
+    for claimed in (4, 6):
+        with pytest.raises(InputError, match=f"num_rows is {claimed}, the shards hold 5 rows"):
+            check_manifest({**manifest(3, 2), "num_rows": claimed}, "manifest.json")

@@ -252,10 +252,15 @@ def test_to_torch_and_bad_pieces(datasets) -> None:
             and str(t["cu_seqlens"].dtype) == "torch.int32"
         )
         assert mb.num_labels == int(lengths[3]) - 1
-        with pytest.raises(ValueError, match="outside"):
-            fetcher.fetch(np.array([[10_000, 0, 1]], np.int64))
-        with pytest.raises(ValueError, match="start < end"):
-            fetcher.fetch(np.array([[3, 0, int(lengths[3]) + 1]], np.int64))
+        n3 = int(lengths[3])
+        for bad in ([10_000, 0, 1], [len(lengths), 0, 1], [-1, 0, 1]):
+            with pytest.raises(ValueError, match="outside"):
+                fetcher.fetch(np.array([bad], np.int64))
+        for bad in ([3, 0, n3 + 1], [3, 5, 5], [3, 6, 5], [3, -1, 2]):  # empty, reversed, out
+            with pytest.raises(
+                ValueError, match=rf"piece \[{bad[0]}, {bad[1]}, {bad[2]}\]: .*start < end"
+            ):
+                fetcher.fetch(np.array([[3, 0, 2], bad], np.int64))
 
 
 def _leftovers() -> set[str]:

@@ -145,19 +145,21 @@ def _text_tokens(path: str) -> list[np.ndarray]:
 
 def test_shards_disagreeing_with_the_index_are_refused(dataset):
     """The shards' labels disagreeing with the index are refused, naming the sample and the
-    tokens: a whole sample's with its loss_tokens (one less here), a piece's with its spans (the
-    first one token shorter here)."""
+    tokens: a whole sample's with its loss_tokens (one less, and one more, here), a piece's with
+    its spans (the first one token shorter here)."""
     path, rows = dataset
     with FetchConfig().build(path) as fetcher:
         sid = next(s for s, (_, m) in rows.items() if not m.all())
         n = len(rows[sid][0])
         loss, index = fetcher.index.loss, fetcher.index
-        fewer = loss.loss_tokens.copy()
+        fewer, more = loss.loss_tokens.copy(), loss.loss_tokens.copy()
         fewer[sid] -= 1
+        more[sid] += 1
         shorter = loss.values.copy()
         shorter[loss.offsets[sid] + 1] -= 1
         for a, bad in (
             (0, LossColumns(fewer, loss.offsets, loss.values)),
+            (0, LossColumns(more, loss.offsets, loss.values)),
             (1, LossColumns(loss.loss_tokens, loss.offsets, shorter)),
         ):
             fetcher.index = dataclasses.replace(index, loss=bad)
@@ -317,6 +319,11 @@ REFUSED = {
         r"row 0's offsets 0\.\.\d+ do not hold whole",
     ),
     "fewer values than offsets": (_spans_edit(lambda a, r: a[:r]), "fewer than the"),
+    "offsets not from 0": (_spans_edit(lambda a, r: _with(a, 0, 2)), "row offsets from 2 to"),
+    "a token member too many": (
+        lambda m: [["extra." + m[0][0].split(".", 1)[1], m[0][1]], *m],
+        r"\d+ \.tokens\.npy members, manifest says",
+    ),
     "backwards span": (
         _spans_edit(lambda a, r: _with(a, r + 1, a[r + 2] + 1)),
         "row 0 has a span that ends before it starts",

@@ -343,6 +343,9 @@ def test_oversize_policy() -> None:
             assert len(b.sample_ids) == 1 and int(b.lengths[0]) > 1000
     with pytest.raises(ConfigError, match="oversize"):
         _stream(lengths, 1000, oversize="drop")
+    # a sample of exactly the budget fits a step: not oversize
+    exact = _stream(np.array([1000, 5], np.int64), 1000, oversize="error")
+    assert sorted(int(n) for b in (next(exact), next(exact)) for n in b.lengths) == [5, 1000]
 
 
 def test_config_errors_name_the_key(tmp_path: Path) -> None:
