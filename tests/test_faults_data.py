@@ -351,6 +351,27 @@ def test_a_parquet_shard_of_another_schema_is_refused(copy, edit: str, want: str
     assert f"{path}: {want}" in verify_dataset(str(root)).problems  # the path once
 
 
+def test_a_parquet_shard_with_a_row_more_is_refused(copy) -> None:
+    """A shard rewritten with one row more than manifest.json says (its size entry to match, no
+    checksum): the reader names the shard and both counts (fewer rows: the index check's)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = copy("parquet")
+    m = _manifest(root)
+    entry = m["shards"][0]
+    path = root / entry["name"]
+    table = pq.read_table(path)
+    pq.write_table(pa.concat_tables([table, table.slice(table.num_rows - 1)]), path)
+    entry["bytes"] = path.stat().st_size
+    del entry["xxh3_64"], m["dataset_fingerprint"]
+    _write_manifest(root, m)
+    want = f"{path}: {table.num_rows + 1} rows, manifest.json says {table.num_rows}"
+    with FetchConfig().build(str(root)) as fetcher:
+        with pytest.raises(InputError, match=re.escape(want)):
+            fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 0)))
+
+
 def test_out_of_vocabulary_token_names_shard_sample_and_position(copy) -> None:
     """Token ids at or above the vocabulary (here: a manifest claiming a smaller vocabulary than
     its data) are refused by the fetch naming the shard, the sample and the token's position."""
