@@ -221,3 +221,15 @@ def test_eval_value_flags_at_and_past_their_limits(flag, accepted, refused, mess
     for value in refused:
         with pytest.raises(ConfigError, match=f"^{flag}: .*{message}"):
             cmd_eval._options(parser.parse_args(["eval", "m", "d", f"{flag}={value!r}"]))
+
+
+def test_a_bool_is_not_an_int_setting() -> None:
+    """Python's True is an int: a config built in Python with `train.steps = True` is refused
+    naming the key, as TOML's `steps = true` is (a bool setting still takes one)."""
+    from datapipe.settings import Names, check
+    from trainer.config.job import TrainerConfig
+
+    cfg = TrainerConfig()
+    cfg.train.steps = True  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="train.steps: expected int, got bool True"):
+        check(cfg.train, Names("train"))
