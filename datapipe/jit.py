@@ -48,14 +48,20 @@ def _kernel_modules(package: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+@functools.cache
+def _file_digest(path: str, mtime: float, size: int) -> bytes:
+    """SHA-256 of a file's content (memoized by its mtime and size, as numba's own is)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+
 def _kernels_digest(package: str) -> bytes:
-    """One digest of every kernel module's content (numba's own hash of each, memoized by the
-    file's mtime and size)."""
+    """One digest of every kernel module's content."""
     digest = hashlib.sha256()
     for path in _kernel_modules(package):
         try:
             st = os.stat(path)
-            content = caching._hash_source_file(path, st.st_mtime, st.st_size)
+            content = _file_digest(path, st.st_mtime, st.st_size)
         except OSError:
             content = b"gone"
         digest.update(os.path.relpath(path, package).encode() + b"\0" + content)
