@@ -97,9 +97,11 @@ def _save_or_warn(self: Any, sig: Any, data: Any) -> None:
             )
 
 
-_Locator = caching._SourceFileBackedLocatorMixin
-_save_overload = caching.Cache.save_overload
-_get_source_stamp = _Locator.get_source_stamp
-if getattr(_save_overload, "__name__", "") != _save_or_warn.__name__:  # once per process
-    caching.Cache.save_overload = _save_or_warn  # type: ignore[method-assign]
-    _Locator.get_source_stamp = _source_stamp  # type: ignore[method-assign]
+# numba's internals as of 0.59-0.68; a numba without them keeps its own rules (no patch)
+_Locator = getattr(caching, "_SourceFileBackedLocatorMixin", None)
+_save_overload = getattr(getattr(caching, "Cache", None), "save_overload", None)
+_get_source_stamp = getattr(_Locator, "get_source_stamp", None)
+_patchable = _save_overload is not None and _get_source_stamp is not None
+if _patchable and getattr(_save_overload, "__name__", "") != _save_or_warn.__name__:
+    caching.Cache.save_overload = _save_or_warn  # type: ignore[method-assign]  # once a process
+    _Locator.get_source_stamp = _source_stamp  # type: ignore[method-assign,union-attr]
