@@ -17,6 +17,9 @@ from typing import BinaryIO
 
 from datapipe.errors import InputError
 
+# a full disk, a quota, a file size limit: the user's to fix (each caller adds what else is)
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
 CONFIG_FILE_LIMIT = 16 << 20  # config and manifest files: refused above this size
 METADATA_FILE_LIMIT = 64 << 20  # other tools' dataset metadata (MDS index.json): the same
 

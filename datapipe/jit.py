@@ -22,12 +22,14 @@ from typing import Any
 from numba import njit
 from numba.core import caching
 
+from datapipe.files import FULL_ERRNOS
+
 __all__ = ["njit"]
 
 IMPORT_LINE = "from datapipe.jit import njit"
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # the user's disk to fix, not a bug
-_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES})
+_DISK_ERRNOS = FULL_ERRNOS | {errno.EROFS, errno.EACCES}  # a read-only cache folder too
 _warned = False
 
 

@@ -13,9 +13,10 @@ import sys
 from collections.abc import Callable
 
 from datapipe.errors import MixlenError, PeerError
+from datapipe.files import FULL_ERRNOS
 
 # a full disk, a quota, a file size limit, a read-only file system: the user's to fix, named
-DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
+DISK_ERRNOS = FULL_ERRNOS | {errno.EROFS}
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

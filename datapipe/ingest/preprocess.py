@@ -8,7 +8,6 @@ for complete.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datapipe.errors import InputError, MixlenError
+from datapipe.files import FULL_ERRNOS
 from datapipe.index import is_remote
 from datapipe.ingest.chat import find_template
 from datapipe.ingest.config import PreprocessConfig
@@ -40,7 +40,6 @@ from datapipe.inuse import DatasetInUse, no_readers
 __all__ = ["PAUSE_HOOK_ENV", "PreprocessConfig", "PreprocessResult", "preprocess"]
 
 PAUSE_HOOK_ENV = "MIXLEN_TEST_PAUSE_AFTER_FIRST_SHARD"  # test-only: marker path, then sleep
-_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 @dataclass
@@ -141,7 +140,7 @@ def preprocess(
                 ) from None
         except OSError as exc:  # disk full, file size limit, permissions, ... while writing
             shutil.rmtree(tmp, ignore_errors=True)
-            full = " (disk full or file size limit)" if exc.errno in _FULL_ERRNOS else ""
+            full = " (disk full or file size limit)" if exc.errno in FULL_ERRNOS else ""
             raise MixlenError(
                 f"--out {cfg.out}: writing failed{full}: {exc.strerror or exc}"
                 + (f" ({exc.filename})" if exc.filename else "")

@@ -6,7 +6,6 @@ checkpoint and says why (trainer.checkpoint.checkpointer has the policy: when, w
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from datapipe.errors import MixlenError, PeerError
+from datapipe.files import FULL_ERRNOS
 from trainer.checkpoint.files import CHECKSUMS_FILE, fsync_dir, write_checksums, write_json
 from trainer.checkpoint.rng import capture_rng
 from trainer.hooks import Interrupted
@@ -128,9 +128,6 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
-_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
 class _SaveFailure:
     """Stops every rank together when one fails to save, with one message that names the cause
     and only this run's own checkpoints as intact."""
@@ -161,7 +158,7 @@ class _SaveFailure:
             else "this run has no earlier checkpoint"
         )
         cause = _root(err, OSError)
-        disk = isinstance(cause, OSError) and cause.errno in _DISK_ERRNOS
+        disk = isinstance(cause, OSError) and cause.errno in FULL_ERRNOS
         fix = "Free space (or raise the file size limit)" if disk else "Fix the cause"
         raise MixlenError(
             f"checkpoint.dir {self.root}: saving the checkpoint of step {self.step} failed "
