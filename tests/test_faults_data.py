@@ -101,6 +101,22 @@ def test_damaged_mds_shard_without_checksums_names_the_shard_through_the_library
                 fetcher.fetch(_whole(fetcher, s))
 
 
+def test_mds_offsets_out_of_order_name_the_shard(copy) -> None:
+    """`verify = false`, the default reader: a shard whose offset table goes backwards (two
+    offsets swapped, the file's size unchanged) is refused at its first read, naming the shard and
+    its offset table, not read as rows of negative length."""
+    root = copy("mds")
+    name = _manifest(root)["shards"][1]["name"]
+    with open(root / name, "r+b") as f:
+        head = np.frombuffer(f.read(4 * 8), "<u4").copy()
+        head[2], head[3] = head[3], head[2]  # offsets of rows 1 and 2 (head[0] is the row count)
+        f.seek(0)
+        f.write(head.tobytes())
+    with FetchConfig(verify=False).build(str(root)) as fetcher:
+        with pytest.raises(InputError, match=f"{name}: .*offset table is truncated or corrupt"):
+            fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 1)))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_truncated_or_deleted_shard_is_caught_when_opening_the_dataset(copy, fmt: str) -> None:
     root = copy(fmt)

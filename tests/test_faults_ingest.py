@@ -258,7 +258,8 @@ def test_full_disk_keeps_the_previous_dataset(tmp_path: Path, capsys, fmt: str) 
 def test_leftovers_of_killed_runs_do_not_block(tmp_path: Path) -> None:
     """A dead run's lock file, temporary directory and moved-aside old output: the next run
     proceeds, removes the temporary and puts the old output back first (so it needs --overwrite
-    to replace it, like any existing output)."""
+    to replace it, like any existing output); a moved-aside output beside an existing one is
+    removed."""
     src = _corpus(tmp_path, 5)
     out = tmp_path / "out"
     pid = dead_pid()
@@ -272,6 +273,10 @@ def test_leftovers_of_killed_runs_do_not_block(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="already exists"):
         preprocess(PreprocessConfig([str(src)], str(out), progress=False), warn=warnings.append)
     assert tree_digest(out) == before and any("restored" in w for w in warnings)
+    # another dead run's moved-aside output, now beside an existing one: removed, not restored
+    stale = tmp_path / f".out.old-{dead_pid()}"
+    stale.mkdir()
+    (stale / "manifest.json").write_text("{}")
     preprocess(PreprocessConfig([str(src)], str(out), overwrite=True, progress=False))
     assert read_index(str(out)).manifest["num_samples"] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
