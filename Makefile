@@ -127,8 +127,8 @@ bench: install
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,bench]'
 	$(PY) benchmarks/bench_ingest.py
 
-# numba's on-disk cache is dropped too: it notices a change in a kernel's own file, not in a kernel
-# of another file that it calls
+# numba's on-disk kernel cache is dropped too (datapipe.jit already recompiles every kernel when
+# any kernel module changes; this frees the disk)
 clean:
 	rm -rf $(DEMO_DIR) benchmarks/out
 	find datapipe -name '*.nbi' -delete -o -name '*.nbc' -delete

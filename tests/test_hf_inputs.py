@@ -140,13 +140,22 @@ def test_parquet_export_equals_the_folder(saved: dict, tmp_path: Path) -> None:
     assert all(np.array_equal(ra[i], rb[i]) for i in range(len(a)))
 
 
-def test_no_datasets_import_at_run_time(saved: dict, tmp_path: Path) -> None:
-    """(transformers is imported by mosaicml-streaming itself; datasets by nothing mixlen runs)"""
+def test_imports_at_run_time(saved: dict, tmp_path: Path) -> None:
+    """A preprocess to MDS imports no `datasets` (nothing mixlen runs needs it) and not
+    mosaicml-streaming's dataset zoo (`streaming.text`'s C4 pulls in transformers' auto classes,
+    `streaming.vision` torchvision: datapipe.libstreaming); the zoo still loads when it is used."""
     code = (
         "import sys; from tools.cli import main; "
         f"rc = main(['preprocess', {str(saved['single'])!r}, '--out', {str(tmp_path / 'o')!r}, "
         "'--text-field', 'content', '--quiet']); "
-        "assert rc == 0; assert 'datasets' not in sys.modules"
+        "assert rc == 0; assert 'datasets' not in sys.modules; "
+        "assert 'streaming.base.format.mds.writer' in sys.modules; "
+        "lazy = {'transformers.models.auto', 'torchvision'} & set(sys.modules); "
+        "assert not lazy, lazy; "
+        "import streaming.text as t; from streaming.vision import StreamingCIFAR10; "
+        "assert t.StreamingC4.__module__ == 'streaming.text.c4' and 'StreamingC4' in t.__all__; "
+        "assert StreamingCIFAR10.__module__ == 'streaming.vision.cifar10'; "
+        "assert 'transformers.models.auto' in sys.modules and 'torchvision' in sys.modules"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
