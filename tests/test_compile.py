@@ -295,3 +295,25 @@ def test_compile_is_refused_with_tensor_parallelism(tmp_path) -> None:
     load_config(cfg)
     with pytest.raises(ConfigError, match="train.compile: not with parallel.tp = 2"):
         load_config(cfg, ["parallel.tp=2"])
+
+
+def test_the_compiled_local_path_equals_the_block_with_an_explicit_head_dim() -> None:
+    """`Block.local_forward` (what `compile_block` captures over local attention), run as plain
+    Python, equals the eager block on a shape whose heads are not dim / n_heads wide (4 heads of
+    24 over a width of 64: the attention's scale is 24^-0.5, not 16^-0.5), in float64."""
+    cfg = dataclasses.replace(
+        get_config("debug"), dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=24, n_layers=1
+    )
+    model = build(cfg, dtype=F64)
+    block = model.layers[0]
+    lengths = [7, 20, 1, 12]
+    _, pos, cu, _ = batch(lengths, cfg.vocab_size, 0)
+    x = torch.randn(sum(lengths), cfg.dim, dtype=F64, generator=torch.Generator().manual_seed(1))
+    cos, sin = model.rope.cos_sin(pos, F64)
+    attn = LocalAttention(cu.tolist())
+    cu_dev, _ = attn.docs.cu(x.device)
+    with torch.no_grad():
+        want = block(x, cos, sin, attn)
+        got = block.local_forward(x, cos, sin, attn.docs.host_cu(), cu_dev, attn.backend or "")
+    assert block.attention.head_dim * cfg.n_heads != cfg.dim
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
