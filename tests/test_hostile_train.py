@@ -261,3 +261,28 @@ def test_runs_that_would_lose_or_never_make_a_checkpoint_are_refused(
     with pytest.raises(ConfigError, match="train.stop_after = 1 ends the run checkpointed, but "
                        "checkpoint.dir is not set"):  # fmt: skip
         config({"dir": None}, stop_after=1).validate()
+
+
+def test_the_written_config_reads_back_whatever_its_strings_hold(tmp_path) -> None:
+    """The config.toml a run writes (`to_toml`) holds any string: backslashes, quotes, tabs, new
+    lines and other control characters read back as they were (tomllib, and `load_config`)."""
+    import tomllib
+
+    from trainer.config.job import from_dict
+    from trainer.config.toml import load_config
+
+    odd = 'C:\\data\\"q"\ttab\nline\r\x00\x1f\x7f é✓ \\u0041'
+    cfg = from_dict(
+        {"data": {"path": odd}, "model": {"name": "debug"}, "checkpoint": {"dir": "c\\k\n"}}
+    )
+    text = to_toml(cfg)
+    assert tomllib.loads(text)["data"]["path"] == odd
+    (tmp_path / "c.toml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "c.toml") == cfg
+
+
+def test_set_values_are_stripped_around_the_equals_sign() -> None:
+    from trainer.config.toml import apply_overrides
+
+    got = apply_overrides({}, ["data.path = /x ", "train.lr= 1e-3"])
+    assert got == {"data": {"path": "/x"}, "train": {"lr": 1e-3}}

@@ -18,7 +18,7 @@ from datapipe.errors import InputError
 from datapipe.index import read_index
 from datapipe.ingest.index_mds import index_mds
 from datapipe.ingest.preprocess import PreprocessConfig, preprocess
-from datapipe.profile import length_profile
+from datapipe.profile import format_profile, length_profile
 from tools.cli import main as cli_main
 
 
@@ -70,6 +70,16 @@ def test_length_profile_matches_reference(lengths: list[int], capacity: int | No
     if capacity is not None:
         assert got["long_samples"] == ref["long_samples"]
         assert got["long_token_share"] == pytest.approx(ref["long_token_share"])
+
+
+def test_trained_share_per_bucket_and_the_text_by_hand() -> None:
+    """Each bucket's trained share is of its own tokens (lengths 2 and 3 in [2, 4): 2 of 5
+    trained; 8: all); the text shows the percentiles numpy gives (method lower)."""
+    prof = length_profile(np.array([2, 3, 8]), None, np.array([1, 1, 8]))
+    assert {b["lo"]: b["loss_share"] for b in prof["buckets"]} == {2: 2 / 5, 8: 1.0}
+    lengths = np.arange(1, 101)
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="lower").astype(int)
+    assert f"p50 {p50}  p90 {p90}  p99 {p99}  max 100" in format_profile(length_profile(lengths))
 
 
 def test_profile_cli_json_plot_and_light_imports(tmp_path: Path) -> None:
@@ -163,6 +173,10 @@ def test_index_foreign_mds(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
         assert s["xxh3_64"] == xxhash.xxh3_64(data).hexdigest()
     assert cli_main(["index", str(root), "--tokens-field", "ids"]) == 2  # exists: needs --overwrite
     assert "--overwrite" in capsys.readouterr().err
+    (root / "index.parquet").write_bytes(b"stale")
+    assert cli_main(["index", str(root), "--tokens-field", "ids", "--overwrite"]) == 0
+    assert capsys.readouterr().out.startswith(f"indexed {len(lengths)} samples")
+    np.testing.assert_array_equal(read_index(str(root)).num_tokens, lengths)  # rebuilt
     assert cli_main(["profile", str(root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_tokens"] == int(lengths.sum())
     # read for training from its own column (the str column beside it decodes too)

@@ -108,6 +108,21 @@ def test_the_sweep_sees_the_keys_it_must() -> None:
     keys = {f"{s}.{k}" for s, k, *_ in RANGES}
     assert {"train.steps", "train.global_batch_tokens", "train.seed", "parallel.capacity",
             "parallel.islands", "co2.tau", "co2.warmup_rounds"} <= keys  # fmt: skip
+    # bounds written here, not read from the declarations (a bound dropped there fails here)
+    bounds = {f"{s}.{k}": (lo, hi) for s, k, _, lo, hi in RANGES}
+    assert bounds["train.min_lr_ratio"] == (0.0, 1.0)
+    assert bounds["train.global_batch_tokens"] == (1, 1 << 40)
+
+
+def test_offload_is_planned_only_for_the_policies_that_offload() -> None:
+    from trainer.config.job import from_dict
+
+    for policy in ("hdp", "naive-hdp"):
+        from_dict({**BASE, "parallel": {"policy": policy}, "offload": {"enabled": True}}).validate()
+    with pytest.raises(ConfigError, match=r"^offload.enabled: the static policy never offloads"):
+        from_dict(
+            {**BASE, "parallel": {"policy": "static"}, "offload": {"enabled": True}}
+        ).validate()
 
 
 @pytest.mark.parametrize(

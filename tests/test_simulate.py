@@ -264,6 +264,25 @@ def test_plan_cli_errors(dataset, tmp_path, capsys) -> None:
     assert "more than --max-context = 100: no group can hold it (raise --max-context, or" in err
 
 
+def test_plan_steps_bounds_and_offload_bits(dataset, capsys, monkeypatch) -> None:
+    """--steps in [1, MAX_STEPS], both ends included (MAX_STEPS lowered to 2 to run its edge);
+    --offload-gbps is gigabits per second: 8 of them are 10^9 bytes per second."""
+    import argparse
+
+    from tools import cmd_plan
+
+    root, _ = dataset
+    args = ["plan", str(root), "--ranks", "4", "--capacity", "32768",
+            "--global-batch-tokens", "50000", "--policy", "hdp", "--json"]  # fmt: skip
+    monkeypatch.setattr(cmd_plan, "MAX_STEPS", 2)
+    for steps, rc in ((0, 2), (2, 0), (3, 2)):
+        assert main([*args, "--steps", str(steps)]) == rc, steps
+        out = capsys.readouterr()
+        assert ("--steps: must be in [1, 2], got" in out.err) == (rc == 2), out.err
+    ns = argparse.Namespace(model="llama-7b", cost=None, offload_gbps=8.0)
+    assert cmd_plan.resolve_cost(ns).offload_bytes_per_s == 1e9
+
+
 def test_simulate_cli_errors(tmp_path, capsys) -> None:
     """Refused before anything is drawn, naming the flag: a negative --seed, an output file in
     a folder that does not exist, a --lengths that is no distribution or folder; --offload is no
@@ -273,6 +292,8 @@ def test_simulate_cli_errors(tmp_path, capsys) -> None:
     missing = str(tmp_path / "nope" / "s.html")
     for extra, want in ((["--seed", "-3"], "--seed: must be >= 0, got -3"),
                         (["--html", missing], f"--html {missing}: its folder"),
+                        (["--steps", "2", "--global-batch-tokens", str(1 << 40)],
+                         "--steps x --global-batch-tokens: at most 2^40 tokens in all"),
                         (["--lengths", "bytedx"],
                          "--lengths: 'bytedx' is neither byted, github nor a dataset folder")):  # fmt: skip
         assert main(base + extra) == 2
@@ -284,27 +305,25 @@ def test_simulate_cli_errors(tmp_path, capsys) -> None:
 
 
 def test_simulate_cli_json(capsys) -> None:
-    rc = main(
-        [
-            "simulate",
-            "--model",
-            "llama-7b",
-            "--ranks",
-            "64",
-            "--capacity",
-            "8192",
-            "--context",
-            str(256 * K),
-            "--lengths",
-            "byted",
-            "--global-batch-tokens",
-            str(2 * M),
-            "--steps",
-            "1",
-            "--json",
-        ]
-    )
-    assert rc == 0
+    args = [
+        "simulate",
+        "--model",
+        "llama-7b",
+        "--ranks",
+        "64",
+        "--capacity",
+        "8192",
+        "--context",
+        str(256 * K),
+        "--lengths",
+        "byted",
+        "--global-batch-tokens",
+        str(2 * M),
+        "--steps",
+        "1",
+        "--json",
+    ]
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     by = {p["policy"]: p for p in out["policies"]}
     paper = {"static", "naive-hdp", "naive-hdp+offload", "hdp", "hdp+offload"}
@@ -314,6 +333,18 @@ def test_simulate_cli_json(capsys) -> None:
     assert by["hdp"]["est_step_time_s"] <= by["naive-hdp"]["est_step_time_s"]
     assert out["paper"]["ablation_speedup"]["hdp+offload"] == 3.69
     assert out["model_state_bytes_per_rank"] == _state_bytes_by_hand("llama-7b", 64)
+    # the table shows the same: each hdp variant's speedup, the largest CP groups first
+    assert main(args[:-1]) == 0
+    text = capsys.readouterr().out
+    for name, p in by.items():
+        if name.startswith("hdp"):
+            assert f"speedup of {name} over static: {p['speedup_over_static']:.2f}x" in text
+    row = next(line for line in text.splitlines() if line.startswith("CP groups (size x n)"))
+    for name, p in by.items():  # each column: its 3 largest group sizes x their counts
+        groups = sorted(((int(k), v) for k, v in p["groups_by_size"].items()), reverse=True)
+        cell = " ".join(f"{k}x{v}" for k, v in groups[:3]) + (" ..." if len(groups) > 3 else "")
+        assert cell in row, (name, cell, row)
+    assert any(len(p["groups_by_size"]) > 3 for p in by.values())  # an order to get wrong
 
 
 def _state_bytes_by_hand(model: str, n: int) -> dict:

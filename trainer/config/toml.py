@@ -96,13 +96,37 @@ def _toml_key(k: Any) -> str:
     return k if bare else _toml_value(k)
 
 
+# TOML's escapes in basic strings; other control characters (U+0000-U+001F, U+007F) as \uXXXX
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_string(v: str) -> str:
+    """`v` as a TOML basic string (any str, control characters included)."""
+    return (
+        '"'
+        + "".join(
+            _ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+            for c in v
+        )
+        + '"'
+    )
+
+
 def _toml_value(v: Any) -> str:
     """`v` as a TOML value: inline tables and arrays for dicts and lists (keys left at None
     omitted from inline tables)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     if isinstance(v, dict):
         items = (f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None)
         return "{" + ", ".join(items) + "}"
