@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,10 @@ CASES = {  # name -> tokenizer.json; all lose the characters their vocabularies 
         {"tokens": ["a", "b", "##a", "##c", "c"], "continuing_subword_prefix": "##"},
         {"type": "WhitespaceSplit"},
     ),
+    "byte-level-prefix-space": _spec(  # the space it prepends is not in the vocabulary
+        {"tokens": [BYTE_SYMBOLS[b] for b in b"abc\n"] + [BYTE_SYMBOLS[0xC3]]},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ),
 }
 
 
@@ -96,14 +101,25 @@ def _reference_lost(spec: dict, text: str) -> int:
     ref["model"]["vocab"]["<unk>"] = len(ref["model"]["vocab"])
     tok = Tokenizer.from_str(json.dumps(ref))
     unk = ref["model"]["vocab"]["<unk>"]
+    if (ref["pre_tokenizer"] or {}).get("add_prefix_space"):
+        # the space prepended to each stretch between added tokens shares its first character's
+        # offsets: written out instead, with the prefix off (the same ids, checked)
+        ref["pre_tokenizer"]["add_prefix_space"] = False
+        parts = re.split("(<s>|</s>)", text)
+        spaced = "".join(p if p in SPECIAL or p[:1] in ("", " ") else " " + p for p in parts)
+        written = Tokenizer.from_str(json.dumps(ref))
+        assert written.encode(spaced).ids == tok.encode(text).ids, text
+        tok, text = written, spaced
     enc = tok.encode(text)
     return len({off for i, off in zip(enc.ids, enc.offsets) if i == unk})
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @settings(max_examples=40, deadline=None)
-@given(text=st.text(st.sampled_from(list("abcABz \n\té✓日")), max_size=40))
+@given(text=st.text(st.sampled_from(list("abcABz \n\té✓日\x1c\x1f\x85\u2028")), max_size=40))
 @example(text="zA é✓日\tabc ab\n<s>z")
+@example(text="ab\x1c\x1d c\x1e\x1f\x85\u2028")  # isspace() in Python, not to the library
+@example(text="abc")  # only a prepended space is lost
 def test_lost_characters_match_the_unk_reference(tmp_path_factory, case: str, text: str) -> None:
     tmp = tmp_path_factory.mktemp(case)
     tok = HFTokenizer(_write(tmp, CASES[case]))
@@ -161,11 +177,11 @@ def test_instruction_rows_count_what_they_lose(tmp_path: Path) -> None:
     conv = [{"role": "user", "content": "ab z"}, {"role": "assistant", "content": "c zz b"}]
     rows = {
         "messages": {"messages": conv},
-        "prompt_completion": {"prompt": "ab", "completion": " cz"},
+        "prompt_completion": {"prompt": "zab z", "completion": " cz"},  # both lose some
     }
     want = {"messages": _reference_lost(spec, "<s>ab z</s><s>c zz b</s>"),
-            "prompt_completion": _reference_lost(spec, "ab cz")}  # fmt: skip
-    assert want == {"messages": 3, "prompt_completion": 1}
+            "prompt_completion": _reference_lost(spec, "zab z cz")}  # fmt: skip
+    assert want == {"messages": 3, "prompt_completion": 3}
     for kind, row in rows.items():
         data = tmp_path / f"{kind}.jsonl"
         data.write_text(json.dumps(row) + "\n")
@@ -326,3 +342,34 @@ def test_a_long_document_is_encoded_in_bounded_memory(tmp_path: Path) -> None:
     ).stdout.split()  # fmt: skip
     grew_kib, n = int(out[0]), int(out[1])
     assert n > 250_000 and grew_kib < 32 << 10, out  # ids: under 1 MiB as uint16
+
+
+@pytest.mark.parametrize("text", ["a<zz>b", "<zz><z", "<zzz> <z>", "ab <zz> z"])
+def test_added_tokens_match_longest_first(tmp_path: Path, text: str) -> None:
+    """Added tokens where one is a prefix of another (`<z`, `<zz>`): the library takes the
+    longest, so "<zz>" loses nothing; the count is the unk reference's."""
+    spec = json.loads(json.dumps(CASES["whitespace"]))
+    for content in ("<z", "<zz>"):
+        spec["model"]["vocab"][content] = i = len(spec["model"]["vocab"])
+        spec["added_tokens"].append({**spec["added_tokens"][0], "id": i, "content": content})
+    lost = HFTokenizer(_write(tmp_path, spec)).lost_chars(text)
+    assert (lost.count if lost else 0) == _reference_lost(spec, text), (text, lost)
+
+
+def test_a_post_processors_bos_and_eos_are_not_added_twice(tmp_path: Path) -> None:
+    """A tokenizer.json whose post-processor frames each text ("<s> $A </s>", built with the
+    library): mixlen's ids are the library's own, no second BOS or EOS."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    lib = Tokenizer.from_file(str(ROOT / "tests" / "assets" / "bpe-stdlib.json"))
+    lib.post_processor = TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)]
+    )
+    path = str(tmp_path / "framed.json")
+    lib.save(path)
+    tok, ref = HFTokenizer(path), Tokenizer.from_file(path)
+    for text in ["def f(x):\n    return x", "", " ", "é ✓ 日本" * 50]:
+        want = ref.encode(text).ids
+        assert want[0] == tok.bos_id and want[-1] == tok.eos_id
+        assert tok.encode(text).tolist() == want, text

@@ -126,6 +126,54 @@ def test_special_tokens_map_wins_over_tokenizer_config_as_in_transformers(tmp_pa
     assert template.special["eos_token"] == ref.eos_token
 
 
+# each special-token variable and tojson, as transformers passes and defines them
+VARIABLES_TEMPLATE = (
+    "{{ bos_token }}{{ additional_special_tokens[0] }}{% for m in messages %}{{ m | tojson }}"
+    "{{ m['content'] | tojson(indent=2) }}{% endfor %}{{ messages | tojson(indent=2) }}"
+    "{{ eos_token }}"
+)
+HTML_CONV = [
+    {"role": "user", "content": "<b>Ünïcödé</b> & 'q' \"dq\" ✓ 日本 \u2028 </script>"},
+    {"role": "assistant", "content": "<i>é</i> > <"},
+]
+ADDED = {"content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False,
+         "single_word": False, "special": True, "__type": "AddedToken"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, config, tokens_map",
+    [  # a special_tokens_map.json naming only eos_token keeps the config's bos_token
+        ("llama3-style", {"additional_special_tokens": [ADDED]}, {"eos_token": "<|eot_id|>"}),
+        ("qwen2", {"additional_special_tokens": ["<|im_start|>"]}, None),  # bos_token: null
+    ],
+)
+def test_template_variables_and_tojson_equal_transformers(tmp_path, name, config, tokens_map):
+    """bos_token (kept from tokenizer_config.json when special_tokens_map.json names only
+    eos_token; left undefined when null), additional_special_tokens given as AddedToken dicts
+    or strings, and tojson (no ASCII or HTML escaping, indent) render as transformers'
+    apply_chat_template renders them; the BOS id is transformers'."""
+    pytest.importorskip("transformers")
+    path = make_folder(str(tmp_path / "f"), name)
+    conf_path = os.path.join(path, "tokenizer_config.json")
+    with open(conf_path) as f:
+        conf = json.load(f)
+    with open(conf_path, "w") as f:
+        json.dump({**conf, **config}, f)
+    if tokens_map is not None:
+        with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+            json.dump(tokens_map, f)
+    tfile = tmp_path / "vars.jinja"
+    tfile.write_text(VARIABLES_TEMPLATE)
+    ref = reference_tokenizer(path)
+    assert HFTokenizer.from_folder(path).bos_id == ref.bos_token_id
+    assert (ref.bos_token_id is None) == (name == "qwen2")
+    template = ChatTemplate(find_template(str(tfile), path))
+    for conv in (HTML_CONV, HTML_CONV[:1]):
+        want = ref.apply_chat_template(conv, chat_template=VARIABLES_TEMPLATE, tokenize=False)
+        assert template.render(conv, False) == want
+    assert "Ünïcödé</b>" in want and want.startswith(ref.bos_token or "<|im_start|>")
+
+
 def test_llama3_style_is_the_llama3_format(tmp_path):
     """The hand-written template renders the Llama 3 chat format (spelled out here)."""
     path = make_folder(str(tmp_path), "llama3-style")
