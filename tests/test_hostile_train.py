@@ -286,3 +286,18 @@ def test_set_values_are_stripped_around_the_equals_sign() -> None:
 
     got = apply_overrides({}, ["data.path = /x ", "train.lr= 1e-3"])
     assert got == {"data": {"path": "/x"}, "train": {"lr": 1e-3}}
+
+
+@pytest.mark.parametrize(
+    "loss, norm", [(float("nan"), 0.5), (2.5, float("inf")), (2.5, float("nan"))]
+)
+def test_a_finite_loss_with_a_non_finite_gradient_norm_stops_the_step(loss, norm) -> None:
+    """Either figure not finite stops the step before it is applied (a finite loss whose
+    gradients overflowed would otherwise be stepped and checkpointed)."""
+    from trainer.hooks import check_finite_step
+
+    rt = SimpleNamespace(islands=1, island=0, world=1, device=torch.device("cpu"),
+                         run_comm=None, global_rank=0)  # fmt: skip
+    check_finite_step(7, 2.5, 0.5, rt, lambda: None)
+    with pytest.raises(NonFiniteStep):
+        check_finite_step(7, loss, norm, rt, lambda: None)

@@ -115,3 +115,57 @@ def test_two_runs_at_once_in_one_folder_and_a_full_disk(tmp_path, caplog) -> Non
     assert _steps(tmp_path) == [1]
     second = writer("B")  # free again
     second.close()
+
+
+def _record(step: int) -> dict:
+    return dict(step=step, loss=1.0, tokens=10, tokens_per_s=1.0, step_time_s=1.0,
+                data_wait_s=0.0, comm_time_s=0.0, imbalance_measured=1.0,
+                imbalance_planned=1.0)  # fmt: skip
+
+
+def test_console_lines_every_interval_and_the_last_step(tmp_path: Path) -> None:
+    """`metrics.console_interval = 4` over 6 steps prints steps 4 and 6 (the last); 1, every."""
+    for interval, want in ((4, [4, 6]), (1, [1, 2, 3, 4, 5, 6]), (10, [6])):
+        out = io.StringIO()
+        w = MetricsWriter(str(tmp_path / str(interval)), 6, progress=False,
+                          console_interval=interval, stream=out)  # fmt: skip
+        for k in range(1, 7):
+            w.log(_record(k))
+        w.close()
+        assert [int(line.split()[1]) for line in out.getvalue().splitlines()] == want
+
+
+def test_balance_table_by_hand() -> None:
+    """The balance report's rank table: run totals, and each rank's share of the measured and of
+    the planned totals (each column summing to 1), from two steps' figures added by hand."""
+    from trainer.metrics import BalanceSummary
+
+    b = BalanceSummary()
+    b.add([0.5, 1.0], [1.0, 1.5], [2, 1], 2.0, 100)
+    b.add([0.5, 2.0], [1.0, 4.5], [1, 3], 3.0, 50)
+    rows = [line for line in b.render("hdp").splitlines() if line.startswith("| 0") or
+            line.startswith("| 1")]  # fmt: skip
+    cells = [[float(x) for x in row.strip("|").split("|")] for row in rows]
+    assert cells == [[0, 3, 1.0, 2.0, 0.25, 0.25], [1, 4, 3.0, 6.0, 0.75, 0.75]]
+    assert b.render("hdp").startswith("balance report: policy hdp, 2 steps, 150 tokens, 5.00 s")
+
+
+def test_tensorboard_of_a_resumed_run_keeps_its_steps_before_the_resume(tmp_path: Path) -> None:
+    """A run writes steps 1-5, stops, resumes from its checkpoint of step 3 and writes 4-6: the
+    TensorBoard reader returns steps 1-3 of the first part and 4-6 of the second (events past
+    the resume step are purged, the ones at it kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def part(steps: range, resume: int | None, offset: float) -> None:
+        w = MetricsWriter(str(tmp_path), 6, tensorboard=True, progress=False, run_id="R",
+                          console_interval=1000, stream=io.StringIO(), resume_step=resume)  # fmt: skip
+        for k in steps:
+            w.log({**_record(k), "loss": offset + k})
+        w.close()
+
+    part(range(1, 6), None, 0.0)
+    part(range(4, 7), 3, 10.0)
+    acc = EventAccumulator(str(tmp_path / "tb" / "R"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]

@@ -164,7 +164,7 @@ def reference_run(cfg: TrainerConfig) -> dict:
     batches = [train_ids[next(stream).sample_ids] for _ in range(cfg.train.steps)]
     n_val = max(int(np.searchsorted(np.cumsum(lengths[val_ids]), cfg.data.val_tokens, "right")), 1)
     val = [tokens[i] for i in val_ids[:n_val]] if cfg.train.eval_interval else []
-    return reference_train(
+    out = reference_train(
         tokens,
         batches,
         dataclasses.asdict(cfg.train),
@@ -174,6 +174,8 @@ def reference_run(cfg: TrainerConfig) -> dict:
         val,
         cfg.train.eval_interval,
     )
+    out["val_tokens"] = sum(len(v) for v in val)  # the evaluated prefix's tokens
+    return out
 
 
 @functools.cache

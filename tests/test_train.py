@@ -249,6 +249,10 @@ def test_train_single_process_resume_metrics(dataset, tmp_path):
         [v for _, v in straight["val_losses"]], [v for _, v in ref["val_losses"]], rtol=1e-9
     )
     assert [r["tokens"] for r in recs] == ref["tokens"]
+    for r in recs:  # throughput: every token (not only the trained ones) over the step's time
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-12)
+    val = [r["val_tokens"] for r in recs if "val_loss" in r]
+    assert val == [ref["val_tokens"]] * 2 and ref["val_tokens"] <= 1024  # data.val_tokens
     assert os.path.isfile(straight["balance_report"])
     head = open(second["balance_report"]).readline()  # the resumed run's own steps, named
     assert head.startswith("balance report: policy single, 3 steps (steps 4-6: this run resumed")
