@@ -341,3 +341,41 @@ def test_a_scratch_exports_token_ids_and_a_float16_overflow(ds, run, capsys) -> 
     assert "--dtype float16: model.norm.weight holds values beyond that dtype's range" in err, err
     assert sorted(os.listdir(run)) == before  # no folder, no temporary one
     assert cli_main(["export", str(step), "--hf", str(run / "bf16"), "--dtype", "bfloat16"]) == 0
+
+
+def test_export_shard_size_splits_the_weights_and_transformers_reads_them(
+    run, tmp_path, capsys
+) -> None:
+    """--shard-size 1 MiB on a model of ~5 MB (the run's step rewritten at dim 256): several
+    shards with model.safetensors.index.json, and transformers' from_pretrained of the folder
+    gives the logits of the single-file export exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from datapipe.settings import from_mapping
+    from trainer.config.job import TrainerConfig
+    from trainer.model.transformer import build
+
+    step = tmp_path / STEP3  # a copy: the module's run stays as it is
+    shutil.copytree(run / "ckpt" / STEP3, step)
+    cfg = json.loads((step / "run.json").read_text())
+    cfg["config"]["model"].update(dim=256, ffn_dim=512)
+    (step / "run.json").write_text(json.dumps(cfg))
+    model = build(from_mapping(TrainerConfig, cfg["config"]).model.shape())
+    for f in [*step.glob("*.distcp"), step / ".metadata", step / "checksums.json"]:
+        f.unlink()
+    save_as_ranks(str(step), [{f"model.{k}": v.detach() for k, v in model.named_parameters()}])
+    write_checksums(str(step))
+    logits = {}
+    for name, extra in (("one", []), ("shards", ["--shard-size", str(1 << 20)])):
+        assert cli_main(["export", str(step), "--hf", str(tmp_path / name), *extra]) == 0
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[name] = hf(torch.arange(40)[None] % 258).logits
+    capsys.readouterr()
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors"))
+    assert len(shards) >= 4 and (tmp_path / "shards" / "model.safetensors.index.json").is_file()
+    assert [p.name for p in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert torch.equal(logits["one"], logits["shards"])
