@@ -3,13 +3,16 @@
 `import streaming` runs the package's `__init__`, which imports `streaming.text` and
 `streaming.vision` for their named datasets (C4, the Pile, ImageNet...): they pull in
 transformers' auto classes and torchvision, close to a third of the library's import time
-(benchmarks/bench_imports.py) in every process that writes or reads MDS (preprocess workers, Ray workers, training ranks), for
-classes mixlen never uses. (`streaming.base` itself still imports transformers' core, for two
-isinstance checks in its data loader.) `light_streaming()` registers those two subpackages as
-stand-ins before the library is first imported: a stand-in has the package's file, path and spec,
-and runs the package's own `__init__` at the first other attribute asked of it, so code that does
-use them still works. (The standard library's `LazyLoader` is not enough: `inspect.getmodule`,
-which torch calls while it imports, asks every module for `__file__`.)"""
+(benchmarks/bench_imports.py), in every process that writes or reads MDS (preprocess workers,
+Ray workers, training ranks), for classes mixlen never uses. (`streaming.base` itself still
+imports transformers' core, for two isinstance checks in its data loader.)
+
+`light_streaming()` registers those two subpackages as stand-ins before the library is first
+imported: a stand-in has the package's file, path and spec, and runs the package's own `__init__`
+at the first other attribute asked of it, so code that does use them still works. (The standard
+library's `LazyLoader` is not enough: `inspect.getmodule`, which torch calls while it imports, asks
+every module for `__file__`.)
+"""
 
 from __future__ import annotations
 
