@@ -97,27 +97,9 @@ def _toml_key(k: Any) -> str:
 
 
 # TOML's escapes in basic strings; other control characters (U+0000-U+001F, U+007F) as \uXXXX
-_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
-
-
-def _toml_string(v: str) -> str:
-    """`v` as a TOML basic string (any str, control characters included)."""
-    return (
-        '"'
-        + "".join(
-            _ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-            for c in v
-        )
-        + '"'
-    )
+_ESCAPES = {c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F)} | str.maketrans(
+    {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+)
 
 
 def _toml_value(v: Any) -> str:
@@ -126,7 +108,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return _toml_string(v)
+        return '"' + v.translate(_ESCAPES) + '"'
     if isinstance(v, dict):
         items = (f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None)
         return "{" + ", ".join(items) + "}"
