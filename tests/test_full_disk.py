@@ -146,3 +146,25 @@ def test_a_kernel_recompiles_when_a_kernel_it_calls_changes_in_another_file(tmp_
     (tmp_path / "callee.py").write_text(_CALLEE.format(inc=2))
     assert run() == ["6", "0"]  # 2 x (1 + 2), compiled again (numba's own rule: 4, cached)
     assert run() == ["6", "1"]
+
+
+def test_a_numba_without_the_patched_internals_keeps_its_own_rules() -> None:
+    """On a numba whose caching module lacks the two internals datapipe.jit patches, importing it
+    patches nothing and its kernels still compile and run (numba's own cache rules)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = (
+        "from numba.core import caching\n"
+        "del caching._SourceFileBackedLocatorMixin\n"
+        "before = caching.Cache.save_overload\n"
+        "from datapipe.jit import njit\n"
+        "assert caching.Cache.save_overload is before\n"
+        "print(njit(lambda x: 2 * x)(21))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=100)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["42"], done.stderr[-2000:]

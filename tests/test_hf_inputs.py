@@ -230,3 +230,26 @@ def test_tokenizer_from_folder(saved: dict, tmp_path: Path) -> None:
                 [str(src)], str(tmp_path / "x"), tokenizer=str(ASSET), tokenizer_from=str(std)
             )
         )
+
+
+def test_stand_ins_follow_the_librarys_layout(tmp_path: Path) -> None:
+    """A `streaming` package with `text/` but no `vision/` (a fake, first on the path): only
+    `streaming.text` gets a stand-in, which runs the package's own `__init__` at its first use;
+    `streaming.vision` is left to the import system."""
+    pkg = tmp_path / "streaming"
+    (pkg / "text").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import streaming.text as text\n")
+    (pkg / "text" / "__init__.py").write_text("X = 1\n")
+    code = (
+        "import sys, datapipe; "
+        "assert 'streaming' not in sys.modules and 'streaming.vision' not in sys.modules; "
+        "assert 'X' not in vars(sys.modules['streaming.text']); "
+        "import streaming; assert streaming.text.X == 1 and streaming.text.__name__ == "
+        "'streaming.text'"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
