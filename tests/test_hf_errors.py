@@ -193,6 +193,44 @@ def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
         inspect_pretrained(path)
 
 
+def _with_metadata(file: str, meta: object) -> None:
+    """Rewrite a safetensors file's header with `meta` as its __metadata__ (data unchanged)."""
+    import struct
+
+    with open(file, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"] = meta
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize("meta", [{"format": 1}, ["pt"], {"format": None}, "pt", {"a": {}}])
+def test_metadata_safetensors_refuses_is_named(llama, tmp_path, meta):
+    """A __metadata__ safetensors refuses (it must map strings to strings) is named at
+    inspection, and a file that changes so after inspection is named at load (not
+    safetensors' own exception); metadata safetensors reads is accepted."""
+    from safetensors import SafetensorError, safe_open
+
+    path = copy_of(llama, tmp_path / "p")
+    file = os.path.join(path, "model.safetensors")
+    pre = inspect_pretrained(path)
+    _with_metadata(file, {"format": "pt", "by": "hand"})
+    with safe_open(file, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "by": "hand"}
+    assert inspect_pretrained(path).tensors == pre.tensors
+    _with_metadata(file, meta)
+    with pytest.raises(SafetensorError), safe_open(file, framework="pt"):
+        pass  # the reference: safetensors refuses this header
+    with pytest.raises(InputError, match=r"model.safetensors: __metadata__ .*must be a string"):
+        inspect_pretrained(path)
+    with pytest.raises(InputError, match=r"model.safetensors: cannot read tensor .*deserializ"):
+        load_pretrained_weights(build(pre.shape), pre)
+
+
 def test_index_and_file_problems_are_named(llama, tmp_path):
     path = save(hf_model("llama-tied"), str(tmp_path / "s"), max_shard_size="40KB")
     index = json.loads(open(os.path.join(path, "model.safetensors.index.json")).read())

@@ -66,6 +66,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "train, eval",
+        "a safetensors header whose `__metadata__` is not a map of strings to strings",
+        "__metadata__",
+        "trainer/model/pretrained.py",
+        "tests/test_hf_errors.py::test_metadata_safetensors_refuses_is_named",
+    ),
+    Refusal(
+        "train, eval",
         "a device, FIFO or symlink loop as a weights file",
         "not a regular file",
         "datapipe/files.py",

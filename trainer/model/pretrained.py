@@ -132,6 +132,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         if key == "__metadata__":
+            _check_metadata(path, info)
             continue
         try:
             dtype, shape, (a, b) = str(info["dtype"]), tuple(info["shape"]), info["data_offsets"]
@@ -146,6 +147,18 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         spans.append((a, b, key))
     _check_spans(path, spans, data)
     return out
+
+
+def _check_metadata(path: str, meta: object) -> None:
+    """InputError unless a header's `__metadata__` maps strings to strings, as safetensors
+    requires (it refuses any other, at load time)."""
+    if not isinstance(meta, dict):
+        raise InputError(f"{path}: __metadata__ must be a string-to-string map, not {meta!r:.80}")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise InputError(
+                f"{path}: __metadata__ key {key!r}: must be a string, not {value!r:.80}"
+            )
 
 
 def _check_spans(path: str, spans: list[tuple[int, int, str]], data: int) -> None:
@@ -268,7 +281,7 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
     dtype, on its device), one tensor at a time; the model must have the folder's shape (up to
     the CONTEXT_KEYS) and real (not meta) parameters. A tensor-parallel model's process reads
     only its shards' slices of each tensor. Returns the inspection."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from trainer.parallel.tensor import local_tensor, place_of
 
@@ -294,7 +307,7 @@ def load_pretrained_weights(model: nn.Module, pretrained: str | Pretrained) -> P
             with safe_open(fpath, framework="pt", device="cpu") as f:
                 src = f.get_slice(hf)[part] if part else f.get_tensor(hf)
                 local.copy_(src)
-        except (OSError, RuntimeError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
             raise InputError(f"{fpath}: cannot read tensor {hf} ({exc})") from None
         _check_finite(local, src, f"{fpath}: tensor {hf}")
         del src
