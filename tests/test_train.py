@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from _train_worker import make_dataset, train_config, train_main
 from test_reference_trainer import reference_run
 
 from datapipe.errors import ConfigError
+from datapipe.fetch import Fetcher
 from trainer.config.job import from_dict
 from trainer.config.toml import apply_overrides, load_config, to_toml
 from trainer.data import held_out_mask
@@ -387,6 +389,24 @@ def test_compare_pass_leaves_training_unchanged(dataset, tmp_path, monkeypatch):
     rows = [json.loads(x)["compare"] for x in open(cpu["metrics"]) if '"compare"' in x]
     assert all(r["measured_s"] == r["measured_cpu_s"] for r in rows)
     assert "CPU time replayed" in open(cpu["balance_report"]).read()
+
+
+def test_a_slow_fetch_is_the_steps_data_wait(dataset, tmp_path, monkeypatch):
+    """A fetch sleeping 0.8 s, far longer than a step's compute: each step waits for it
+    (data_wait_s), and step_time_s, the step's wall time, counts that wait."""
+    torch.set_num_threads(1)
+    orig = Fetcher.fetch_step
+
+    def slow(self, mbs):
+        time.sleep(0.8)
+        return orig(self, mbs)
+
+    monkeypatch.setattr(Fetcher, "fetch_step", slow)
+    run = str(tmp_path / "slow")
+    out = run_training(train_config(dataset, run, parallel={"capacity": 1024}, train={"steps": 2}))
+    for r in [json.loads(x) for x in open(out["metrics"])]:
+        assert 0.3 < r["data_wait_s"] < r["step_time_s"], r
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-9)
 
 
 def test_widen_plans_with_the_static_mesh_context():
