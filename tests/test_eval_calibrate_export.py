@@ -212,9 +212,22 @@ def test_calibrate_nproc_limit_is_the_cores(monkeypatch) -> None:
 
 def test_export_context_flag_wins_over_the_declared_context() -> None:
     """--max-position-embeddings 4096 on a model declaring 1,024 exports 4,096; without the flag
-    the declared 1,024."""
+    the declared 1,024; declaring none, a single-dataset run's longest sample (a mixture run's,
+    or a dataset not here: the flag is asked for)."""
     from tools.cmd_export import _context
 
     shape = get_config("debug", max_position_embeddings=1024)
     assert _context(SimpleNamespace(max_position_embeddings=4096), shape, {}) == 4096
     assert _context(SimpleNamespace(max_position_embeddings=None), shape, {}) == 1024
+    # no declared context: a single-dataset run's longest sample, else the flag is asked for
+    import datapipe.index
+
+    bare, flag = get_config("debug"), SimpleNamespace(max_position_embeddings=None)
+    assert bare.max_position_embeddings is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datapipe.index, "read_lengths", lambda p: np.array([3, 9, 4]) if p else 1 / 0)
+        assert _context(flag, bare, {"data": {"path": "ds"}}) == 9
+        with pytest.raises(ConfigError, match=r"a mixture run's \(data.sources\) is not measured"):
+            _context(flag, bare, {"data": {"path": "", "sources": [{"path": "a"}]}})
+    with pytest.raises(ConfigError, match="the run's dataset is not here to measure"):
+        _context(flag, bare, {"data": {"path": "/no/such/dataset"}})

@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int_in(1, MAX_CONTEXT),
         default=None,
         help="the context config.json declares (default: model.max_position_embeddings, the "
-        "pretrained model's, or the dataset's longest sample; under dynamic RoPE scaling its "
-        "original context, where transformers starts stretching)",
+        "pretrained model's, or a single-dataset run's longest sample; under dynamic RoPE "
+        "scaling its original context, where transformers starts stretching)",
     )
     p.add_argument(
         "--shard-size",
@@ -110,6 +110,11 @@ def _context(args, shape, run: dict) -> int:
     if shape.max_position_embeddings:
         return int(shape.max_position_embeddings)
     data = run.get("data", {}).get("path")
+    if not data:
+        raise ConfigError(
+            "--max-position-embeddings: needed (the model declares no context, and a mixture "
+            "run's (data.sources) is not measured from its datasets)"
+        )
     try:
         from datapipe.index import read_lengths
 

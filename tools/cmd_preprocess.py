@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer-from",
         default=None,
         metavar="DIR",
-        help="a saved tokenizer folder (tokenizer.json; BOS/EOS from tokenizer_config.json)",
+        help="a saved tokenizer folder (tokenizer.json; BOS/EOS from special_tokens_map.json, else "
+        "tokenizer_config.json)",
     )
     p.add_argument(
         "--chat-template",
