@@ -361,6 +361,8 @@ def test_a_parquet_shard_of_another_schema_is_refused(copy, edit: str, want: str
         if want is None:  # pq.write_table names the list's item `element`
             assert "list<element: uint16>" in str(pq.read_schema(path))
             assert fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 0))).input_ids.size
+            no_sum = f"{path}: manifest.json records no xxh3_64 checksum for it"
+            assert verify_dataset(str(root)).problems == [no_sum]  # read, but flagged
             return
         with pytest.raises(InputError, match=re.escape(f"{path}: {want}")):
             fetcher.fetch(_whole(fetcher, _sample_in_shard(root, 0)))

@@ -219,3 +219,28 @@ def test_a_file_as_a_training_source_says_so(data, tmp_path) -> None:
     }
     with pytest.raises(ConfigError, match=r"data.sources\[1\].path: .* is a file, not a dataset"):
         from_dict(d).train_data(0, 1, ExitStack(), validation=False)
+
+
+def test_share_report_divides_a_thresholds_tokens_by_its_sources() -> None:
+    """Per source: its tokens, realised and target shares, and per length_boost threshold the
+    share of *its* tokens from samples whose stored length reaches it (a piece counts by its
+    sample); hand counts over one batch."""
+    import numpy as np
+
+    from datapipe.mix.config import SourceConfig
+    from datapipe.mix.report import share_report
+    from datapipe.mix.sources import LoadedSource
+    from datapipe.stream import GlobalBatch
+
+    a_cfg = SourceConfig(path="a", length_boost={"100": 2.0})
+    a = LoadedSource(a_cfg, "a", "a", None, {}, np.array([50, 150, 400]), "fa", "DIR[0]")
+    b = LoadedSource(SourceConfig(path="b"), "b", "b", None, {}, np.array([10, 20]), "fb", "DIR[1]")
+    units = np.array([[0, 0, 0], [0, 1, 0], [0, 2, 100], [1, 0, 0], [1, 1, 0]], np.int64)
+    lengths = np.array([50, 150, 100, 10, 20], np.int64)  # a: 300 tokens, b: 30
+    batch = GlobalBatch(0, 0, np.arange(5), lengths, units)
+    rows = share_report([a, b], [batch], [np.array([0.25, 0.75])])
+    assert [r["tokens"] for r in rows] == [300, 30]
+    assert rows[0]["realised_share"] == pytest.approx(300 / 330)
+    assert [r["target_share"] for r in rows] == pytest.approx([0.25, 0.75])
+    assert rows[0]["above"] == [{"threshold": 100, "realised_share": pytest.approx(250 / 300)}]
+    assert rows[1]["above"] == []

@@ -14,7 +14,7 @@ from datapipe.errors import ConfigError
 from datapipe.mix import stream as mix_stream
 from datapipe.mix.config import MAX_BOOST, MAX_WEIGHT, check_mixture
 from datapipe.mix.report import read_mixture
-from datapipe.mix.stream import MixSource, MixtureStream
+from datapipe.mix.stream import MixSource, MixtureStream, source_epoch_order
 from datapipe.settings import MAX_INT, Names, check, from_mapping
 from datapipe.stream import StreamConfig
 
@@ -75,6 +75,24 @@ def test_stage_weights_follow_the_same_rule_in_the_same_words() -> None:
              src, [{"start_step": 2, "weights": {"x": ABOVE_MAX_WEIGHT}}])  # fmt: skip
     _refused("data.stages[0].weights: every source has weight 0 in this stage",
              src, [{"start_step": 2, "weights": {"x": 0, "y": 0}}])  # fmt: skip
+    for bad, said in ((True, "bool True"), ("2", "str '2'"), (None, "NoneType None")):
+        _refused(f"data.stages[0].weights.x: expected a number, got {said}",
+                 src, [{"start_step": 2, "weights": {"x": bad}}])  # fmt: skip
+    _refused("data.stages[0].weights.x: must be finite, got nan",
+             src, [{"start_step": 2, "weights": {"x": math.nan}}])  # fmt: skip
+
+
+def test_a_stages_weights_are_shares_of_their_sum() -> None:
+    """The weights in force (a stage's over the sources' or the stage before's) as shares of
+    their sum: proportional weights are the same mixture."""
+    from datapipe.mix.config import SourceConfig, StageConfig, stage_at
+
+    srcs = [SourceConfig(path="x", weight=1.0), SourceConfig(path="y", weight=3.0)]
+    stages = [StageConfig(start_step=3, weights={"x": 6.0}), StageConfig(start_step=5, weights={})]
+    got = [stage_at(t, srcs, ["x", "y"], stages, 100).weights for t in (1, 3, 5)]
+    assert got == [(0.25, 0.75), (6 / 9, 3 / 9), (6 / 9, 3 / 9)]
+    twice = [SourceConfig(path="x", weight=2.0), SourceConfig(path="y", weight=6.0)]
+    assert stage_at(1, twice, ["x", "y"], [], 100).weights == got[0]
 
 
 def test_start_step_names_what_the_user_may_write() -> None:
@@ -170,3 +188,38 @@ def test_a_mix_file_refuses_unknown_keys_and_checks_its_stream_keys(tmp_path) ->
     top.write_text('sources = [{path = "x"}]\nseed = 3\nlokahead = 1\n')
     with pytest.raises(ConfigError, match=r"top.toml: lokahead: unknown key"):
         read_mixture([], str(top), DataConfig)
+
+
+def test_length_boost_keys_in_any_order_the_highest_reached_applies() -> None:
+    """`length_boost = {1_000 = 4.0, 100 = 2.0}` (thresholds written decreasing): a sample of at
+    least 1,000 tokens is drawn 4 times an epoch, one of 100..999 twice, a shorter one once."""
+    from datapipe.mix.config import SourceConfig
+    from datapipe.mix.sources import LoadedSource, mix_sources
+
+    cfg = SourceConfig(path="d", length_boost={"1_000": 4.0, "100": 2.0})
+    lengths = np.array([50, 99, 100, 999, 1000, 5000], np.int64)
+    src = mix_sources([LoadedSource(cfg, "d", "d", None, {}, lengths, "f", "data.path")])[0]
+    assert src.repeats().tolist() == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    order = source_epoch_order(src, 0, 0)
+    assert np.bincount(order, minlength=6).tolist() == [1, 1, 2, 2, 4, 4]
+
+
+def test_oversize_error_takes_a_unit_of_exactly_the_budget() -> None:
+    """`oversize = "error"` refuses only a unit longer than its stage's batch budget: a sample of
+    exactly the budget (or a stage's cut equal to its budget) fills a batch on its own."""
+    from datapipe.mix.config import SourceConfig, StageConfig
+
+    def stream(budget: int, stages: tuple = ()) -> MixtureStream:
+        src = MixSource("a", np.array([64, 10, 30, 100]), np.arange(3))  # sample 3 held out
+        cfg = StreamConfig(oversize="error")
+        return MixtureStream(cfg, [src], [SourceConfig(path="a")], list(stages), budget, names=DATA)
+
+    s = stream(64)
+    batches = [next(s).lengths.tolist() for _ in range(6)]
+    assert [64] in batches and all(sum(b) <= 64 for b in batches)
+    cut = StageConfig(start_step=2, max_sample_tokens=40, global_batch_tokens=40)
+    s = stream(64, (cut,))
+    next(s)  # step 1: the base budget
+    assert all(next(s).lengths.sum() <= 40 for _ in range(3))
+    with pytest.raises(ConfigError, match="global_batch_tokens: 63 is smaller than a 64-token"):
+        stream(63)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from datapipe.errors import ConfigError
 from datapipe.mix.config import SourceConfig, StageConfig
 from datapipe.mix.fill import ST_UNITS
 from datapipe.mix.stream import DataExhausted, MixSource, MixtureStream, source_epoch_order
@@ -351,3 +352,53 @@ def test_a_lowered_max_epochs_stops_a_source_at_the_resume_step(caplog) -> None:
     raised = _stream(replace(case, sources=[replace(small, max_epochs=passes + 2), big]))
     raised.load_state_dict(state)
     assert any((next(raised).units[:, 0] == 0).any() for _ in range(3))  # it keeps its share
+
+
+def test_a_resume_with_another_length_boost_is_refused() -> None:
+    """length_boost shapes the epoch in progress (its order, the cursor into it): a resume with
+    other thresholds, factors or none is refused naming the key; the same boosts resume."""
+    case = Case([Src("a", [5, 50, 500, 700], [0, 1, 2, 3], [(100, 2.0)])], [], 100, 0, 4, 1)
+    s = _stream(case)
+    next(s)
+    state = json.loads(json.dumps(s.state_dict()))
+    for boosts in ([(100, 3.0)], [(10, 2.0)], []):
+        other = replace(case, sources=[replace(case.sources[0], boosts=boosts)])
+        with pytest.raises(ConfigError, match=r"length_boost: \[\[100, 2\.0\]\] was saved"):
+            _stream(other).load_state_dict(state)
+    _stream(case).load_state_dict(state)
+
+
+def test_check_supply_counts_from_the_resumed_state() -> None:
+    """A run on an endless source resumes at step 3 with the weight on a one-pass source of 10
+    samples of 10 tokens (2 a step at 20 tokens): from the resume it lasts 5 steps, so steps
+    4..8 are formed and step 9 is not (counted from the state, not from step 1)."""
+    endless = Src("c", [10] * 50, list(range(50)), [], 0, 1.0)
+    once = Src("a", [10] * 10, list(range(10)), [], 1, 0.0)
+    s = _stream(Case([endless, once], [], 20, 0, 4, 1))
+    for _ in range(3):
+        next(s)
+    later = [replace(endless, weight=0.0), replace(once, weight=1.0)]
+    r = _stream(Case(later, [], 20, 0, 4, 1))
+    r.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    r.check_supply(8)
+    with pytest.raises(DataExhausted, match="at step 9:"):
+        r.check_supply(9)
+    got = [next(r) for _ in range(5)]
+    assert [b.units[:, 0].tolist() for b in got] == [[1, 1]] * 5
+    with pytest.raises(DataExhausted, match="at step 9:"):
+        next(r)
+
+
+def test_tokens_above_counts_pieces_by_their_samples_stored_length() -> None:
+    """Under max_sample_tokens a long sample trains as pieces shorter than a boost's threshold:
+    tokens_above counts a piece by its sample's stored length (a hand count per batch)."""
+    lengths = [300, 40, 250, 90, 500]
+    case = Case([Src("a", lengths, list(range(5)), [(200, 1.0)])], [Stg(1, {}, 64)], 128, 0, 4, 1)
+    s, seen = _stream(case), 0
+    for _ in range(8):
+        b = next(s)
+        assert int(b.lengths.max()) <= 64
+        want = sum(int(n) for (_, i, _), n in zip(b.units, b.lengths) if lengths[i] >= 200)
+        assert s.tokens_above(b) == {"a": {200: want}}
+        seen += want
+    assert seen > 0

@@ -246,3 +246,18 @@ def test_index_refuses_what_training_would_not_read(tmp_path: Path) -> None:
     with FetchConfig().build(str(root)) as fetcher, pytest.raises(InputError) as exc:
         fetcher.fetch(np.array([[1, 0, 4]], np.int64))
     assert "shard.00000.mds: sample 1, token 2 has id -3, outside the vocabulary" in str(exc.value)
+
+
+def test_verify_flags_a_token_id_equal_to_the_vocabulary_size(tmp_path: Path) -> None:
+    """Ids run from 0 to vocab_size - 1: an MDS dataset whose largest id is 7 verifies with
+    vocab_size 8 and is refused with 7, naming the row holding the 7."""
+    from datapipe.verify import verify_dataset
+
+    root = tmp_path / "d"
+    _write_mds(root, [np.array([5, 3, 7], np.int32), np.array([1, 2, 3, 4], np.int32)])
+    index_mds(str(root))
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["vocab_size"] == 8 and verify_dataset(str(root)).ok
+    (root / "manifest.json").write_text(json.dumps({**m, "vocab_size": 7}))
+    problems = verify_dataset(str(root)).problems
+    assert len(problems) == 1 and "row 0 holds token id 7, outside the vocabulary" in problems[0]

@@ -399,3 +399,27 @@ def test_mark_trained_marks_each_rows_spans_within_that_row(rows):
             for t in range(s, min(e, lens[r])):
                 want[int(row_off[r]) + t] = 1
     assert trained.tolist() == want
+
+
+def test_whole_sample_pieces_map_to_their_source_at_every_boundary() -> None:
+    """[P, 3] pieces in global ids (held-out sets) become [P, 7] unit pieces: global id g is
+    sample g - offset of the source whose range holds it, the first and last of each included
+    (a hand-written table)."""
+
+    class Stub:
+        def __init__(self, lengths: list[int]) -> None:
+            self.lengths = np.array(lengths, np.int64)
+            self.index = self.config = None
+
+    mix = MixtureFetcher([Stub([3, 5]), Stub([7]), Stub([2, 4, 6])])  # type: ignore[list-item]
+    pieces = np.array([[g, 0, 1] for g in range(6)], np.int64)
+    got = mix.to_units(pieces)
+    want = [  # (g, a, b, source, sample, start, length)
+        [0, 0, 1, 0, 0, 0, 3],
+        [1, 0, 1, 0, 1, 0, 5],
+        [2, 0, 1, 1, 0, 0, 7],
+        [3, 0, 1, 2, 0, 0, 2],
+        [4, 0, 1, 2, 1, 0, 4],
+        [5, 0, 1, 2, 2, 0, 6],
+    ]
+    assert got.tolist() == want
