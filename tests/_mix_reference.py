@@ -271,5 +271,8 @@ class Reference:
         for s, src in enumerate(sources):
             m = src.max_epochs
             self.out[s] = (was_out[s] and not self.may_refill(s)) or (m > 0 and self.epoch[s] >= m)
-        if self.stage_at(self.t + 1) != self.segment or self.out != was_out:
+        now, seg = self.stage_at(self.t + 1), self.segment
+        same = seg is not None and now[::2] == seg[::2] and now[3] == seg[3]
+        same = same and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(now[1], seg[1]))
+        if not same or self.out != was_out:  # weights scaled by one factor: the same mixture
             self.segment = None

@@ -402,3 +402,21 @@ def test_tokens_above_counts_pieces_by_their_samples_stored_length() -> None:
         assert s.tokens_above(b) == {"a": {200: want}}
         seen += want
     assert seen > 0
+
+
+def test_weights_scaled_by_one_factor_on_resume_are_the_same_mixture() -> None:
+    """Every weight times 7 at a resume: the shares differ in their last bits only, and the run
+    continues the uninterrupted run's batches (its segment is not restarted)."""
+    rng = np.random.default_rng(2)
+    src = [Src("a", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.7),
+           Src("b", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.2)]  # fmt: skip
+    case = Case(src, [], 300, 0, 4, 1)
+    scaled = replace(case, sources=[replace(s, weight=s.weight * 7) for s in src])
+    assert 0.7 / (0.7 + 0.2) != 0.7 * 7 / (0.7 * 7 + 0.2 * 7)  # not bit for bit the same
+    whole, s = _stream(case), _stream(case)
+    want = [_rows(next(whole)) for _ in range(STEPS)]
+    for k in range(1, STEPS - 1):
+        next(s)
+        r = _stream(scaled)
+        r.load_state_dict(json.loads(json.dumps(s.state_dict())))
+        assert [_rows(next(r)) for _ in range(k, STEPS)] == want[k:], k

@@ -11,6 +11,8 @@ one-source mixture from the dataset's next epoch.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -160,14 +162,11 @@ def load_state(m: MixtureStream, state: dict[str, Any]) -> None:
     _apply_max_epochs(m, state)
     seg = state["segment"]
     stage = m.stage_at(m.step + 1)
-    same = seg is not None and (
-        list(stage.weights),
-        stage.max_sample_tokens,
-        stage.global_batch_tokens,
-    ) == (
-        [float(x) for x in seg["stage_weights"]],
-        seg["max_sample_tokens"],
-        seg["global_batch_tokens"],
+    same = (
+        seg is not None
+        and _same_shares(stage.weights, [float(x) for x in seg["stage_weights"]])
+        and (stage.max_sample_tokens, stage.global_batch_tokens)
+        == (seg["max_sample_tokens"], seg["global_batch_tokens"])
     )
     if (
         same
@@ -179,6 +178,12 @@ def load_state(m: MixtureStream, state: dict[str, Any]) -> None:
         m.st[ST_TOTAL] = int(seg["total"])
     else:  # the stages (or a source's max_epochs) changed: a segment starts here
         m.stage = None
+
+
+def _same_shares(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two normalised weight lists are the same mixture: equal up to the last bits
+    that dividing by another sum leaves (weights scaled by one factor on a resume)."""
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-12) for x, y in zip(a, b))
 
 
 def _apply_max_epochs(m: MixtureStream, state: dict[str, Any]) -> None:
