@@ -414,3 +414,16 @@ def test_row_counts_of_manifest_index_and_shards_must_agree() -> None:
     for claimed in (4, 6):
         with pytest.raises(InputError, match=f"num_rows is {claimed}, the shards hold 5 rows"):
             check_manifest({**manifest(3, 2), "num_rows": claimed}, "manifest.json")
+
+
+def test_a_file_of_exactly_the_limit_is_read(tmp_path: Path) -> None:
+    """ "At most `limit` bytes": a file of exactly the limit is read whole, one byte more is
+    refused (sizes from the bytes written here)."""
+    from datapipe.files import read_bounded_bytes
+
+    data = b"k = 1\n" * 100
+    (tmp_path / "exact.toml").write_bytes(data)
+    assert read_bounded_bytes(tmp_path / "exact.toml", len(data), "the config") == data
+    (tmp_path / "over.toml").write_bytes(data + b"\n")
+    with pytest.raises(InputError, match=f"is {len(data) + 1:,} bytes, over the {len(data):,}-"):
+        read_bounded_bytes(tmp_path / "over.toml", len(data), "the config")

@@ -54,7 +54,7 @@ def page(tmp_path_factory) -> dict:
     assert cli_main(args) == 0
     dump = json.loads((tmp / "dump.json").read_text())
     lengths = pq.read_table(tmp / DS / "index.parquet").column("num_tokens").to_pylist()
-    return {"tmp": tmp, "html": tmp / "plan.html", "dump": dump, "lengths": lengths}
+    return {"tmp": tmp, "html": tmp / "plan.html", "dump": dump, "lengths": lengths, "args": args}
 
 
 POLICIES = ["static", "naive-hdp+offload", "hdp+offload", "hdp+offload+widen"]
@@ -216,3 +216,59 @@ def test_screenshot(page: dict) -> None:
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
     assert (width, height) == (1280, 1500)
     assert len(data) > 20_000, "a drawn page, not a blank window"
+
+
+def _page_data(page: dict) -> dict:
+    text = page["html"].read_text()
+    return json.loads(text.split('id="plan-data">')[1].split("</script>")[0])
+
+
+def test_page_speedups_over_static(page: dict) -> None:
+    """The speedup over static is static's mean step time over the policy's (from the dump)."""
+    data = _page_data(page)
+
+    def mean_step(i: int) -> float:
+        return sum(_dump_step(page, i, s)["est_step_time_s"] for s in range(STEPS)) / STEPS
+
+    want = [[p, mean_step(0) / mean_step(i)] for i, p in enumerate(POLICIES) if p.startswith("hdp")]
+    assert [p for p, _ in data["speedups"]] == [p for p, _ in want]
+    for (_, got), (_, ref) in zip(data["speedups"], want):
+        assert got == pytest.approx(ref, rel=1e-9)
+
+
+@needs_chromium
+def test_idle_labels_are_the_time_a_rank_is_not_busy(page: dict) -> None:
+    """Each rank's "idle N%" label: 100 * (1 - its micro-batches' durations / makespan), from the
+    page's own timeline data, summed here per rank."""
+    data = _page_data(page)
+    dom = _dom(page, "#step=1")
+    svgs = dom.find("svg", "timeline")
+    for tl, svg in zip(data["steps"][1]["plans"], svgs):
+        busy = [0.0] * tl["drawn_ranks"]
+        for m, dur in enumerate(tl["dur"]):
+            lo, hi = tl["group_offsets"][m], tl["group_offsets"][m + 1]
+            for r in tl["group_ranks"][lo:hi]:
+                busy[r] += dur
+        want = [f"idle {100 * max(1 - b / tl['makespan'], 0):.0f}%" for b in busy]
+        assert [e["text"] for e in dom.find("text", "idle-label", inside=svg)] == want
+
+
+def test_timings_and_byte_sizes_as_shown() -> None:
+    """Planning times: mean, min and max of the timed steps; comm bytes in SI units."""
+    from tools.report import _fmt_bytes
+    from tools.report_html import Timings
+
+    got = Timings(7.5, [3.0, 9.0, 2.0, 4.0]).to_dict()
+    assert got == {"warmup_ms": 7.5, "mean_ms": 4.5, "min_ms": 2.0, "max_ms": 9.0, "steps": 4}
+    sizes = {0: "0 B", 999: "999 B", 1000: "1.0 KB", 1010: "1.0 KB", 1500: "1.5 KB",
+             2_500_000: "2.5 MB", 3e12: "3.0 TB", 4e18: "4000.0 PB"}  # fmt: skip
+    assert {b: _fmt_bytes(b) for b in sizes} == sizes
+
+
+def test_json_tokens_per_step_is_the_planned_steps_mean(page: dict, capsys) -> None:
+    """`--json`'s tokens_per_step: the mean over the planned steps of their tokens, summed here
+    from the dump's samples of the same run."""
+    assert cli_main([*page["args"][:-4], "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    steps = [_dump_step(page, 0, s)["samples"] for s in range(STEPS)]
+    assert out["tokens_per_step"] == sum(n for step in steps for _, n in step) / STEPS

@@ -228,3 +228,19 @@ def test_train_two_ranks_log_ranks_all(inputs: dict) -> None:
     assert not any(x.startswith("[rank 1/2] metrics:") for x in out)
     recs = [json.loads(x) for x in open(Path(inputs["tmp"]) / "run" / "metrics.jsonl")]
     assert [r["step"] for r in recs] == [1, 2, 3]
+
+
+def test_input_sizes_of_a_folder_count_its_subfolders(tmp_path: Path) -> None:
+    """A folder input (a saved DatasetDict keeps its splits in subfolders) weighs every file
+    under it, counted here from the bytes written; a missing input weighs 0."""
+    from datapipe.progress import input_sizes
+
+    ds = tmp_path / "saved"
+    for rel, n in (("dataset_dict.json", 30), ("train/data-00000.arrow", 5000),
+                   ("train/state.json", 70), ("test/data-00000.arrow", 900)):  # fmt: skip
+        (ds / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ds / rel).write_bytes(b"x" * n)
+    (tmp_path / "a.jsonl").write_bytes(b"y" * 123)
+    got = input_sizes([ds, tmp_path / "a.jsonl", tmp_path / "gone.jsonl"])
+    want = {str(ds): 6000, str(tmp_path / "a.jsonl"): 123, str(tmp_path / "gone.jsonl"): 0}
+    assert got == want

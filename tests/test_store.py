@@ -435,3 +435,30 @@ def _source(path: str, weight: float, name: str):
     from datapipe.mix.config import SourceConfig
 
     return SourceConfig(path=path, weight=weight, name=name)
+
+
+def test_store_retries_default_count_and_backoff(monkeypatch) -> None:
+    """An unreachable store: 5 attempts by default (MIXLEN_STORE_RETRIES unset), the waits
+    between them doubling from 0.5 s and capped at 8 s (hand-written lists)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from datapipe.store import with_retries
+
+    naps: list[float] = []
+    calls: list[int] = []
+    monkeypatch.setattr("datapipe.store.time.sleep", naps.append)
+
+    def down() -> None:
+        calls.append(1)
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    for env, attempts, waits in ((None, 5, [0.5, 1, 2, 4]), ("8", 8, [0.5, 1, 2, 4, 8, 8, 8])):
+        if env is None:
+            monkeypatch.delenv("MIXLEN_STORE_RETRIES", raising=False)
+        else:
+            monkeypatch.setenv("MIXLEN_STORE_RETRIES", env)
+        naps.clear()
+        calls.clear()
+        with pytest.raises(StoreError, match=rf"cannot reach .*\(after {attempts} attempts\)$"):
+            with_retries("s3://b/ds/manifest.json", "read", down)
+        assert len(calls) == attempts and naps == waits

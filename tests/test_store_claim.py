@@ -308,3 +308,35 @@ def test_a_claim_taken_over_while_it_is_released_is_left(s3, store) -> None:
         assert _manifest(s3, prefix + CLAIM_FILE)["id"] == "next"
     else:
         assert _keys(s3, prefix) == []
+
+
+def test_only_this_prefixs_killed_uploads_are_aborted(s3, corpus, monkeypatch) -> None:
+    """Aborted: the unfinished multipart uploads under the prefix, not those of a sibling prefix
+    that shares the name's start (the store's own listing). An upload aborts only those begun
+    before it started (moto's Initiated is a fixed date, so the time it passes is checked
+    against clocks read here); its staging copy is this user's only (0700)."""
+    from datapipe.ingest import upload
+    from datapipe.store import abort_multipart_uploads
+
+    client, bucket = s3["client"], s3["bucket"]
+    for key in ("sib/ds/shard.00000.mds", "sib/ds2/shard.00000.mds"):
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    n = abort_multipart_uploads(f"s3://{bucket}/sib/ds", print, time.time() + 60)
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix="sib/").get("Uploads", [])
+    assert n == 1 and [u["Key"] for u in left] == ["sib/ds2/shard.00000.mds"]
+    seen: dict = {}
+
+    def tokenize(local_cfg, warn):
+        seen["mode"] = os.stat(os.path.dirname(local_cfg.out)).st_mode & 0o777
+        seen["tokenizing"] = time.time()
+        return preprocess(local_cfg, warn)
+
+    def spy(uri, warn, before):
+        seen["before"] = before
+        return abort_multipart_uploads(uri, warn, before)
+
+    monkeypatch.setattr(upload, "abort_multipart_uploads", spy)
+    cfg = PreprocessConfig(corpus["inputs"], f"s3://{bucket}/late/ds", progress=False)
+    called = time.time()
+    preprocess_to_store(cfg, tokenize, print)
+    assert called <= seen["before"] <= seen["tokenizing"] and seen["mode"] == 0o700
