@@ -14,27 +14,41 @@ KEY, SECRET = "mixlen-test-key", "mixlen-test-secret"
 
 class Server:
     """moto's S3 server in a thread of this process; its buckets and objects live in this
-    process, so they survive a stop/start on the same port."""
+    process, so they survive a stop/start on the same port. Starting waits at most
+    START_TIMEOUT_S (moto's own start waits forever when its thread cannot bind the port), and
+    starting a running server does nothing (a test's cleanup may restart one it never
+    stopped)."""
+
+    START_TIMEOUT_S = 30.0
 
     def __init__(self) -> None:
-        from moto import server as moto_server
-
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self._srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._srv.start()
+        self.running = False
+        self._start(0)
         self.host, self.port = self._srv.get_host_and_port()
         self.url = f"http://{self.host}:{self.port}"
 
-    def stop(self) -> None:
-        self._srv.stop()
+    def _start(self, port: int) -> None:
+        import threading
 
-    def start(self) -> None:
         from moto import server as moto_server
 
-        self._srv = moto_server.ThreadedMotoServer(
-            ip_address="127.0.0.1", port=self.port, verbose=False
-        )
-        self._srv.start()
+        self._srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        starting = threading.Thread(target=self._srv.start, daemon=True)
+        starting.start()
+        starting.join(self.START_TIMEOUT_S)
+        if starting.is_alive():
+            raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}")
+        self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self._srv.stop()
+            self.running = False
+
+    def start(self) -> None:
+        if not self.running:
+            self._start(self.port)
 
 
 def s3_env(server: Server, monkeypatch, tmp_path) -> dict:

@@ -106,6 +106,13 @@ def test_upload_manifest_last_then_stream_and_fetch(s3, corpus, tmp_path, monkey
         preprocess(PreprocessConfig(corpus["inputs"], uri, overwrite=True, progress=False))
 
 
+def _output(proc: subprocess.Popen) -> tuple[bytes, bytes]:
+    """A launched command's output, the command (and its group) killed first if still running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
+
+
 @pytest.mark.timeout(120)
 def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path) -> None:
     """SIGTERM while the dataset is being uploaded (the store down, the upload retrying): exit
@@ -124,12 +131,12 @@ def test_an_upload_stopped_or_killed_leaves_no_staging_copy(s3, corpus, tmp_path
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():  # the bucket checked, one shard written
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, _output(proc)
             time.sleep(0.05)
         s3["server"].stop()
         marker.unlink()
         while not list(staging.glob("*/dataset/manifest.json")):  # staged: the upload is on
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, _output(proc)
             time.sleep(0.05)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
