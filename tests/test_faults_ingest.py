@@ -301,3 +301,29 @@ def test_bad_json_records_are_counted_not_raised(tmp_path: Path) -> None:
     assert [w.split(": ", 1)[0] for w in warnings] == [f"skipped {path}:{i}" for i in (1, 2, 3)]
     with pytest.raises(MixlenError, match=f"{path}:1: invalid JSON: nested too deeply"):
         preprocess(PreprocessConfig([str(path)], str(tmp_path / "o2"), strict=True, progress=False))
+
+
+def test_overwrite_keeps_the_old_output_until_the_new_one_is_in_place(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`--overwrite` moves the old output aside, renames the new one into place and only then
+    deletes the old one: a run stopped between the two renames leaves the old dataset (moved
+    aside, for the next run to put back), never no dataset at all."""
+    from datapipe.ingest import output
+
+    out, new = tmp_path / "out", tmp_path / ".out.partial-1"
+    for d, text in ((out, "old"), (new, "new")):
+        d.mkdir()
+        (d / "manifest.json").write_text(text)
+    real_rename = os.rename
+
+    def rename(src, dst) -> None:
+        if Path(src) == new:
+            raise KeyboardInterrupt  # SIGTERM, as SigtermAsInterrupt raises it
+        real_rename(src, dst)
+
+    monkeypatch.setattr(output.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        output.commit(new, out, str(out), overwrite=True)
+    kept = {p.parent.name: p.read_text() for p in tmp_path.rglob("manifest.json")}
+    assert kept == {f".out.old-{os.getpid()}": "old", new.name: "new"}

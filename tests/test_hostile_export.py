@@ -123,11 +123,12 @@ def test_export_refuses_the_runs_pretrained_folder_as_output(from_pretrained, ca
     assert tree_digest(hf) == before
 
 
-def test_export_island_beyond_the_runs_islands(run, capsys) -> None:
+@pytest.mark.parametrize("island", [3, 1])  # 1: one past the last (islands count from 0)
+def test_export_island_beyond_the_runs_islands(run, capsys, island) -> None:
     """`export --island 3` on a run without islands exported island 0's weights without a word."""
-    err = cli_error(["export", str(run / "ckpt"), "--hf", str(run / "out"), "--island", "3"],
-                    capsys)  # fmt: skip
-    assert "--island 3: the run had 1 island (parallel.islands = 1)" in err, err
+    err = cli_error(["export", str(run / "ckpt"), "--hf", str(run / "out"), "--island",
+                     str(island)], capsys)  # fmt: skip
+    assert f"--island {island}: the run had 1 island (parallel.islands = 1)" in err, err
     assert not (run / "out").exists()
 
 

@@ -14,7 +14,7 @@ from trainer.attention.ring import RingAttention, ZigzagLayout
 from trainer.model.transformer import build as build_model
 from trainer.model.transformer import get_config
 from trainer.offload.config import OffloadConfig
-from trainer.offload.host_store import HostPool
+from trainer.offload.host_store import HostPool, size_class
 from trainer.offload.manager import ActivationPolicy
 from trainer.testing.threads import run_threads
 
@@ -349,6 +349,24 @@ def test_host_pool_is_bounded_and_reused():
         pool.give(b)
     pool.trim()
     assert pool.pooled_bytes == 0
+
+
+def test_host_pool_size_classes_and_reuse_of_larger_idle_buffers():
+    """A request gets the smallest power of two that holds it (at least 4,096 bytes: an exact
+    power of two is its own class), and an idle buffer up to 4 times larger serves it."""
+    for nbytes, want in [(1, 4096), (4096, 4096), (4097, 8192), (8192, 8192), (3 << 13, 32768)]:
+        assert size_class(nbytes) == want, nbytes
+        pool = HostPool(max_bytes=1 << 20)
+        assert pool.take(nbytes).data.numel() == want and pool.pooled_bytes == want
+    pool = HostPool(max_bytes=1 << 20)
+    for big, reused in [(4 * 4096, True), (8 * 4096, False)]:
+        pool.give(pool.take(big))
+        before = pool.allocations
+        buf = pool.take(4096)
+        assert (pool.allocations == before) is reused, big
+        assert buf.data.numel() == (big if reused else 4096)
+        pool.give(buf)
+        pool.trim()
 
 
 # --- a ring micro-batch over 4 fake ranks ---------------------------------------------------------

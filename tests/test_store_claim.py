@@ -340,3 +340,20 @@ def test_only_this_prefixs_killed_uploads_are_aborted(s3, corpus, monkeypatch) -
     called = time.time()
     preprocess_to_store(cfg, tokenize, print)
     assert called <= seen["before"] <= seen["tokenizing"] and seen["mode"] == 0o700
+
+
+def test_a_claim_is_dead_only_when_its_process_is_gone_or_it_went_unrenewed() -> None:
+    """A live job renews every RENEW_S seconds; one renewal late (or several missed) is not a
+    dead job: only STALE_S seconds without a renewal, or its process gone on this host, is."""
+    from datapipe.ingest import claim as claim_mod
+
+    renew, stale = claim_mod.RENEW_S, claim_mod.STALE_S
+    assert renew < stale
+    elsewhere = {"host": "another-host", "pid": 1}
+    for age in (0.0, renew + 1, 2 * renew, stale - 1):
+        assert claim_mod._dead(elsewhere, age) is None, age
+    assert claim_mod._dead(elsewhere, stale + 1) == f"not renewed for {stale + 1:.0f} s"
+    here = {"host": host_tag(), "pid": os.getpid()}
+    assert claim_mod._dead(here, 2 * renew) is None  # this process: alive
+    gone = {"host": host_tag(), "pid": _dead_pid()}
+    assert claim_mod._dead(gone, 0.0) == "its process is gone"
