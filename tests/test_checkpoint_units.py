@@ -117,3 +117,28 @@ def test_each_rank_restores_its_own_generators(tmp_path) -> None:
         run = load_checkpoint(str(d), state, None, comm, torch.device("cpu"))
         assert run["step"] == 1 and torch.equal(state.t, torch.arange(3.0))
         assert torch.equal(torch.rand(4), expect), rank
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"format": 1},  # another layout's table
+        {"format": None},
+        {"files": {"..": {"bytes": 1, "xxh3_64": "00"}}},  # a name outside the step
+        {"files": {"a/b": {"bytes": 1, "xxh3_64": "00"}}},
+        {"files": {"run.json": {"bytes": "1", "xxh3_64": "00"}}},
+    ],
+)
+def test_a_checksums_table_of_another_format_or_naming_outside_files_is_refused(
+    tmp_path, edit
+) -> None:
+    """checksums.json (written here by hand, as write_checksums lays it out) is read only when
+    it has this format and names files of the step itself."""
+    from trainer.checkpoint.files import CHECKPOINT_FORMAT, CHECKSUMS_FILE, read_checksums
+
+    good = {"format": CHECKPOINT_FORMAT, "files": {"run.json": {"bytes": 2, "xxh3_64": "ab"}}}
+    (tmp_path / CHECKSUMS_FILE).write_text(json.dumps(good))
+    assert read_checksums(str(tmp_path)) == good["files"]
+    (tmp_path / CHECKSUMS_FILE).write_text(json.dumps({**good, **edit}))
+    with pytest.raises(ValueError, match=r"checksums.json (is malformed|lists)"):
+        read_checksums(str(tmp_path))

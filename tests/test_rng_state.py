@@ -30,3 +30,17 @@ def test_every_generator_is_restored() -> None:
     restore_rng(state)
     got = draws()
     assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2:] == want[2:]
+
+
+def test_seed_all_seeds_each_generator_as_its_own_seed_call_would() -> None:
+    """seed_all(s) draws what torch.manual_seed(s), numpy's seed(s mod 2^32) and random.seed(s)
+    draw, for seeds past 2^31 and 2^32 too (no two seeds below 2^32 share numpy's stream)."""
+    for seed in (0, 7, 2**31 + 5, 2**32 - 1, 2**40 + 3):
+        seed_all(seed)
+        got = draws()
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        want = draws()
+        for a, b in zip(got, want):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), seed

@@ -55,3 +55,12 @@ def test_pack_sum_unpack_round_trip(ranks: list[dict]) -> None:
         kind = int if name in INTS else float
         assert all(type(v) is kind for v in values), name
     assert got == StepStats(want_loss, **{n: [m[n] for m in ranks] for n in RANK_FIELDS})
+
+
+def test_hidden_fraction_is_the_span_not_waited_on() -> None:
+    """1 - wait / span: 0.25 s waited of a 1 s span is 75% hidden; no span, nothing hidden."""
+    from trainer.parallel.stats import ReduceStats
+
+    assert ReduceStats(3, 2, 0.25, 100, span_s=1.0).hidden_fraction == 0.75
+    assert ReduceStats(3, 2, 1.0, 100, span_s=1.0).hidden_fraction == 0.0
+    assert ReduceStats(1, 0, 0.0, 100).hidden_fraction == 0.0
