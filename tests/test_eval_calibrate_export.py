@@ -229,5 +229,6 @@ def test_export_context_flag_wins_over_the_declared_context() -> None:
         assert _context(flag, bare, {"data": {"path": "ds"}}) == 9
         with pytest.raises(ConfigError, match=r"a mixture run's \(data.sources\) is not measured"):
             _context(flag, bare, {"data": {"path": "", "sources": [{"path": "a"}]}})
-    with pytest.raises(ConfigError, match="the run's dataset is not here to measure"):
-        _context(flag, bare, {"data": {"path": "/no/such/dataset"}})
+    for data in ({"path": "/no/such/dataset"}, {"path": ""}, {}):
+        with pytest.raises(ConfigError, match="the run's dataset is not here to measure"):
+            _context(flag, bare, {"data": data})

@@ -110,7 +110,7 @@ def _context(args, shape, run: dict) -> int:
     if shape.max_position_embeddings:
         return int(shape.max_position_embeddings)
     data = run.get("data", {}).get("path")
-    if not data:
+    if not data and run.get("data", {}).get("sources"):
         raise ConfigError(
             "--max-position-embeddings: needed (the model declares no context, and a mixture "
             "run's (data.sources) is not measured from its datasets)"
