@@ -420,3 +420,23 @@ def test_weights_scaled_by_one_factor_on_resume_are_the_same_mixture() -> None:
         r = _stream(scaled)
         r.load_state_dict(json.loads(json.dumps(s.state_dict())))
         assert [_rows(next(r)) for _ in range(k, STEPS)] == want[k:], k
+
+
+def test_a_weight_changed_by_one_part_in_a_million_is_another_mixture() -> None:
+    """Not only scaling: one weight moved by a relative 1e-6 at a resume starts a segment, as
+    the reference does for any other weights (its batches from the resume step)."""
+    rng = np.random.default_rng(2)
+    src = [Src("a", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.7),
+           Src("b", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.2)]  # fmt: skip
+    case = Case(src, [], 300, 0, 4, 1)
+    nudged = [replace(src[0], weight=0.7 * (1 + 1e-6)), src[1]]
+    for k in range(1, STEPS - 1):
+        ref, s = _reference(case), _stream(case)
+        for _ in range(k):
+            ref.step()
+            next(s)
+        ref.resume_with(copy.deepcopy(nudged), [], case.budget)
+        r = _stream(replace(case, sources=nudged))
+        r.load_state_dict(json.loads(json.dumps(s.state_dict())))
+        for t in range(k, STEPS):
+            assert _rows(next(r)) == ref.step()[0], (k, t)
