@@ -171,41 +171,45 @@ def test_a_tied_model_may_store_its_head(tmp_path):
     assert torch.equal(model.tok_embeddings.weight.detach(), tensors["model.embed_tokens.weight"])
 
 
-def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
-    """A header entry declaring 16 bytes more than its shape and dtype hold (the file padded, so
-    the ranges still tile the data section) is refused at inspection, naming the tensor, before
-    any rank loads it."""
+def _rewrite_header(file: str, edit, tail: bytes = b"") -> None:
+    """Rewrite a safetensors file's JSON header through `edit` (in place), padded to 8 bytes;
+    the data section kept, `tail` appended to it."""
     import struct
 
-    path = copy_of(llama, tmp_path / "p")
-    file = os.path.join(path, "model.safetensors")
     with open(file, "rb") as f:
         raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
-    header[last]["data_offsets"][1] += 16
+    edit(header)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :] + bytes(16))
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :] + tail)
+
+
+def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
+    """A header entry declaring 16 bytes more than its shape and dtype hold (the file padded, so
+    the ranges still tile the data section) is refused at inspection, naming the tensor, before
+    any rank loads it."""
+    path = copy_of(llama, tmp_path / "p")
+    names: list[str] = []
+
+    def longer(header: dict) -> None:
+        last = max(
+            (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]
+        )
+        header[last]["data_offsets"][1] += 16
+        names.append(last)
+
+    _rewrite_header(os.path.join(path, "model.safetensors"), longer, bytes(16))
+    (last,) = names
     with pytest.raises(InputError, match=rf"model.safetensors: tensor {last}: bad header entry"):
         inspect_pretrained(path)
 
 
 def _with_metadata(file: str, meta: object) -> None:
     """Rewrite a safetensors file's header with `meta` as its __metadata__ (data unchanged)."""
-    import struct
-
-    with open(file, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    header["__metadata__"] = meta
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    _rewrite_header(file, lambda header: header.update({"__metadata__": meta}))
 
 
 @pytest.mark.parametrize("meta", [{"format": 1}, ["pt"], {"format": None}, "pt", {"a": {}}])
