@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -191,6 +192,32 @@ def import_downloader() -> None:
     from streaming.base.storage import CloudDownloader  # noqa: F401
 
 
+# this thread's downloaders: (scheme, bucket, timeout) -> ((pid, environment), downloader)
+_held = threading.local()
+
+
+def _download_file(remote_file: str, local_file: str, timeout: float) -> None:
+    """One file through this thread's mosaicml-streaming downloader for the URI's scheme and
+    bucket, kept from file to file: the library's own `direct_download` makes an SDK client for
+    each file (a boto3 client is ~0.1-0.3 s of CPU, with the GIL held). It is made again in a
+    forked process, when the timeout or the environment (endpoint, credentials) changed, and
+    after any failure."""
+    from streaming.base.storage import CloudDownloader  # lazy: only remote datasets need it
+
+    cache: dict = _held.__dict__.setdefault("downloaders", {})
+    parsed = urllib.parse.urlparse(remote_file)
+    key = (parsed.scheme, parsed.netloc, timeout)
+    stamp = (os.getpid(), frozenset(os.environ.items()))
+    held = cache.get(key)
+    if held is None or held[0] != stamp:
+        held = cache[key] = (stamp, CloudDownloader.get(remote_file))
+    try:
+        held[1].download(remote_file, local_file, timeout)
+    except BaseException:
+        cache.pop(key, None)  # the next try starts from a new client
+        raise
+
+
 def download(
     remote_file: str,
     local_file: str,
@@ -202,8 +229,6 @@ def download(
     unless `replace`), through `local_file` + PART_TAG + HOST-PID-*, renamed into place in one
     step: other processes never find `local_file` missing or partial, and a download killed
     part-way leaves a file named by its process, which `remove_dead_parts` removes."""
-    from streaming.base.storage import CloudDownloader  # lazy: only remote datasets need it
-
     if os.path.exists(local_file) and not replace:
         return
     # a name of this download's own: ranks (and threads) that fetch one file at once never
@@ -213,7 +238,7 @@ def download(
         with_retries(
             remote_file,
             "read",
-            lambda: CloudDownloader.direct_download(remote_file, part, timeout),
+            lambda: _download_file(remote_file, part, timeout),
             attempts,
         )
         os.replace(part, local_file)
