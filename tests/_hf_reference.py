@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -104,6 +104,23 @@ def save(model: torch.nn.Module, path: str, dtype: torch.dtype | None = None, **
     m = model if dtype is None else copy.deepcopy(model).to(dtype)
     m.save_pretrained(path, **kw)
     return path
+
+
+def rewrite_header(file: str, edit: Callable[[dict, bytes], bytes]) -> None:
+    """Rewrite a safetensors file in place: its JSON header through `edit(header, data)`, which
+    returns the data section to write after it; the header padded to 8 bytes."""
+    import json
+    import struct
+
+    with open(file, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    data = edit(header, raw[8 + n :])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
 
 
 class _Float64Torch:

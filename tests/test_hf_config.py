@@ -10,12 +10,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 
 import numpy as np
 import pytest
 import torch
-from _hf_reference import ORIGINAL, assert_close_per_doc, hf_model, packed, reference_logits, save
+from _hf_reference import (
+    ORIGINAL,
+    assert_close_per_doc,
+    hf_model,
+    packed,
+    reference_logits,
+    rewrite_header,
+    save,
+)
 from safetensors import safe_open
 from test_hf_errors import edit_config, edit_tensors
 from test_hf_model import mixlen_model
@@ -108,18 +115,6 @@ def test_a_tied_models_stored_head_must_be_the_embeddings_shape(tmp_path) -> Non
     assert "lm_head.weight" in inspect_pretrained(path).tensors
 
 
-def _rewrite(file: str, edit) -> None:
-    """Rewrite a safetensors file's header entries (`edit(header, data) -> data`)."""
-    raw = open(file, "rb").read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    data = edit(header, raw[8 + n :])
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + data)
-
-
 def _last(header: dict) -> str:
     return max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
 
@@ -151,7 +146,7 @@ def test_byte_ranges_must_tile_the_file(edit, message, tmp_path) -> None:
     inspection naming the file and the tensor, as safetensors itself refuses the file."""
     path = save(hf_model("llama-tied"), str(tmp_path / "m"))
     file = os.path.join(path, "model.safetensors")
-    _rewrite(file, edit)
+    rewrite_header(file, edit)
     with pytest.raises(Exception):  # noqa: B017 (safetensors' own error type varies by version)
         with safe_open(file, "pt") as f:
             [f.get_tensor(k) for k in f.keys()]

@@ -11,7 +11,16 @@ import os
 
 import pytest
 import torch
-from _hf_reference import CASES, LLAMA3, ORIGINAL, YARN_SET, _Float64Torch, hf_model, save
+from _hf_reference import (
+    CASES,
+    LLAMA3,
+    ORIGINAL,
+    YARN_SET,
+    _Float64Torch,
+    hf_model,
+    rewrite_header,
+    save,
+)
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, modeling_rope_utils
 
@@ -171,22 +180,6 @@ def test_a_tied_model_may_store_its_head(tmp_path):
     assert torch.equal(model.tok_embeddings.weight.detach(), tensors["model.embed_tokens.weight"])
 
 
-def _rewrite_header(file: str, edit, tail: bytes = b"") -> None:
-    """Rewrite a safetensors file's JSON header through `edit` (in place), padded to 8 bytes;
-    the data section kept, `tail` appended to it."""
-    import struct
-
-    with open(file, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    edit(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :] + tail)
-
-
 def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
     """A header entry declaring 16 bytes more than its shape and dtype hold (the file padded, so
     the ranges still tile the data section) is refused at inspection, naming the tensor, before
@@ -194,14 +187,15 @@ def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
     path = copy_of(llama, tmp_path / "p")
     names: list[str] = []
 
-    def longer(header: dict) -> None:
+    def longer(header: dict, data: bytes) -> bytes:
         last = max(
             (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]
         )
         header[last]["data_offsets"][1] += 16
         names.append(last)
+        return data + bytes(16)
 
-    _rewrite_header(os.path.join(path, "model.safetensors"), longer, bytes(16))
+    rewrite_header(os.path.join(path, "model.safetensors"), longer)
     (last,) = names
     with pytest.raises(InputError, match=rf"model.safetensors: tensor {last}: bad header entry"):
         inspect_pretrained(path)
@@ -209,7 +203,12 @@ def test_a_tensor_whose_bytes_are_not_its_shapes_is_refused(llama, tmp_path):
 
 def _with_metadata(file: str, meta: object) -> None:
     """Rewrite a safetensors file's header with `meta` as its __metadata__ (data unchanged)."""
-    _rewrite_header(file, lambda header: header.update({"__metadata__": meta}))
+
+    def edit(header: dict, data: bytes) -> bytes:
+        header["__metadata__"] = meta
+        return data
+
+    rewrite_header(file, edit)
 
 
 @pytest.mark.parametrize("meta", [{"format": 1}, ["pt"], {"format": None}, "pt", {"a": {}}])
