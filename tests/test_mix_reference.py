@@ -404,13 +404,18 @@ def test_tokens_above_counts_pieces_by_their_samples_stored_length() -> None:
     assert seen > 0
 
 
-def test_weights_scaled_by_one_factor_on_resume_are_the_same_mixture() -> None:
-    """Every weight times 7 at a resume: the shares differ in their last bits only, and the run
-    continues the uninterrupted run's batches (its segment is not restarted)."""
+def _two_sources() -> tuple[list[Src], Case]:
+    """Two sources of 40 samples, weights 0.7 and 0.2, and a case over them."""
     rng = np.random.default_rng(2)
     src = [Src("a", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.7),
            Src("b", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.2)]  # fmt: skip
-    case = Case(src, [], 300, 0, 4, 1)
+    return src, Case(src, [], 300, 0, 4, 1)
+
+
+def test_weights_scaled_by_one_factor_on_resume_are_the_same_mixture() -> None:
+    """Every weight times 7 at a resume: the shares differ in their last bits only, and the run
+    continues the uninterrupted run's batches (its segment is not restarted)."""
+    src, case = _two_sources()
     scaled = replace(case, sources=[replace(s, weight=s.weight * 7) for s in src])
     assert 0.7 / (0.7 + 0.2) != 0.7 * 7 / (0.7 * 7 + 0.2 * 7)  # not bit for bit the same
     whole, s = _stream(case), _stream(case)
@@ -425,10 +430,7 @@ def test_weights_scaled_by_one_factor_on_resume_are_the_same_mixture() -> None:
 def test_a_weight_changed_by_one_part_in_a_million_is_another_mixture() -> None:
     """Not only scaling: one weight moved by a relative 1e-6 at a resume starts a segment, as
     the reference does for any other weights (its batches from the resume step)."""
-    rng = np.random.default_rng(2)
-    src = [Src("a", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.7),
-           Src("b", rng.integers(5, 90, 40).tolist(), list(range(40)), [], 0, 0.2)]  # fmt: skip
-    case = Case(src, [], 300, 0, 4, 1)
+    src, case = _two_sources()
     nudged = [replace(src[0], weight=0.7 * (1 + 1e-6)), src[1]]
     for k in range(1, STEPS - 1):
         ref, s = _reference(case), _stream(case)

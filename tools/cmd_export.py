@@ -109,8 +109,9 @@ def _context(args, shape, run: dict) -> int:
         return args.max_position_embeddings
     if shape.max_position_embeddings:
         return int(shape.max_position_embeddings)
-    data = run.get("data", {}).get("path")
-    if not data and run.get("data", {}).get("sources"):
+    section = run.get("data", {})
+    data = section.get("path")
+    if not data and section.get("sources"):
         raise ConfigError(
             "--max-position-embeddings: needed (the model declares no context, and a mixture "
             "run's (data.sources) is not measured from its datasets)"
