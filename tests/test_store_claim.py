@@ -350,7 +350,7 @@ def test_a_claim_is_dead_only_when_its_process_is_gone_or_it_went_unrenewed() ->
     renew, stale = claim_mod.RENEW_S, claim_mod.STALE_S
     assert renew < stale
     elsewhere = {"host": "another-host", "pid": 1}
-    for age in (0.0, renew + 1, 2 * renew, stale - 1):
+    for age in (0.0, renew + 1, 2 * renew, stale - 1, stale):  # dead only past STALE_S
         assert claim_mod._dead(elsewhere, age) is None, age
     assert claim_mod._dead(elsewhere, stale + 1) == f"not renewed for {stale + 1:.0f} s"
     here = {"host": host_tag(), "pid": os.getpid()}

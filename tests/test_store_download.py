@@ -1,9 +1,12 @@
 """datapipe.store.download against moto's S3 server on 127.0.0.1: one SDK client per thread for
 the files of a bucket (mosaicml-streaming's own `direct_download` made one per file), made again
-when the environment changes or after a failure; the bytes are the ones boto3 put there."""
+for another bucket or timeout, in a forked process, when the environment changes or after a
+failure; the bytes are the ones boto3 put there."""
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 
 import pytest
@@ -34,8 +37,8 @@ def test_one_client_per_thread_made_again_on_a_new_environment_or_a_failure(
     for name, data in body.items():
         client.put_object(Bucket=bucket, Key=f"d/{name}", Body=data)
 
-    def fetch(name: str, into: str) -> bytes:
-        download(f"s3://{bucket}/d/{name}", str(tmp_path / into))
+    def fetch(name: str, into: str, where: str = bucket, **kw: float) -> bytes:
+        download(f"s3://{where}/d/{name}", str(tmp_path / into), **kw)
         return (tmp_path / into).read_bytes()
 
     for name in body:  # four files, one client
@@ -55,3 +58,35 @@ def test_one_client_per_thread_made_again_on_a_new_environment_or_a_failure(
     worker.join(60)
     assert got == [body["f3"]] and len(made) == 4 and made[-1] != made[0]
     assert fetch("f0", "e-f0") == body["f0"] and len(made) == 4  # this thread's is kept
+    other = bucket + "-2"  # another bucket: its own client, this bucket's kept
+    client.create_bucket(Bucket=other)
+    client.put_object(Bucket=other, Key="d/g", Body=b"other")
+    assert fetch("g", "f-g", other) == b"other" and len(made) == 5
+    assert fetch("f1", "f-f1") == body["f1"] and len(made) == 5
+    assert fetch("f2", "g-f2", timeout=30.0) == body["f2"] and len(made) == 6  # another timeout
+    assert _in_child(lambda: (fetch("f3", "h-f3"), len(made))[1]) == 7  # a forked process
+    assert fetch("f3", "i-f3") == body["f3"] and len(made) == 6
+
+
+def _in_child(fn) -> int:
+    """fn() run in a forked child of this process, its result (an int) read back."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.write(w, str(fn()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 60)
+        out = os.read(r, 64) if ready else b""
+    finally:
+        os.close(r)
+        if not out:
+            os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)
+    assert out and status == 0, (out, status)
+    return int(out)
