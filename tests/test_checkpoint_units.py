@@ -142,3 +142,25 @@ def test_a_checksums_table_of_another_format_or_naming_outside_files_is_refused(
     (tmp_path / CHECKSUMS_FILE).write_text(json.dumps({**good, **edit}))
     with pytest.raises(ValueError, match=r"checksums.json (is malformed|lists)"):
         read_checksums(str(tmp_path))
+
+
+def test_a_failed_save_calls_intact_only_a_checkpoint_still_on_disk(tmp_path) -> None:
+    """The failure message names the newest of this run's own checkpoints that is still there
+    (one removed by hand meanwhile is not intact), and says so when none is left."""
+    from datapipe.errors import MixlenError
+    from trainer.checkpoint.save import _SaveFailure
+    from trainer.parallel.comm import SoloComm
+
+    root = tmp_path / "ckpt"
+    for k in (2, 3):  # step 3 is another run's (a resumed, abandoned one): not this run's
+        (root / f"step-{k:08d}").mkdir(parents=True)
+    cases = [([2, 4], "step-00000002 of this run is intact"),  # 4: removed by hand
+             ([4], "this run has no earlier checkpoint")]  # fmt: skip
+    for ours, kept in cases:
+        failure = _SaveFailure(SoloComm(), torch.device("cpu"), str(root), 6, ours)
+        with pytest.raises(MixlenError) as info:
+            failure.check(OSError(5, "Input/output error"), shared=False)
+        msg = str(info.value)
+        assert "saving the checkpoint of step 6 failed" in msg and kept in msg, msg
+        assert "Fix the cause" in msg and "step-00000004" not in msg, msg
+    _SaveFailure(SoloComm(), torch.device("cpu"), str(root), 6, [2]).check(None, shared=False)

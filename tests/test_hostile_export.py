@@ -193,7 +193,8 @@ def test_non_finite_checkpoint_weights_are_named(ds, run, capsys) -> None:
 def test_a_checkpoint_removed_while_it_is_read(ds, run, capsys, monkeypatch) -> None:
     """A running training (`checkpoint.keep`) removed the checkpoint eval was reading: it was
     called "neither a checkpoint"; now the newest complete one is read instead when a checkpoint
-    directory was named, and a named step directory is said to have been removed."""
+    directory was named, and a named step directory is said to have been removed (one that was
+    never completed is called incomplete)."""
     import trainer.checkpoint.weights as weights
 
     real = weights.verify_files
@@ -214,6 +215,11 @@ def test_a_checkpoint_removed_while_it_is_read(ds, run, capsys, monkeypatch) -> 
     step = run / "ckpt" / "step-00000002"
     err = cli_error(["eval", str(step), ds, "--no-passkey"], capsys)
     assert f"{step}: removed while it was being read" in err, err
+    step = run / "ckpt" / "step-00000001"  # still there, but never completed: not "removed"
+    (step / "checksums.json").unlink()
+    err = cli_error(["eval", str(step), ds, "--no-passkey"], capsys)
+    assert "checksums.json is missing: the checkpoint is incomplete" in err, err
+    assert "removed while" not in err and step.is_dir(), err
 
 
 def test_evaluations_that_would_be_empty_are_refused(ds, run, from_pretrained, capsys, monkeypatch):

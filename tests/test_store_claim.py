@@ -357,3 +357,18 @@ def test_a_claim_is_dead_only_when_its_process_is_gone_or_it_went_unrenewed() ->
     assert claim_mod._dead(here, 2 * renew) is None  # this process: alive
     gone = {"host": host_tag(), "pid": _dead_pid()}
     assert claim_mod._dead(gone, 0.0) == "its process is gone"
+
+
+def test_a_claims_age_is_read_on_the_stores_clock(s3, monkeypatch) -> None:
+    """This machine's clock an hour ahead of the store's (a host whose clock drifted): another
+    host's claim written just now is alive by the store's Date header, so it is refused, not
+    taken over as a dead job's."""
+    from types import SimpleNamespace
+
+    from datapipe.ingest import claim as claim_mod
+
+    monkeypatch.setattr(claim_mod, "time", SimpleNamespace(time=lambda: time.time() + 3600))
+    _put_claim(s3, "skew/ds/", {"id": "other", "host": "h", "pid": 3, "started": "t"})
+    with pytest.raises(InputError, match=r"\(host h, pid 3, started t, renewed [0-9] s ago\)"):
+        PrefixClaim(f"s3://{s3['bucket']}/skew/ds").acquire(print)
+    assert _manifest(s3, "skew/ds/" + CLAIM_FILE)["id"] == "other"
