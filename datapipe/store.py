@@ -14,6 +14,8 @@ the library reads them (`S3_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCES
 from __future__ import annotations
 
 import contextlib
+import datetime
+import email.utils
 import os
 import re
 import tempfile
@@ -348,11 +350,24 @@ def open_uploader(uri: str, local: str):
         raise StoreError(f"{uri}: bucket {bucket!r} does not exist (404)", "no_bucket") from None
 
 
-def abort_multipart_uploads(uri: str, warn: Callable[[str], None], before: float) -> int:
-    """Abort the unfinished multipart uploads under the s3:// prefix `uri` begun before the time
-    `before` (a killed upload's: the store keeps and bills their parts, and no later upload of
-    the same key removes them); other schemes: nothing. Best effort: credentials that may not
-    list or abort them get a warning, never a failed upload. Returns how many."""
+def store_clock(date: str | None) -> float:
+    """The store's clock (seconds since the epoch) from a reply's Date header; this machine's
+    where it has none, or a bad one."""
+    try:
+        when = email.utils.parsedate_to_datetime(date or "")
+    except (TypeError, ValueError):
+        return time.time()
+    if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def abort_multipart_uploads(uri: str, warn: Callable[[str], None], begun: float) -> int:
+    """Abort the unfinished multipart uploads under the s3:// prefix `uri` begun before this job,
+    which began at `begun` (a time.monotonic() reading), both on the store's clock (a killed
+    upload's: the store keeps and bills their parts, and no later upload of the same key removes
+    them); other schemes: nothing. Best effort: credentials that may not list or abort them get a
+    warning, never a failed upload. Returns how many."""
     if scheme(uri) != "s3":
         return 0
     import boto3
@@ -367,6 +382,8 @@ def abort_multipart_uploads(uri: str, warn: Callable[[str], None], before: float
             Bucket=bucket, Prefix=prefix
         )
         for page in pages:
+            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            before = store_clock(date) - (time.monotonic() - begun)  # this job's start
             for up in page.get("Uploads", []):
                 if up["Initiated"].timestamp() >= before:  # another job's, still running
                     continue

@@ -321,3 +321,23 @@ def test_resume_compares_the_values_the_run_used():
     assert resume_conflicts(saved, from_dict(same)) == []
     other = resume_conflicts(saved, from_dict({**base, "co2": {"mode": "diloco"}}))
     assert "co2.outer_lr: 0.5 -> 0.7" in other and "co2.nesterov: False -> True" in other
+
+
+@pytest.mark.parametrize(("islands", "n", "tp"), [(1, 4, 2), (2, 2, 2), (3, 2, 4), (2, 3, 1)])
+def test_global_rank_with_islands_and_tp_is_the_process_number(islands, n, tp) -> None:
+    """Processes are numbered island by island, HDP rank by rank, TP member by member (the
+    launch layout: TP members adjacent on one node): each one's `global_rank` is its number, so
+    exactly one process (the first) is global rank 0 and writes the run's files."""
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.runtime import Runtime
+
+    seen = []
+    for island in range(islands):
+        for rank in range(n):
+            for member in range(tp):
+                rt = Runtime(rank=rank, world=n, local_rank=0, device=torch.device("cpu"),
+                             comm=SoloComm(), owns_group=False, island=island, islands=islands,
+                             tp=tp, tp_rank=member)  # fmt: skip
+                assert rt.global_world == islands * n * tp
+                seen.append(rt.global_rank)
+    assert seen == list(range(islands * n * tp))

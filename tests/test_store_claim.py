@@ -6,6 +6,7 @@ own listing and objects, and a local run of the same inputs."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -251,6 +252,21 @@ def test_a_claim_is_renewed_and_expires(s3, corpus, monkeypatch) -> None:
     assert CLAIM_FILE not in _keys(s3, "lease/ds/")
 
 
+def _skew_this_host(monkeypatch, skew: float) -> None:
+    """This process's clock (time.time) `skew` seconds off; the in-process moto server's Date
+    header (http.server's, from time.time) stays on the true clock, as another machine's would."""
+    import email.utils
+    import http.server
+
+    real = time.time
+
+    def true_date(self, timestamp: float | None = None) -> str:
+        return email.utils.formatdate(real() if timestamp is None else timestamp, usegmt=True)
+
+    monkeypatch.setattr(http.server.BaseHTTPRequestHandler, "date_time_string", true_date)
+    monkeypatch.setattr(time, "time", lambda: real() + skew)
+
+
 def _until(done, timeout: float = 10.0) -> None:
     """Wait until `done()` (polled), failing after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -314,32 +330,69 @@ def test_only_this_prefixs_killed_uploads_are_aborted(s3, corpus, monkeypatch) -
     """Aborted: the unfinished multipart uploads under the prefix, not those of a sibling prefix
     that shares the name's start (the store's own listing). An upload aborts only those begun
     before it started (moto's Initiated is a fixed date, so the time it passes is checked
-    against clocks read here); its staging copy is this user's only (0700)."""
+    against clocks read here; the store's clock: the next test); its staging copy is this user's
+    only (0700)."""
     from datapipe.ingest import upload
     from datapipe.store import abort_multipart_uploads
 
     client, bucket = s3["client"], s3["bucket"]
     for key in ("sib/ds/shard.00000.mds", "sib/ds2/shard.00000.mds"):
         client.create_multipart_upload(Bucket=bucket, Key=key)
-    n = abort_multipart_uploads(f"s3://{bucket}/sib/ds", print, time.time() + 60)
+    n = abort_multipart_uploads(f"s3://{bucket}/sib/ds", print, time.monotonic() + 60)
     left = client.list_multipart_uploads(Bucket=bucket, Prefix="sib/").get("Uploads", [])
     assert n == 1 and [u["Key"] for u in left] == ["sib/ds2/shard.00000.mds"]
     seen: dict = {}
 
     def tokenize(local_cfg, warn):
         seen["mode"] = os.stat(os.path.dirname(local_cfg.out)).st_mode & 0o777
-        seen["tokenizing"] = time.time()
+        seen["tokenizing"] = time.monotonic()
         return preprocess(local_cfg, warn)
 
-    def spy(uri, warn, before):
-        seen["before"] = before
-        return abort_multipart_uploads(uri, warn, before)
+    def spy(uri, warn, begun):
+        seen["begun"] = begun
+        return abort_multipart_uploads(uri, warn, begun)
 
     monkeypatch.setattr(upload, "abort_multipart_uploads", spy)
     cfg = PreprocessConfig(corpus["inputs"], f"s3://{bucket}/late/ds", progress=False)
-    called = time.time()
+    called = time.monotonic()
     preprocess_to_store(cfg, tokenize, print)
-    assert called <= seen["before"] <= seen["tokenizing"] and seen["mode"] == 0o700
+    assert called <= seen["begun"] <= seen["tokenizing"] and seen["mode"] == 0o700
+
+
+@pytest.mark.parametrize("skew", [3600, -3600])
+def test_killed_uploads_are_told_from_live_ones_on_the_stores_clock(s3, monkeypatch, skew):
+    """This machine's clock an hour off the store's: of two unfinished uploads, the one begun
+    two minutes before this job (which began 10 s ago) is aborted and the one begun a second ago
+    is kept, judged by the store's Date header. (moto's Initiated is a fixed date: the listing's
+    is set here, relative to that header, as the store would report it.)"""
+    import email.utils
+
+    import boto3
+
+    from datapipe.store import abort_multipart_uploads
+
+    client, bucket = s3["client"], s3["bucket"]
+    for key in ("skew/ds/dead.mds", "skew/ds/live.mds"):
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    ago = {"skew/ds/dead.mds": 120.0, "skew/ds/live.mds": 1.0}
+
+    def initiated(parsed, **_) -> None:
+        now = email.utils.parsedate_to_datetime(parsed["ResponseMetadata"]["HTTPHeaders"]["date"])
+        for up in parsed.get("Uploads", []):
+            up["Initiated"] = now - datetime.timedelta(seconds=ago[up["Key"]])
+
+    real_client = boto3.client
+
+    def listing_client(*args, **kwargs):
+        made = real_client(*args, **kwargs)
+        made.meta.events.register("after-call.s3.ListMultipartUploads", initiated)
+        return made
+
+    monkeypatch.setattr(boto3, "client", listing_client)
+    _skew_this_host(monkeypatch, skew)
+    n = abort_multipart_uploads(f"s3://{bucket}/skew/ds", print, time.monotonic() - 10)
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix="skew/").get("Uploads", [])
+    assert n == 1 and [u["Key"] for u in left] == ["skew/ds/live.mds"]
 
 
 def test_a_claim_is_dead_only_when_its_process_is_gone_or_it_went_unrenewed() -> None:
@@ -363,11 +416,7 @@ def test_a_claims_age_is_read_on_the_stores_clock(s3, monkeypatch) -> None:
     """This machine's clock an hour ahead of the store's (a host whose clock drifted): another
     host's claim written just now is alive by the store's Date header, so it is refused, not
     taken over as a dead job's."""
-    from types import SimpleNamespace
-
-    from datapipe.ingest import claim as claim_mod
-
-    monkeypatch.setattr(claim_mod, "time", SimpleNamespace(time=lambda: time.time() + 3600))
+    _skew_this_host(monkeypatch, 3600)
     _put_claim(s3, "skew/ds/", {"id": "other", "host": "h", "pid": 3, "started": "t"})
     with pytest.raises(InputError, match=r"\(host h, pid 3, started t, renewed [0-9] s ago\)"):
         PrefixClaim(f"s3://{s3['bucket']}/skew/ds").acquire(print)

@@ -24,18 +24,16 @@ uploading at the same moment.
 from __future__ import annotations
 
 import datetime
-import email.utils
 import json
 import os
 import threading
-import time
 import urllib.parse
 import uuid
 from collections.abc import Callable
 
 from datapipe.errors import InputError, StoreError
 from datapipe.files import host_tag, pid_alive
-from datapipe.store import error_code, scheme, store_error, with_retries
+from datapipe.store import error_code, scheme, store_clock, store_error, with_retries
 
 CLAIM_FILE = ".mixlen-upload.json"
 RENEW_S = 60.0  # how often a claim is renewed
@@ -120,7 +118,7 @@ class PrefixClaim:
                 body = json.loads(got["Body"].read(1 << 16))
             except ValueError:
                 body = {}
-            now = _store_time(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
+            now = store_clock(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
             age = max(0.0, now - got["LastModified"].timestamp())
             return (body if isinstance(body, dict) else {}), got["ETag"], age
 
@@ -280,17 +278,6 @@ def _dead(other: dict, age: float) -> str | None:
     if age > STALE_S:
         return f"not renewed for {age:.0f} s"
     return None
-
-
-def _store_time(date: str | None) -> float:
-    """The store's clock from its Date header (this machine's where it has none, or a bad one)."""
-    try:
-        when = email.utils.parsedate_to_datetime(date or "")
-    except (TypeError, ValueError):
-        return time.time()
-    if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
 
 
 def claim_prefix(uri: str, warn: Callable[[str], None]) -> PrefixClaim | None:

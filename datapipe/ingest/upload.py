@@ -71,7 +71,7 @@ def _refuse_a_dataset(out: str, meanwhile: str = "") -> None:
 
 
 def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
-    uri, started = cfg.out.rstrip("/"), time.time()
+    uri, begun = cfg.out.rstrip("/"), time.monotonic()
     parent = cfg.staging or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     remove_dead_stages(parent, warn)
@@ -102,7 +102,7 @@ def _stage_and_upload(cfg, preprocess: Callable, warn: Callable[[str], None]):
         names = dataset_files(root, manifest)
         total = sum(os.path.getsize(os.path.join(root, n)) for n in names)
         _refuse_a_dataset(cfg.out, "was written there while this run tokenized; ")
-        abort_multipart_uploads(uri, warn, started)  # a killed upload's parts, still billed
+        abort_multipart_uploads(uri, warn, begun)  # a killed upload's parts, still billed
         with progress(total, "upload", "B", cfg.progress, unit_scale=True) as bar:
             if claim is not None:
                 claim.check()
