@@ -58,14 +58,18 @@ CONVERSATIONS = [
 ]
 
 
-def make_folder(path: str, name: str, template_in_config: bool = True) -> str:
-    """A saved tokenizer folder: the project's BPE with the format's special tokens added, its
-    tokenizer_config.json naming them, the chat template in the config (or chat_template.jinja)."""
+def make_folder(path: str, name: str, template_in_config: bool = True, spec: str = "") -> str:
+    """A saved tokenizer folder: the project's BPE (or the tokenizer.json text `spec`) with the
+    format's special tokens added, its tokenizer_config.json naming them, the chat template in
+    the config (or chat_template.jinja)."""
     from tokenizers import AddedToken, Tokenizer
 
     fmt = FORMATS[name]
     os.makedirs(path, exist_ok=True)
-    tok = Tokenizer.from_file(os.path.join(ASSETS, "bpe-stdlib.json"))
+    if spec:
+        tok = Tokenizer.from_str(spec)
+    else:
+        tok = Tokenizer.from_file(os.path.join(ASSETS, "bpe-stdlib.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in fmt["special"]])
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(TEMPLATES, f"{name}.jinja")) as f:
@@ -410,3 +414,47 @@ def test_token_mask_against_characters(spans, regions) -> None:
         True,
         True,
     ]
+
+
+def test_a_trimming_post_processor_does_not_move_the_trained_tokens(tmp_path):
+    """A GPT-2-style tokenizer (a ByteLevel post-processor that trims spaces off offsets) whose
+    vocabulary joins a newline and the spaces after it ("ĊĠ"), under ChatML: an assistant turn
+    opening with spaces starts inside such a token. The trained tokens are exactly those holding
+    a trained character, by the reference of each token's own bytes laid end to end (trimmed
+    offsets gave that token none of its spaces, and left it untrained)."""
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    from datapipe.ingest.chat import trained_regions
+
+    with open(os.path.join(ASSETS, "bpe-stdlib.json")) as f:
+        spec = json.load(f)
+    model = spec["model"]
+    for a, b in [("Ċ", "Ġ"), ("Ċ", "ĠĠ")]:
+        model["vocab"][a + b] = len(model["vocab"])
+        model["merges"].append([a, b])
+    spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": True, "use_regex": True}  # fmt: skip
+    path = make_folder(str(tmp_path / "trimming"), "qwen2", spec=json.dumps(spec))
+    tok, template, _ = ours(path)
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    special = {tok._tok.token_to_id(t): t.encode() for t in FORMATS["qwen2"]["special"]}
+    straddled = 0
+    for opening in (" ", "  ", "   "):
+        conv = [{"role": "user", "content": "Indent it."},
+                {"role": "assistant", "content": opening + "return x"}]  # fmt: skip
+        ids, spans, _ = render_messages({"messages": conv}, tok, template, "")
+        text, regions = trained_regions(template, conv)
+        pieces = [
+            special[i] if i in special else bytes(to_byte[c] for c in tok._tok.id_to_token(i))
+            for i in ids.tolist()
+        ]
+        assert b"".join(pieces).decode() == text  # ASCII: a byte is a character
+        ends = np.cumsum([len(p) for p in pieces])
+        starts = ends - [len(p) for p in pieces]
+        want = [any(s < c1 and e > c0 for c0, c1 in regions) for s, e in zip(starts, ends)]
+        got = np.zeros(len(ids), bool)
+        for s, e in spans.reshape(-1, 2):
+            got[s:e] = True
+        assert got.tolist() == want, (opening, pieces)
+        straddled += sum(s < c0 < e for c0, _ in regions for s, e in zip(starts, ends))
+    assert straddled >= 2  # the case this test is about did occur
