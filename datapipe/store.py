@@ -363,11 +363,11 @@ def store_clock(date: str | None) -> float:
 
 
 def abort_multipart_uploads(uri: str, warn: Callable[[str], None], begun: float) -> int:
-    """Abort the unfinished multipart uploads under the s3:// prefix `uri` begun before this job,
-    which began at `begun` (a time.monotonic() reading), both on the store's clock (a killed
-    upload's: the store keeps and bills their parts, and no later upload of the same key removes
-    them); other schemes: nothing. Best effort: credentials that may not list or abort them get a
-    warning, never a failed upload. Returns how many."""
+    """Abort the unfinished multipart uploads under the s3:// prefix `uri` begun before this job
+    began (at the time.monotonic() reading `begun`), judged on the store's clock, not this
+    host's: a killed upload's (the store keeps and bills their parts, and no later upload of the
+    same key removes them); other schemes: nothing. Best effort: credentials that may not list or
+    abort them get a warning, never a failed upload. Returns how many."""
     if scheme(uri) != "s3":
         return 0
     import boto3
