@@ -421,3 +421,23 @@ def test_a_claims_age_is_read_on_the_stores_clock(s3, monkeypatch) -> None:
     with pytest.raises(InputError, match=r"\(host h, pid 3, started t, renewed [0-9] s ago\)"):
         PrefixClaim(f"s3://{s3['bucket']}/skew/ds").acquire(print)
     assert _manifest(s3, "skew/ds/" + CLAIM_FILE)["id"] == "other"
+
+
+def test_the_stores_clock_is_read_from_its_date_header(monkeypatch) -> None:
+    """HTTP dates in GMT, "-0000" (UTC, no zone named) and an offset, against the epoch seconds
+    written out here, on a host whose local time is not UTC; no header, or one that is not a
+    date, falls back to this host's clock."""
+    from datapipe.store import store_clock
+
+    at_three = 1796050800.0  # 2026-11-30 15:00:00 UTC
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert store_clock("Mon, 30 Nov 2026 15:00:00 GMT") == at_three
+        assert store_clock("Mon, 30 Nov 2026 15:00:00 -0000") == at_three
+        assert store_clock("Mon, 30 Nov 2026 16:00:00 +0100") == at_three
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    monkeypatch.setattr(time, "time", lambda: 42.0)
+    assert store_clock(None) == store_clock("") == store_clock("yesterday") == 42.0
