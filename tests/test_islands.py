@@ -309,6 +309,21 @@ def test_diloco_refuses_what_is_not_diloco(keys, key, reason):
     assert co2_section('co2.mode="diloco"', *ok).clip == "none"
 
 
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_only_co2_overlaps(mode):
+    """`co2.overlap = true` with mode sync (no rounds) or diloco (every average awaited) is a
+    ConfigError naming co2.overlap and the mode; overlap = false is accepted there, and
+    overlap = true in co2 mode too."""
+    from datapipe.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=f"^co2.overlap: only co2.mode = \"co2\" overlaps \\(mode is '{mode}'"
+    ):
+        co2_section(f'co2.mode="{mode}"', "co2.overlap=true")
+    assert co2_section(f'co2.mode="{mode}"', "co2.overlap=false").overlapped is False
+    assert co2_section("co2.overlap=true").overlapped is True
+
+
 def test_resume_compares_the_values_the_run_used():
     """A resumed run that writes a mode's default out (co2.outer_lr = 0.5) changes nothing; one
     that switches co2 to diloco is refused with every outer key that changes, as values."""

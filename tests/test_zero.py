@@ -4,6 +4,7 @@ against datapipe.plan.memory's formula, and resharding of its state through DCP.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,6 +113,59 @@ def test_an_optimizer_with_hooks_is_freed_with_its_model():
     del zero, net
     gc.collect()
     assert gone() is None
+
+
+class _LateGatherComm:
+    """Rank 0 of 2 whose weight all-gather delivers rank 1's slice (all 7.0) only when its
+    handle is waited for, as an asynchronous collective does; reductions complete at once."""
+
+    rank, size = 0, 2
+
+    def all_reduce(self, tensor, async_op=False):
+        return Done() if async_op else None
+
+    def reduce_scatter(self, flat, out, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+    def all_gather_into(self, flat, sizes=None, async_op=False):
+        from trainer.parallel.comm import chunk_offsets
+
+        offs = chunk_offsets(flat.numel(), self.size, sizes)
+
+        def deliver() -> None:
+            flat[offs[1] : offs[2]].fill_(7.0)
+
+        late = SimpleNamespace(wait=deliver)
+        if async_op:
+            return late
+        late.wait()
+        return None
+
+
+@pytest.mark.parametrize("async_gather", [False, True])
+def test_step_returns_with_the_weights_gathered(async_gather):
+    """Without async_gather, step() returns with every rank's slice of the weights in place
+    (rank 1's half holds what its gather delivers); with it, they arrive at wait_weights()."""
+    from trainer.parallel.slices import FlatLayout
+
+    p = torch.nn.Parameter(torch.zeros(40, dtype=torch.float64))
+    comm = _LateGatherComm()
+    zero = ZeroOptimizer(
+        [p], comm, level=1, lr=0.1, layout=FlatLayout([(40,)], 2, 4), async_gather=async_gather
+    )
+    assert zero.layout.slice(1) == (20, 40)
+    zero.begin_step()
+    p.grad = torch.ones(40, dtype=torch.float64)
+    zero.accumulate_grads()
+    zero.finish_backward()
+    zero.step()
+    assert torch.all(p.detach()[:20] < 0)  # this rank's slice stepped against the gradient
+    want = torch.full((20,), 7.0, dtype=torch.float64)
+    assert torch.equal(
+        p.detach()[20:], torch.zeros(20, dtype=torch.float64) if async_gather else want
+    )
+    zero.wait_weights()
+    assert torch.equal(p.detach()[20:], want)
 
 
 class _InstantComm:
