@@ -223,3 +223,30 @@ def test_attend_cuda_matches_naive():  # pragma: no cover - no GPU here
     ref, ref_lse = naive(q.double(), k.double(), v.double(), cu, cu, True)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=2e-3)
     torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attend_applies_a_given_softmax_scale(backend):
+    """A softmax scale other than head_dim ** -0.5 is applied: out, lse and the q/k/v gradients
+    equal torch's scaled_dot_product_attention (scale=0.3, causal, per document, K/V heads
+    repeated for GQA) and lse the log-sum-exp of 0.3 * q.k over each token's visible keys."""
+    cu, scale = [0, 6, 13], 0.3
+    q, k, v = rand_qkv(13, 13, 4, 2, seed=11)
+    out, lse = attend(q, k, v, cu, scale=scale, backend=backend)
+    outs, lses = [], []
+    for a, b in zip(cu, cu[1:]):
+        qd, kd, vd = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+        kd, vd = kd.repeat_interleave(2, 0), vd.repeat_interleave(2, 0)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=True, scale=scale
+            ).transpose(0, 1)
+        )
+        s = (qd @ kd.transpose(1, 2)) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+        lses.append(torch.logsumexp(s, -1).transpose(0, 1))
+    ref = torch.cat(outs)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.cat(lses).detach(), rtol=0, atol=1e-12)
+    for g, r in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-11)

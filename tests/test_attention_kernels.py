@@ -332,3 +332,49 @@ def test_cuda_ring_through_four_threaded_ranks(dtype, tol) -> None:  # pragma: n
             g[idx] = r.to(F64)
     for g, r in zip(got, want):
         close(g, r, tol)
+
+
+@pytest.mark.parametrize("longest", [32, 64])
+def test_efficient_backward_when_the_longest_document_fills_whole_lse_rows(longest) -> None:
+    """The memory-efficient kernel's lse rows are the longest query count rounded up to 32; when
+    that count is already a multiple of 32 (no padding) the backward still equals the math
+    reference, through a kernel call with rows exactly that wide."""
+    docs = VarlenDocs((0, longest, longest + 7), (0, longest, longest + 7))
+    q, k, v, dout = qkv(docs.total_q, docs.total_k, 4, 2, 8, torch.float32, seed=2)
+    want = reference(q, k, v, dout, docs, True, 8**-0.5)
+    with installed():
+        out, lse = block_forward(q, k, v, docs, None, True, 8**-0.5, "cuda_efficient")
+        grads = block_backward(
+            dout, q, k, v, want[0].float(), want[1], docs, None, True, 8**-0.5, "cuda_efficient"
+        )
+    for got, ref in zip((out, lse, *grads), want):
+        close(got, ref, 1e-5)
+
+
+def test_efficient_head_dimension_alignment_depends_on_the_dtype() -> None:
+    """The memory-efficient kernel takes float32 head dimensions in multiples of 4 and half
+    precision ones in multiples of 8; others are refused naming model.dim / model.n_heads."""
+    for dtype, ok, bad in (
+        (torch.float32, (4, 12, 16), (6, 10)),
+        (torch.bfloat16, (8, 16), (4, 12)),
+    ):
+        for d in ok:
+            cuda_efficient.check(*qkv(4, 4, 2, 2, d, dtype)[:2])
+        for d in bad:
+            with pytest.raises(ValueError, match="model.dim / model.n_heads"):
+                cuda_efficient.check(*qkv(4, 4, 2, 2, d, dtype)[:2])
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+def test_query_heads_not_a_multiple_of_kv_heads_are_refused_naming_the_setting(backend) -> None:
+    """6 query heads over 4 KV heads: the backend refuses before any kernel call, naming
+    model.n_heads and model.n_kv_heads (a block's backward has no earlier check)."""
+    dtype, _ = CASES[backend]
+    q, k, v, dout = qkv(8, 8, 6, 4, 16, dtype)
+    docs = VarlenDocs((0, 8), (0, 8))
+    with installed() as fakes:
+        with pytest.raises(ValueError, match=r"model\.n_heads, model\.n_kv_heads"):
+            dispatch.get(backend).check(q, k)
+        with pytest.raises(ValueError, match=r"model\.n_heads, model\.n_kv_heads"):
+            block_backward(dout, q, k, v, q, q[..., 0].float(), docs, None, True, 0.25, backend)
+    assert fakes.calls == {}

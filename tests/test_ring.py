@@ -186,3 +186,28 @@ def test_ring_gloo_processes():
 
     world = 4
     spawn(_ring_worker.main, world, (world, free_port()), timeout=75)
+
+
+def test_bf16_ring_sums_key_gradients_over_hops_in_float32():
+    """A bfloat16 ring adds each key's dV contributions from the k members in float32 and rounds
+    once: key 0 of a sample of 2k one-token chunks gets 256 from its owner's queries and 1 from
+    each other member's (q = 0: uniform attention, dout chosen so), so dV = 256 + (k-1), rounded to
+    bfloat16 once (259 -> 260); adding in bfloat16 hop by hop would lose every 1 (256)."""
+    k, n, d = 4, 8, 8
+    lay = ZigzagLayout((n,), k)
+    owner = np.empty(n, dtype=np.int64)  # member holding each position
+    for p in range(k):
+        owner[lay.global_index(p)] = p
+    weight = np.where(owner == 0, 128.0, 0.5)  # member 0's queries: 2 x 128, others: 2 x 0.5
+    dout = torch.tensor((np.arange(n) + 1.0) * weight).reshape(n, 1, 1).expand(n, 1, d)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.zeros(n, 1, d)
+    k_, v = torch.randn(n, 1, d, generator=gen), torch.randn(n, 1, d, generator=gen)
+    bf = tuple(x.bfloat16() for x in (q, k_, v, dout.float()))
+
+    def fn(comm):
+        return ring_member(comm, list(range(k)), [n], bf)
+
+    full = assemble(run_threads(k, fn, timeout=30), n)
+    exact = 2 * 128.0 + (k - 1) * 2 * 0.5  # plain sum of the members' contributions: 259
+    assert torch.equal(full["dv"][0].float(), torch.full((1, d), exact).bfloat16().float())
