@@ -449,3 +449,21 @@ def test_ranks_fetching_one_uncached_remote_dataset_at_once(tmp_path, monkeypatc
     for p in procs:
         p.join(10)
     assert results == {i: [True] * len(texts) for i in range(4)}, results
+
+
+def test_prefetcher_stays_exhausted() -> None:
+    """Once its steps are used up the Prefetcher keeps raising StopIteration at every next()
+    (the iterator protocol: a second loop over it ends at once, never blocks); what it yielded
+    first is each step's micro-batch of the in-memory tokens."""
+    from datapipe.fetch import MemoryFetcher
+
+    fetcher = MemoryFetcher([np.arange(10, 16), np.arange(20, 23)])
+    steps = [("a", [np.array([[0, 0, 6]])]), ("b", [np.array([[1, 1, 3]])])]
+    with Prefetcher(fetcher, iter(steps), depth=1) as pf:
+        got = [(k, mbs[0].input_ids.tolist()) for k, mbs in pf]
+        assert got == [("a", [10, 11, 12, 13, 14, 15]), ("b", [21, 22])]
+        again: list = []
+        t = threading.Thread(target=lambda: again.extend([next(pf, "end"), list(pf)]), daemon=True)
+        t.start()
+        t.join(10)  # returns at once; a Prefetcher that blocks here fails the test, not hangs it
+        assert again == ["end", []]

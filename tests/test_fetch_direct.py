@@ -193,3 +193,42 @@ def test_decode_rows_in_bulk() -> None:
     )
     b2 = np.frombuffer(grid, np.uint8)
     assert decode_rows(token_layout(*LAYOUT, np.dtype(np.uint16)), b2, [0], [len(grid)]) is None
+
+
+def test_decode_rows_masked_reads_each_columns_own_shape_header() -> None:
+    """Rows of mixlen's masked layout (chunk, sample_id, tokens, trained_spans), back to back:
+    the direct decode gives each row's tokens and spans as encoded, also where the token and
+    span columns' shape headers differ in width (300 tokens: a 2-byte shape; 4 span values: a
+    1-byte one; and the other way round), and for 1-byte headers in both."""
+    from datapipe.formats.mds_direct import decode_rows_masked, token_layout
+
+    rng = np.random.default_rng(7)
+    cases = [(300, 4), (5, 2), (3, 300), (1, 2)]  # (tokens, span values) per row
+    toks = [rng.integers(0, 65536, n).astype(np.uint16) for n, _ in cases]
+    spans = [np.sort(rng.integers(0, 1000, m)).astype(np.uint32) for _, m in cases]
+    rows = [
+        mds_row(
+            {
+                "chunk": ("int32", 0),
+                "sample_id": ("int64", i),
+                "tokens": ("ndarray:uint16", t),
+                "trained_spans": ("ndarray:uint32", s),
+            }
+        )
+        for i, (t, s) in enumerate(zip(toks, spans))
+    ]
+    buf = np.frombuffer(bytearray(b"".join(rows)), np.uint8)  # writable, as the reader reads
+    starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
+    ends = starts + np.array([len(r) for r in rows])
+    layout = token_layout(
+        ["chunk", "sample_id", "tokens", "trained_spans"],
+        ["int32", "int64", "ndarray:uint16", "ndarray:uint32"],
+        [4, 8, None, None],
+        np.dtype(np.uint16),
+    )
+    assert layout is not None and layout.spans
+    flat, counts, flat_spans, span_counts = decode_rows_masked(layout, buf, starts, ends)
+    assert counts.tolist() == [n for n, _ in cases]
+    assert span_counts.tolist() == [m for _, m in cases]
+    assert flat.dtype == np.uint16 and flat.tolist() == np.concatenate(toks).tolist()
+    assert flat_spans.tolist() == np.concatenate(spans).tolist()

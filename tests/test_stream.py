@@ -381,3 +381,19 @@ def test_global_batch_digest_covers_contents() -> None:
     for name, d in digests.items():
         assert d != base, name
     assert len(set(digests.values())) == len(digests)
+
+
+def test_global_batch_digest_covers_mixture_units() -> None:
+    """A mixture batch's units (source, sample id in it, first token) enter the digest: two
+    batches of the same step, epoch, unit keys and lengths whose units differ in any one column
+    digest differently, a batch without units differs from one with them, and equal units in
+    another integer dtype give the same digest."""
+    ids, lens = np.array([4, 9], np.int64), np.array([5, 6], np.int64)
+    units = np.array([[0, 4, 0], [1, 2, 128]], np.int64)
+    base = GlobalBatch(3, 1, ids, lens, units).digest()
+    assert GlobalBatch(3, 1, ids, lens, units.astype(np.int32)).digest() == base
+    assert GlobalBatch(3, 1, ids, lens).digest() != base
+    for col in range(3):
+        other = units.copy()
+        other[1, col] += 1
+        assert GlobalBatch(3, 1, ids, lens, other).digest() != base, col
