@@ -294,3 +294,51 @@ def test_bfloat16_dw_sums_its_chunks_in_float32() -> None:
     many = grads(lambda a, b: linear_cross_entropy(a, b, labels.repeat(1024), None, 1),
                  hb.repeat(1024, 1), wb)[2]  # fmt: skip
     assert torch.equal(many, one * 1024)
+
+
+def test_token_losses_vocabulary_parallel_labels_at_the_edges_of_each_share() -> None:
+    """Two threaded processes each holding 20 of 40 vocabulary rows: a label at the first or
+    last row of either share (0, 19 | 20, 39) counts on its owner only, so every position's
+    loss equals float64 F.cross_entropy over the whole logits and each greedy hit is
+    (argmax == label), on both processes."""
+    from trainer.model.loss import token_losses
+
+    h, w, _, _ = inputs(t=12, v=40, seed=11)
+    labels = torch.tensor([19, 20, 0, 39, 20, 19, IGNORE_INDEX, 39, 0, 21, 18, 20])
+    logits = h @ w.t()
+    want = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    hits = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
+
+    def member(comm):
+        rows = w[comm.rank * 20 : (comm.rank + 1) * 20]
+        return token_losses(h, rows, labels, 5, comm.rank * 20, comm)
+
+    for loss, correct in run_threads(2, member, timeout=30):
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(correct, hits)
+
+
+def test_token_losses_greedy_tie_across_processes_is_the_first_row() -> None:
+    """Vocabulary rows 3 (process 0's) and 25 (process 1's) are equal and give every position
+    its largest logit (integer values: the tie is exact): the greedy prediction is row 3, the
+    first of the tied rows, as argmax over the whole logits takes it, on one process and on
+    two threaded vocabulary-parallel processes alike."""
+    from trainer.model.loss import token_losses
+
+    gen = torch.Generator().manual_seed(12)
+    h = torch.randint(1, 4, (10, 6), generator=gen).to(F64)
+    w = torch.randint(-1, 2, (40, 6), generator=gen).to(F64)
+    w[3] = w[25] = 5.0
+    labels = torch.tensor([3, 25, 3, 25, 3, 25, 7, 3, IGNORE_INDEX, 25])
+    logits = h @ w.t()
+    assert torch.equal(logits[:, 3], logits[:, 25]) and bool((logits.argmax(-1) == 3).all())
+    want = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    hits = labels == 3
+
+    def member(comm):
+        rows = w[comm.rank * 20 : (comm.rank + 1) * 20]
+        return token_losses(h, rows, labels, 4, comm.rank * 20, comm)
+
+    for loss, correct in [token_losses(h, w, labels, 4), *run_threads(2, member, timeout=30)]:
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(correct, hits)
