@@ -24,10 +24,11 @@ views (dtype, offset, sizes, strides) on unpack, so gradients are bitwise those 
 
 Accounting (every device, what the tests check): per micro-batch the bytes kept on the device, the
 bytes moved (each way), the bytes first saved by each block, and the peak of saved-activation bytes
-resident on the device, counting a block in transit as resident: a moved block leaves the device when
-the next block's forward ends, and comes back when the backward of the block after it begins. The
-host store is emptied when the backward ends (an autograd callback) or when the context exits, also
-on an exception. One micro-batch, one backward, inside the context, per manager at a time.
+resident on the device: a moved block leaves the device when its own forward ends (its copy-out,
+queued on a side stream on CUDA, keeps its memory from reuse until read), and comes back when the
+backward of the block after it begins, resident then beside that block (the two blocks in flight
+that Eq. 3 budgets). The host store is emptied when the backward ends (an autograd callback) or
+when the context exits, also on an exception. One micro-batch, one backward, inside the context, per manager at a time.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class MicrobatchStats:
     block_bytes: list[int]  # bytes of the storages each block saved first
     kept_bytes: int = 0  # saved bytes that stayed on the compute device
     moved_bytes: int = 0  # bytes copied to host (and the same back)
-    peak_bytes: int = 0  # peak saved bytes resident on the device (a block in transit counts)
+    peak_bytes: int = 0  # peak saved bytes resident on the device (see the module docstring)
     host_peak_bytes: int = 0  # peak bytes in the host store
     late_fetches: int = 0  # copy-ins issued at use instead of one block ahead
 
@@ -145,7 +146,6 @@ class _Entry:
 
     __slots__ = (
         "nbytes",
-        "owner",
         "top",
         "weak",
         "moved",
@@ -159,7 +159,6 @@ class _Entry:
 
     def __init__(self, nbytes: int, block: int, weak: StorageWeakRef) -> None:
         self.nbytes = nbytes
-        self.owner = block  # first (lowest) block that saved it: freed after its backward
         self.top = block  # last block that saved it: needed first in backward
         self.weak = weak  # tells a live storage from a dead one at the same address
         self.moved = False
@@ -270,10 +269,10 @@ class _Microbatch:
                 out = checkpoint(fn, *args, use_reentrant=False, **kwargs)
             else:
                 out = fn(*args, **kwargs)
-        for e in self.in_transit:  # the previous block's copies are done: its bytes leave
-            e.source = None
+        for e in self.in_transit:  # this block's moved bytes leave the device (on CUDA the
+            e.source = None  # allocator reuses them once the side stream's copy-out read them)
             self._set_resident(e, False)
-        self.in_transit = [e for e in self.in_transit if e.owner == index]
+        self.in_transit = []
         return out
 
     def pack(self, t: torch.Tensor) -> _Ref | _Wrapped:
