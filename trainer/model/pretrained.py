@@ -12,8 +12,9 @@ tensor's pages of the file); a tensor-parallel shard reads only its slice. Error
 `InputError`s naming the file and the tensor (or key).
 
 `apply_overrides` merges a run's `[model]` keys with the pretrained shape: `rope_theta`,
-`rope_scaling` and `max_position_embeddings` replace the pretrained values (context extension);
-any other key that differs from config.json is an error naming both values.
+`rope_scaling` and `max_position_embeddings` replace the pretrained values (context extension),
+as does `init_std` (mixlen's own, which config.json does not hold); any other key that differs from
+config.json is an error naming both values.
 """
 
 from __future__ import annotations
