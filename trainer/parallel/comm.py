@@ -66,7 +66,8 @@ class Communicator(Protocol):
         ...
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape everywhere), in rank order."""
+        """Every rank's `tensor` (same shape everywhere), in rank order: new tensors, this rank's a
+        copy too (the caller may write to them)."""
         ...
 
     def reduce_scatter(
