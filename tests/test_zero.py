@@ -115,9 +115,8 @@ def test_an_optimizer_with_hooks_is_freed_with_its_model():
     assert gone() is None
 
 
-class _LateGatherComm:
-    """Rank 0 of 2 whose weight all-gather delivers rank 1's slice (all 7.0) only when its
-    handle is waited for, as an asynchronous collective does; reductions complete at once."""
+class _InstantComm:
+    """Rank 0 of 2 whose collectives complete at once (and do nothing): memory bookkeeping."""
 
     rank, size = 0, 2
 
@@ -126,6 +125,14 @@ class _LateGatherComm:
 
     def reduce_scatter(self, flat, out, sizes=None, async_op=False):
         return Done() if async_op else None
+
+    def all_gather_into(self, flat, sizes=None, async_op=False):
+        return Done() if async_op else None
+
+
+class _LateGatherComm(_InstantComm):
+    """Rank 0 of 2 whose weight all-gather delivers rank 1's slice (all 7.0) only when its
+    handle is waited for, as an asynchronous collective does; reductions complete at once."""
 
     def all_gather_into(self, flat, sizes=None, async_op=False):
         from trainer.parallel.comm import chunk_offsets
@@ -166,21 +173,6 @@ def test_step_returns_with_the_weights_gathered(async_gather):
     )
     zero.wait_weights()
     assert torch.equal(p.detach()[20:], want)
-
-
-class _InstantComm:
-    """Rank 0 of 2 whose collectives complete at once (and do nothing): memory bookkeeping."""
-
-    rank, size = 0, 2
-
-    def all_reduce(self, tensor, async_op=False):
-        return Done() if async_op else None
-
-    def reduce_scatter(self, flat, out, sizes=None, async_op=False):
-        return Done() if async_op else None
-
-    def all_gather_into(self, flat, sizes=None, async_op=False):
-        return Done() if async_op else None
 
 
 def test_zero2_frees_sent_buckets_during_the_backward():
