@@ -2,7 +2,8 @@
 (transformers' own RoPE functions and models, or a hand computation): config.json rope_scaling
 forms transformers accepts (yarn without an original context, linear with one), YaRN's attention
 factor when only `mscale` is set, Q/K/V biases initialised at zero, an export's pad token id,
-and the calibrated TP all-reduce bytes of a bfloat16 model."""
+the calibrated TP all-reduce bytes of a bfloat16 model, and YaRN's tables rounded once to the
+compute dtype."""
 
 from __future__ import annotations
 
@@ -119,3 +120,22 @@ def test_calibrated_tp_all_reduce_bytes_follow_the_dtype():
     assert (cost.b, cost.c) == (want.terms.b, want.terms.c)
     # the bytes matter: timings less 4-byte all-reduces are fitted (and weighted) otherwise
     assert abs(float32.terms.b / want.terms.b - 1) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_yarn_tables_are_rounded_once_to_the_compute_dtype(dtype):
+    """YaRN's cos and sin tables in float32 or bfloat16 are transformers' float64 angles, cos
+    and sin times its attention factor, rounded once to the compute dtype (scaling after the
+    cast would round twice, a last bit off)."""
+    from datapipe.shapes import ModelConfig
+    from trainer.model.rope import Rope
+
+    settings = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    want_inv, want_af = _transformers_rope(settings)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_heads=4, rope_theta=500.0,
+                      rope_scaling=RopeScaling("yarn", 4.0, 32))  # fmt: skip
+    pos = torch.arange(300)
+    ang = pos.to(F64)[:, None] * want_inv[None, :]
+    cos, sin = Rope(cfg).cos_sin(pos, dtype)
+    assert torch.equal(cos, (ang.cos() * want_af).to(dtype))
+    assert torch.equal(sin, (ang.sin() * want_af).to(dtype))
