@@ -350,9 +350,10 @@ def open_uploader(uri: str, local: str):
         raise StoreError(f"{uri}: bucket {bucket!r} does not exist (404)", "no_bucket") from None
 
 
-def store_clock(date: str | None) -> float:
-    """The store's clock (seconds since the epoch) from a reply's Date header; this machine's
-    where it has none, or a bad one."""
+def store_clock(reply: dict) -> float:
+    """The store's clock (seconds since the epoch) from an SDK reply's Date header; this
+    machine's where it has none, or a bad one."""
+    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     try:
         when = email.utils.parsedate_to_datetime(date or "")
     except (TypeError, ValueError):
@@ -382,8 +383,7 @@ def abort_multipart_uploads(uri: str, warn: Callable[[str], None], begun: float)
             Bucket=bucket, Prefix=prefix
         )
         for page in pages:
-            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-            before = store_clock(date) - (time.monotonic() - begun)  # this job's start
+            before = store_clock(page) - (time.monotonic() - begun)  # this job's start
             for up in page.get("Uploads", []):
                 if up["Initiated"].timestamp() >= before:  # another job's, still running
                     continue

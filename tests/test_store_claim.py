@@ -424,10 +424,14 @@ def test_a_claims_age_is_read_on_the_stores_clock(s3, monkeypatch) -> None:
 
 
 def test_the_stores_clock_is_read_from_its_date_header(monkeypatch) -> None:
-    """HTTP dates in GMT, "-0000" (UTC, no zone named) and an offset, against the epoch seconds
-    written out here, on a host whose local time is not UTC; no header, or one that is not a
-    date, falls back to this host's clock."""
-    from datapipe.store import store_clock
+    """HTTP dates in GMT, "-0000" (UTC, no zone named) and an offset, in the reply layout
+    boto3 gives, against the epoch seconds written out here, on a host whose local time is not
+    UTC; no header, or one that is not a date, falls back to this host's clock."""
+    from datapipe.store import store_clock as clock
+
+    def store_clock(date: str | None) -> float:
+        headers = {} if date is None else {"date": date}
+        return clock({"ResponseMetadata": {"HTTPHeaders": headers}})
 
     at_three = 1796050800.0  # 2026-11-30 15:00:00 UTC
     monkeypatch.setenv("TZ", "America/New_York")
@@ -440,4 +444,4 @@ def test_the_stores_clock_is_read_from_its_date_header(monkeypatch) -> None:
         monkeypatch.undo()
         time.tzset()
     monkeypatch.setattr(time, "time", lambda: 42.0)
-    assert store_clock(None) == store_clock("") == store_clock("yesterday") == 42.0
+    assert store_clock(None) == store_clock("") == store_clock("yesterday") == clock({}) == 42.0

@@ -118,7 +118,7 @@ class PrefixClaim:
                 body = json.loads(got["Body"].read(1 << 16))
             except ValueError:
                 body = {}
-            now = store_clock(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
+            now = store_clock(got)
             age = max(0.0, now - got["LastModified"].timestamp())
             return (body if isinstance(body, dict) else {}), got["ETag"], age
 

@@ -28,7 +28,8 @@ resident on the device: a moved block leaves the device when its own forward end
 queued on a side stream on CUDA, keeps its memory from reuse until read), and comes back when the
 backward of the block after it begins, resident then beside that block (the two blocks in flight
 that Eq. 3 budgets). The host store is emptied when the backward ends (an autograd callback) or
-when the context exits, also on an exception. One micro-batch, one backward, inside the context, per manager at a time.
+when the context exits, also on an exception. One micro-batch, one backward, inside the context,
+per manager at a time.
 """
 
 from __future__ import annotations
