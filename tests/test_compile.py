@@ -248,16 +248,25 @@ def test_threaded_ranks_keep_their_own_documents(docs_built) -> None:
     assert not errors and len(built) == 2, errors
 
 
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64."""
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (inductor, the real kernel)")
 def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GPU only
-    """bfloat16 blocks compiled by inductor on the real varlen flash kernel equal eager and do
-    not compile again for another micro-batch."""
+    """bfloat16 blocks compiled by inductor on the real varlen flash kernel are as close to the
+    float64 model as eager bfloat16 is, and do not compile again for another micro-batch.
+    (Elementwise against eager is no test: inductor keeps its fused pointwise ops in float32
+    where eager rounds each to bfloat16, so single gradients differ by a few bfloat16 steps.)"""
     torch._dynamo.reset()
     cfg = dataclasses.replace(get_config("debug"), n_layers=2)
     dev = torch.device("cuda")
     eager = build(cfg, dtype=torch.bfloat16).to(dev)
     compiled = build(cfg, dtype=torch.bfloat16).to(dev)
     compiled.load_state_dict(eager.state_dict())
+    ref = build(cfg, dtype=F64).to(dev)  # the same weights in float64 (the math backend)
+    ref.load_state_dict(eager.state_dict())
     for block in compiled.layers:
         block.compile_block()
     from torch._dynamo.utils import counters
@@ -265,14 +274,17 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
     for i, lengths in enumerate(([700, 3000, 300], [64, 64, 2048, 900])):
         ids, pos, cu, labels = (t.to(dev) for t in batch(lengths, cfg.vocab_size, i))
         out = []
-        for model in (eager, compiled):
+        for model in (ref, eager, compiled):
             model.zero_grad()
             loss, _ = model(ids, pos, cu.tolist(), labels=labels)
             loss.backward()
-            out.append((loss.detach().float(), [p.grad.float() for p in model.parameters()]))
-        torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-2, atol=0)
-        for g, w in zip(out[1][1], out[0][1]):
-            torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2)
+            out.append((loss.detach().double(), [p.grad.double() for p in model.parameters()]))
+        (ref_loss, ref_grads), (eager_loss, eager_grads), (comp_loss, comp_grads) = out
+        assert abs(float(comp_loss - ref_loss)) <= 2e-3 * abs(float(ref_loss))
+        for n, (w, g, r) in enumerate(zip(eager_grads, comp_grads, ref_grads)):
+            e_eager, e_comp = _rel(w, r), _rel(g, r)
+            assert e_eager < 3e-2, (n, e_eager)  # bfloat16 itself, the yardstick
+            assert e_comp <= 2 * e_eager + 5e-3, (n, e_comp, e_eager)
         if i == 0:
             frames = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == frames > 0

@@ -265,8 +265,9 @@ def _step_overhead(
 ) -> float:
     """Seconds of a whole optimizer step beyond its micro-batches: each rank runs one local
     micro-batch of `lens` through the trainer's executor and sharded optimizer; the slowest
-    rank's step minus the slowest rank's micro-batch, the least over `runs_for` steps after a
-    warm-up (at least 1 us: a timing is positive)."""
+    rank's step minus the slowest rank's micro-batches (on the wall clock as the executor timed
+    them, synchronised with the device), the least over `runs_for` steps after a warm-up (at
+    least 1 us: a timing is positive)."""
     from datapipe.fetch import MemoryFetcher
     from datapipe.plan.cost import preset
     from datapipe.plan.planner import PlannerConfig
@@ -298,10 +299,12 @@ def _step_overhead(
         _barrier()
         _sync(dev)
         t0 = _clock(job["clock"])
-        ex.step(plan, fetched, i)
+        result = ex.step(plan, fetched, i)
         _sync(dev)
         step = _reduce(_clock(job["clock"]) - t0, "max", dev)
-        busy = sum(w if job["clock"] == "wall" else c for _, w, c in ex.mb_log)
+        # wall: the rank's micro-batches as the executor timed them, synchronised with the device
+        # (a micro-batch's own wall time in mb_log is, on a GPU, only its kernels' launches)
+        busy = result.compute_s[rank] if job["clock"] == "wall" else sum(c for *_, c in ex.mb_log)
         if i:
             best = min(best, step - _reduce(busy, "max", dev))
         else:  # the warm-up step decides how many are timed (the same on every rank)
