@@ -34,6 +34,11 @@ its error and the next case runs; a part that no longer fits the budget is skipp
 - `reference`: the plain-torch loop of benchmarks/gpu_reference.py (compiled blocks, torch's
   varlen kernel, whole float32 logits) on the same batches (the stand-in where TorchTitan is
   not installed).
+- `syncs`: the host synchronisations of one step of the largest size, packed, as one micro-batch
+  and as four: how many, and the source lines that make them (torch.cuda.set_sync_debug_mode).
+- `profile`: one step of the smallest size packed and of the largest as one document, under
+  torch.profiler: the operators with the most device time, and the step's wall time beside the
+  device's busy time.
 
 Writes DIR/bench_gpu.json and DIR/bench_gpu.md after every part (the tables, also printed last)
 and DIR/cost-gpu.json (calibrate); TorchTitan's work folders and logs go to the temp directory.
@@ -66,12 +71,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
 PARTS = (
     "check", "attention", "calibrate", "train", "torchtitan", "longest", "compiled", "ring",
-    "checkpoint", "reference",
+    "checkpoint", "reference", "syncs", "profile",
 )  # fmt: skip
 # seconds a part needs left in the budget to start on the GPU (a case inside checks again)
 PART_MIN_S = {
     "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
-    "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90,
+    "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90, "syncs": 20, "profile": 20,
 }  # fmt: skip
 # seconds a case needs left to start (compiling ones more: inductor's first compile of a shape)
 CASE_MIN_S = {"compiled": 60.0, "reference": 60.0}
@@ -465,12 +470,13 @@ def _release(ex: Any) -> None:
     ex.zero.remove_hooks()
 
 
-def _step_case(b: Bench, ex: Any, tokens: int, layout: str) -> dict:
-    """One step size and layout through the executor: its first step, then timed steps."""
+def _step_case(b: Bench, ex: Any, tokens: int, layout: str, capacity: int | None = None) -> dict:  # noqa: E501
+    """One step size and layout through the executor (micro-batches of `capacity` positions,
+    default the step's): its first step, then timed steps."""
     from datapipe.plan.metrics import predicted_step_ns
 
     lens = _batch(b, tokens, layout)
-    plan, fetched = _plan_and_fetch(b, lens, tokens)
+    plan, fetched = _plan_and_fetch(b, lens, capacity or tokens)
     step = [0]
 
     def run() -> None:
@@ -510,16 +516,19 @@ def part_train(b: Bench) -> list[dict]:
 
 
 def part_compiled(b: Bench) -> list[dict]:
-    """`[train] compile = true`: every block compiled, the largest step size packed (the
-    first step includes the compilation); `train`'s eager row of the same batch beside it."""
+    """`[train] compile = true`: every block compiled, the largest step size packed, the smallest
+    packed, the largest as one document (a first step includes its compilation); `train`'s eager
+    rows of the same batches beside them."""
     rows: list[dict] = []
     ex, model = _executor(b)
     try:
         for block in model.layers:
             block.compile_block(backend=b.sizes.compile_backend or "inductor")
-        tokens = b.sizes.step_tokens[-1]
-        head = {"tokens": tokens, "layout": "packed", "compiled": True}
-        b.case(rows, head, lambda: _step_case(b, ex, tokens, "packed"))
+        cases = [(b.sizes.step_tokens[-1], "packed"), (b.sizes.step_tokens[0], "packed")]
+        cases.append((b.sizes.step_tokens[-1], "one document"))
+        for tokens, layout in cases:
+            head = {"tokens": tokens, "layout": layout, "compiled": True}
+            b.case(rows, head, lambda t=tokens, lay=layout: _step_case(b, ex, t, lay))
     finally:
         _release(ex)  # the model and optimizer go when this returns (run() frees them)
     return rows
@@ -527,6 +536,13 @@ def part_compiled(b: Bench) -> list[dict]:
 
 def _count_syncs(b: Bench, run: Callable[[], None]) -> int | None:
     """Host synchronisations torch reports during one call (CUDA only)."""
+    sites = _sync_sites(b, run)
+    return None if sites is None else sum(sites.values())
+
+
+def _sync_sites(b: Bench, run: Callable[[], None]) -> dict[str, int] | None:
+    """The source lines (file:line, under the repository or torch) that made the host
+    synchronisations torch reports during one call, with their counts (CUDA only)."""
     import torch
 
     if b.dev.type != "cuda":
@@ -538,7 +554,101 @@ def _count_syncs(b: Bench, run: Callable[[], None]) -> int | None:
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{_short_path(w.filename)}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    return sites
+
+
+def _short_path(path: str) -> str:
+    """`path` from the repository's root, or from torch's folder's parent."""
+    import torch
+
+    p = Path(path)
+    for base in (ROOT, Path(torch.__file__).parent.parent):
+        if p.is_relative_to(base):
+            return str(p.relative_to(base))
+    return p.name
+
+
+def part_syncs(b: Bench) -> list[dict]:
+    """Host synchronisations of one step, one micro-batch against four (per-micro-batch ones
+    would grow with them), and where they come from."""
+    rows: list[dict] = []
+    tokens = b.sizes.step_tokens[-1]
+    ex, model = _executor(b)
+    try:
+        for capacity in (tokens, tokens // 4):
+
+            def one(capacity: int = capacity) -> dict:
+                lens = _batch(b, tokens, "packed")
+                plan, fetched = _plan_and_fetch(b, lens, capacity)
+                ex.step(plan, fetched, 1)  # warm: allocations, the optimizer's state
+                sites = _sync_sites(b, lambda: ex.step(plan, fetched, 2))
+                top = sorted((sites or {}).items(), key=lambda kv: -kv[1])
+                return {
+                    "microbatches": len(fetched),
+                    "syncs": None if sites is None else sum(sites.values()),
+                    "sites": "; ".join(f"{k} x{n}" for k, n in top) or "-",
+                }
+
+            b.case(rows, {"tokens": tokens, "capacity": capacity}, one)
+    finally:
+        _release(ex)
+    return rows
+
+
+def part_profile(b: Bench) -> list[dict]:
+    """One step of the smallest size packed, then of the largest as one document, under
+    torch.profiler: the step's wall time and the share of it the device was busy (its kernels
+    and copies), then the operators whose own kernels took the most device time (on the CPU's
+    dry run, the most CPU time)."""
+    rows: list[dict] = []
+    ex, model = _executor(b)
+    try:
+        for tokens, layout in ((b.sizes.step_tokens[0], "packed"),
+                               (b.sizes.step_tokens[-1], "one document")):  # fmt: skip
+            step = f"{tokens} {layout}"
+            try:
+                rows += [{"step": step, **r} for r in _profile_step(b, ex, tokens, layout)]
+            except Exception as exc:
+                rows.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                print(f"bench_gpu: profile: {traceback.format_exc()}", flush=True)
+            b.free()
+    finally:
+        _release(ex)
+    return rows
+
+
+def _profile_step(b: Bench, ex: Any, tokens: int, layout: str) -> list[dict]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.dev.type == "cuda"
+    lens = _batch(b, tokens, layout)
+    plan, fetched = _plan_and_fetch(b, lens, tokens)
+    for i in range(2):  # warm
+        ex.step(plan, fetched, i + 1)
+    b.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        ex.step(plan, fetched, 3)
+        b.sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # the device's busy time: its kernels and copies; the operators: their launchers'
+    kinds = (DeviceType.CUDA,) if cuda else (DeviceType.CPU,)
+    busy = sum(getattr(e, attr) for e in events if e.device_type in kinds) / 1e3  # us -> ms
+    out = [{"op": "(the step)", "calls": 1, "ms": wall * 1e3, "share": busy / wall / 1e3}]
+    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    for e in sorted(ops, key=lambda e: -getattr(e, attr))[:15]:
+        ms = getattr(e, attr) / 1e3
+        out.append({"op": e.key[:60], "calls": e.count, "ms": ms, "share": ms / busy})
+    return out
 
 
 def part_reference(b: Bench) -> list[dict]:
@@ -777,6 +887,8 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "ring": part_ring,
     "checkpoint": part_checkpoint,
     "reference": part_reference,
+    "syncs": part_syncs,
+    "profile": part_profile,
 }
 
 

@@ -74,8 +74,8 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert all((r["sdpa_ms"] is None) == (r["layout"] == "packed") for r in attn)
     assert (tmp_path / "cost-gpu.json").is_file()
     train = parts["train"]["rows"] + parts["compiled"]["rows"]
-    assert len(train) == 5 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
-    assert [r.get("compiled", False) for r in train] == [False] * 4 + [True]
+    assert len(train) == 7 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
+    assert [r.get("compiled", False) for r in train] == [False] * 4 + [True] * 3
     assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
     assert len(parts["reference"]["rows"]) == 4
     titan = parts["torchtitan"]["rows"]  # its dry run where TorchTitan is installed
@@ -104,6 +104,13 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         rows = [r for r in longest if r["checkpoint"] == mode]
         trained = [r["tokens"] for r in rows if r["result"] == "trained"]
         assert max(trained) == bench_gpu.DRY.memory_cap and rows[-1]["result"] == "out of memory"
+    syncs = parts["syncs"]["rows"]  # counted on CUDA only
+    assert [(r["microbatches"], r["syncs"]) for r in syncs] == [(1, None), (4, None)]
+    prof = parts["profile"]["rows"]
+    for step in ("256 packed", "512 one document"):
+        rows = [r for r in prof if r["step"] == step]
+        assert rows[0]["op"] == "(the step)" and 0 < rows[0]["share"] <= 1.0 and len(rows) > 5
+        assert any(r["op"] == "aten::mm" for r in rows) and sum(r["share"] for r in rows[1:]) <= 1
     page = (tmp_path / "bench_gpu.md").read_text()
     assert all(f"## {name}" in page for name in bench_gpu.PARTS)
     # what comes back from a device run: at most 8 files (TorchTitan's work goes elsewhere)
