@@ -39,6 +39,9 @@ its error and the next case runs; a part that no longer fits the budget is skipp
 - `profile`: one step of the smallest size packed and of the largest as one document, under
   torch.profiler: the operators with the most device time, and the step's wall time beside the
   device's busy time.
+- `losschunk`: the largest step size, packed, with the loss's default chunk of tokens (its
+  float32 logits in 256 MiB) beside chunks of 1/16 and 1/4 of the step: each chunk adds its
+  share of dL/dW into a float32 [vocabulary, dim] buffer, so fewer chunks move fewer bytes.
 
 Writes DIR/bench_gpu.json and DIR/bench_gpu.md after every part (the tables, also printed last)
 and DIR/cost-gpu.json (calibrate); TorchTitan's work folders and logs go to the temp directory.
@@ -71,12 +74,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
 PARTS = (
     "check", "attention", "calibrate", "train", "torchtitan", "longest", "compiled", "ring",
-    "checkpoint", "reference", "syncs", "profile",
+    "checkpoint", "reference", "syncs", "profile", "losschunk",
 )  # fmt: skip
 # seconds a part needs left in the budget to start on the GPU (a case inside checks again)
 PART_MIN_S = {
     "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
     "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90, "syncs": 20, "profile": 20,
+    "losschunk": 30,
 }  # fmt: skip
 # seconds a case needs left to start (compiling ones more: inductor's first compile of a shape)
 CASE_MIN_S = {"compiled": 60.0, "reference": 60.0}
@@ -876,6 +880,31 @@ def _probe(b: Bench, ex: Any, plan: Any, fetched: Any) -> int | None:
     return b.peak(lambda: ex.step(plan, fetched, 1))
 
 
+def part_losschunk(b: Bench) -> list[dict]:
+    """The largest step size packed, at the loss's default chunk and at 1/16 and 1/4 of the
+    step's tokens a chunk."""
+    from trainer.model.loss import chunk_tokens
+
+    rows: list[dict] = []
+    tokens = b.sizes.step_tokens[-1]
+    keep = ("step_s", "tokens_per_s", "mfu_titan", "peak_gib")
+    ex, model = _executor(b)
+    try:
+        for chunk in (None, tokens // 16, tokens // 4):
+            model.loss_chunk_tokens = chunk
+            size = chunk or chunk_tokens(b.shape().vocab_size)
+
+            def one() -> dict:
+                got = _step_case(b, ex, tokens, "packed")
+                return {k: got[k] for k in keep}
+
+            b.case(rows, {"tokens": tokens, "chunk": size, "default": chunk is None}, one)
+    finally:
+        model.loss_chunk_tokens = None
+        _release(ex)
+    return rows
+
+
 RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "check": part_check,
     "attention": part_attention,
@@ -889,6 +918,7 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "reference": part_reference,
     "syncs": part_syncs,
     "profile": part_profile,
+    "losschunk": part_losschunk,
 }
 
 

@@ -111,6 +111,11 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         rows = [r for r in prof if r["step"] == step]
         assert rows[0]["op"] == "(the step)" and 0 < rows[0]["share"] <= 1.0 and len(rows) > 5
         assert any(r["op"] == "aten::mm" for r in rows) and sum(r["share"] for r in rows[1:]) <= 1
+    chunks = parts["losschunk"]["rows"]
+    tokens = bench_gpu.DRY.step_tokens[-1]
+    assert [(r["chunk"], r["default"]) for r in chunks][1:] == [(tokens // 16, False),
+                                                                (tokens // 4, False)]  # fmt: skip
+    assert chunks[0]["default"] and all(r["tokens_per_s"] > 0 for r in chunks)
     page = (tmp_path / "bench_gpu.md").read_text()
     assert all(f"## {name}" in page for name in bench_gpu.PARTS)
     # what comes back from a device run: at most 8 files (TorchTitan's work goes elsewhere)
