@@ -70,6 +70,11 @@ def test_flops_coefficients_independent() -> None:
     assert m.b == pytest.approx(3 * lin_flops / dev.matmul_flops, rel=1e-12)
     # Causal core: S^2/2 query-key pairs, QK^T and PV each 2*h FLOPs per pair, per layer.
     assert m.a == pytest.approx(3 * layers * 2 * h / dev.attn_flops, rel=1e-12)
+    # The optimizer's step: LLaMA-7B's published 6,738,415,616 parameters at the device's rate;
+    # none on the CPU preset, whose cost files keep their bytes and hashes
+    assert dev.step_s_per_param > 0
+    assert m.step == pytest.approx(6_738_415_616 * dev.step_s_per_param, rel=1e-12)
+    assert C.preset("debug").step == 0.0 and "step" not in C.preset("debug").to_dict()
 
 
 @given(

@@ -9,6 +9,7 @@ from datapipe.plan import cost as C
 from datapipe.plan.balance import Schedule, fill_idle
 from datapipe.plan.common import Layout
 from datapipe.plan.planner import PlannerConfig
+from datapipe.shapes import MODEL_CONFIGS
 
 
 def test_fill_idle_moves_a_micro_batch_and_its_load() -> None:
@@ -33,9 +34,16 @@ def test_the_improvement_budget_is_rounds_times_ranks() -> None:
     then the tail's): none at 0; at 1 on 16 ranks, up to 16 a pass, and this batch takes 17 in
     all (a budget of `improve_rounds` alone would stop at 2)."""
     lengths = np.clip(np.random.default_rng(16).lognormal(np.log(600), 1.0, 400), 1, 16000)
+    # the 7B on fixed rates (the h100 preset's assumed ones before it was measured), so that
+    # retuning the preset does not move this batch's count
+    rates = C.DeviceRates(
+        "fixed", 4.5e14, 2.25e14, 5.0e10, 3.2e10, 2e-3, hop_latency_s=2e-5, attn_n_half=512.0,
+        overlap=0.9, ranks_per_node=8, node_link_bytes_per_s=3.0e11,
+    )  # fmt: skip
+    cost = C.build_cost_model("llama-7b", MODEL_CONFIGS["llama-7b"], rates)
     moves = [
         PlannerConfig(policy="hdp", capacity=4096, widen=False, improve_rounds=r)
-        .build(C.preset("llama-7b"), 16)
+        .build(cost, 16)
         .plan(lengths.astype(np.int64))
         .meta["improve_moves"]
         for r in (0, 1, 50)

@@ -77,28 +77,36 @@ class DeviceRates:
     overlap: float = 1.0
     ranks_per_node: int = 0
     node_link_bytes_per_s: float = 0.0
+    step_s_per_param: float = 0.0  # the optimizer's step (the cost model's `step`) a parameter
 
 
 DEVICES: dict[str, DeviceRates] = {
-    # Assumptions, not measurements: ~45% of 989 TFLOP/s dense bf16 for GEMMs, half that for the
-    # attention kernel, whose rate halves on chunks of 512 positions (flash-attention kernels'
-    # published throughput falls to about half at a few hundred tokens); 8 GPUs per node on NVLink
-    # 4 (450 GB/s per direction, ~2/3 achieved by point-to-point copies: 3e11), 400 Gbit/s
-    # InfiniBand per GPU between nodes (5e10); 20 us per ring hop (NCCL send/recv latency plus
-    # launch); 90% of a hop hides under the attention (NCCL on its own stream, sharing the SMs);
-    # PCIe Gen5 ~32 GB/s effective per direction; 2 ms per micro-batch.
+    # Measured on one H200 (the H100's SMs and clocks; `benchmarks/fit_device_rates.py` on the cost
+    # file of `mixlen calibrate --model llama3.2-1b --device cuda`, torch 2.11, eager bf16 blocks,
+    # benchmarks/RESULTS.md "One GPU"): GEMMs at 4.6e14 FLOP/s (46% of 989 TFLOP/s dense bf16)
+    # and torch's varlen flash kernel at 2.4e14 (its rate assumed to halve on chunks of 512
+    # positions, as flash kernels' published throughput does at a few hundred: one rank's
+    # timings cannot tell that term from the GEMMs'); 35 ms a
+    # micro-batch (the 1B's eager kernel launches: a 1,024-token micro-batch takes 59 ms for 17
+    # ms of GEMMs); the optimizer's step at 1.5e-11 s a parameter (fused AdamW, float32 master
+    # beside bf16 weights: 18 ms for 1.24e9 parameters). Assumed, not measured (one GPU): 8 GPUs
+    # per node on NVLink 4 (450 GB/s per direction, ~2/3 achieved by point-to-point copies:
+    # 3e11), 400 Gbit/s InfiniBand per GPU between nodes (5e10); 20 us per ring hop (NCCL
+    # send/recv latency plus launch); 90% of a hop hides under the attention (NCCL on its own
+    # stream, sharing the SMs); PCIe Gen5 ~32 GB/s effective per direction.
     "h100": DeviceRates(
         "h100",
-        4.5e14,
-        2.25e14,
+        4.6e14,
+        2.4e14,
         5.0e10,
         3.2e10,
-        2e-3,
+        3.5e-2,
         hop_latency_s=2e-5,
         attn_n_half=512.0,
         overlap=0.9,
         ranks_per_node=8,
         node_link_bytes_per_s=3.0e11,
+        step_s_per_param=1.5e-11,
     ),
     # The development box's cores (2 cores, torch 2.x CPU kernels, float32), one rank per core,
     # gloo over loopback: round figures of the rates `mixlen calibrate --model debug` measured
@@ -394,6 +402,7 @@ def build_cost_model(
         overlap=device.overlap,
         ranks_per_node=device.ranks_per_node,
         node_link_bytes_per_s=device.node_link_bytes_per_s,
+        step=shape.num_params() * device.step_s_per_param,
         name=f"{name}@{device.name}",
     )
 
