@@ -36,9 +36,9 @@ its error and the next case runs; a part that no longer fits the budget is skipp
   not installed).
 - `syncs`: the host synchronisations of one step of the largest size, packed, as one micro-batch
   and as four: how many, and the source lines that make them (torch.cuda.set_sync_debug_mode).
-- `profile`: one step of the smallest size packed and of the largest as one document, under
-  torch.profiler: the operators with the most device time, and the step's wall time beside the
-  device's busy time.
+- `profile`: one step of the smallest size packed, of the largest as one document, and of the
+  largest packed with compiled blocks, under torch.profiler: the operators with the most device
+  time, and the step's wall time beside the device's busy time.
 - `losschunk`: the largest step size, packed, with the loss's default chunk of tokens (its
   float32 logits in 256 MiB) beside chunks of 1/16 and 1/4 of the step: each chunk adds its
   share of dL/dW into a float32 [vocabulary, dim] buffer, so fewer chunks move fewer bytes.
@@ -79,7 +79,7 @@ PARTS = (
 # seconds a part needs left in the budget to start on the GPU (a case inside checks again)
 PART_MIN_S = {
     "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
-    "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90, "syncs": 20, "profile": 20,
+    "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90, "syncs": 20, "profile": 45,
     "losschunk": 30,
 }  # fmt: skip
 # seconds a case needs left to start (compiling ones more: inductor's first compile of a shape)
@@ -605,17 +605,23 @@ def part_syncs(b: Bench) -> list[dict]:
 
 
 def part_profile(b: Bench) -> list[dict]:
-    """One step of the smallest size packed, then of the largest as one document, under
-    torch.profiler: the step's wall time and the share of it the device was busy (its kernels
-    and copies), then the operators whose own kernels took the most device time (on the CPU's
-    dry run, the most CPU time)."""
+    """One step of the smallest size packed, of the largest as one document, then of the
+    largest packed with every block compiled (what is left beside TorchTitan's compiled blocks),
+    under torch.profiler: the step's wall time and the share of it the device was busy (its
+    kernels and copies), then the operators whose own kernels took the most device time (on the
+    CPU's dry run, the most CPU time)."""
     rows: list[dict] = []
+    small, large = b.sizes.step_tokens[0], b.sizes.step_tokens[-1]
     ex, model = _executor(b)
     try:
-        for tokens, layout in ((b.sizes.step_tokens[0], "packed"),
-                               (b.sizes.step_tokens[-1], "one document")):  # fmt: skip
-            step = f"{tokens} {layout}"
+        for tokens, layout, compiled in ((small, "packed", False),
+                                         (large, "one document", False),
+                                         (large, "packed", True)):  # fmt: skip
+            step = f"{tokens} {layout}" + (", compiled" if compiled else "")
             try:
+                if compiled:
+                    for block in model.layers:
+                        block.compile_block(backend=b.sizes.compile_backend or "inductor")
                 rows += [{"step": step, **r} for r in _profile_step(b, ex, tokens, layout)]
             except Exception as exc:
                 rows.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -652,6 +658,11 @@ def _profile_step(b: Bench, ex: Any, tokens: int, layout: str) -> list[dict]:
     for e in sorted(ops, key=lambda e: -getattr(e, attr))[:15]:
         ms = getattr(e, attr) / 1e3
         out.append({"op": e.key[:60], "calls": e.count, "ms": ms, "share": ms / busy})
+    # the kernels themselves: compiled blocks launch inductor's fused kernels from no operator
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else []
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+        ms = e.self_device_time_total / 1e3
+        out.append({"op": f"kernel {e.key[:53]}", "calls": e.count, "ms": ms, "share": ms / busy})
     return out
 
 

@@ -107,7 +107,7 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     syncs = parts["syncs"]["rows"]  # counted on CUDA only
     assert [(r["microbatches"], r["syncs"]) for r in syncs] == [(1, None), (4, None)]
     prof = parts["profile"]["rows"]
-    for step in ("256 packed", "512 one document"):
+    for step in ("256 packed", "512 one document", "512 packed, compiled"):
         rows = [r for r in prof if r["step"] == step]
         assert rows[0]["op"] == "(the step)" and 0 < rows[0]["share"] <= 1.0 and len(rows) > 5
         assert any(r["op"] == "aten::mm" for r in rows) and sum(r["share"] for r in rows[1:]) <= 1
