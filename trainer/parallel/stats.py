@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from trainer.attention.varlen import to_device
 
 __all__ = ["RANK_FIELDS", "ReduceStats", "StepStats"]
 
@@ -40,15 +43,12 @@ class StepStats:
         loss_sum: torch.Tensor, rank: int, size: int, mine: dict[str, float], device: torch.device
     ) -> torch.Tensor:
         """The float64 buffer this rank contributes to the all-reduce (zeros in other rows). Made
-        on the host and sent in one copy from pinned memory on a GPU: each scalar written into a
-        device tensor would be a blocking copy (seen on an H200: 6 of a step's 9 host waits)."""
-        host = torch.zeros(1 + len(RANK_FIELDS) * size, dtype=torch.float64)
+        on the host and sent in one copy (`to_device`, pinned on a GPU): each scalar written into
+        a device tensor would be a blocking copy (seen on an H200: 6 of a step's 9 host waits)."""
+        host = np.zeros(1 + len(RANK_FIELDS) * size, dtype=np.float64)
         for j, name in enumerate(RANK_FIELDS):
             host[1 + j * size + rank] = float(mine[name])
-        if device.type == "cuda":
-            buf = host.pin_memory().to(device, non_blocking=True)
-        else:
-            buf = host.to(device)
+        buf = to_device(host, device)
         buf[0] = loss_sum
         return buf
 
