@@ -20,6 +20,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gpu  # noqa: E402
 
 from datapipe.plan.cost import DEVICES, DeviceRates, build_cost_model  # noqa: E402
 from datapipe.shapes import ModelConfig, get_config  # noqa: E402
@@ -37,20 +40,18 @@ def fit(cal: dict, shape: ModelConfig, base: DeviceRates) -> tuple[DeviceRates, 
     on one rank a sample's S x n_half pairs grow with its positions as the GEMMs do, so the
     local timings cannot tell it from the GEMM rate (only ring chunks could)."""
     lens, secs = _local(cal)
-    passes = 1.0 + base.bwd_factor
-    lin = shape.n_layers * (shape.attn_proj_flops_per_token() + shape.mlp_flops_per_token())
-    lin += 2.0 * shape.dim * shape.vocab_size
-    core = shape.n_layers * shape.attn_core_flops_per_s2()
     h = base.attn_n_half
     x = np.array([[float((s * (s + h)).sum()), float(s.sum()), 1.0] for s in lens])
     (a, b, c), *_ = np.linalg.lstsq(x / secs[:, None], np.ones_like(secs), rcond=None)
     if min(a, b, c) <= 0:
         raise SystemExit(f"the fit gives a non-positive term: a={a:.3g}, b={b:.3g}, c={c:.3g}")
     step = [t["seconds"] for t in cal["timings"] if t["kind"] == "step"]
+    # the cost model's a and b are FLOPs over the rates: the base's scaled by the fitted ones
+    ref = build_cost_model("base", shape, base)
     rates = dataclasses.replace(
         base,
-        matmul_flops=float(passes * lin / b),
-        attn_flops=float(passes * core / a),
+        matmul_flops=float(base.matmul_flops * ref.b / b),
+        attn_flops=float(base.attn_flops * ref.a / a),
         microbatch_overhead_s=float(c),
         step_s_per_param=float(np.median(step)) / shape.num_params() if step else 0.0,
     )
@@ -88,22 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| bench row | measured s | planned, fitted | planned, preset {args.preset} now |")
     print("| --- | --- | --- | --- |")
     now = DEVICES[args.preset]
+    # the batches as the benchmark drew them (bench_gpu's own draw, kept per size and layout)
+    b = bench_gpu.Bench(bench_gpu.Sizes(device="cpu"), Path("/tmp"), 1.0)
     for path in args.bench:
         results = json.loads(Path(path).read_text())
-        lengths = {}  # the benchmark draws its batches as bench_gpu.Bench.packed does
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import bench_gpu
-
-        b = bench_gpu.Bench(bench_gpu.Sizes(device="cpu"), Path("/tmp"), 1.0)
         for name in ("train", "compiled"):
             for row in results["parts"].get(name, {}).get("rows", []):
                 if "step_s" not in row:
                     continue
                 tokens, layout = row["tokens"], row["layout"]
-                key = (tokens, layout)
-                lengths.setdefault(key, bench_gpu._batch(b, tokens, layout))
-                fit_s = planned(shape, rates, lengths[key], tokens)
-                now_s = planned(shape, now, lengths[key], tokens)
+                lens = bench_gpu._batch(b, tokens, layout)
+                fit_s = planned(shape, rates, lens, tokens)
+                now_s = planned(shape, now, lens, tokens)
                 what = f"{name} {tokens} {layout}"
                 print(
                     f"| {what} | {row['step_s']:.3f} | {fit_s:.3f} ({fit_s / row['step_s'] - 1:+.1%})"

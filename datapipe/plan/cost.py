@@ -87,8 +87,9 @@ DEVICES: dict[str, DeviceRates] = {
     # and torch's varlen flash kernel at 2.4e14 (its rate assumed to halve on chunks of 512
     # positions, as flash kernels' published throughput does at a few hundred: one rank's
     # timings cannot tell that term from the GEMMs'); 35 ms a micro-batch (the 1B's eager kernel
-    # launches: a 1,024-token micro-batch takes 59 ms for 17 ms of GEMMs); the optimizer's step at 1.5e-11 s a parameter (fused AdamW, float32 master
-    # beside bf16 weights: 18 ms for 1.24e9 parameters). Assumed, not measured (one GPU): 8 GPUs
+    # launches: a 1,024-token micro-batch takes 59 ms for 17 ms of GEMMs); the optimizer's step
+    # at 1.5e-11 s a parameter (fused AdamW, float32 master beside bf16 weights: 18 ms for
+    # 1.24e9 parameters). Assumed, not measured (one GPU): 8 GPUs
     # per node on NVLink 4 (450 GB/s per direction, ~2/3 achieved by point-to-point copies:
     # 3e11), 400 Gbit/s InfiniBand per GPU between nodes (5e10); 20 us per ring hop (NCCL
     # send/recv latency plus launch); 90% of a hop hides under the attention (NCCL on its own
