@@ -447,7 +447,10 @@ def test_step_overhead_subtracts_the_micro_batches_as_the_device_ran_them(monkey
     model = build(dataclasses.replace(get_config("debug"), n_layers=1), dtype=torch.float32)
     comm = SoloComm()
     grid = CalibrationGrid(repeats=1, min_seconds=0.0)
-    secs = _step_overhead(
-        model, {"hdp": comm, "grad": comm}, (64, 64), grid, {"clock": "wall"}, torch.device("cpu")
-    )
+    groups, cpu = {"hdp": comm, "grad": comm}, torch.device("cpu")
+    secs = _step_overhead(model, groups, (64, 64), grid, {"clock": "wall"}, cpu)
     assert 0 < secs < 0.15, secs  # the optimizer step of a one-layer debug model: milliseconds
+    # the CPU clock: the step and its micro-batches both in thread time (the sleep in neither);
+    # the wall-clock busy time subtracted from it would leave nothing (the 1 us floor)
+    secs = _step_overhead(model, groups, (64, 64), grid, {"clock": "cpu"}, cpu)
+    assert 1e-5 < secs < 0.15, secs
