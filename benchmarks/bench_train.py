@@ -138,7 +138,7 @@ def _policies_main(rank: int, world: int, port: int, job: dict) -> None:
             t0, c0 = time.perf_counter(), time.thread_time()
             res = ex.step(plan, fetched, i)
             # wall: the slowest rank's step; CPU: beyond its micro-batches, the slowest rank's
-            rest_cpu = time.thread_time() - c0 - sum(c for _, _, c in ex.mb_log)
+            rest_cpu = time.thread_time() - c0 - sum(c for _, c in ex.mb_log)
             wall = torch.tensor([time.perf_counter() - t0, rest_cpu], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             cpu = replayed_cpu_s(comm, ex.mb_log, plan, rank)  # slowest member, slot order

@@ -303,8 +303,7 @@ def _step_overhead(
         _sync(dev)
         step = _reduce(_clock(job["clock"]) - t0, "max", dev)
         # wall: the rank's micro-batches as the executor timed them, synchronised with the device
-        # (a micro-batch's own wall time in mb_log is, on a GPU, only its kernels' launches)
-        busy = result.compute_s[rank] if job["clock"] == "wall" else sum(c for *_, c in ex.mb_log)
+        busy = result.compute_s[rank] if job["clock"] == "wall" else sum(c for _, c in ex.mb_log)
         if i:
             best = min(best, step - _reduce(busy, "max", dev))
         else:  # the warm-up step decides how many are timed (the same on every rank)

@@ -126,10 +126,10 @@ class PolicyComparison:
 
 def replayed_cpu_s(comm: Communicator, mb_log: list, plan: StepPlan, rank: int) -> float:
     """Makespan of a pass of `plan` with each micro-batch's thread CPU time (from the executor's
-    `mb_log` of (slot, start, cpu s) on every rank; a group waits for its slowest member) replayed
+    `mb_log` of (slot, cpu s) on every rank; a group waits for its slowest member) replayed
     in slot order; one all-reduce over `comm`, the plan's ranks."""
     log = torch.zeros(comm.size, plan.num_microbatches, dtype=torch.float64)
-    for slot, _, cpu in mb_log:
+    for slot, cpu in mb_log:
         log[rank, slot] = cpu
     comm.all_reduce(log)
     mb_ns = (log.amax(dim=0).numpy() * 1e9).astype(np.int64)

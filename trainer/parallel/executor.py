@@ -136,8 +136,10 @@ class HDPExecutor:
             if shapes != zero.layout.shapes or zero.comm.size != comm.size:
                 raise ValueError("the optimizer is not over this model's parameters on this island")
             zero.install_hooks()  # gradients go into its buckets as soon as they are final
-        # (slot, wall s, this thread's CPU s) of each micro-batch of the last step, for benchmarks
-        self.mb_log: list[tuple[int, float, float]] = []
+        # (slot, this thread's CPU s) of each micro-batch of the last step, for the CPU clock's
+        # replay (trainer/compare.py, calibrate, benchmarks); no wall time: on a GPU a micro-batch's
+        # own wall time is its kernels' launches (the rank's synchronised busy time is in StepStats)
+        self.mb_log: list[tuple[int, float]] = []
         self.activations = activations
         self.act_stats: list[MicrobatchStats] = []  # this rank's micro-batches of the last step
         self.plan_offload: PlanOffload | None = None  # every rank's, of the last checked plan
@@ -259,11 +261,11 @@ class HDPExecutor:
         self.mb_log = []
         self.act_stats = []
         for j, (pm, mb) in enumerate(zip(mine, fetched)):
-            w0, c0 = time.perf_counter(), time.thread_time()
+            c0 = time.thread_time()
             if grad:
                 self.zero.begin_microbatch(last=j == len(mine) - 1)
             loss += self._run_microbatch(pm, mb, lengths_by_id, grad, weight_by_id)
-            self.mb_log.append((pm.slot, time.perf_counter() - w0, time.thread_time() - c0))
+            self.mb_log.append((pm.slot, time.thread_time() - c0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # timings measure work, not kernel launches
         busy = time.perf_counter() - t0 if mine else 0.0
