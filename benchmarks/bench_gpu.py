@@ -25,8 +25,8 @@ its error and the next case runs; a part that no longer fits the budget is skipp
   installed).
 - `longest`: the longest single document one GPU trains (no checkpointing, then full activation
   checkpointing), doubling until out of memory or out of budget.
-- `compiled`: `[train] compile = true` (each block compiled) at the largest step size, packed,
-  beside `train`'s eager row of the same batch.
+- `compiled`: `[train] compile = true` (each block and the loss's chunks compiled) at each step
+  size, packed, and the largest as one document, then the largest packed with the loss eager.
 - `ring`: 4 threaded ranks on one GPU: a document split over the ring against whole-document
   attention, and the ring's time beside the same document on one rank.
 - `checkpoint`: one document of the largest step size (32K) with no, selective and full
@@ -40,8 +40,12 @@ its error and the next case runs; a part that no longer fits the budget is skipp
   largest packed with compiled blocks, under torch.profiler: the operators with the most device
   time, and the step's wall time beside the device's busy time.
 - `losschunk`: the largest step size, packed, with the loss's default chunk of tokens (its
-  float32 logits in 256 MiB) beside chunks of 1/16 and 1/4 of the step: each chunk adds its
+  float32 logits in 1 GiB) beside chunks of 1/16 and 1/4 of the step: each chunk adds its
   share of dL/dW into a float32 [vocabulary, dim] buffer, so fewer chunks move fewer bytes.
+- `gap`: where a compiled mixlen step's device time goes beside the reference loop's, kernel by
+  kind (matmuls, attention, inductor's fused kernels, aten's elementwise and reductions, the
+  optimizer, copies, ...), one step of the largest size packed each under torch.profiler: the
+  rows that differ are what is left between them.
 
 Writes DIR/bench_gpu.json and DIR/bench_gpu.md after every part (the tables, also printed last)
 and DIR/cost-gpu.json (calibrate); TorchTitan's work folders and logs go to the temp directory.
@@ -74,16 +78,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 PEAK_TFLOPS = 989.0  # H100/H200 dense bfloat16, TorchTitan's MFU denominator
 PARTS = (
     "check", "attention", "calibrate", "train", "torchtitan", "longest", "compiled", "ring",
-    "checkpoint", "reference", "syncs", "profile", "losschunk",
+    "checkpoint", "reference", "syncs", "profile", "losschunk", "gap",
 )  # fmt: skip
 # seconds a part needs left in the budget to start on the GPU (a case inside checks again)
 PART_MIN_S = {
     "check": 10, "attention": 20, "calibrate": 30, "train": 40, "torchtitan": 100, "longest": 30,
     "compiled": 90, "ring": 20, "checkpoint": 45, "reference": 90, "syncs": 20, "profile": 45,
-    "losschunk": 30,
+    "losschunk": 30, "gap": 90,
 }  # fmt: skip
 # seconds a case needs left to start (compiling ones more: inductor's first compile of a shape)
-CASE_MIN_S = {"compiled": 60.0, "reference": 60.0}
+CASE_MIN_S = {"compiled": 60.0, "reference": 60.0, "gap": 45.0}
 CASE_MIN_DEFAULT_S = 15.0
 
 
@@ -520,19 +524,24 @@ def part_train(b: Bench) -> list[dict]:
 
 
 def part_compiled(b: Bench) -> list[dict]:
-    """`[train] compile = true`: every block compiled, the largest step size packed, the smallest
-    packed, the largest as one document (a first step includes its compilation); `train`'s eager
-    rows of the same batches beside them."""
+    """`[train] compile = true`: every block and the loss's chunks compiled, the largest step size
+    packed, the smallest packed, the largest as one document (a first step includes its
+    compilation), then the largest packed with the blocks compiled and the loss eager; `train`'s
+    eager rows of the same batches beside them."""
     rows: list[dict] = []
     ex, model = _executor(b)
     try:
-        for block in model.layers:
-            block.compile_block(backend=b.sizes.compile_backend or "inductor")
+        model.compile_layers(b.sizes.compile_backend or "inductor")
         cases = [(b.sizes.step_tokens[-1], "packed"), (b.sizes.step_tokens[0], "packed")]
         cases.append((b.sizes.step_tokens[-1], "one document"))
         for tokens, layout in cases:
             head = {"tokens": tokens, "layout": layout, "compiled": True}
             b.case(rows, head, lambda t=tokens, lay=layout: _step_case(b, ex, t, lay))
+        # the blocks compiled, the loss eager: what compiling the loss's chunks gives
+        model.loss_compile = None
+        tokens = b.sizes.step_tokens[-1]
+        head = {"tokens": tokens, "layout": "packed", "compiled": "blocks only"}
+        b.case(rows, head, lambda: _step_case(b, ex, tokens, "packed"))
     finally:
         _release(ex)  # the model and optimizer go when this returns (run() frees them)
     return rows
@@ -620,8 +629,7 @@ def part_profile(b: Bench) -> list[dict]:
             step = f"{tokens} {layout}" + (", compiled" if compiled else "")
             try:
                 if compiled:
-                    for block in model.layers:
-                        block.compile_block(backend=b.sizes.compile_backend or "inductor")
+                    model.compile_layers(b.sizes.compile_backend or "inductor")
                 rows += [{"step": step, **r} for r in _profile_step(b, ex, tokens, layout)]
             except Exception as exc:
                 rows.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -668,7 +676,6 @@ def _profile_step(b: Bench, ex: Any, tokens: int, layout: str) -> list[dict]:
 
 def part_reference(b: Bench) -> list[dict]:
     """The plain-torch loop on the same batches as `train`."""
-    import torch
     from gpu_reference import ReferenceLoop
 
     loop = ReferenceLoop(b.shape(), b.dtype, b.dev, b.sizes.compile_backend)
@@ -676,13 +683,7 @@ def part_reference(b: Bench) -> list[dict]:
 
     def one(tokens: int, layout: str) -> dict:
         lens = _batch(b, tokens, layout)
-        rng = np.random.default_rng(sum(lens))
-        ids = torch.as_tensor(
-            np.concatenate([rng.integers(0, b.shape().vocab_size, n) for n in lens]), device=b.dev
-        )
-        pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]), device=b.dev)
-        labels = torch.roll(ids, -1)
-        labels[torch.as_tensor(np.cumsum(lens) - 1, device=b.dev)] = -100
+        ids, pos, labels = _reference_inputs(b, lens)
         t0 = time.perf_counter()
         loop.step(ids, pos, lens, labels)  # compiles
         b.sync()
@@ -704,6 +705,21 @@ def part_reference(b: Bench) -> list[dict]:
     finally:
         b.free()
     return rows
+
+
+def _reference_inputs(b: Bench, lens: list[int]) -> tuple[Any, Any, Any]:
+    """(token ids, positions, labels) of documents `lens` on the device, for the reference loop:
+    random tokens, each document's next token as its labels, none at a document's end."""
+    import torch
+
+    rng = np.random.default_rng(sum(lens))
+    ids = torch.as_tensor(
+        np.concatenate([rng.integers(0, b.shape().vocab_size, n) for n in lens]), device=b.dev
+    )
+    pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lens]), device=b.dev)
+    labels = torch.roll(ids, -1)
+    labels[torch.as_tensor(np.cumsum(lens) - 1, device=b.dev)] = -100
+    return ids, pos, labels
 
 
 def part_torchtitan(b: Bench) -> list[dict]:
@@ -916,6 +932,106 @@ def part_losschunk(b: Bench) -> list[dict]:
     return rows
 
 
+# kinds of device kernels (on the CPU's dry run, of operators), by what their names contain, first
+# match wins: attention before matmuls (flash kernels' names hold "gemm"-like words), inductor's
+# matmul templates before its other kernels, collectives ("AllReduce") before reductions
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "gloo", "c10d::")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("matmul", ("triton_tem", "gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "aten::mm",
+                "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("optimizer", ("adam",)),
+    ("inductor fused", ("triton_",)),
+    ("softmax", ("softmax",)),
+    ("gather, scatter, index", ("embedding", "index", "scatter", "gather")),
+    ("reduction", ("reduce", "aten::sum", "aten::amax", "aten::max", "aten::norm", "aten::dot")),
+    ("copy, fill", ("copy", "memcpy", "memset", "fill")),
+    ("foreach", ("multi_tensor", "foreach")),
+    ("elementwise", ("elementwise", "aten::")),
+)  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    """The kind (KERNEL_KINDS) of a kernel's or operator's name, else "other"."""
+    low = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in low for w in words):
+            return kind
+    return "other"
+
+
+def _kinds_ms(b: Bench, step: Callable[[], Any]) -> dict[str, float]:
+    """Device milliseconds by kernel kind of one call of `step` (warmed by the caller), and
+    "(the step)": its wall milliseconds; on the CPU, the operators' own CPU time by kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.dev.type == "cuda"
+    b.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        b.sync()
+        wall = time.perf_counter() - t0
+    kind_of = DeviceType.CUDA if cuda else DeviceType.CPU
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out = {"(the step)": wall * 1e3}
+    for e in prof.key_averages():
+        if e.device_type == kind_of and not e.key.startswith("ProfilerStep"):
+            k = kernel_kind(e.key)
+            out[k] = out.get(k, 0.0) + getattr(e, attr) / 1e3
+    out["(device busy)"] = sum(v for k, v in out.items() if k != "(the step)")
+    return out
+
+
+def part_gap(b: Bench) -> list[dict]:
+    """One step of the largest size, packed, with compiled blocks, and the reference loop's step
+    on the same documents: device milliseconds by kernel kind side by side, and the difference."""
+    tokens = b.sizes.step_tokens[-1]
+    lens = _batch(b, tokens, "packed")
+    backend = b.sizes.compile_backend or "inductor"
+    got: dict[str, dict[str, float]] = {}
+
+    def mixlen_step() -> dict:
+        ex, model = _executor(b)
+        try:
+            model.compile_layers(backend)
+            plan, fetched = _plan_and_fetch(b, lens, tokens)
+            for i in range(3):  # compiles, then warm
+                ex.step(plan, fetched, i + 1)
+            got["mixlen"] = _kinds_ms(b, lambda: ex.step(plan, fetched, 4))
+        finally:
+            _release(ex)
+        return {"step_ms": got["mixlen"]["(the step)"]}
+
+    def reference_step() -> dict:
+        from gpu_reference import ReferenceLoop
+
+        loop = ReferenceLoop(b.shape(), b.dtype, b.dev, b.sizes.compile_backend)
+        ids, pos, labels = _reference_inputs(b, lens)
+        for _ in range(3):
+            loop.step(ids, pos, lens, labels)
+        got["reference"] = _kinds_ms(b, lambda: loop.step(ids, pos, lens, labels))
+        return {"step_ms": got["reference"]["(the step)"]}
+
+    runs: list[dict] = []
+    b.case(runs, {"tokens": tokens, "loop": "mixlen, compiled"}, mixlen_step)
+    b.case(runs, {"tokens": tokens, "loop": "reference"}, reference_step)
+    if len(got) < 2:
+        return runs  # a side failed or did not fit: its row says why
+    mine, ref = got["mixlen"], got["reference"]
+    first = ("(the step)", "(device busy)")
+    kinds = sorted(
+        set(mine) | set(ref), key=lambda k: (k not in first, k != first[0], -mine.get(k, 0.0))
+    )
+    return [
+        {"tokens": tokens, "kind": k, "mixlen_ms": mine.get(k, 0.0),
+         "reference_ms": ref.get(k, 0.0), "difference_ms": mine.get(k, 0.0) - ref.get(k, 0.0)}
+        for k in kinds
+    ]  # fmt: skip
+
+
 RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "check": part_check,
     "attention": part_attention,
@@ -930,6 +1046,7 @@ RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "syncs": part_syncs,
     "profile": part_profile,
     "losschunk": part_losschunk,
+    "gap": part_gap,
 }
 
 

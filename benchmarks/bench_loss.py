@@ -7,13 +7,17 @@ formulations written here, side by side in one run on the same inputs:
                  softmax as a new tensor exp(logits - lse), then scaled (mixlen's loss before
                  it computed the exponentials once, in place)
     mixlen       trainer.model.loss.linear_cross_entropy
+    mixlen, compiled  the same with each chunk's arithmetic compiled by inductor (`[train] compile`)
+    mixlen REV   with --baseline REV: trainer/model/loss.py as it was at git revision REV (read
+                 with `git show`, loaded beside today's), to measure a change to it in one run
 
-For each: the median time of forward + backward over the repeats (this thread's CPU time: a
+For each: the median time of forward + backward over the repeats after one untimed call (this thread's CPU time: a
 shared box disturbs it less than wall time), and the peak bytes of tensors it allocated on top of
 its inputs (torch's CPU allocator is not tracked, so peak is counted by a dispatch mode: every
 tensor an operator returns, freed when Python drops it).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_loss.py [--tokens 4096] [--vocab 32768,131072]
+        [--baseline REV]
 
 Prints a table and writes benchmarks/out/bench_loss.json.
 """
@@ -21,10 +25,13 @@ Prints a table and writes benchmarks/out/bench_loss.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import weakref
 
@@ -106,12 +113,37 @@ def mixlen(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return linear_cross_entropy(h, w, labels)
 
 
-KINDS = {"whole": whole, "chunked, plain": plain_chunks, "mixlen": mixlen}
+def mixlen_compiled(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return linear_cross_entropy(h, w, labels, compile="inductor")
 
 
-def measure(fn, h, w, labels, repeats: int) -> tuple[float, int, float]:  # noqa: ANN001
-    """(median CPU seconds of forward + backward, peak allocated bytes, loss)."""
+KINDS = {
+    "whole": whole, "chunked, plain": plain_chunks, "mixlen": mixlen,
+    "mixlen, compiled": mixlen_compiled,
+}  # fmt: skip
+
+
+def loss_at(rev: str):  # noqa: ANN201
+    """`linear_cross_entropy` of trainer/model/loss.py at git revision `rev`, as a module of its
+    own (it imports today's datapipe and trainer: a revision whose imports moved fails here)."""
+    src = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{rev}:trainer/model/loss.py"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"loss_at_{rev}", f.name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return lambda h, w, labels: module.linear_cross_entropy(h, w, labels)
+
+
+def measure(fn, h, w, labels, repeats: int) -> tuple[float, int | None, float]:  # noqa: ANN001
+    """(median CPU seconds of forward + backward, peak allocated bytes or None, loss)."""
     times = []
+    fn(h, w, labels).backward()  # warm: a compiled kind compiles here
     for _ in range(repeats):
         h.grad = w.grad = None
         t0 = time.thread_time()
@@ -119,10 +151,17 @@ def measure(fn, h, w, labels, repeats: int) -> tuple[float, int, float]:  # noqa
         loss.backward()
         times.append(time.thread_time() - t0)
     h.grad = w.grad = None
+    if fn is mixlen_compiled:  # torch.compile refuses to run under a dispatch mode: no peak
+        loss = fn(h, w, labels)
+        return statistics.median(times), None, float(loss.detach())
     with PeakBytes() as mode:
         loss = fn(h, w, labels)
         loss.backward()
     return statistics.median(times), mode.peak, float(loss.detach())
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def main() -> None:
@@ -132,8 +171,12 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline", help="also the loss at this git revision (e.g. HEAD~1)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    kinds = dict(KINDS)
+    if args.baseline:
+        kinds[f"mixlen {args.baseline}"] = loss_at(args.baseline)
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -142,12 +185,13 @@ def main() -> None:
             h = torch.randn(args.tokens, args.dim, generator=g).to(dtype).requires_grad_()
             w = (torch.randn(vocab, args.dim, generator=g) * 0.05).to(dtype).requires_grad_()
             labels = torch.randint(0, vocab, (args.tokens,), generator=g)
-            res = {k: measure(fn, h, w, labels, args.repeats) for k, fn in KINDS.items()}
+            res = {k: measure(fn, h, w, labels, args.repeats) for k, fn in kinds.items()}
             base = res["mixlen"][0]
             for k, (secs, peak, loss) in res.items():
                 rows.append({
                     "dtype": dtype_name, "tokens": args.tokens, "vocab": vocab, "dim": args.dim,
-                    "kind": k, "seconds": secs, "x_mixlen": secs / base, "peak_mib": peak / 2**20,
+                    "kind": k, "seconds": secs, "x_mixlen": secs / base,
+                    "peak_mib": None if peak is None else peak / 2**20,
                     "loss": loss,
                 })  # fmt: skip
     print("| dtype | T x V | loss | s (fwd+bwd) | x mixlen's time | peak MiB |")
@@ -155,7 +199,7 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['dtype']} | {r['tokens']} x {r['vocab']} | {r['kind']} | {r['seconds']:.3f} "
-            f"| {r['x_mixlen']:.2f} | {r['peak_mib']:.0f} |"
+            f"| {r['x_mixlen']:.2f} | {_mib(r['peak_mib'])} |"
         )
     out = os.path.join(ROOT, "benchmarks", "out", "bench_loss.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -16,6 +16,10 @@
 #       END=300 bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=320)
 #   run(command="TESTS=0 PARTS=torchtitan,longest,compiled,reference END=... bash ...", ...)
 # Dry run of the same logic on a CPU: tests/test_bench_gpu.py; of this script, DRY=1 (tiny sizes).
+# What the next session lent a GPU runs (issue 37's open goal, compiled mixlen >= the reference loop
+# at 32K; about 400 s on an H200 by the parts' times on 2026-11-30), in one call:
+#   run(command="TESTS=1 PARTS=compiled,reference,gap,train,torchtitan,losschunk,profile END=545
+#       bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mixlen-gpu}

@@ -55,6 +55,48 @@ def test_a_failing_case_keeps_the_others_and_the_budget_skips(tmp_path) -> None:
     assert "## train" in (tmp_path / "bench_gpu.md").read_text()
 
 
+# kernel names as an H100/H200's profiler reports them (torch 2.11, cuBLAS 13), with their kinds
+KERNELS = {
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, "
+    "128, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>, false, true>": "attention",
+    "nvjet_tst_192x192_64x4_1x2_h_bz_coopB_NNT": "matmul",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_"
+    "segment_k_off_kernel__5x_cublas": "matmul",
+    "cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matmul",
+    "triton_tem_fused_mm_0": "matmul",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "inductor fused",
+    "triton_poi_fused_cat_mul_sub_2": "inductor fused",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+    "namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>>": "optimizer",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "std::array<char*, 3ul> >": "elementwise",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"
+    "TensorIteratorBase&)::{lambda()#3}::operator()() const>": "copy, fill",
+    "Memcpy HtoD (Pinned -> Device)": "copy, fill",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, "
+    "unsigned int, float, 4> >": "reduction",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForwardSmem<4, float, float, float, "
+    "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>": "softmax",
+    "void at::native::_scatter_gather_elementwise_kernel<128, 4, ...>": "gather, scatter, index",
+    "void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>": (
+        "gather, scatter, index"
+    ),
+    "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<2>, at::native::"
+    "(anonymous namespace)::CopyFunctor<...>>": "copy, fill",
+    "aten::mm": "matmul",
+    "mixlen::varlen_attention": "attention",
+    "aten::add_": "elementwise",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+    "some_custom_kernel_42": "other",
+}
+
+
+def test_kernel_kinds_of_real_names() -> None:
+    """The `gap` part's kinds: each name as the first matching kind takes it (flash kernels hold
+    "cutlass", cuBLAS's split-K "reduce", inductor's kernels "copy")."""
+    assert {name: bench_gpu.kernel_kind(name) for name in KERNELS} == KERNELS
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dry_run_of_every_part(tmp_path) -> None:
@@ -74,8 +116,8 @@ def test_dry_run_of_every_part(tmp_path) -> None:
     assert all((r["sdpa_ms"] is None) == (r["layout"] == "packed") for r in attn)
     assert (tmp_path / "cost-gpu.json").is_file()
     train = parts["train"]["rows"] + parts["compiled"]["rows"]
-    assert len(train) == 7 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
-    assert [r.get("compiled", False) for r in train] == [False] * 4 + [True] * 3
+    assert len(train) == 8 and all(r["cost"] == "calibrated" and r["planned_s"] > 0 for r in train)
+    assert [r.get("compiled", False) for r in train] == [False] * 4 + [True] * 3 + ["blocks only"]
     assert all(0 < r["mfu_titan"] < 1 and r["tokens_per_s"] > 0 for r in train)
     assert len(parts["reference"]["rows"]) == 4
     titan = parts["torchtitan"]["rows"]  # its dry run where TorchTitan is installed
@@ -111,6 +153,12 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         rows = [r for r in prof if r["step"] == step]
         assert rows[0]["op"] == "(the step)" and 0 < rows[0]["share"] <= 1.0 and len(rows) > 5
         assert any(r["op"] == "aten::mm" for r in rows) and sum(r["share"] for r in rows[1:]) <= 1
+    gap = {r["kind"]: r for r in parts["gap"]["rows"]}
+    assert list(gap)[:2] == ["(the step)", "(device busy)"] and gap["matmul"]["mixlen_ms"] > 0
+    for side in ("mixlen_ms", "reference_ms"):
+        kinds = sum(r[side] for k, r in gap.items() if not k.startswith("("))
+        assert kinds == pytest.approx(gap["(device busy)"][side]) and 0 < kinds
+    assert all(r["difference_ms"] == r["mixlen_ms"] - r["reference_ms"] for r in gap.values())
     chunks = parts["losschunk"]["rows"]
     tokens = bench_gpu.DRY.step_tokens[-1]
     assert [(r["chunk"], r["default"]) for r in chunks][1:] == [(tokens // 16, False),

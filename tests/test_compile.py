@@ -255,7 +255,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (inductor, the real kernel)")
 def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GPU only
-    """bfloat16 blocks compiled by inductor on the real varlen flash kernel are as close to the
+    """bfloat16 blocks and loss chunks compiled by inductor (the blocks on the real varlen flash
+    kernel) are as close to the
     float64 model as eager bfloat16 is, and do not compile again for another micro-batch.
     (Elementwise against eager is no test: inductor keeps its fused pointwise ops in float32
     where eager rounds each to bfloat16, so single gradients differ by a few bfloat16 steps.)"""
@@ -267,8 +268,7 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
     compiled.load_state_dict(eager.state_dict())
     ref = build(cfg, dtype=F64).to(dev)  # the same weights in float64 (the math backend)
     ref.load_state_dict(eager.state_dict())
-    for block in compiled.layers:
-        block.compile_block()
+    compiled.compile_layers()  # the blocks and the loss's chunks, as `[train] compile` does
     from torch._dynamo.utils import counters
 
     for i, lengths in enumerate(([700, 3000, 300], [64, 64, 2048, 900])):
@@ -288,6 +288,32 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
         if i == 0:
             frames = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == frames > 0
+
+
+def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch) -> None:
+    """`Transformer.compile_layers` (what `[train] compile` calls) compiles every block and hands
+    the loss its backend: the loss runs its chunks through the compiled function (counted here),
+    and the model's loss and gradients equal the eager model's in float64, chunk by chunk."""
+    from trainer.model import loss as loss_module
+
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(get_config("debug"), n_layers=2)
+    eager, compiled = build(cfg, dtype=F64), build(cfg, dtype=F64)
+    compiled.load_state_dict(eager.state_dict())
+    eager.loss_chunk_tokens = compiled.loss_chunk_tokens = 7
+    calls: list[str] = []
+    real = loss_module._compiled
+    monkeypatch.setattr(loss_module, "_compiled", lambda b: calls.append(b) or real(b))
+    compiled.compile_layers("eager")
+    assert all(block._compiled is not None for block in compiled.layers)
+    lengths = [5, 17, 9]
+    want = loss_and_grads(eager, lengths, 0)
+    assert calls == []  # the eager model's loss never asks for it
+    got = loss_and_grads(compiled, lengths, 0)
+    assert calls == ["eager"]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
 def test_compiling_a_block_with_hooks_on_its_attention_is_refused() -> None:

@@ -24,6 +24,14 @@ from trainer.testing.threads import run_threads
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiles():
+    """Each test's compiled loss chunks compile afresh: one process of a job meets one dtype and
+    one kind of weights, this module all of them, past dynamo's limit on recompiling a function."""
+    torch._dynamo.reset()
+    yield
+
+
 def whole_logits_loss(h, w, labels, weights=None):
     """The reference: whole logits, F.cross_entropy per position, weighted sum."""
     per = F.cross_entropy(h @ w.t(), labels.long(), ignore_index=IGNORE_INDEX, reduction="none")
@@ -49,26 +57,47 @@ def grads(fn, h, w):
 
 @pytest.mark.parametrize("chunk", [1, 5, 23, 100, None])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_chunked_equals_whole_logits_float64(chunk, weighted) -> None:
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_chunked_equals_whole_logits_float64(chunk, weighted, compile) -> None:
+    """Eager, and each chunk's arithmetic through torch.compile (the `eager` backend: traced,
+    then run as written, so the compiled function's own arithmetic is what is checked)."""
     h, w, labels, weights = inputs()
     wt = weights if weighted else None
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, wt), h, w)
-    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, chunk), h, w)
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, chunk, compile=compile), h, w)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_compiled_chunks_equal_float64(dtype) -> None:
+    """Each chunk's arithmetic compiled by inductor (fused kernels; here the CPU's), chunks that
+    do not divide the tokens, weights and ignored labels: loss and gradients within the dtype's
+    rounding of the float64 reference of the same rounded inputs, and as close as eager's."""
+    h, w, labels, weights = inputs(t=200, d=16, v=3001, seed=12)
+    hd, wd, wt = h.to(dtype), w.to(dtype), weights.to(dtype)
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels, wt.double()), hd.double(),
+                 wd.double())  # fmt: skip
+    eager = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, 64), hd, wd)
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, 64, compile="inductor"), hd, wd)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for g, e, r in zip(got, eager, want):
+        err = float((g.double() - r).norm() / r.norm())
+        assert err < tol and err <= 2 * float((e.double() - r).norm() / r.norm()) + 1e-6, err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_cuda_equals_float64(dtype) -> None:
-    """On the GPU, in the compute dtype, with chunks that do not divide the tokens: the loss and
-    gradients equal the float64 whole-logits reference (3e-2 relative in bfloat16)."""
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_chunked_loss_cuda_equals_float64(dtype, compile) -> None:
+    """On the GPU, in the compute dtype, with chunks that do not divide the tokens, eager and
+    with each chunk's arithmetic compiled (inductor's Triton kernels): the loss and gradients
+    equal the float64 whole-logits reference (3e-2 relative in bfloat16)."""
     h, w, labels, weights = inputs(t=1000, d=64, v=5003, seed=3)
     dev = torch.device("cuda")
     hd, wd = h.to(dev, dtype), w.to(dev, dtype)
-    got = grads(
-        lambda a, b: linear_cross_entropy(a, b, labels.to(dev), weights.to(dev, dtype), 333), hd, wd
-    )
+    lab, wt = labels.to(dev), weights.to(dev, dtype)
+    got = grads(lambda a, b: linear_cross_entropy(a, b, lab, wt, 333, compile=compile), hd, wd)
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16 gradients: about 1e-2 on a CPU
     # inputs rounded to the dtype: the reference of the rounded inputs, in float64
     want = grads(
@@ -255,7 +284,29 @@ def test_bfloat16_gradients_accumulate_in_float32() -> None:
         assert err < 1e-2, err
 
 
-def test_large_logits_stay_finite() -> None:
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_bfloat16_gradient_at_a_confident_label_is_rounded_once(compile) -> None:
+    """A label whose softmax is 0.998: its logit's gradient, softmax - 1 = -0.0018, is computed in
+    float32 and rounded to bfloat16 once (rounding the softmax first gives 1.0 - 1 = 0). With h the
+    identity, dL/dW's column i is position i's logit gradient, so each label's entry is read
+    directly and compared with the float64 gradient of the same rounded inputs."""
+    t, v = 8, 300
+    gen = torch.Generator().manual_seed(11)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    w = torch.randn(v, t, generator=gen) * 0.01
+    w[labels, torch.arange(t)] = 12.0  # logit 12 at the label, about 0 elsewhere: softmax 0.998
+    hb, wb = torch.eye(t, dtype=torch.bfloat16), w.bfloat16()
+    want = grads(lambda a, b: whole_logits_loss(a, b, labels), hb.double(), wb.double())[2]
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, None, 3, compile=compile), hb, wb)[
+        2
+    ]
+    at, ref = got[labels, torch.arange(t)].double(), want[labels, torch.arange(t)]
+    assert bool((ref < -1e-3).all()), ref
+    torch.testing.assert_close(at, ref, rtol=2**-7, atol=0.0)
+
+
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_large_logits_stay_finite(compile) -> None:
     """Logits in the hundreds (float32 exp overflows past 88): the loss, its gradients and
     evaluation's per-position losses equal whole-logits cross-entropy of the same float32
     inputs, computed in float64."""
@@ -266,7 +317,7 @@ def test_large_logits_stay_finite() -> None:
     assert float((h @ w.t()).abs().max()) > 200
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights.double()), h.double(),
                  w.double())  # fmt: skip
-    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, weights, 5), h, w)
+    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, weights, 5, compile=compile), h, w)
     for g, r in zip(got, want):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-4)
     per = F.cross_entropy(h.double() @ w.double().t(), labels, ignore_index=IGNORE_INDEX,

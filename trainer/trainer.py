@@ -209,9 +209,8 @@ class Trainer:
 
             shard = functools.partial(parallelize, mesh=rt.tp_mesh)
         self.model, master = build_model(shape, dtype, rt.device, cfg.train.seed, load, shard)
-        if cfg.train.compile:  # each block one graph (a ring: the segments around it)
-            for block in self.model.layers:
-                block.compile_block()
+        if cfg.train.compile:  # each block one graph (a ring: the segments around it), the loss
+            self.model.compile_layers()
         assert rt.grad_comm is not None and rt.cross_comm is not None
         mode = cfg.co2.mode if rt.islands > 1 else "single"
         cross = cross_link(cfg.co2, rt.cross_comm)

@@ -78,7 +78,8 @@ class TrainConfig:
     compile: bool = setting(
         False,
         help="torch.compile each block as one graph with dynamic shapes, local attention a "
-        "registered operator inside it (a ring micro-batch: the segments around its attention); "
+        "registered operator inside it (a ring micro-batch: the segments around its attention), "
+        "and the loss's arithmetic on each chunk of logits; "
         "refused with parallel.tp > 1 (DTensor blocks run uncompiled); on an H200 7-12% faster "
         "with a quarter less memory, the first step compiling (docs/gpu.md)",
         free_on_resume=True,

@@ -13,6 +13,13 @@ the whole batch's logits, their float32 copy and their log-softmax (about 1.3 MB
 128K vocabulary). The result is the SUM over labelled positions (labels != -100) of
 weight x cross-entropy, the same loss and gradients as cross-entropy over whole logits.
 
+With `compile` (a torch.compile backend; `[train] compile = true` passes "inductor") a chunk's
+arithmetic after its matmul is one compiled function instead: the compiler fuses it into a
+reduction over each row and one pass that writes the gradient straight into the compute dtype,
+so each [chunk, V] element is read from the bfloat16 logits about twice and written once, where
+the eager passes above read and write the float32 copy about ten times. Not with tensor
+parallelism (compiled blocks are refused there too).
+
 Under tensor parallelism each process holds the rows [v0, v0 + V/tp) of the output weight: the
 chunk's log-sum-exp combines every process's partial one (an all-gather of [chunk] floats), the
 labels' logits are summed over the processes (each contributes the ones it owns), and dL/dh,
@@ -21,6 +28,7 @@ partial per process, is summed over them once per micro-batch: the vocabulary-pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +94,40 @@ def _chunk(
     return loss, g
 
 
+def _pointwise(
+    logits: torch.Tensor, lab: torch.Tensor, wt: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss sum, gradient of the logits in their dtype) of one chunk's logits [c, V]
+    (all of the vocabulary: no tensor parallelism), in the accumulation dtype inside. Written for
+    a compiler to fuse: run eagerly, each line is a pass over [c, V]."""
+    x = logits.to(accum_dtype(logits.dtype))
+    valid = lab != IGNORE_INDEX
+    mine = valid & (lab >= 0) & (lab < x.shape[1])
+    idx = lab.long().clamp(0, x.shape[1] - 1)[:, None]
+    scale = valid.to(x.dtype) if wt is None else valid * wt.to(x.dtype)
+    top = x.amax(dim=-1, keepdim=True)
+    lse = top + (x - top).exp().sum(dim=-1, keepdim=True).log()
+    target = x.gather(1, idx) * mine[:, None]
+    loss = ((lse - target) * scale[:, None]).sum()
+    # softmax x weight, minus the weight at the label: in the accumulation dtype, rounded once
+    p = (x - lse).exp() * scale[:, None]
+    at = torch.arange(x.shape[1], device=x.device)[None, :] == idx
+    g = torch.where(at & mine[:, None], p - scale[:, None], p)
+    return loss, g.to(logits.dtype)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(backend: str) -> Callable:
+    """`_pointwise` compiled with `backend`, dynamic in the chunk's rows (once per process)."""
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(
+            _pointwise, backend=backend, dynamic=True, fullgraph=True
+        )
+    return _COMPILED[backend]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -98,6 +140,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v0: int,
         comm: Communicator | None,
         grad: bool,
+        fused: Callable | None,
     ) -> torch.Tensor:
         acc = accum_dtype(h.dtype)
         loss = torch.zeros((), dtype=acc, device=h.device)
@@ -106,16 +149,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # a chunk's share of dL/dW in the compute dtype, one buffer for all chunks (none when the
         # compute dtype is the accumulation dtype: added in place)
         part_dw = torch.empty_like(w) if grad and w.dtype != acc else None
-        buf = torch.empty((min(chunk, h.shape[0]), w.shape[0]), dtype=acc, device=h.device)
+        rows = (min(chunk, h.shape[0]), w.shape[0])  # the eager chunk's float32 logits
+        buf = torch.empty(rows, dtype=acc, device=h.device) if fused is None else None
         with torch.no_grad():
             for s in range(0, h.shape[0], chunk):
                 e = min(s + chunk, h.shape[0])
                 wt = None if weights is None else weights[s:e]
-                part, g = _chunk(h[s:e], w, labels[s:e], wt, v0, comm, buf, grad)
-                loss += part
-                if g is not None:
-                    gc = g.to(h.dtype)  # g itself where h is in the accumulation dtype
+                if fused is not None:  # the compiled arithmetic on the compute dtype's logits
+                    part, gc = fused(h[s:e] @ w.t(), labels[s:e], wt)
+                    loss += part
+                else:
+                    assert buf is not None
+                    part, g = _chunk(h[s:e], w, labels[s:e], wt, v0, comm, buf, grad)
+                    loss += part
+                    gc = None if g is None else g.to(h.dtype)  # g itself in the acc. dtype
                     del g
+                if gc is not None:
                     torch.matmul(gc, w, out=dh[s:e])  # type: ignore[index]
                     if part_dw is None:
                         dw.addmm_(gc.t(), h[s:e])  # type: ignore[union-attr]
@@ -136,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         g = g_loss.to(dw.dtype)
         # in place: the gradients were made for this one backward
         dw_out = dw.mul_(g).to(ctx.w_dtype)
-        return (dh.mul_(g.to(dh.dtype)), dw_out, None, None, None, None, None, None)
+        return (dh.mul_(g.to(dh.dtype)), dw_out, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -147,11 +196,13 @@ def linear_cross_entropy(
     chunk: int | None = None,
     vocab_start: int = 0,
     comm: Communicator | None = None,
+    compile: str | None = None,
 ) -> torch.Tensor:
     """SUM over positions with a label of weight x cross-entropy of `h @ w.T` (h [T, D], w [V, D]
     or this process's rows [V/tp, D] starting at `vocab_start`, with `comm` the TP group);
     differentiable in h and w. `weights`: [T] per position (None: 1); `chunk`: tokens per chunk
-    (default: `chunk_tokens` of w's rows)."""
+    (default: `chunk_tokens` of w's rows); `compile`: a torch.compile backend for each chunk's
+    arithmetic (None: eager; ignored under tensor parallelism and without a gradient)."""
     if labels.shape != h.shape[:1] or (weights is not None and weights.shape != labels.shape):
         raise ValueError(
             f"labels {tuple(labels.shape)} and weights "
@@ -159,7 +210,11 @@ def linear_cross_entropy(
         )
     step = chunk if chunk is not None else chunk_tokens(w.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-    return _LinearCrossEntropy.apply(h, w, labels, weights, max(1, step), vocab_start, comm, grad)
+    whole = vocab_start == 0 and (comm is None or comm.size == 1)
+    fused = _compiled(compile) if compile is not None and grad and whole else None
+    return _LinearCrossEntropy.apply(
+        h, w, labels, weights, max(1, step), vocab_start, comm, grad, fused
+    )
 
 
 @torch.no_grad()

@@ -193,8 +193,16 @@ class Transformer(nn.Module):
         self.tp_mesh: Any = None  # the TP group's DeviceMesh once parallelized
         self.tp_comm: Any = None  # and its communicator (the vocabulary-parallel loss)
         self.loss_chunk_tokens: int | None = None  # None: trainer.model.loss.chunk_tokens
+        self.loss_compile: str | None = None  # the loss chunks' torch.compile backend, or eager
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """torch.compile every block (`Block.compile_block`) and the loss's arithmetic on each
+        chunk of logits (trainer.model.loss) with `backend`: what `[train] compile` does."""
+        for layer in self.layers:
+            layer.compile_block(backend)
+        self.loss_compile = backend
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -235,8 +243,9 @@ class Transformer(nn.Module):
             return self._logits(h)
         w, vocab_start, comm = self._output_rows()
         loss_sum = linear_cross_entropy(
-            h, w, labels, label_weights, self.loss_chunk_tokens, vocab_start, comm
-        )
+            h, w, labels, label_weights, self.loss_chunk_tokens, vocab_start, comm,
+            self.loss_compile,
+        )  # fmt: skip
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
     def hidden(
