@@ -290,10 +290,12 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
     assert counters["stats"]["unique_graphs"] == frames > 0
 
 
-def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch) -> None:
+@pytest.mark.parametrize("managed", [None, "every:1"])
+def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch, managed) -> None:
     """`Transformer.compile_layers` (what `[train] compile` calls) compiles every block and hands
     the loss its backend: the loss runs its chunks through the compiled function (counted here),
-    and the model's loss and gradients equal the eager model's in float64, chunk by chunk."""
+    and the model's loss and gradients equal the eager model's in float64, chunk by chunk, also
+    inside the offload manager's hooks (checkpointing every block, half the rest offloaded)."""
     from trainer.model import loss as loss_module
 
     torch._dynamo.reset()
@@ -307,9 +309,10 @@ def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch) -> 
     compiled.compile_layers("eager")
     assert all(block._compiled is not None for block in compiled.layers)
     lengths = [5, 17, 9]
-    want = loss_and_grads(eager, lengths, 0)
+    manager = manager_of(managed, cfg)
+    want = loss_and_grads(eager, lengths, 0, manager)
     assert calls == []  # the eager model's loss never asks for it
-    got = loss_and_grads(compiled, lengths, 0)
+    got = loss_and_grads(compiled, lengths, 0, manager)
     assert calls == ["eager"]
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
     for g, w in zip(got[1], want[1]):
