@@ -960,9 +960,10 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def _kinds_ms(b: Bench, step: Callable[[], Any]) -> dict[str, float]:
-    """Device milliseconds by kernel kind of one call of `step` (warmed by the caller), and
-    "(the step)": its wall milliseconds; on the CPU, the operators' own CPU time by kind."""
+def _kinds_ms(b: Bench, step: Callable[[], Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Device milliseconds of one call of `step` (warmed by the caller) by kernel kind, with
+    "(the step)": its wall milliseconds, and "(device busy)": all kinds; and by kernel name. On
+    the CPU, the operators' own CPU time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -976,22 +977,26 @@ def _kinds_ms(b: Bench, step: Callable[[], Any]) -> dict[str, float]:
         wall = time.perf_counter() - t0
     kind_of = DeviceType.CUDA if cuda else DeviceType.CPU
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    out = {"(the step)": wall * 1e3}
+    kinds = {"(the step)": wall * 1e3}
+    names: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_type == kind_of and not e.key.startswith("ProfilerStep"):
-            k = kernel_kind(e.key)
-            out[k] = out.get(k, 0.0) + getattr(e, attr) / 1e3
-    out["(device busy)"] = sum(v for k, v in out.items() if k != "(the step)")
-    return out
+            ms = getattr(e, attr) / 1e3
+            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
+            names[e.key] = names.get(e.key, 0.0) + ms
+    kinds["(device busy)"] = sum(v for k, v in kinds.items() if k != "(the step)")
+    return kinds, names
 
 
 def part_gap(b: Bench) -> list[dict]:
     """One step of the largest size, packed, with compiled blocks, and the reference loop's step
-    on the same documents: device milliseconds by kernel kind side by side, and the difference."""
+    on the same documents: device milliseconds by kernel kind side by side, and the difference;
+    then the kernels among either side's 8 longest, by name (inductor's differ between the two
+    programs; cuBLAS's, flash's and aten's are the same names on both sides)."""
     tokens = b.sizes.step_tokens[-1]
     lens = _batch(b, tokens, "packed")
     backend = b.sizes.compile_backend or "inductor"
-    got: dict[str, dict[str, float]] = {}
+    got: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
 
     def mixlen_step() -> dict:
         ex, model = _executor(b)
@@ -1003,7 +1008,7 @@ def part_gap(b: Bench) -> list[dict]:
             got["mixlen"] = _kinds_ms(b, lambda: ex.step(plan, fetched, 4))
         finally:
             _release(ex)
-        return {"step_ms": got["mixlen"]["(the step)"]}
+        return {"step_ms": got["mixlen"][0]["(the step)"]}
 
     def reference_step() -> dict:
         from gpu_reference import ReferenceLoop
@@ -1013,23 +1018,28 @@ def part_gap(b: Bench) -> list[dict]:
         for _ in range(3):
             loop.step(ids, pos, lens, labels)
         got["reference"] = _kinds_ms(b, lambda: loop.step(ids, pos, lens, labels))
-        return {"step_ms": got["reference"]["(the step)"]}
+        return {"step_ms": got["reference"][0]["(the step)"]}
 
     runs: list[dict] = []
     b.case(runs, {"tokens": tokens, "loop": "mixlen, compiled"}, mixlen_step)
     b.case(runs, {"tokens": tokens, "loop": "reference"}, reference_step)
     if len(got) < 2:
         return runs  # a side failed or did not fit: its row says why
-    mine, ref = got["mixlen"], got["reference"]
+    (mine, mine_k), (ref, ref_k) = got["mixlen"], got["reference"]
     first = ("(the step)", "(device busy)")
     kinds = sorted(
         set(mine) | set(ref), key=lambda k: (k not in first, k != first[0], -mine.get(k, 0.0))
     )
+    top = {k for side in (mine_k, ref_k) for k in sorted(side, key=lambda k: -side[k])[:8]}
+    rows = [(k, mine.get(k, 0.0), ref.get(k, 0.0)) for k in kinds]
+    rows += [
+        (f"kernel {k[:70]}", mine_k.get(k, 0.0), ref_k.get(k, 0.0))
+        for k in sorted(top, key=lambda k: -max(mine_k.get(k, 0.0), ref_k.get(k, 0.0)))
+    ]
     return [
-        {"tokens": tokens, "kind": k, "mixlen_ms": mine.get(k, 0.0),
-         "reference_ms": ref.get(k, 0.0), "difference_ms": mine.get(k, 0.0) - ref.get(k, 0.0)}
-        for k in kinds
-    ]  # fmt: skip
+        {"tokens": tokens, "kind": k, "mixlen_ms": m, "reference_ms": r, "difference_ms": m - r}
+        for k, m, r in rows
+    ]
 
 
 RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {

@@ -155,9 +155,12 @@ def test_dry_run_of_every_part(tmp_path) -> None:
         assert any(r["op"] == "aten::mm" for r in rows) and sum(r["share"] for r in rows[1:]) <= 1
     gap = {r["kind"]: r for r in parts["gap"]["rows"]}
     assert list(gap)[:2] == ["(the step)", "(device busy)"] and gap["matmul"]["mixlen_ms"] > 0
+    kernels = [k for k in gap if k.startswith("kernel ")]
+    assert 8 <= len(kernels) <= 16 and "kernel aten::mm" in kernels
     for side in ("mixlen_ms", "reference_ms"):
-        kinds = sum(r[side] for k, r in gap.items() if not k.startswith("("))
+        kinds = sum(r[side] for k, r in gap.items() if not k.startswith(("(", "kernel ")))
         assert kinds == pytest.approx(gap["(device busy)"][side]) and 0 < kinds
+        assert sum(gap[k][side] for k in kernels) <= kinds
     assert all(r["difference_ms"] == r["mixlen_ms"] - r["reference_ms"] for r in gap.values())
     chunks = parts["losschunk"]["rows"]
     tokens = bench_gpu.DRY.step_tokens[-1]
