@@ -25,21 +25,20 @@ Prints a table and writes benchmarks/out/bench_loss.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from at_revision import module_at  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from datapipe.files import write_text_atomic  # noqa: E402
@@ -124,19 +123,8 @@ KINDS = {
 
 
 def loss_at(rev: str):  # noqa: ANN201
-    """`linear_cross_entropy` of trainer/model/loss.py at git revision `rev`, as a module of its
-    own (it imports today's datapipe and trainer: a revision whose imports moved fails here)."""
-    src = subprocess.run(
-        ["git", "-C", ROOT, "show", f"{rev}:trainer/model/loss.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"loss_at_{rev}", f.name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    os.unlink(f.name)
+    """`linear_cross_entropy` of trainer/model/loss.py at git revision `rev`."""
+    module = module_at(rev, "trainer/model/loss.py")
     return lambda h, w, labels: module.linear_cross_entropy(h, w, labels)
 
 

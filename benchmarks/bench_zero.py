@@ -12,7 +12,13 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero.py [--data .demo/stdlib] [--steps 6]
 
-Prints tables and writes benchmarks/out/bench_zero.json.
+- With `--update N [--baseline REV]` instead: one rank's per-step work on N bfloat16 parameters
+  (a float32 master) that does not depend on the tokens: one micro-batch's gradients into the
+  buffer, the reduction's scale and norm, clipping when it applies, AdamW, the weights cast back;
+  beside the optimizer at git revision REV (benchmarks/at_revision.py), interleaved, this
+  thread's CPU time, median of --steps.
+
+Prints tables and writes benchmarks/out/bench_zero.json (`--update`: bench_zero_update.json).
 """
 
 from __future__ import annotations
@@ -202,6 +208,54 @@ def step_times(world: int, job: dict) -> dict:
     return out
 
 
+def update_times(numel: int, baseline: str | None, repeats: int) -> list[dict]:
+    """Median seconds of one rank's optimizer work a step (module docstring), with clipping that
+    applies (grad_clip 1) and without (grad_clip 0), today's and at `baseline`."""
+    import statistics
+    import time
+
+    import torch
+
+    from trainer.parallel.comm import SoloComm
+    from trainer.parallel.zero import ZeroOptimizer
+
+    classes = {"today": ZeroOptimizer}
+    if baseline:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from at_revision import module_at
+
+        classes[baseline] = module_at(baseline, "trainer/parallel/zero.py").ZeroOptimizer
+    g = torch.Generator().manual_seed(0)
+    shapes = [(numel // 8,)] * 8  # eight tensors, as a model's are several
+    grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    rows = []
+    for clip in (1.0, 0.0):
+        opts = {}
+        for name, cls in classes.items():
+            params = [torch.zeros(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+            masters = [torch.zeros(s) for s in shapes]
+            opts[name] = (params, cls(params, SoloComm(), level=0, lr=1e-4, grad_clip=clip,
+                                      master_params=masters))  # fmt: skip
+        times: dict[str, list[float]] = {name: [] for name in opts}
+        for _ in range(repeats + 1):  # the first allocates the moments' pages: not counted
+            for name, (params, opt) in opts.items():
+                t0 = time.thread_time()
+                opt.begin_step()
+                opt.begin_microbatch(True)
+                for p, gr in zip(params, grads):
+                    p.grad = gr
+                opt.accumulate_grads()
+                opt.finish_backward()
+                opt.apply(opt.reduce(1.0 / 4096))
+                times[name].append(time.thread_time() - t0)
+        base = statistics.median(times["today"][1:])
+        for name, ts in times.items():
+            med = statistics.median(ts[1:])
+            rows.append({"numel": numel, "clip": clip, "optimizer": name, "seconds": med,
+                         "x_today": med / base})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -213,7 +267,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6, help="measured steps per level")
+    ap.add_argument("--update", type=int, help="only the optimizer's work on this many params")
+    ap.add_argument("--baseline", help="with --update: also the optimizer at this git revision")
     args = ap.parse_args()
+    if args.update:
+        rows = update_times(args.update, args.baseline, args.steps)
+        print("| params | grad_clip | optimizer | s a step | x today's |")
+        print("| ---: | ---: | --- | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['numel']:,} | {r['clip']:g} | {r['optimizer']} | {r['seconds']:.3f} "
+                  f"| {r['x_today']:.2f} |")  # fmt: skip
+        os.makedirs(os.path.join(ROOT, "benchmarks", "out"), exist_ok=True)
+        with open(os.path.join(ROOT, "benchmarks", "out", "bench_zero_update.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+        return
 
     rows = memory_table()
     print("model state per rank, bfloat16 compute (GB; measured = ZeroOptimizer's buffers)")

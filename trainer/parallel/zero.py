@@ -1,21 +1,22 @@
 """The sharded optimizer (ZeRO-1/2) of an island: AdamW on this rank's slice of the flat weights.
 
-Weights stay replicated in the compute dtype: the parameters are views of one padded flat buffer
+Weights stay replicated in the compute dtype, the parameters views of one padded flat buffer
 (`trainer.parallel.slices.FlatLayout`). Each step:
 
-1. Micro-batches accumulate their gradients into accumulation-dtype buckets (pieces of the
-   per-rank slices), from post-accumulate-grad hooks (`install_hooks`; `.grad` freed at once) or
-   `accumulate_grads()` after a backward.
+1. Micro-batches put their gradients into accumulation-dtype buckets (pieces of the per-rank
+   slices) from post-accumulate-grad hooks (`install_hooks`; `.grad` freed at once) or
+   `accumulate_grads()`: a parameter's first gradient of the step copied, later ones added (no
+   pass zeroing the buffer); what got none is zeroed before its bucket's reduction.
 2. After the rank's last micro-batch the buckets are reduced to their owners: with hooks each is
    launched (async) once its parameters have their final gradients, in one fixed order (a ready
    bucket waits for those before it) so every rank issues the same collectives, overlapping the
    rest of that backward; `finish_backward()` launches the rest (everything, on a rank without
    micro-batches). Without hooks one reduce-scatter (zero 1) or all-reduce (zero 0) runs.
-3. `step(scale)` = `reduce(scale)` (wait; all-reduce across islands in `sync`; scale by 1 /
-   labelled positions; global norm from squared slice norms) then `apply(norm)`: clip, AdamW on
-   the slice (`self.optimizer` IS a torch AdamW over it: element-wise, so exactly the whole
-   model's step; an unused parameter's gradient is zero, as after torch's `zero_grad(False)`),
-   all-gather the new weights by bucket in forward order (`async_gather=True` waits later).
+3. `step(scale)` = `reduce(scale)` (wait; all-reduce across islands in `sync`; the global norm
+   from squared slice norms, times `scale` = 1 / labelled positions) then `apply(norm)`: one pass
+   multiplies by `scale` and the clipping coefficient, AdamW steps the slice (`self.optimizer` IS
+   a torch AdamW over it: element-wise, so exactly the whole model's step), and the new weights
+   are all-gathered by bucket in forward order (`async_gather=True` waits later).
 
 Levels: zero 0 keeps everything on every rank; zero 1 shards master weights and moments; zero 2
 also the gradient buffer where HDP allows it (trainer/parallel/README.md). `state_dict()` gives
@@ -92,10 +93,8 @@ class ZeroOptimizer:
         self.grad_comm = grad_comm if grad_comm is not None else comm
         self.cross_comm = cross_comm
         self.grad_clip, self.async_gather = float(grad_clip), async_gather
-        self.layout = (
-            layout if layout is not None else FlatLayout.from_params(self.params, comm.size)
-        )
-        lay = self.layout
+        lay = layout if layout is not None else FlatLayout.from_params(self.params, comm.size)
+        self.layout = lay
         if lay.ranks != comm.size or lay.shapes != [p.shape for p in self.params]:
             raise ValueError(f"{lay} does not fit {len(self.params)} parameters on {comm.size}")
         dev = self.params[0].device
@@ -114,6 +113,7 @@ class ZeroOptimizer:
         self._hooks: list[Any] = []
         self._gather_handles: list[Handle] = []
         self._grad_peak = 0
+        self._scale = 1.0  # reduce's scale, applied with the clipping coefficient in `apply`
         self.last_reduce = ReduceStats(0, 0, 0.0, 0)
         self.begin_step()
 
@@ -176,8 +176,7 @@ class ZeroOptimizer:
         cls, model: torch.nn.Module, comm: Communicator, *, master: Any = None, **kwargs: Any
     ) -> ZeroOptimizer:
         """Over `model`'s trainable parameters in registration order (forward order for
-        trainer.model.transformer); `master`: a module of the same parameters in the accumulation dtype
-        holding the initial weights (bfloat16 compute; not needed afterwards)."""
+        trainer.model.transformer); `master`: the same in the accumulation dtype (bfloat16)."""
         from trainer.parallel.tensor import optimizer_params
 
         params, leaves, masters, replicated, places = optimizer_params(model, master)
@@ -188,9 +187,8 @@ class ZeroOptimizer:
     # -- gradient accumulation ---------------------------------------------------------------------
 
     def install_hooks(self) -> None:
-        """Accumulate each parameter's gradient from a post-accumulate-grad hook (the `.grad` is
-        freed at once) and launch each bucket's reduction as soon as it is final. The hooks hold
-        the optimizer weakly: the garbage collector cannot see a cycle through a tensor's hooks."""
+        """Gradients from post-accumulate-grad hooks (`.grad` freed at once), each bucket launched
+        once final; held weakly (the garbage collector cannot see a cycle through tensor hooks)."""
         ref = weakref.ref(self)
         if not self._hooks:
             self._hooks = [
@@ -201,24 +199,22 @@ class ZeroOptimizer:
             ]
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        while self._hooks:
+            self._hooks.pop().remove()
 
     def begin_step(self) -> None:
-        """Before a step's first micro-batch: wait for the previous weight all-gather and reset
-        the bucket bookkeeping."""
+        """Before a step's first micro-batch: wait for the weights, reset the bookkeeping."""
         self.wait_weights()
         self._remaining = list(self._count)
         self._handles: list[tuple[int, Handle]] = []
         self._next = self._polled = self._early = 0
         self._t_first = 0.0
         self._last = False
+        self._fresh = [True] * len(self.params)  # no gradient in the buffer yet this step
         self._grad_peak = self._grad_bytes()
 
     def begin_microbatch(self, last: bool) -> None:
-        """Before a micro-batch's backward: `last` if it is the rank's last of the step (its
-        hooks launch bucket reductions)."""
+        """Before a micro-batch's backward; `last`: the rank's last this step (hooks launch)."""
         self._last = last
 
     def accumulate_grads(self) -> None:
@@ -231,6 +227,11 @@ class ZeroOptimizer:
     def finish_backward(self) -> None:
         """After the rank's last micro-batch (or none): launch every reduction not launched."""
         self._early = len(self._handles)
+        for i in (i for i, fresh in enumerate(self._fresh) if fresh):  # got no gradient: zeroed
+            for b, _, bs, n in self._parts[i]:
+                if b >= self._next:  # a launched bucket's parameters all had theirs
+                    self._bucket_buf(b)[bs : bs + n].zero_()
+            self._fresh[i] = False
         if not self._hooks and self.level < 2 and not self._handles:
             self._reduce_whole()
             return
@@ -253,8 +254,10 @@ class ZeroOptimizer:
         if hasattr(grad, "to_local"):  # a DTensor parameter's: this process's shard of it
             grad = local_grad(grad, self.leaves[i])
         g = grad.detach().reshape(-1)
+        first, self._fresh[i] = self._fresh[i], False
         for b, ps, bs, n in self._parts[i]:
-            self._bucket_buf(b)[bs : bs + n].add_(g[ps : ps + n])
+            dst = self._bucket_buf(b)[bs : bs + n]
+            (dst.copy_ if first else dst.add_)(g[ps : ps + n])
 
     def _bucket_buf(self, b: int) -> torch.Tensor:
         bucket = self.buckets[b]
@@ -299,8 +302,7 @@ class ZeroOptimizer:
         self._next = len(self.buckets)
 
     def _poll(self) -> None:
-        """zero 2: free the non-owned buckets whose reduction has completed, oldest first,
-        stopping at the first one still in flight (never blocks)."""
+        """zero 2: free the sent non-owned buckets, oldest first, up to one in flight."""
         if self.level < 2:
             return
         while self._polled < len(self._handles):
@@ -328,9 +330,9 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def reduce(self, scale: float = 1.0) -> float:
-        """Finish the reductions, scale the slice's gradient by `scale` (summed across islands
-        first with `cross_comm`); returns the gradient's global norm (squared slice norms summed
-        over the island). The gradient is then in `grad` (this rank's slice) until `apply`."""
+        """Finish the reductions (summed across islands too with `cross_comm`); returns the
+        global norm of the gradient times `scale`. The gradient stays in `grad` (this rank's
+        slice), unscaled until `apply` (`gather_grad` shows it scaled)."""
         if self._next < len(self.buckets):
             raise RuntimeError("reduce() before finish_backward(): reductions not all launched")
         t0 = time.perf_counter()
@@ -350,29 +352,28 @@ class ZeroOptimizer:
         self.last_reduce = ReduceStats(
             launched, self._early, t1 - t0, payload * esize, span, cross_s
         )
-        if scale != 1.0:
-            g.mul_(scale)
+        self._scale = scale
         sq = square_norm(g, self.layout.parts(*self.own), self.replicated, self.tp_comm)
         if self.level > 0 and self.comm.size > 1:
             self.comm.all_reduce(sq)
         if self.tp_comm is not None:
             self.tp_comm.all_reduce(sq)
-        return float(sq.sqrt())
+        return float(sq.sqrt()) * scale
 
     @torch.no_grad()
     def apply(self, norm: float) -> None:
-        """Clip the reduced gradient to `grad_clip` by its global `norm` (torch's
-        clip_grad_norm_ rule), step AdamW on the slice, clear the gradient and all-gather the
-        weights (left in flight with `async_gather`)."""
+        """Scale, clip to `grad_clip` by the global `norm` (clip_grad_norm_'s rule), step AdamW,
+        all-gather the weights (in flight with `async_gather`)."""
         g = self.grad
+        coef = self._scale  # reduce's scale and the clipping coefficient, in one pass
         if self.grad_clip > 0:
-            coef = self.grad_clip / (norm + 1e-6)
-            if coef < 1.0:
-                g.mul_(coef)
+            coef *= min(1.0, self.grad_clip / (norm + 1e-6))
+        if coef != 1.0:
+            g.mul_(coef)
+        self._scale = 1.0
         self.master.grad = g
         self.optimizer.step()
-        self.master.grad = None
-        (self.grad_flat if self.grad_flat is not None else self.grad).zero_()
+        self.master.grad = None  # the buffer is not zeroed: the next step copies in its first
         self.gather_weights()
         if not self.async_gather:
             self.wait_weights()
@@ -380,7 +381,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def discard(self) -> None:
         """Drop a reduced gradient without a step (a pass run only to be measured)."""
-        (self.grad_flat if self.grad_flat is not None else self.grad).zero_()
+        self._scale = 1.0
         self._tmp.clear()
 
     @torch.no_grad()
@@ -391,8 +392,9 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def gather_grad(self) -> torch.Tensor:
-        """A copy of the whole reduced gradient on every rank, between `reduce` and `apply`."""
-        return self._gather(self.grad, self.grad_flat)
+        """The whole reduced gradient times `scale` on every rank, between reduce and apply."""
+        whole = self._gather(self.grad, self.grad_flat)
+        return whole.mul_(self._scale) if self._scale != 1.0 else whole
 
     def _gather(self, own: torch.Tensor, whole: torch.Tensor | None) -> torch.Tensor:
         n = self.layout.numel
@@ -458,9 +460,8 @@ class ZeroOptimizer:
     # -- checkpoints and accounting ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state by whole parameter (`ParamChunks`: boxes of each
-        parameter, so DCP reshards it to any rank count, level or tp; views of the live buffers
-        where a parameter's piece is one box, so `dcp.load` into them restores in place)."""
+        """This rank's state by whole parameter (`ParamChunks`: DCP reshards it to any rank count,
+        level or tp; live views where a piece is one box, so `dcp.load` restores in place)."""
         sd: dict[str, Any] = {
             "exp_avg": self.chunks.pack(self.exp_avg),
             "exp_avg_sq": self.chunks.pack(self.exp_avg_sq),
@@ -472,9 +473,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore from a dict shaped like `state_dict()` (`dcp.load` filled it). The compute
-        weights come from the model's own checkpoint (they equal the master weights cast,
-        after every step)."""
+        """Restore from a dict shaped like `state_dict()` (`dcp.load` filled it); the compute
+        weights come from the model's own checkpoint (the master weights cast)."""
         want = {"exp_avg", "exp_avg_sq", "step"} | ({"master"} if self.separate_master else set())
         if set(sd) != want:
             raise ValueError(f"optimizer state keys {sorted(sd)}, expected {sorted(want)}")
