@@ -14,7 +14,8 @@
 
 - With `--update N [--baseline REV]` instead: one rank's per-step work on N bfloat16 parameters
   (a float32 master) that does not depend on the tokens: one micro-batch's gradients into the
-  buffer, the reduction's scale and norm, clipping when it applies, AdamW, the weights cast back;
+  buffer, the reduction's scale (the scaled norm about 4) and norm, clipping at 1 (which then
+  applies) or none, AdamW, the weights cast back;
   beside the optimizer at git revision REV (benchmarks/at_revision.py), interleaved, this
   thread's CPU time, median of --steps.
 
@@ -228,6 +229,7 @@ def update_times(numel: int, baseline: str | None, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     shapes = [(numel // 8,)] * 8  # eight tensors, as a model's are several
     grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    scale = 4.0 / numel**0.5  # the scaled norm about 4: clipping at 1 applies at any size
     rows = []
     for clip in (1.0, 0.0):
         opts = {}
@@ -246,7 +248,7 @@ def update_times(numel: int, baseline: str | None, repeats: int) -> list[dict]:
                     p.grad = gr
                 opt.accumulate_grads()
                 opt.finish_backward()
-                opt.apply(opt.reduce(1.0 / 4096))
+                opt.apply(opt.reduce(scale))
                 times[name].append(time.thread_time() - t0)
         base = statistics.median(times["today"][1:])
         for name, ts in times.items():

@@ -74,14 +74,14 @@ class Wrapped:
         return self.inner.doc_lengths(position_ids)
 
 
-def manager_of(managed: str | None, cfg):
+def manager_of(managed: str | None, cfg, dtype: torch.dtype = F64):
     if managed is None:
         return None
     from trainer.offload.config import OffloadConfig
     from trainer.offload.manager import activation_manager
 
     return activation_manager(
-        OffloadConfig(enabled=True, force_ratio=0.5), managed, cfg, "cpu", F64
+        OffloadConfig(enabled=True, force_ratio=0.5), managed, cfg, "cpu", dtype
     )
 
 
@@ -291,16 +291,21 @@ def test_compiled_blocks_on_cuda_equal_eager() -> None:  # pragma: no cover - GP
 
 
 @pytest.mark.parametrize("managed", [None, "every:1"])
-def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch, managed) -> None:
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(
+    monkeypatch, managed, dtype
+) -> None:
     """`Transformer.compile_layers` (what `[train] compile` calls) compiles every block and hands
-    the loss its backend: the loss runs its chunks through the compiled function (counted here),
-    and the model's loss and gradients equal the eager model's in float64, chunk by chunk, also
-    inside the offload manager's hooks (checkpointing every block, half the rest offloaded)."""
+    the loss its backend: in bfloat16 the loss runs its chunks through the compiled function
+    (counted here), in float64 eagerly (in place in one buffer). Loss and gradients equal the eager
+    model's, also inside the offload manager's hooks (checkpointing every block, half the rest
+    offloaded): in float64 to 1e-12; in bfloat16 within its rounding (the compiled chunk rounds
+    softmax x weight once, eager rounds it after a float32 product of two factors)."""
     from trainer.model import loss as loss_module
 
     torch._dynamo.reset()
     cfg = dataclasses.replace(get_config("debug"), n_layers=2)
-    eager, compiled = build(cfg, dtype=F64), build(cfg, dtype=F64)
+    eager, compiled = build(cfg, dtype=dtype), build(cfg, dtype=dtype)
     compiled.load_state_dict(eager.state_dict())
     eager.loss_chunk_tokens = compiled.loss_chunk_tokens = 7
     calls: list[str] = []
@@ -309,14 +314,20 @@ def test_compile_layers_compiles_the_blocks_and_the_loss_chunks(monkeypatch, man
     compiled.compile_layers("eager")
     assert all(block._compiled is not None for block in compiled.layers)
     lengths = [5, 17, 9]
-    manager = manager_of(managed, cfg)
+    manager = manager_of(managed, cfg, dtype)
     want = loss_and_grads(eager, lengths, 0, manager)
     assert calls == []  # the eager model's loss never asks for it
     got = loss_and_grads(compiled, lengths, 0, manager)
+    if dtype == F64:
+        assert calls == []
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        return
     assert calls == ["eager"]
-    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
     for g, w in zip(got[1], want[1]):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        assert float((g.double() - w.double()).norm()) <= 1e-2 * float(w.double().norm())
 
 
 def test_compiling_a_block_with_hooks_on_its_attention_is_refused() -> None:

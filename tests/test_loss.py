@@ -48,6 +48,16 @@ def inputs(t: int = 23, d: int = 6, v: int = 37, seed: int = 0, dtype=F64):
     return h, w, labels, weights
 
 
+def compiled_loss(h, w, labels, weights, chunk, backend):
+    """The loss with each chunk's arithmetic through `_pointwise` compiled by `backend`, in any
+    dtype (`linear_cross_entropy(compile=...)` takes that path in a lower compute dtype only)."""
+    from trainer.model import loss
+
+    fused = None if backend is None else loss._compiled(backend)
+    step = chunk if chunk is not None else chunk_tokens(w.shape[0])
+    return loss._LinearCrossEntropy.apply(h, w, labels, weights, step, 0, None, True, fused)
+
+
 def grads(fn, h, w):
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss = fn(hr, wr)
@@ -64,9 +74,31 @@ def test_chunked_equals_whole_logits_float64(chunk, weighted, compile) -> None:
     h, w, labels, weights = inputs()
     wt = weights if weighted else None
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, wt), h, w)
-    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, chunk, compile=compile), h, w)
+    got = grads(lambda a, b: compiled_loss(a, b, labels, wt, chunk, compile), h, w)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "used"), [(torch.float64, False), (torch.float32, False), (torch.bfloat16, True)]
+)
+def test_compile_is_taken_in_a_lower_compute_dtype_only(monkeypatch, dtype, used) -> None:
+    """`compile=` compiles the chunks in bfloat16; in float32 and float64 the eager chunk works
+    in place in one buffer (the compiled one would hold two), so it stays eager; nor without a
+    gradient or under tensor parallelism (vocab_start)."""
+    from trainer.model import loss as loss_module
+
+    calls: list[str] = []
+    real = loss_module._compiled
+    monkeypatch.setattr(loss_module, "_compiled", lambda b: calls.append(b) or real(b))
+    h, w, labels, _ = inputs(t=12, d=8, v=50, seed=2, dtype=dtype)
+    h.requires_grad_()
+    linear_cross_entropy(h, w, labels, None, 5, compile="eager")
+    assert calls == (["eager"] if used else [])
+    with torch.no_grad():
+        linear_cross_entropy(h, w, labels, None, 5, compile="eager")
+    linear_cross_entropy(h, w[:25], labels, None, 5, vocab_start=25, compile="eager")
+    assert calls == (["eager"] if used else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,7 +111,7 @@ def test_inductor_compiled_chunks_equal_float64(dtype) -> None:
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, wt.double()), hd.double(),
                  wd.double())  # fmt: skip
     eager = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, 64), hd, wd)
-    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, wt, 64, compile="inductor"), hd, wd)
+    got = grads(lambda a, b: compiled_loss(a, b, labels, wt, 64, "inductor"), hd, wd)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for g, e, r in zip(got, eager, want):
         err = float((g.double() - r).norm() / r.norm())
@@ -317,7 +349,7 @@ def test_large_logits_stay_finite(compile) -> None:
     assert float((h @ w.t()).abs().max()) > 200
     want = grads(lambda a, b: whole_logits_loss(a, b, labels, weights.double()), h.double(),
                  w.double())  # fmt: skip
-    got = grads(lambda a, b: linear_cross_entropy(a, b, labels, weights, 5, compile=compile), h, w)
+    got = grads(lambda a, b: compiled_loss(a, b, labels, weights, 5, compile), h, w)
     for g, r in zip(got, want):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-4)
     per = F.cross_entropy(h.double() @ w.double().t(), labels, ignore_index=IGNORE_INDEX,

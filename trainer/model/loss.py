@@ -13,12 +13,14 @@ the whole batch's logits, their float32 copy and their log-softmax (about 1.3 MB
 128K vocabulary). The result is the SUM over labelled positions (labels != -100) of
 weight x cross-entropy, the same loss and gradients as cross-entropy over whole logits.
 
-With `compile` (a torch.compile backend; `[train] compile = true` passes "inductor") a chunk's
-arithmetic after its matmul is one compiled function instead: the compiler fuses it into a
-reduction over each row and one pass that writes the gradient straight into the compute dtype,
-so each [chunk, V] element is read from the bfloat16 logits about twice and written once, where
-the eager passes above read and write the float32 copy about ten times. Not with tensor
-parallelism (compiled blocks are refused there too).
+With `compile` (a torch.compile backend; `[train] compile = true` passes "inductor") and a lower
+compute dtype (bfloat16, float16), a chunk's arithmetic after its matmul is one compiled function
+instead: the compiler fuses it into a reduction over each row and one pass that writes the
+gradient straight into the compute dtype, so each [chunk, V] element is read from the bfloat16
+logits about twice and written once, where the eager passes above read and write the float32
+copy about ten times, and no float32 chunk is held. Not in float32 or float64 (the eager chunk
+is in place there, the compiled one would hold two) nor with tensor parallelism (compiled blocks
+are refused there too).
 
 Under tensor parallelism each process holds the rows [v0, v0 + V/tp) of the output weight: the
 chunk's log-sum-exp combines every process's partial one (an all-gather of [chunk] floats), the
@@ -156,7 +158,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 e = min(s + chunk, h.shape[0])
                 wt = None if weights is None else weights[s:e]
                 if fused is not None:  # the compiled arithmetic on the compute dtype's logits
-                    part, gc = fused(h[s:e] @ w.t(), labels[s:e], wt)
+                    # the labels and weights as tensors of their own: a view's offset and its base's
+                    # size would be guarded on, and another chunk would compile again
+                    lab = labels[s:e].clone()
+                    part, gc = fused(h[s:e] @ w.t(), lab, None if wt is None else wt.clone())
                     loss += part
                 else:
                     assert buf is not None
@@ -202,7 +207,9 @@ def linear_cross_entropy(
     or this process's rows [V/tp, D] starting at `vocab_start`, with `comm` the TP group);
     differentiable in h and w. `weights`: [T] per position (None: 1); `chunk`: tokens per chunk
     (default: `chunk_tokens` of w's rows); `compile`: a torch.compile backend for each chunk's
-    arithmetic (None: eager; ignored under tensor parallelism and without a gradient)."""
+    arithmetic in a lower compute dtype (None: eager; ignored in float32 and float64, whose eager
+    chunk works in place in one buffer where the compiled one would hold two, under tensor
+    parallelism and without a gradient)."""
     if labels.shape != h.shape[:1] or (weights is not None and weights.shape != labels.shape):
         raise ValueError(
             f"labels {tuple(labels.shape)} and weights "
@@ -211,7 +218,8 @@ def linear_cross_entropy(
     step = chunk if chunk is not None else chunk_tokens(w.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     whole = vocab_start == 0 and (comm is None or comm.size == 1)
-    fused = _compiled(compile) if compile is not None and grad and whole else None
+    low = h.dtype != accum_dtype(h.dtype)
+    fused = _compiled(compile) if compile is not None and grad and whole and low else None
     return _LinearCrossEntropy.apply(
         h, w, labels, weights, max(1, step), vocab_start, comm, grad, fused
     )
