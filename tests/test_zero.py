@@ -443,3 +443,43 @@ def test_gloo_collectives_zero_and_resharded_resume(tmp_path, dataset):
                r["mem_grads_bytes"], r["mem_grads_peak_bytes"])  # fmt: skip
         assert got == (want.weights, want.master, want.moments, want.grads, want.grads_peak)
         assert 0.0 <= r["grad_comm_hidden"] <= 1.0 and r["grad_comm_wait_s"] >= 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("hooks", [False, True])
+def test_a_parameter_unused_after_a_step_that_used_it_has_a_zero_gradient(level, hooks):
+    """The buffer is not zeroed between steps (a step's first gradient is copied in): a
+    parameter whose gradient every rank had in step 1 and none has in step 2 reduces to exactly
+    zero in step 2, the others to their sum over the ranks times the scale (2 threaded ranks,
+    float64, two micro-batches a step)."""
+    a_grads = [[torch.full((5,), 1.0 + r + 10 * s) for r in range(2)] for s in range(2)]
+
+    def run(comm):
+        a = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+        zero = ZeroOptimizer([a, b], comm, level=level, lr=0.0, bucket_bytes=8 * 4)
+        if hooks:
+            zero.install_hooks()
+        out = []
+        for step in range(2):
+            zero.begin_step()
+            for mb in range(2):
+                zero.begin_microbatch(last=mb == 1)
+                ga = a_grads[step][comm.rank].double()
+                loss = (a * ga).sum() + ((b * 7.0).sum() if step == 0 else 0.0)
+                loss.backward()
+                if not hooks:
+                    zero.accumulate_grads()
+            zero.finish_backward()
+            zero.reduce(0.5)
+            out.append(zero.gather_grad().clone())
+            zero.apply(0.0)
+        return out
+
+    for got in run_threads(2, run, timeout=40):
+        for step in range(2):
+            want_a = 0.5 * 2 * sum(g.double() for g in a_grads[step])  # 2 micro-batches each
+            want_b = torch.full((3,), 0.5 * 2 * 2 * 7.0 if step == 0 else 0.0, dtype=torch.float64)
+            torch.testing.assert_close(got[step][:5], want_a, rtol=1e-15, atol=0)
+            torch.testing.assert_close(got[step][5:8], want_b, rtol=1e-15, atol=0)

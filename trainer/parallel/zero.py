@@ -5,8 +5,8 @@ Weights stay replicated in the compute dtype, the parameters views of one padded
 
 1. Micro-batches put their gradients into accumulation-dtype buckets (pieces of the per-rank
    slices) from post-accumulate-grad hooks (`install_hooks`; `.grad` freed at once) or
-   `accumulate_grads()`: a parameter's first gradient of the step copied, later ones added (no
-   pass zeroing the buffer); what got none is zeroed before its bucket's reduction.
+   `accumulate_grads()`: a step's first gradient copied, later ones added (no zeroing pass);
+   what got none is zeroed before its reduction (AdamW steps it, as torch's `zero_grad(False)`).
 2. After the rank's last micro-batch the buckets are reduced to their owners: with hooks each is
    launched (async) once its parameters have their final gradients, in one fixed order (a ready
    bucket waits for those before it) so every rank issues the same collectives, overlapping the
