@@ -641,34 +641,41 @@ def part_profile(b: Bench) -> list[dict]:
     return rows
 
 
-def _profile_step(b: Bench, ex: Any, tokens: int, layout: str) -> list[dict]:
+def _profiled(b: Bench, step: Callable[[], Any]) -> tuple[Any, float, str, Any]:
+    """One call of `step` (warmed by the caller) under torch.profiler: (its key_averages, its
+    wall seconds, the event attribute of own time, the device type whose events are the device's
+    busy time: CUDA's kernels and copies on a GPU; on the CPU's dry run, the operators' CPU time)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = b.dev.type == "cuda"
-    lens = _batch(b, tokens, layout)
-    plan, fetched = _plan_and_fetch(b, lens, tokens)
-    for i in range(2):  # warm
-        ex.step(plan, fetched, i + 1)
     b.sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        ex.step(plan, fetched, 3)
+        step()
         b.sync()
         wall = time.perf_counter() - t0
-    events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    # the device's busy time: its kernels and copies; the operators: their launchers'
-    kinds = (DeviceType.CUDA,) if cuda else (DeviceType.CPU,)
-    busy = sum(getattr(e, attr) for e in events if e.device_type in kinds) / 1e3  # us -> ms
+    return prof.key_averages(), wall, attr, DeviceType.CUDA if cuda else DeviceType.CPU
+
+
+def _profile_step(b: Bench, ex: Any, tokens: int, layout: str) -> list[dict]:
+    from torch.autograd import DeviceType
+
+    lens = _batch(b, tokens, layout)
+    plan, fetched = _plan_and_fetch(b, lens, tokens)
+    for i in range(2):  # warm
+        ex.step(plan, fetched, i + 1)
+    events, wall, attr, busy_type = _profiled(b, lambda: ex.step(plan, fetched, 3))
+    busy = sum(getattr(e, attr) for e in events if e.device_type == busy_type) / 1e3  # us -> ms
     out = [{"op": "(the step)", "calls": 1, "ms": wall * 1e3, "share": busy / wall / 1e3}]
-    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    ops = [e for e in events if e.device_type == DeviceType.CPU]  # the operators: launchers'
     for e in sorted(ops, key=lambda e: -getattr(e, attr))[:15]:
         ms = getattr(e, attr) / 1e3
         out.append({"op": e.key[:60], "calls": e.count, "ms": ms, "share": ms / busy})
     # the kernels themselves: compiled blocks launch inductor's fused kernels from no operator
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else []
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # none on the CPU
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
         ms = e.self_device_time_total / 1e3
         out.append({"op": f"kernel {e.key[:53]}", "calls": e.count, "ms": ms, "share": ms / busy})
@@ -965,23 +972,11 @@ def _kinds_ms(b: Bench, step: Callable[[], Any]) -> tuple[dict[str, float], dict
     """Device milliseconds of one call of `step` (warmed by the caller) by kernel kind, with
     "(the step)": its wall milliseconds, and "(device busy)": all kinds; and by kernel name. On
     the CPU, the operators' own CPU time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = b.dev.type == "cuda"
-    b.sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        step()
-        b.sync()
-        wall = time.perf_counter() - t0
-    kind_of = DeviceType.CUDA if cuda else DeviceType.CPU
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events, wall, attr, busy_type = _profiled(b, step)
     kinds = {"(the step)": wall * 1e3}
     names: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type == kind_of and not e.key.startswith("ProfilerStep"):
+    for e in events:
+        if e.device_type == busy_type and not e.key.startswith("ProfilerStep"):
             ms = getattr(e, attr) / 1e3
             kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms
             names[e.key] = names.get(e.key, 0.0) + ms
