@@ -84,7 +84,7 @@ KERNELS = {
     "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<2>, at::native::"
     "(anonymous namespace)::CopyFunctor<...>>": "copy, fill",
     "aten::mm": "matmul",
-    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0": "attention",
     "mixlen::varlen_attention": "attention",
     "aten::add_": "elementwise",
     "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",

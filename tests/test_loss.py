@@ -100,6 +100,14 @@ def test_compile_is_taken_in_a_lower_compute_dtype_only(monkeypatch, dtype, used
     linear_cross_entropy(h, w[:25], labels, None, 5, vocab_start=25, compile="eager")
     assert calls == (["eager"] if used else [])
 
+    def member(comm):  # tensor parallelism's first process: its rows start at 0, still not whole
+        hr = h.detach().clone().requires_grad_()
+        return linear_cross_entropy(hr, w[comm.rank * 25 : (comm.rank + 1) * 25], labels, None, 5,
+                                    comm.rank * 25, comm, compile="eager")  # fmt: skip
+
+    run_threads(2, member, timeout=30)
+    assert calls == (["eager"] if used else [])
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_compiled_chunks_equal_float64(dtype) -> None:
